@@ -1,0 +1,42 @@
+"""pie-client: a typed Python client (blocking and asyncio) of the pie GenerateService.
+
+Needs only grpcio and protobuf. The generated stubs are importable as `pie.v1.generate_pb2` and
+`pie.v1.generate_pb2_grpc` for anyone who wants the raw messages.
+"""
+
+from .aio import AsyncClient
+from .client import Client
+from .errors import (
+    Cancelled,
+    DeadlineExceeded,
+    InternalError,
+    InvalidArgument,
+    PieError,
+    ResourceExhausted,
+    Unauthenticated,
+    Unavailable,
+    from_rpc_error,
+)
+from .types import Completion, Delta, ModelInfo, ModelLoad, Tokenization, TokenLogprob, TopLogprob, Usage
+
+__all__ = [
+    "AsyncClient",
+    "Cancelled",
+    "Client",
+    "Completion",
+    "DeadlineExceeded",
+    "Delta",
+    "InternalError",
+    "InvalidArgument",
+    "ModelInfo",
+    "ModelLoad",
+    "PieError",
+    "ResourceExhausted",
+    "TokenLogprob",
+    "Tokenization",
+    "TopLogprob",
+    "Unauthenticated",
+    "Unavailable",
+    "Usage",
+    "from_rpc_error",
+]

@@ -1,0 +1,72 @@
+"""Channel targets, options and per-call metadata shared by Client and AsyncClient."""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Sequence
+from typing import Any
+
+from .errors import REQUEST_ID_KEY
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+
+Metadata = Sequence[tuple[str, str | bytes]]
+ChannelOptions = Sequence[tuple[str, Any]]
+
+
+def _split_host_port(address: str) -> tuple[str, str]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"address {address!r} is not host:port")
+    return host.removeprefix("[").removesuffix("]"), port
+
+
+def resolve_target(target: str | Sequence[str]) -> tuple[str, bool]:
+    """Return (channel target, whether it names several servers).
+
+    A string is used as it is (it may be any gRPC target, e.g. "dns:///pie.internal:50051").
+    Several "ip:port" addresses become one static target, "ipv4:a:p,b:q" (or "ipv6:[a]:p,[b]:q"),
+    which gRPC balances over with the lb policy the client sets. Host names cannot be listed that
+    way: give one "dns:///name:port" target instead, and every address it resolves to is used.
+    """
+    if isinstance(target, str):
+        return target, False
+    addresses = list(target)
+    if not addresses:
+        raise ValueError("no server address given")
+    if len(addresses) == 1:
+        return addresses[0], False
+    versions = set()
+    parts = []
+    for address in addresses:
+        host, port = _split_host_port(address)
+        try:
+            ip = ipaddress.ip_address(host)
+        except ValueError:
+            raise ValueError(
+                f"{address!r}: several addresses must be IP literals; for a host name use one "
+                "'dns:///name:port' target with lb_policy='round_robin'"
+            ) from None
+        versions.add(ip.version)
+        parts.append(f"{ip}:{port}" if ip.version == 4 else f"[{ip}]:{port}")
+    if len(versions) > 1:
+        raise ValueError("cannot mix IPv4 and IPv6 addresses in one target")
+    scheme = "ipv4" if versions == {4} else "ipv6"
+    return f"{scheme}:{','.join(parts)}", True
+
+
+def channel_options(several: bool, lb_policy: str | None, options: ChannelOptions) -> list[tuple[str, Any]]:
+    """The caller's options plus the lb policy: round_robin by default over several servers."""
+    merged = list(options)
+    policy = lb_policy or ("round_robin" if several else None)
+    if policy and not any(key == "grpc.lb_policy_name" for key, _ in merged):
+        merged.append(("grpc.lb_policy_name", policy))
+    return merged
+
+
+def call_metadata(base: Metadata, request_id: str | None) -> list[tuple[str, str | bytes]]:
+    """The client's metadata for every call, plus x-request-id when the caller chose one."""
+    metadata = [(key, value) for key, value in base if not (request_id and key == REQUEST_ID_KEY)]
+    if request_id:
+        metadata.append((REQUEST_ID_KEY, request_id))
+    return metadata

@@ -1,0 +1,139 @@
+"""asyncio client of the pie GenerateService (grpc.aio); the same API as Client, awaited."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import grpc
+import grpc.aio
+
+from pie.v1 import generate_pb2 as pb
+from pie.v1 import generate_pb2_grpc as pb_grpc
+
+from . import _convert
+from ._channel import DEFAULT_TARGET, ChannelOptions, Metadata, call_metadata, channel_options, resolve_target
+from .errors import from_rpc_error
+from .types import Completion, Delta, ModelInfo, Tokenization
+
+_DEFAULT: Any = object()
+
+
+class AsyncClient:
+    """asyncio twin of `Client`; create it inside the event loop that will use it.
+
+        async with AsyncClient("127.0.0.1:50051") as client:
+            completion = await client.generate("Once upon a time", max_tokens=32)
+            async for delta in client.stream("Once upon a time", max_tokens=32):
+                print(delta.text, end="", flush=True)
+
+    Arguments and errors are those of `Client`.
+    """
+
+    def __init__(
+        self,
+        target: str | Sequence[str] = DEFAULT_TARGET,
+        *,
+        timeout: float | None = None,
+        metadata: Metadata | None = None,
+        tls: bool = False,
+        credentials: grpc.ChannelCredentials | None = None,
+        options: ChannelOptions = (),
+        lb_policy: str | None = None,
+    ) -> None:
+        channel_target, several = resolve_target(target)
+        opts = channel_options(several, lb_policy, options)
+        if credentials is None and tls:
+            credentials = grpc.ssl_channel_credentials()
+        if credentials is not None:
+            self._channel = grpc.aio.secure_channel(channel_target, credentials, options=opts)
+        else:
+            self._channel = grpc.aio.insecure_channel(channel_target, options=opts)
+        self._stub = pb_grpc.GenerateServiceStub(self._channel)
+        self.target = channel_target
+        self.timeout = timeout
+        self._metadata = list(metadata or ())
+
+    def _timeout(self, timeout: float | None) -> float | None:
+        return self.timeout if timeout is _DEFAULT else timeout
+
+    async def wait_ready(self, timeout: float | None = None) -> None:
+        """Wait until the channel is connected; raise TimeoutError otherwise."""
+        try:
+            await asyncio.wait_for(self._channel.channel_ready(), timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"no server ready at {self.target} within {timeout} s") from None
+
+    async def generate(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        request_id: str | None = None,
+        timeout: float | None = _DEFAULT,
+        **sampling: Any,
+    ) -> Completion:
+        """Generate a whole completion; see `Client.generate`."""
+        request = _convert.build_request(pb.GenerateRequest, prompt, request_id, sampling)
+        try:
+            response = await self._stub.Generate(
+                request, timeout=self._timeout(timeout), metadata=call_metadata(self._metadata, request_id)
+            )
+        except grpc.RpcError as error:
+            raise from_rpc_error(error, request_id) from None
+        return _convert.completion(response)
+
+    def stream(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        request_id: str | None = None,
+        timeout: float | None = _DEFAULT,
+        **sampling: Any,
+    ) -> AsyncIterator[Delta]:
+        """Generate a completion as deltas (`async for`); see `Client.stream`."""
+        request = _convert.build_request(pb.GenerateStreamRequest, prompt, request_id, sampling)
+        return self._stream(request, request_id, self._timeout(timeout))
+
+    async def _stream(
+        self, request: pb.GenerateStreamRequest, request_id: str | None, timeout: float | None
+    ) -> AsyncIterator[Delta]:
+        call = self._stub.GenerateStream(request, timeout=timeout, metadata=call_metadata(self._metadata, request_id))
+        try:
+            async for response in call:
+                yield _convert.delta(response)
+        except grpc.RpcError as error:
+            raise from_rpc_error(error, request_id) from None
+        finally:
+            call.cancel()  # no-op once the stream ended; stops it when the caller left early
+
+    async def tokenize(
+        self, text: str, *, add_special_tokens: bool = True, timeout: float | None = _DEFAULT
+    ) -> Tokenization:
+        """Token ids (and their text pieces) of `text`."""
+        request = pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
+        try:
+            response = await self._stub.Tokenize(request, timeout=self._timeout(timeout), metadata=self._metadata)
+        except grpc.RpcError as error:
+            raise from_rpc_error(error) from None
+        return _convert.tokenization(response)
+
+    async def model_info(self, *, timeout: float | None = _DEFAULT) -> ModelInfo:
+        """The served model and the server's current load."""
+        try:
+            response = await self._stub.GetModelInfo(
+                pb.GetModelInfoRequest(), timeout=self._timeout(timeout), metadata=self._metadata
+            )
+        except grpc.RpcError as error:
+            raise from_rpc_error(error) from None
+        return _convert.model_info(response)
+
+    async def close(self) -> None:
+        """Close the channel; calls in flight are cancelled."""
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()

@@ -1,0 +1,152 @@
+"""Blocking client of the pie GenerateService."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import grpc
+
+from pie.v1 import generate_pb2 as pb
+from pie.v1 import generate_pb2_grpc as pb_grpc
+
+from . import _convert
+from ._channel import DEFAULT_TARGET, ChannelOptions, Metadata, call_metadata, channel_options, resolve_target
+from .errors import from_rpc_error
+from .types import Completion, Delta, ModelInfo, Tokenization
+
+# Marks "use the client's default timeout", since None already means "no deadline".
+_DEFAULT: Any = object()
+
+
+class Client:
+    """Talks to one pie server, or balances over several (round_robin).
+
+        with Client("127.0.0.1:50051") as client:
+            print(client.generate("Once upon a time", max_tokens=32, temperature=0.8).text)
+            for delta in client.stream("Once upon a time", max_tokens=32):
+                print(delta.text, end="", flush=True)
+
+    Args:
+        target: one gRPC target ("host:port", "dns:///name:port", ...) or a list of "ip:port"
+            addresses to balance over.
+        timeout: default deadline of every call in seconds (for a stream: the whole stream);
+            None means no deadline. Each method takes `timeout=` to override it.
+        metadata: (key, value) pairs sent with every call.
+        credentials: channel credentials for TLS; `tls=True` uses the system roots.
+        options: extra gRPC channel options.
+        lb_policy: load-balancing policy; defaults to round_robin when several addresses are given.
+
+    Every method raises a `PieError` subclass when the RPC fails.
+    """
+
+    def __init__(
+        self,
+        target: str | Sequence[str] = DEFAULT_TARGET,
+        *,
+        timeout: float | None = None,
+        metadata: Metadata | None = None,
+        tls: bool = False,
+        credentials: grpc.ChannelCredentials | None = None,
+        options: ChannelOptions = (),
+        lb_policy: str | None = None,
+    ) -> None:
+        channel_target, several = resolve_target(target)
+        opts = channel_options(several, lb_policy, options)
+        if credentials is None and tls:
+            credentials = grpc.ssl_channel_credentials()
+        if credentials is not None:
+            self._channel = grpc.secure_channel(channel_target, credentials, options=opts)
+        else:
+            self._channel = grpc.insecure_channel(channel_target, options=opts)
+        self._stub = pb_grpc.GenerateServiceStub(self._channel)
+        self.target = channel_target
+        self.timeout = timeout
+        self._metadata = list(metadata or ())
+
+    def _timeout(self, timeout: float | None) -> float | None:
+        return self.timeout if timeout is _DEFAULT else timeout
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Block until the channel is connected; raise TimeoutError otherwise."""
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout)
+        except grpc.FutureTimeoutError:
+            raise TimeoutError(f"no server ready at {self.target} within {timeout} s") from None
+
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        request_id: str | None = None,
+        timeout: float | None = _DEFAULT,
+        **sampling: Any,
+    ) -> Completion:
+        """Generate a whole completion of a text prompt or a list of token ids.
+
+        `sampling` takes SamplingParams field names (max_tokens, temperature, top_k, top_p, ...);
+        an unknown name raises TypeError. `request_id` is sent as `x-request-id`.
+        """
+        request = _convert.build_request(pb.GenerateRequest, prompt, request_id, sampling)
+        try:
+            response = self._stub.Generate(
+                request, timeout=self._timeout(timeout), metadata=call_metadata(self._metadata, request_id)
+            )
+        except grpc.RpcError as error:
+            raise from_rpc_error(error, request_id) from None
+        return _convert.completion(response)
+
+    def stream(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        request_id: str | None = None,
+        timeout: float | None = _DEFAULT,
+        **sampling: Any,
+    ) -> Iterator[Delta]:
+        """Generate a completion as it is made: deltas whose texts join into the whole answer.
+
+        The last delta carries finish_reason, stop_reason and usage. Leaving the loop early (or
+        closing the iterator) cancels the RPC, which frees the request on the server.
+        """
+        request = _convert.build_request(pb.GenerateStreamRequest, prompt, request_id, sampling)
+        return self._stream(request, request_id, self._timeout(timeout))
+
+    def _stream(self, request: pb.GenerateStreamRequest, request_id: str | None, timeout: float | None) -> Iterator[Delta]:
+        call = self._stub.GenerateStream(request, timeout=timeout, metadata=call_metadata(self._metadata, request_id))
+        try:
+            for response in call:
+                yield _convert.delta(response)
+        except grpc.RpcError as error:
+            raise from_rpc_error(error, request_id) from None
+        finally:
+            call.cancel()  # no-op once the stream ended; stops it when the caller left early
+
+    def tokenize(self, text: str, *, add_special_tokens: bool = True, timeout: float | None = _DEFAULT) -> Tokenization:
+        """Token ids (and their text pieces) of `text` under the served model's tokenizer."""
+        request = pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
+        try:
+            response = self._stub.Tokenize(request, timeout=self._timeout(timeout), metadata=self._metadata)
+        except grpc.RpcError as error:
+            raise from_rpc_error(error) from None
+        return _convert.tokenization(response)
+
+    def model_info(self, *, timeout: float | None = _DEFAULT) -> ModelInfo:
+        """The served model and the server's current load."""
+        try:
+            response = self._stub.GetModelInfo(
+                pb.GetModelInfoRequest(), timeout=self._timeout(timeout), metadata=self._metadata
+            )
+        except grpc.RpcError as error:
+            raise from_rpc_error(error) from None
+        return _convert.model_info(response)
+
+    def close(self) -> None:
+        """Close the channel; calls in flight are cancelled."""
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

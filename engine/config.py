@@ -1,0 +1,43 @@
+"""Engine configuration: one validated dataclass, passed down explicitly (never read from env)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+KV_CACHE_DTYPES = ("int8", "bf16", "fp16", "fp32")
+MODEL_DTYPES = ("auto", "fp32", "bf16", "fp16")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str  # Hugging Face-layout folder: config.json, *.safetensors, tokenizer.json
+    device: str = "auto"  # auto (cuda when available, else cpu), cpu, cuda, cuda:N
+    dtype: str = "auto"  # weights/activations: auto = bf16 on cuda, fp32 on cpu (cpu bf16 is slow)
+    kv_cache_dtype: str = "int8"  # int8: K/V quantized per (token, kv head); bf16/fp16/fp32 baselines
+    block_size: int = 16  # tokens per KV block (page)
+    kv_cache_memory_bytes: int = 1 << 30  # KV pool budget when num_kv_blocks is not given
+    num_kv_blocks: int | None = None  # exact pool size; overrides the byte budget (tests)
+    max_num_seqs: int = 64  # running sequences per step at most (the batch cap)
+    max_num_batched_tokens: int = 2048  # tokens per step (prefill chunks + decodes)
+    max_model_len: int | None = None  # context served; default and cap: the model's
+    max_waiting: int = 256  # waiting queue bound; beyond it the service answers RESOURCE_EXHAUSTED
+    seed: int = 0  # seeds the stream that draws seeds for requests that bring none
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.dtype not in MODEL_DTYPES:
+            raise ValueError(f"dtype must be one of {MODEL_DTYPES}, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError("num_kv_blocks must be >= 1")
+        if self.kv_cache_memory_bytes < 1:
+            raise ValueError("kv_cache_memory_bytes must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError("max_model_len must be >= 2")

@@ -1,0 +1,236 @@
+"""LLMEngine: loads the model, sizes the KV pool, and advances every request by one step.
+
+Synchronous and single-threaded on purpose; `engine.engine_thread` runs it on a background thread
+and bridges it to asyncio. One `step()` = schedule -> one forward pass -> one batched sample ->
+detokenize -> per-request outputs.
+"""
+
+from __future__ import annotations
+
+
+import random
+from dataclasses import dataclass, field
+
+import structlog
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_cache import KVCache
+from engine.model_runner import ModelRunner, SampledToken
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams, SamplingParamsError
+from engine.scheduler import RequestTooLargeError, Scheduler
+from model import ModelConfig, Tokenizer, load_model
+
+log = structlog.get_logger(__name__)
+
+_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class PromptError(ValueError):
+    """The prompt cannot be served; `field` names the offending request field."""
+
+    def __init__(self, field_name: str, message: str):
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+        self.message = message
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step produced for one request (only requests that changed appear)."""
+
+    request_id: str
+    new_token_ids: list[int]  # tokens sampled this step (0 or 1 today)
+    new_text: str  # text now safe to emit (may be empty while a multi-byte char or stop string is pending)
+    new_logprobs: list[SampledToken] = field(default_factory=list)  # per new token, when asked
+    finished: bool = False
+    status: RequestStatus = RequestStatus.RUNNING
+    stop_reason: int | str | None = None  # stop token id or stop string that ended it
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    error: str | None = None  # set when status is FINISHED_ERROR
+
+
+@dataclass(slots=True)
+class EngineStats:
+    kv_blocks_total: int
+    kv_blocks_free: int
+    requests_running: int
+    requests_waiting: int
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device cuda was asked for but CUDA is not available")
+    return device
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        dtype_name = config.dtype if config.dtype != "auto" else ("bf16" if self.device.type == "cuda" else "fp32")
+        self.dtype_name = dtype_name
+        self.model, self.model_config = load_model(config.model, device=self.device, dtype=_TORCH_DTYPES[dtype_name])
+        self.model.eval()
+        self.tokenizer = Tokenizer.from_pretrained(config.model, self.model_config)
+        mc: ModelConfig = self.model_config
+        self.vocab_size = mc.vocab_size
+        self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
+        self.max_model_len = mc.max_model_len if config.max_model_len is None else min(config.max_model_len, mc.max_model_len)
+
+        block_bytes = KVCache.bytes_per_block(
+            num_layers=mc.num_hidden_layers, block_size=config.block_size,
+            num_kv_heads=mc.num_key_value_heads, head_dim=mc.head_dim, kv_cache_dtype=config.kv_cache_dtype)
+        num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory_bytes // block_bytes)
+        self.kv_cache = KVCache(
+            num_layers=mc.num_hidden_layers, num_blocks=num_blocks, block_size=config.block_size,
+            num_kv_heads=mc.num_key_value_heads, head_dim=mc.head_dim,
+            kv_cache_dtype=config.kv_cache_dtype, device=self.device)
+        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(
+            self.block_manager, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=self.max_model_len)
+        self.runner = ModelRunner(self.model, self.kv_cache, vocab_size=mc.vocab_size,
+                                  softmax_scale=mc.head_dim ** -0.5, device=self.device)
+        self._seed_source = random.Random(config.seed)
+        self._seeds: dict[str, int] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._requests: dict[str, Request] = {}
+        log.info("engine_ready", model=config.model, architecture=mc.architecture, device=str(self.device),
+                 dtype=dtype_name, kv_cache_dtype=config.kv_cache_dtype, kv_blocks=num_blocks,
+                 block_size=config.block_size, kv_cache_tokens=num_blocks * config.block_size,
+                 max_model_len=self.max_model_len)
+
+    # ---- requests in and out -------------------------------------------------------------
+    def check_request(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
+        """Raises PromptError / SamplingParamsError for a request that could never be served."""
+        if not prompt_token_ids:
+            raise PromptError("prompt", "must not be empty")
+        bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise PromptError("prompt_token_ids", f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        sampling.validate(self.vocab_size)
+        n = len(prompt_token_ids)
+        if n >= self.max_model_len:
+            raise PromptError("prompt", f"prompt has {n} tokens; the context length is {self.max_model_len} "
+                                        "and at least one token must be generated")
+        if n + sampling.max_tokens > self.max_model_len:
+            raise SamplingParamsError(
+                "sampling.max_tokens",
+                f"prompt ({n} tokens) + max_tokens ({sampling.max_tokens}) exceeds the context length "
+                f"{self.max_model_len}")
+        needed = self.block_manager.blocks_needed(n + sampling.max_tokens)
+        if needed > self.block_manager.num_total_blocks:
+            raise PromptError("prompt", f"needs {needed} KV blocks but the pool holds "
+                                        f"{self.block_manager.num_total_blocks}")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> Request:
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.check_request(prompt_token_ids, sampling)
+        req = Request(request_id, prompt_token_ids, sampling, eos_token_ids=self.eos_token_ids,
+                      max_model_len=self.max_model_len)
+        try:
+            self.scheduler.add_request(req)
+        except RequestTooLargeError as e:
+            raise PromptError("prompt", str(e)) from e
+        self._requests[request_id] = req
+        self._seeds[request_id] = sampling.seed if sampling.seed is not None else self._seed_source.getrandbits(63)
+        self._detok[request_id] = IncrementalDetokenizer(
+            self.tokenizer, prompt_token_ids, skip_special_tokens=sampling.skip_special_tokens,
+            stop=sampling.stop)
+        return req
+
+    def abort(self, request_id: str) -> bool:
+        """Drops a request and frees its blocks now. Returns False for an unknown id."""
+        if request_id not in self._requests:
+            return False
+        self.scheduler.abort(request_id)
+        self._forget(request_id)
+        return True
+
+    def _forget(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+        self._seeds.pop(request_id, None)
+        self._detok.pop(request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            kv_blocks_total=self.block_manager.num_total_blocks,
+            kv_blocks_free=self.block_manager.num_free_blocks,
+            requests_running=self.scheduler.num_running,
+            requests_waiting=self.scheduler.num_waiting,
+        )
+
+    # ---- the step ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            return []
+        try:
+            sampled = self.runner.execute(out, self._seeds)
+        except Exception as e:  # an engine fault fails this step's requests, not the engine
+            log.exception("step_failed", request_ids=[s.request.request_id for s in out.scheduled])
+            return self._fail([s.request for s in out.scheduled], f"{type(e).__name__}: {e}")
+        self.scheduler.update_after_step(out)
+        outputs: list[RequestOutput] = []
+        for s in out.scheduled:
+            req = s.request
+            tok = sampled.get(req.request_id)
+            if tok is None:
+                continue  # a prefill chunk that did not reach the end of the prompt
+            req.append_token(tok.token_id)
+            detok = self._detok[req.request_id]
+            text = detok.step([tok.token_id])
+            status = RequestStatus.FINISHED_STOPPED if detok.stopped else req.check_token_stop()
+            if detok.stopped:
+                req.stop_reason = detok.stop_string
+            elif status is not None:
+                text += detok.flush()
+            o = RequestOutput(
+                request_id=req.request_id, new_token_ids=[tok.token_id], new_text=text,
+                new_logprobs=[tok] if req.sampling.logprobs or tok.top else [],
+                num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens)
+            if status is not None:
+                self.scheduler.finish(req, status)
+                self._forget(req.request_id)
+                o.finished, o.status, o.stop_reason = True, status, req.stop_reason
+            outputs.append(o)
+        return outputs
+
+    def _fail(self, reqs: list[Request], error: str) -> list[RequestOutput]:
+        outs = []
+        for req in reqs:
+            self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+            self._forget(req.request_id)
+            outs.append(RequestOutput(
+                request_id=req.request_id, new_token_ids=[], new_text="", finished=True,
+                status=RequestStatus.FINISHED_ERROR, num_prompt_tokens=req.num_prompt_tokens,
+                num_output_tokens=req.num_output_tokens, error=error))
+        return outs
+
+    # ---- convenience for tests and offline use ------------------------------------------------
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[list[int]]:
+        """Runs prompts to completion on this thread; returns the generated token ids of each."""
+        ids = [f"offline-{i}-{self._seed_source.getrandbits(32):08x}" for i in range(len(prompts))]
+        results: dict[str, list[int]] = {i: [] for i in ids}
+        for rid, p in zip(ids, prompts):
+            self.add_request(rid, p, sampling)
+        while self.has_unfinished():
+            for o in self.step():
+                results[o.request_id].extend(o.new_token_ids)
+                if o.status == RequestStatus.FINISHED_ERROR:
+                    raise RuntimeError(o.error)
+        return [results[i] for i in ids]
+
+

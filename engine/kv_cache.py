@@ -1,0 +1,90 @@
+"""The paged KV pool and the attention backend that reads and writes it.
+
+Layout (one tensor for all layers, so capacity is one number):
+    k, v:             (num_layers, num_blocks, block_size, num_kv_heads, head_dim)  int8 | bf16 | fp16 | fp32
+    k_scale, v_scale: (num_layers, num_blocks, block_size, num_kv_heads)  fp32, int8 caches only
+A token's slot is block_id * block_size + offset; its K/V are quantized once, when written.
+
+Per step the runner fills `AttentionMetadata` for the packed batch. For sequence i:
+
+    |<------------- seq_lens[i] (tokens in the cache after this step's write) ------------->|
+    |<------ already computed (num_computed_tokens) ------>|<--- query_len_i (new) --->|
+
+The new tokens' K/V are written to their slots first, then their queries attend to all
+`seq_lens[i]` cached tokens causally.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels import reference
+
+TORCH_KV_DTYPES = {
+    "int8": torch.int8,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp32": torch.float32,
+}
+
+
+class KVCache:
+    def __init__(self, *, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, kv_cache_dtype: str, device: torch.device) -> None:
+        self.num_layers = num_layers
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.kv_cache_dtype = kv_cache_dtype
+        dtype = TORCH_KV_DTYPES[kv_cache_dtype]
+        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k_scale: torch.Tensor | None = None
+        self.v_scale: torch.Tensor | None = None
+        if kv_cache_dtype == "int8":
+            self.k_scale = torch.zeros(shape[:-1], dtype=torch.float32, device=device)
+            self.v_scale = torch.zeros(shape[:-1], dtype=torch.float32, device=device)
+
+    @staticmethod
+    def bytes_per_block(*, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                        kv_cache_dtype: str) -> int:
+        """Bytes one block costs across all layers, K and V, scales included."""
+        elem = torch.empty((), dtype=TORCH_KV_DTYPES[kv_cache_dtype]).element_size()
+        per_token_head = head_dim * elem + (4 if kv_cache_dtype == "int8" else 0)
+        return 2 * num_layers * block_size * num_kv_heads * per_token_head
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        ks = self.k_scale[i] if self.k_scale is not None else None
+        vs = self.v_scale[i] if self.v_scale is not None else None
+        return self.k[i], self.v[i], ks, vs
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # (T,) int64: cache slot of each new token; -1 = padding, not written
+    block_tables: torch.Tensor  # (B, max_blocks) int32: physical block ids per sequence, padded
+    seq_lens: torch.Tensor  # (B,) int32: tokens in the cache per sequence after this step's write
+    query_start_loc: torch.Tensor  # (B + 1,) int32: sequence i owns queries [qsl[i], qsl[i+1])
+    max_query_len: int  # longest query run in the batch (1 = pure decode)
+
+
+class PagedAttention:
+    """Attention backend handed to the model: writes each layer's new K/V into the paged cache,
+    then attends from the cache. The torch reference ops run here on the CPU."""
+
+    def __init__(self, kv_cache: KVCache, softmax_scale: float) -> None:
+        self.kv_cache = kv_cache
+        self.softmax_scale = softmax_scale
+        self.metadata: AttentionMetadata | None = None
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q: (T, Hq, D); k, v: (T, Hkv, D) -> (T, Hq, D)
+        md = self.metadata
+        assert md is not None, "attention metadata must be set before the forward pass"
+        k_cache, v_cache, k_scale, v_scale = self.kv_cache.layer(layer_idx)
+        reference.write_kv_cache(k, v, k_cache, v_cache, k_scale, v_scale, md.slot_mapping)
+        return reference.paged_attention(
+            q, k_cache, v_cache, k_scale, v_scale, md.block_tables, md.seq_lens,
+            md.query_start_loc, self.softmax_scale, max_query_len=md.max_query_len)

@@ -1,0 +1,109 @@
+"""One generation request as the engine sees it.
+
+Progress is two counters, not a mode: `num_computed_tokens` (tokens whose K/V are in the cache) and
+`num_tokens` (prompt + generated). A step schedules some of the `num_tokens - num_computed_tokens`
+remaining tokens; prefill, chunked prefill, decode and recompute after preemption are all the same
+rule. The request samples a new token only in the step that brings it to `num_tokens`.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered so that `status >= FINISHED_STOPPED` means finished."""
+
+    WAITING = 0  # never scheduled yet
+    RUNNING = 1  # holds KV blocks, scheduled each step
+    PREEMPTED = 2  # blocks taken back; waits to be recomputed from scratch
+    FINISHED_STOPPED = 3  # EOS, stop token id or stop string
+    FINISHED_LENGTH = 4  # max_tokens reached or the context is full
+    FINISHED_ABORTED = 5  # cancelled by the caller (RPC cancelled, deadline, shutdown)
+    FINISHED_ERROR = 6  # an engine fault failed this request
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+
+class Request:
+    __slots__ = (
+        "request_id", "prompt_token_ids", "sampling", "output_token_ids", "num_computed_tokens",
+        "status", "arrival_time", "max_model_len", "eos_token_ids", "num_preemptions",
+        "first_scheduled_time", "stop_reason",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        *,
+        eos_token_ids: tuple[int, ...] = (),
+        max_model_len: int,
+        arrival_time: float | None = None,
+    ) -> None:
+        if not prompt_token_ids:
+            raise ValueError("prompt_token_ids must not be empty")
+        self.request_id = request_id
+        self.prompt_token_ids: list[int] = list(prompt_token_ids)
+        self.sampling = sampling
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0  # tokens of all_token_ids whose K/V are in the cache
+        self.status = RequestStatus.WAITING
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.max_model_len = max_model_len  # prompt + output may not exceed this
+        self.eos_token_ids = eos_token_ids
+        self.num_preemptions = 0
+        self.first_scheduled_time: float | None = None
+        self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_remaining_tokens(self) -> int:
+        """Tokens still to be run through the model before the next sample."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status.finished
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+
+    def check_token_stop(self) -> RequestStatus | None:
+        """Finish status implied by the last generated token, if any (stop strings are the
+        detokenizer's job, since they are found in text)."""
+        last = self.output_token_ids[-1]
+        if not self.sampling.ignore_eos and last in self.eos_token_ids:
+            self.stop_reason = last
+            return RequestStatus.FINISHED_STOPPED
+        if last in self.sampling.stop_token_ids:
+            self.stop_reason = last
+            return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= self.sampling.max_tokens or self.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.name}, "
+                f"computed={self.num_computed_tokens}/{self.num_tokens})")

@@ -1,0 +1,102 @@
+"""Sampling parameters of one request, validated once when the request is made.
+
+The service validates protobuf fields and names them in INVALID_ARGUMENT errors; this dataclass is
+the engine-side form (plain Python, no protobuf) and re-checks the same ranges so the engine is safe
+to use on its own.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+# Caps that keep one request from costing unbounded work per step.
+MAX_LOGPROBS = 20  # top-n logprobs per token
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+
+
+class SamplingParamsError(ValueError):
+    """A sampling parameter is out of range; `field` names it (protobuf field name)."""
+
+    def __init__(self, field_name: str, message: str):
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+        self.message = message
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    max_tokens: int = 16  # tokens to generate at most (>= 1)
+    temperature: float = 1.0  # 0 = greedy (argmax); otherwise logits / temperature
+    top_k: int = 0  # keep the k most likely tokens; 0 = off
+    top_p: float = 1.0  # keep the smallest set with cumulative probability >= top_p; 1 = off
+    min_p: float = 0.0  # drop tokens with prob < min_p * max prob; 0 = off
+    repetition_penalty: float = 1.0  # CTRL-style, over prompt + output tokens; 1 = off
+    presence_penalty: float = 0.0  # OpenAI-style, subtracted once per token seen in the output
+    frequency_penalty: float = 0.0  # OpenAI-style, subtracted per occurrence in the output
+    seed: int | None = None  # fixes the random stream of this request (same text whatever the batch)
+    stop: list[str] = field(default_factory=list)  # stop strings; the text is cut before them
+    stop_token_ids: list[int] = field(default_factory=list)  # extra token ids that end the request
+    ignore_eos: bool = False  # keep going past the model's EOS tokens
+    logprobs: int = 0  # number of top logprobs per generated token; 0 = none
+    skip_special_tokens: bool = True  # drop special tokens from the returned text
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        def finite(name: str, value: float) -> None:
+            if not math.isfinite(value):
+                raise SamplingParamsError(name, f"must be a finite number, got {value}")
+
+        if self.max_tokens < 1:
+            raise SamplingParamsError("max_tokens", f"must be >= 1, got {self.max_tokens}")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty",
+                     "presence_penalty", "frequency_penalty"):
+            finite(name, getattr(self, name))
+        if self.temperature < 0.0:
+            raise SamplingParamsError("temperature", f"must be >= 0, got {self.temperature}")
+        if self.temperature != 0.0 and self.temperature < 1e-3:
+            raise SamplingParamsError("temperature", "must be 0 (greedy) or >= 0.001")
+        if self.temperature > 100.0:
+            raise SamplingParamsError("temperature", f"must be <= 100, got {self.temperature}")
+        if self.top_k < 0:
+            raise SamplingParamsError("top_k", f"must be >= 0 (0 = off), got {self.top_k}")
+        if vocab_size is not None and self.top_k > vocab_size:
+            raise SamplingParamsError("top_k", f"must be <= vocab size {vocab_size}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise SamplingParamsError("top_p", f"must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise SamplingParamsError("min_p", f"must be in [0, 1], got {self.min_p}")
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            raise SamplingParamsError(
+                "repetition_penalty", f"must be in (0, 10], got {self.repetition_penalty}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise SamplingParamsError(
+                "presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise SamplingParamsError(
+                "frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise SamplingParamsError("seed", "must be in [0, 2^63)")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise SamplingParamsError("stop", f"at most {MAX_STOP_STRINGS} stop strings")
+        for s in self.stop:
+            if not s:
+                raise SamplingParamsError("stop", "stop strings must not be empty")
+            if len(s) > MAX_STOP_STRING_CHARS:
+                raise SamplingParamsError(
+                    "stop", f"stop strings are at most {MAX_STOP_STRING_CHARS} characters")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise SamplingParamsError("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids")
+        for t in self.stop_token_ids:
+            if t < 0 or (vocab_size is not None and t >= vocab_size):
+                raise SamplingParamsError("stop_token_ids", f"token id {t} is outside the vocabulary")
+        if not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise SamplingParamsError("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")

@@ -1,0 +1,205 @@
+"""Which requests advance this step, and by how many tokens.
+
+One rule, no prefill/decode modes: every request has `num_computed_tokens` (K/V in the cache) and
+`num_tokens` (prompt + output); a step gives each request up to `num_tokens - num_computed_tokens`
+tokens from a shared token budget. A decode is one token; a prompt longer than the budget is
+prefilled in chunks over several steps; a batch can mix both.
+
+The engine loop around it:
+    out = scheduler.schedule()
+    ... run the model on out.scheduled, sample for those with `sample` ...
+    scheduler.update_after_step(out)        # advances num_computed_tokens
+    ... append sampled tokens; scheduler.finish(req, status) for requests that are done ...
+
+When blocks run out, the newest running request is preempted: its blocks are freed and it goes to
+the front of the waiting queue with `num_computed_tokens = 0`. It keeps its output tokens; when it
+is admitted again its "prefill" recomputes prompt + outputs and then samples the next token.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import structlog
+
+from engine.block_manager import BlockManager
+from engine.request import Request, RequestStatus
+
+log = structlog.get_logger(__name__)
+
+
+class RequestTooLargeError(ValueError):
+    """The request could never run: its longest possible sequence does not fit in the whole KV
+    pool, or its prompt leaves no room under max_model_len. Raised by `add_request`, which the
+    service calls up front to answer at once instead of letting the request wait forever."""
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int  # tokens of the request run through the model this step (>= 1)
+    start: int  # their first position: num_computed_tokens before the step
+    block_table: list[int]  # physical block ids covering positions 0 .. start + num_new_tokens - 1
+    sample: bool  # start + num_new_tokens == num_tokens: this step produces the next token
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    # Requests that run this step: running ones first (admission order), then newly admitted.
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    # Requests preempted this step (blocks freed, back at the front of the waiting queue).
+    preempted: list[Request] = field(default_factory=list)
+    # Sum of num_new_tokens over `scheduled`; at most max_num_batched_tokens.
+    num_batched_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        *,
+        max_num_seqs: int,  # requests running at once (batch rows of a decode step)
+        max_num_batched_tokens: int,  # tokens per step across all requests (bounds step latency)
+        max_model_len: int,  # prompt + output tokens of one request at most
+    ) -> None:
+        if min(max_num_seqs, max_num_batched_tokens, max_model_len) < 1:
+            raise ValueError("max_num_seqs, max_num_batched_tokens and max_model_len must be >= 1")
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()  # FIFO; preempted requests re-enter at the front
+        self.running: list[Request] = []  # admission order; the last one is preempted first
+        self.requests: dict[str, Request] = {}  # every unfinished request, waiting or running
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def check_fits(self, request: Request) -> None:
+        """Raise RequestTooLargeError if the request could never be scheduled.
+
+        Its longest sequence is prompt + max_tokens capped at max_model_len (one token
+        conservative: the last sampled token never enters the cache).
+        """
+        max_len = min(request.max_model_len, self.max_model_len)
+        if request.num_prompt_tokens >= max_len:
+            raise RequestTooLargeError(
+                f"prompt has {request.num_prompt_tokens} tokens; max_model_len {max_len} leaves "
+                "no room to generate")
+        longest = min(request.num_prompt_tokens + request.sampling.max_tokens, max_len)
+        needed = self.block_manager.blocks_needed(longest)
+        if needed > self.block_manager.num_total_blocks:
+            raise RequestTooLargeError(
+                f"{longest} tokens need {needed} KV blocks; the cache has "
+                f"{self.block_manager.num_total_blocks}")
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request; raises RequestTooLargeError (see `check_fits`) or ValueError for a
+        duplicate id."""
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        self.check_fits(request)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+
+        # 1. Running requests, oldest first. When blocks run out, preempt the newest until this
+        # one fits (or it was the newest itself).
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_remaining_tokens, budget)
+            if num_new <= 0:  # nothing to run until the engine appends its sampled token
+                i += 1
+                continue
+            while not self.block_manager.allocate_slots(request, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    break
+            if request.status == RequestStatus.PREEMPTED:
+                break  # it was the newest running request, so nothing runs after it
+            self._schedule(out, request, num_new)
+            budget -= num_new
+            i += 1
+
+        # 2. Admit waiting requests in FIFO order; none after a preemption (memory is short), and
+        # none past the first that does not fit (head-of-line, so big requests are not starved).
+        while (not out.preempted and self.waiting and budget > 0
+               and len(self.running) < self.max_num_seqs):
+            request = self.waiting[0]
+            num_new = min(request.num_remaining_tokens, budget)
+            if not self.block_manager.allocate_slots(request, num_new):
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
+            self.running.append(request)
+            self._schedule(out, request, num_new)
+            budget -= num_new
+        return out
+
+    def _schedule(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
+        start = request.num_computed_tokens
+        out.scheduled.append(ScheduledRequest(
+            request=request,
+            num_new_tokens=num_new,
+            start=start,
+            block_table=list(self.block_manager.get_block_table(request.request_id)),
+            sample=start + num_new == request.num_tokens,
+        ))
+        out.num_batched_tokens += num_new
+
+    def _preempt(self, request: Request) -> None:
+        self.block_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+        log.info("preempted", request_id=request.request_id,
+                 num_preemptions=request.num_preemptions, num_tokens=request.num_tokens)
+
+    def update_after_step(self, out: SchedulerOutput) -> None:
+        """Mark the scheduled tokens as computed. The engine then appends the sampled token of
+        each request with `sample` and calls `finish` for those that are done."""
+        for s in out.scheduled:
+            if not s.request.finished:  # aborted while the step ran
+                s.request.num_computed_tokens += s.num_new_tokens
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """End a request (status must be a FINISHED_* one) and give back its blocks."""
+        assert status.finished, f"{status.name} is not a finished status"
+        if self.requests.pop(request.request_id, None) is None:
+            return  # already finished
+        request.status = status
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self.block_manager.free(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Finish the request as FINISHED_ABORTED wherever it is; None if it is unknown or done."""
+        request = self.requests.get(request_id)
+        if request is not None:
+            self.finish(request, RequestStatus.FINISHED_ABORTED)
+        return request

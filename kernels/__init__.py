@@ -1,0 +1,30 @@
+"""Paged KV cache ops: pure functions on tensors with documented shapes; they know nothing of
+requests or models.
+
+The cache of one layer is a pair of tensors `k_cache`, `v_cache` of shape
+(num_blocks, block_size, num_kv_heads, head_dim), stored as int8 (the default), bfloat16, float16
+or float32. An int8 cache carries `k_scale`, `v_scale` of shape (num_blocks, block_size,
+num_kv_heads) in float32: one symmetric scale per (token, kv head), computed once when the token is
+written (scale = max(absmax, eps) / 127), so earlier tokens are never re-quantized; other dtypes
+pass None. A token lives at slot = block_id * block_size + offset, and a slot of -1 marks padding
+that writes skip. `reference` holds the torch versions used on the CPU and as test oracles for the
+Triton kernels.
+"""
+
+from kernels.reference import (
+    compute_slot_mapping,
+    dequantize,
+    paged_attention,
+    paged_attention_decode,
+    quantize_per_token_head,
+    write_kv_cache,
+)
+
+__all__ = [
+    "compute_slot_mapping",
+    "dequantize",
+    "paged_attention",
+    "paged_attention_decode",
+    "quantize_per_token_head",
+    "write_kv_cache",
+]

@@ -1,0 +1,262 @@
+"""Torch reference ops for the paged KV cache: the CPU path, and the twins the Triton kernels are
+tested against.
+
+Shapes (one layer):
+    k_cache, v_cache   (num_blocks, block_size, Hkv, D)  int8 | bfloat16 | float16 | float32
+    k_scale, v_scale   (num_blocks, block_size, Hkv)     float32, only for int8 caches, else None
+    slot               block_id * block_size + offset; -1 marks a padding token (skipped)
+
+Packed queries of B sequences (T = sum of q_len_i):
+
+    sequence i:  |<----------- seq_lens[i] tokens in the cache ----------->|
+                 |<-- context: seq_lens[i] - q_len_i -->|<--- q_len_i ---->|
+                                                        q[qsl[i]:qsl[i+1]]   (qsl = query_start_loc)
+
+The j-th new query of sequence i (0-based) sits at position seq_lens[i] - q_len_i + j and sees the
+cached positions 0 ..= that position (causal). Its own K/V are written before attention runs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+INT8_MAX = 127.0
+SCALE_EPS = 1e-8  # floor of absmax, so an all-zero vector gets a finite scale and dequantizes to 0
+
+CACHE_DTYPES = (torch.int8, torch.bfloat16, torch.float16, torch.float32)
+
+
+def quantize_per_token_head(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 quantization with one scale per (token, head).
+
+    x (T, H, D) float -> (q int8 (T, H, D), scale float32 (T, H)), with
+    scale = max(absmax over D, eps) / 127 and q = clamp(round(x / scale), -127, 127).
+    """
+    assert x.dim() == 3, f"expected (T, H, D), got {tuple(x.shape)}"
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1).clamp_min(SCALE_EPS) / INT8_MAX  # (T, H)
+    q = torch.round(xf / scale.unsqueeze(-1)).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor | None,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """q (..., D) with scale (...) -> q * scale in `dtype`; a non-int8 q (scale None) is cast."""
+    if scale is None:
+        assert q.dtype != torch.int8, "an int8 cache needs its scales"
+        return q.to(dtype)
+    assert q.shape[:-1] == scale.shape, f"scale {tuple(scale.shape)} vs values {tuple(q.shape)}"
+    return (q.float() * scale.unsqueeze(-1)).to(dtype)
+
+
+def _check_cache(cache: torch.Tensor, scale: torch.Tensor | None) -> None:
+    assert cache.dim() == 4, f"cache must be (blocks, block_size, Hkv, D), not {tuple(cache.shape)}"
+    assert cache.dtype in CACHE_DTYPES, f"unsupported cache dtype {cache.dtype}"
+    assert cache.is_contiguous(), "cache must be contiguous"
+    if cache.dtype == torch.int8:
+        assert scale is not None and scale.dtype == torch.float32, "int8 cache needs float32 scales"
+        assert scale.shape == cache.shape[:3] and scale.is_contiguous(), (
+            f"scale must be contiguous {tuple(cache.shape[:3])}, got {tuple(scale.shape)}")
+    else:
+        assert scale is None, "scales are only for int8 caches"
+
+
+def write_kv_cache(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store the K/V of T tokens at their slots, in place; slots equal to -1 are skipped.
+
+    k, v (T, Hkv, D) any float dtype; slot_mapping (T,) int32/int64. An int8 cache quantizes each
+    (token, kv head) vector once, here, and stores its scale next to it.
+    """
+    _check_cache(k_cache, k_scale)
+    _check_cache(v_cache, v_scale)
+    num_blocks, block_size, hkv, d = k_cache.shape
+    assert v_cache.shape == k_cache.shape and v_cache.dtype == k_cache.dtype
+    assert k.shape == v.shape and k.dim() == 3 and k.shape[1:] == (hkv, d), (
+        f"k/v must be (T, {hkv}, {d}), got {tuple(k.shape)} and {tuple(v.shape)}")
+    assert slot_mapping.shape == (k.shape[0],), "one slot per token"
+    assert slot_mapping.dtype in (torch.int32, torch.int64)
+
+    slots = slot_mapping.long()
+    keep = slots >= 0
+    if not bool(keep.all()):
+        slots, k, v = slots[keep], k[keep], v[keep]
+    if slots.numel() == 0:
+        return
+    num_slots = num_blocks * block_size
+    for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        flat = cache.view(num_slots, hkv, d)  # (num_slots, Hkv, D), shares storage
+        if cache.dtype == torch.int8:
+            q, s = quantize_per_token_head(x)
+            flat.index_copy_(0, slots, q)
+            scale.view(num_slots, hkv).index_copy_(0, slots, s)
+        else:
+            flat.index_copy_(0, slots, x.to(cache.dtype))
+
+
+def compute_slot_mapping(block_tables: torch.Tensor, seq_index: torch.Tensor,
+                         positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Slots of T tokens: block_tables (B, max_blocks), seq_index (T,) row of each token,
+    positions (T,) its position in its sequence -> (T,) int64
+    block_tables[seq_index, positions // block_size] * block_size + positions % block_size."""
+    positions = positions.long()
+    blocks = block_tables[seq_index.long(), positions // block_size].long()
+    return blocks * block_size + positions % block_size
+
+
+def _gather_kv(cache: torch.Tensor, scale: torch.Tensor | None,
+               blocks: torch.Tensor) -> torch.Tensor:
+    """blocks (..., n) block ids -> float32 values (..., n * block_size, Hkv, D)."""
+    _, block_size, hkv, d = cache.shape
+    # (..., n, block_size, Hkv, D)
+    vals = dequantize(cache[blocks], None if scale is None else scale[blocks])
+    return vals.reshape(*blocks.shape[:-1], blocks.shape[-1] * block_size, hkv, d)
+
+
+def _attend_sequence(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    block_table: torch.Tensor,
+    seq_len: int,
+    softmax_scale: float,
+) -> torch.Tensor:
+    """Causal attention of one sequence's last q_len tokens over its cached K/V.
+
+    q (q_len, Hq, D); block_table (max_blocks,) -> (q_len, Hq, D) float32.
+    """
+    q_len, hq, _ = q.shape
+    block_size, hkv = k_cache.shape[1], k_cache.shape[2]
+    group = hq // hkv
+    assert 1 <= q_len <= seq_len, f"q_len {q_len} must be in [1, seq_len {seq_len}]"
+    blocks = block_table[: (seq_len + block_size - 1) // block_size].long()
+    k = _gather_kv(k_cache, k_scale, blocks)[:seq_len]  # (S, Hkv, D)
+    v = _gather_kv(v_cache, v_scale, blocks)[:seq_len]  # (S, Hkv, D)
+
+    # SDPA's fused CPU kernel never materializes the (Hq, L, S) scores; with enable_gqa query
+    # head h reads kv head h // group.
+    query_pos = torch.arange(seq_len - q_len, seq_len, device=q.device).unsqueeze(1)  # (L, 1)
+    visible = torch.arange(seq_len, device=q.device).unsqueeze(0) <= query_pos  # (L, S)
+    out = F.scaled_dot_product_attention(
+        q.float().transpose(0, 1).unsqueeze(0),  # (1, Hq, L, D)
+        k.transpose(0, 1).unsqueeze(0),  # (1, Hkv, S, D)
+        v.transpose(0, 1).unsqueeze(0),
+        attn_mask=visible, scale=softmax_scale, enable_gqa=group > 1,
+    )  # (1, Hq, L, D)
+    return out.squeeze(0).transpose(0, 1)  # (L, Hq, D)
+
+
+def paged_attention_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    softmax_scale: float,
+) -> torch.Tensor:
+    """One query per sequence (decode), batched: q (B, Hq, D); block_tables (B, max_blocks);
+    seq_lens (B,) -> (B, Hq, D) in q.dtype.
+
+    Gathers every sequence's blocks padded to the longest one, masks positions >= seq_len.
+    """
+    _check_cache(k_cache, k_scale)
+    _check_cache(v_cache, v_scale)
+    b, hq, d = q.shape
+    block_size, hkv = k_cache.shape[1], k_cache.shape[2]
+    assert hq % hkv == 0 and k_cache.shape[3] == d
+    assert block_tables.shape[0] == b and seq_lens.shape == (b,)
+    group = hq // hkv
+    max_len = int(seq_lens.max())
+    n = (max_len + block_size - 1) // block_size
+    # Padding entries (e.g. -1) past a sequence's blocks only feed masked positions; clamp them to
+    # a valid id so the gather stays in bounds.
+    blocks = block_tables[:, :n].long().clamp_min(0)  # (B, n)
+    s_len = n * block_size
+
+    def gather(cache: torch.Tensor, scale: torch.Tensor | None):
+        # (B, n, bs, Hkv, D) -> (B, Hkv, S, D) float32 values; an int8 cache's scales come back
+        # apart, (B, Hkv, 1, S), to be folded into the scores and the probabilities: cheaper than
+        # multiplying every element.
+        vals = cache[blocks].permute(0, 3, 1, 2, 4).reshape(b, hkv, s_len, d).float()
+        if scale is None:
+            return vals, None
+        return vals, scale[blocks].permute(0, 3, 1, 2).reshape(b, hkv, 1, s_len)
+
+    k, k_s = gather(k_cache, k_scale)
+    v, v_s = gather(v_cache, v_scale)
+    qf = q.float().view(b, hkv, group, d)  # (B, Hkv, G, D)
+    scores = torch.matmul(qf, k.transpose(2, 3))  # (B, Hkv, G, S)
+    scores *= softmax_scale if k_s is None else k_s * softmax_scale
+    positions = torch.arange(s_len, device=q.device)  # (S,)
+    pad = positions.unsqueeze(0) >= seq_lens.long().unsqueeze(1)  # (B, S), True = masked
+    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if v_s is not None:
+        probs *= v_s
+    out = torch.matmul(probs, v)  # (B, Hkv, G, D)
+    return out.reshape(b, hq, d).to(q.dtype)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    softmax_scale: float,
+    *,
+    max_query_len: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of packed queries over the paged cache (see the module docstring).
+
+    q (T, Hq, D); block_tables (B, max_blocks) int32, padded with anything past the used blocks;
+    seq_lens (B,) int32, cached tokens including the new ones; query_start_loc (B+1,) int32,
+    cumulative. GQA: query head h reads kv head h // (Hq // Hkv). Returns (T, Hq, D) in q.dtype,
+    computed in float32.
+
+    Sequences with one query (decode) go through the batched `paged_attention_decode`; the others
+    loop, one gather per sequence.
+    """
+    _check_cache(k_cache, k_scale)
+    _check_cache(v_cache, v_scale)
+    t, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    assert hq % hkv == 0, f"Hq {hq} must be a multiple of Hkv {hkv}"
+    assert k_cache.shape[3] == d and v_cache.shape == k_cache.shape
+    b = seq_lens.shape[0]
+    assert query_start_loc.shape == (b + 1,) and block_tables.shape[0] == b
+
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]  # (B,)
+    if max_query_len is None:
+        max_query_len = int(q_lens.max()) if b else 0
+    if max_query_len == 1 and t == b:
+        return paged_attention_decode(q, k_cache, v_cache, k_scale, v_scale, block_tables,
+                                      seq_lens, softmax_scale)
+
+    out = torch.empty(t, hq, d, dtype=q.dtype, device=q.device)
+    decode = (q_lens == 1).nonzero().squeeze(1)  # (B_decode,)
+    if decode.numel():
+        rows = query_start_loc[decode].long()
+        out[rows] = paged_attention_decode(q[rows], k_cache, v_cache, k_scale, v_scale,
+                                           block_tables[decode], seq_lens[decode], softmax_scale)
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    for i in (q_lens > 1).nonzero().squeeze(1).tolist():
+        lo, hi = starts[i], starts[i + 1]
+        out[lo:hi] = _attend_sequence(q[lo:hi], k_cache, v_cache, k_scale, v_scale,
+                                      block_tables[i], lens[i], softmax_scale)
+    return out

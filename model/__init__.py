@@ -1,0 +1,21 @@
+"""The Llama-family decoder, its config, weight loading and tokenizer.
+
+Never imports triton, engine, kernels or service: attention is delegated to an AttentionBackend.
+"""
+
+from model.attention import AttentionBackend, DenseCausalAttention
+from model.config import ModelConfig, as_token_ids
+from model.llama import LlamaForCausalLM
+from model.loader import load_model, read_generation_config
+from model.tokenizer import Tokenizer
+
+__all__ = [
+    "AttentionBackend",
+    "DenseCausalAttention",
+    "LlamaForCausalLM",
+    "ModelConfig",
+    "Tokenizer",
+    "as_token_ids",
+    "load_model",
+    "read_generation_config",
+]

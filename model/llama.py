@@ -1,0 +1,58 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) on token-packed inputs.
+
+No batch dimension: a step's tokens from all sequences are concatenated into (T,), each with its
+position; the attention backend knows the sequence boundaries (see model/attention.py). Parameter
+names follow transformers' without the `model.` prefix, except two fused projections:
+`self_attn.qkv_proj` (q, k, v rows stacked) and `mlp.gate_up_proj` (gate, up rows stacked).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from model.attention import AttentionBackend
+from model.config import ModelConfig
+from model.layers import RMSNorm, SelfAttention, SwiGLUMLP
+from model.rope import RotaryEmbedding
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = SelfAttention(cfg, layer_idx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SwiGLUMLP(cfg)
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+                attn: AttentionBackend) -> torch.Tensor:
+        """h (T, hidden) -> (T, hidden); pre-norm residual blocks."""
+        h = h + self.self_attn(self.input_layernorm(h), positions, rotary, attn)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        # Softmax scale an attention backend must use (backends are built with it).
+        self.attn_scale = cfg.attn_scale
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary = RotaryEmbedding(cfg)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        """input_ids (T,) int64, positions (T,) int64 -> final-normed hidden states (T, hidden)."""
+        h = self.embed_tokens(input_ids)  # (T, hidden)
+        for layer in self.layers:
+            h = layer(h, positions, self.rotary, attn)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden (N, hidden) -> logits (N, vocab_size) fp32."""
+        return self.lm_head(hidden).float()

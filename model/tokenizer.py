@@ -1,0 +1,100 @@
+"""A thin wrapper around a `tokenizers` tokenizer.json plus the special-token facts the engine needs.
+
+BOS: the tokenizer.json's post-processor normally adds it (Llama, Mistral: a TemplateProcessing
+"<s> $A"; Qwen adds none). Some checkpoints instead rely on tokenizer_config.json's
+`add_bos_token: true` (handled by transformers' Python tokenizer classes, not by tokenizer.json);
+for those, `encode(..., add_special_tokens=True)` prepends bos_token itself. Nothing else from
+tokenizer_config.json (chat templates, padding side, ...) is interpreted here.
+
+EOS ids, first source that has them: generation_config.json `eos_token_id` (int or list), then
+config.json `eos_token_id`, then tokenizer_config.json `eos_token`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from os import PathLike
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+
+from model.config import ModelConfig, as_token_ids
+
+
+def _read_json(file: Path) -> dict[str, Any]:
+    return json.loads(file.read_text()) if file.is_file() else {}
+
+
+def _token_content(value: str | dict | None) -> str | None:
+    """tokenizer_config.json writes special tokens as "<s>" or {"content": "<s>", ...}."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+class Tokenizer:
+    def __init__(self, backend: tokenizers.Tokenizer, *, eos_token_ids: tuple[int, ...],
+                 bos_token_id: int | None, add_bos_token: bool = False) -> None:
+        self.backend = backend  # the raw tokenizers.Tokenizer (e.g. for tokenizers.decoders.DecodeStream)
+        self.eos_token_ids = eos_token_ids
+        self.bos_token_id = bos_token_id
+        added = backend.get_added_tokens_decoder()  # id -> AddedToken
+        self.all_special_ids: tuple[int, ...] = tuple(sorted(i for i, t in added.items() if t.special))
+        # Largest id + 1 over the model vocabulary and added tokens (ids may have holes).
+        self.vocab_size = max([backend.get_vocab_size(with_added_tokens=False) - 1, *added.keys()]) + 1
+        # Prepend BOS ourselves only where the config asks for it and the post-processor does not.
+        probe = backend.encode("a", add_special_tokens=True).ids
+        self._prepend_bos = (add_bos_token and bos_token_id is not None
+                             and (not probe or probe[0] != bos_token_id))
+
+    @classmethod
+    def from_pretrained(cls, path: str | PathLike[str], config: ModelConfig | None = None) -> Tokenizer:
+        """From a model folder holding tokenizer.json (and optionally tokenizer_config.json,
+        generation_config.json, config.json). `config` saves re-reading config.json."""
+        path = Path(path)
+        file = path / "tokenizer.json"
+        if not file.is_file():
+            raise FileNotFoundError(
+                f"no tokenizer.json in {path}: only fast-tokenizer folders (tokenizer.json) are supported")
+        backend = tokenizers.Tokenizer.from_file(str(file))
+        tok_cfg = _read_json(path / "tokenizer_config.json")
+        gen_cfg = _read_json(path / "generation_config.json")
+        if config is not None:
+            cfg_eos, cfg_bos = config.eos_token_ids, config.bos_token_id
+        else:
+            raw = _read_json(path / "config.json")
+            cfg_eos, cfg_bos = as_token_ids(raw.get("eos_token_id")), raw.get("bos_token_id")
+
+        eos = as_token_ids(gen_cfg.get("eos_token_id")) or cfg_eos
+        if not eos:
+            eos_text = _token_content(tok_cfg.get("eos_token"))
+            eos_id = backend.token_to_id(eos_text) if eos_text else None
+            eos = () if eos_id is None else (eos_id,)
+
+        bos = gen_cfg.get("bos_token_id", cfg_bos)
+        if bos is None:
+            bos_text = _token_content(tok_cfg.get("bos_token"))
+            bos = backend.token_to_id(bos_text) if bos_text else None
+        return cls(backend, eos_token_ids=eos, bos_token_id=bos,
+                   add_bos_token=bool(tok_cfg.get("add_bos_token", False)))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self._prepend_bos and (not ids or ids[0] != self.bos_token_id):
+            ids.insert(0, self.bos_token_id)
+        return ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        """The token's string in the vocabulary (byte-level BPE: its byte-to-unicode spelling)."""
+        return self.backend.id_to_token(token_id)
+
+    def convert_ids_to_tokens(self, ids: Iterable[int]) -> list[str | None]:
+        return [self.backend.id_to_token(i) for i in ids]
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)

@@ -1,0 +1,65 @@
+"""`pie` command line: `pie serve` starts the gRPC server (more subcommands join later)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from engine.config import EngineConfig
+from service.logging import configure_logging
+from service.server import PieServer, ServerConfig
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve a model over gRPC",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    d = EngineConfig(model="")
+    p.add_argument("--model", required=True, help="Hugging Face-layout model folder")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (loopback unless told otherwise)")
+    p.add_argument("--port", type=int, default=50051, help="port to bind (0 = any free port)")
+    p.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default=d.dtype, choices=("auto", "fp32", "bf16", "fp16"),
+                   help="weights/activations dtype (auto: bf16 on cuda, fp32 on cpu)")
+    p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=("int8", "bf16", "fp16", "fp32"))
+    p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
+    p.add_argument("--kv-cache-memory", type=float, default=d.kv_cache_memory_bytes / 2**30,
+                   help="KV pool budget in GiB")
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV pool size (overrides the budget)")
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="running sequences per step at most")
+    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                   help="tokens per step at most (prefill chunks + decodes)")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    p.add_argument("--max-waiting", type=int, default=d.max_waiting,
+                   help="waiting-queue bound; beyond it requests get RESOURCE_EXHAUSTED")
+    p.add_argument("--seed", type=int, default=d.seed, help="seeds the seeds of requests that bring none")
+    p.add_argument("--grace", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM")
+    p.add_argument("--model-name", default=None, help="name reported by GetModelInfo")
+    p.add_argument("--log-format", choices=("auto", "json", "console"), default="auto")
+    p.add_argument("--log-level", default="info")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pie", description="Paged INT8 LLM inference over gRPC")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_serve(sub)
+    args = parser.parse_args(argv)
+    configure_logging(json=None if args.log_format == "auto" else args.log_format == "json", level=args.log_level)
+    if args.command == "serve":
+        try:
+            engine_config = EngineConfig(
+                model=args.model, device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                block_size=args.block_size, kv_cache_memory_bytes=int(args.kv_cache_memory * 2**30),
+                num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                max_waiting=args.max_waiting, seed=args.seed)
+        except ValueError as e:
+            parser.error(str(e))
+        server = PieServer(ServerConfig(host=args.host, port=args.port, grace_s=args.grace,
+                                        model_name=args.model_name), engine_config)
+        asyncio.run(server.serve_forever())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

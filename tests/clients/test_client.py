@@ -1,0 +1,351 @@
+"""pie_client against an in-process fake GenerateService on a loopback port."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import Iterator
+from concurrent import futures
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2, status_pb2
+
+import pie_client
+from pie.v1 import generate_pb2 as pb
+from pie.v1 import generate_pb2_grpc as pb_grpc
+from pie_client import cli
+from pie_client._channel import resolve_target
+
+RETRY_SECONDS = 1.5
+
+
+class FakeGenerateService(pb_grpc.GenerateServiceServicer):
+    """Canned answers; prompts "invalid" and "full" fail, "forever" streams until cancelled."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.requests: list[object] = []
+        self.metadata: list[dict[str, str]] = []
+        self.stream_cancelled = threading.Event()
+
+    def _record(self, request: object, context: grpc.ServicerContext) -> str:
+        metadata = dict(context.invocation_metadata())
+        self.requests.append(request)
+        self.metadata.append(metadata)
+        return getattr(request, "request_id", "") or metadata.get("x-request-id") or "srv-1"
+
+    @staticmethod
+    def _fail(context: grpc.ServicerContext, request_id: str, prompt: str) -> None:
+        """Abort like the real service does, with google.rpc details in the trailer."""
+        if prompt == "invalid":
+            code, message = grpc.StatusCode.INVALID_ARGUMENT, "invalid sampling parameters"
+            detail = error_details_pb2.BadRequest(
+                field_violations=[
+                    error_details_pb2.BadRequest.FieldViolation(field="sampling.top_p", description="must be in (0, 1]")
+                ]
+            )
+        elif prompt == "full":
+            code, message = grpc.StatusCode.RESOURCE_EXHAUSTED, "waiting queue is full"
+            detail = error_details_pb2.RetryInfo()
+            detail.retry_delay.FromNanoseconds(int(RETRY_SECONDS * 1e9))
+        else:
+            return
+        status = status_pb2.Status(code=code.value[0], message=message)
+        status.details.add().Pack(detail)
+        context.set_trailing_metadata(
+            (("grpc-status-details-bin", status.SerializeToString()), ("x-request-id", request_id))
+        )
+        context.abort(code, message)
+
+    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> pb.GenerateResponse:
+        request_id = self._record(request, context)
+        self._fail(context, request_id, request.prompt)
+        logprobs = [
+            pb.TokenLogprob(token_id=t, logprob=-0.5, token="x", top_logprobs=[pb.TopLogprob(token_id=9, logprob=-1.0)])
+            for t in (1, 2, 3)
+        ] if request.sampling.logprobs else []
+        return pb.GenerateResponse(
+            request_id=request_id,
+            text="Hello!",
+            token_ids=[1, 2, 3],
+            finish_reason=pb.FINISH_REASON_STOP,
+            stop_reason="\n",
+            usage=pb.Usage(prompt_tokens=4, completion_tokens=3, total_tokens=7),
+            logprobs=logprobs,
+        )
+
+    def GenerateStream(
+        self, request: pb.GenerateStreamRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.GenerateStreamResponse]:
+        request_id = self._record(request, context)
+        self._fail(context, request_id, request.prompt)
+        if request.prompt == "forever":
+            context.add_callback(self.stream_cancelled.set)
+            yield pb.GenerateStreamResponse(request_id=request_id, text="tick", token_ids=[7])
+            self.stream_cancelled.wait(10)
+            return
+        yield pb.GenerateStreamResponse(request_id=request_id, text="Hel", token_ids=[1, 2])
+        yield pb.GenerateStreamResponse(request_id=request_id, text="lo", token_ids=[3])
+        yield pb.GenerateStreamResponse(
+            request_id=request_id,
+            text="!",
+            token_ids=[4],
+            finish_reason=pb.FINISH_REASON_LENGTH,
+            usage=pb.Usage(prompt_tokens=2, completion_tokens=4, total_tokens=6),
+        )
+
+    def Tokenize(self, request: pb.TokenizeRequest, context: grpc.ServicerContext) -> pb.TokenizeResponse:
+        self._record(request, context)
+        add_bos = request.add_special_tokens if request.HasField("add_special_tokens") else True
+        ids = ([1] if add_bos else []) + [ord(c) for c in request.text]
+        tokens = (["<s>"] if add_bos else []) + list(request.text)
+        return pb.TokenizeResponse(token_ids=ids, tokens=tokens, count=len(ids))
+
+    def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.ServicerContext) -> pb.GetModelInfoResponse:
+        self._record(request, context)
+        return pb.GetModelInfoResponse(
+            model_name=self.name,
+            architecture="LlamaForCausalLM",
+            model_type="llama",
+            max_model_len=2048,
+            vocab_size=32000,
+            eos_token_ids=[2],
+            kv_cache_dtype="int8",
+            block_size=16,
+            device="cpu",
+            dtype="fp32",
+            load=pb.ModelLoad(kv_blocks_total=100, kv_blocks_free=90, requests_running=1, max_num_seqs=8, max_waiting=64),
+        )
+
+
+def _start(name: str) -> tuple[grpc.Server, FakeGenerateService, str]:
+    servicer = FakeGenerateService(name)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+    pb_grpc.add_GenerateServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, servicer, f"127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def fake() -> Iterator[tuple[FakeGenerateService, str]]:
+    server, servicer, address = _start("fake")
+    yield servicer, address
+    server.stop(None)
+
+
+@pytest.fixture
+def client(fake: tuple[FakeGenerateService, str]) -> Iterator[pie_client.Client]:
+    with pie_client.Client(fake[1], timeout=10) as c:
+        yield c
+
+
+def test_generate_round_trip(client: pie_client.Client, fake: tuple[FakeGenerateService, str]) -> None:
+    servicer = fake[0]
+    done = client.generate("Hi there", request_id="req-42", max_tokens=5, temperature=0.5, top_p=0.9, stop="\n", logprobs=1)
+    assert done == pie_client.Completion(
+        request_id="req-42",
+        text="Hello!",
+        token_ids=[1, 2, 3],
+        finish_reason="stop",
+        stop_reason="\n",
+        prompt_tokens=4,
+        completion_tokens=3,
+        logprobs=[
+            pie_client.TokenLogprob(t, -0.5, "x", [pie_client.TopLogprob(9, -1.0, "")]) for t in (1, 2, 3)
+        ],
+    )
+    assert done.total_tokens == 7
+    sent = servicer.requests[-1]
+    assert servicer.metadata[-1]["x-request-id"] == "req-42"
+    assert sent.prompt == "Hi there" and sent.request_id == "req-42"
+    assert sent.sampling.max_tokens == 5 and sent.sampling.temperature == 0.5
+    assert sent.sampling.HasField("top_p") and not sent.sampling.HasField("repetition_penalty")
+    assert list(sent.sampling.stop) == ["\n"]
+
+
+def test_generate_with_token_ids(client: pie_client.Client, fake: tuple[FakeGenerateService, str]) -> None:
+    client.generate([5, 6, 7], stop_token_ids=[2], seed=3)
+    sent = fake[0].requests[-1]
+    assert sent.WhichOneof("prompt_input") == "prompt_token_ids"
+    assert list(sent.prompt_token_ids.ids) == [5, 6, 7]
+    assert list(sent.sampling.stop_token_ids) == [2] and sent.sampling.seed == 3
+    assert "x-request-id" not in fake[0].metadata[-1]  # none chosen: the server makes one
+    client.generate([])
+    assert fake[0].requests[-1].WhichOneof("prompt_input") == "prompt_token_ids"  # the server rejects it, not us
+
+
+def test_unknown_sampling_keyword_raises_type_error(client: pie_client.Client) -> None:
+    with pytest.raises(TypeError, match="max_new_tokens"):
+        client.generate("hi", max_new_tokens=5)
+    with pytest.raises(TypeError, match="prompt"):
+        client.generate(b"bytes")  # type: ignore[arg-type]
+
+
+def test_stream_yields_deltas_and_a_final_summary(client: pie_client.Client) -> None:
+    deltas = list(client.stream("Hi", request_id="s-1", max_tokens=4))
+    assert "".join(d.text for d in deltas) == "Hello!"
+    assert [d.token_ids for d in deltas] == [[1, 2], [3], [4]]
+    assert [d.finish_reason for d in deltas] == [None, None, "length"]
+    assert [d.usage for d in deltas[:-1]] == [None, None]
+    assert deltas[-1].usage == pie_client.Usage(prompt_tokens=2, completion_tokens=4, total_tokens=6)
+    assert {d.request_id for d in deltas} == {"s-1"}
+
+
+def test_leaving_a_stream_early_cancels_the_rpc(client: pie_client.Client, fake: tuple[FakeGenerateService, str]) -> None:
+    fake[0].stream_cancelled.clear()
+    stream = client.stream("forever")
+    assert next(stream).text == "tick"
+    stream.close()
+    assert fake[0].stream_cancelled.wait(5)
+
+
+def test_tokenize_and_model_info(client: pie_client.Client) -> None:
+    tokens = client.tokenize("ab")
+    assert (tokens.token_ids, tokens.tokens, len(tokens)) == ([1, 97, 98], ["<s>", "a", "b"], 3)
+    assert client.tokenize("ab", add_special_tokens=False).token_ids == [97, 98]
+    info = client.model_info()
+    assert info.model_name == "fake" and info.architecture == "LlamaForCausalLM"
+    assert info.eos_token_ids == [2] and info.bos_token_id is None
+    assert info.load == pie_client.ModelLoad(100, 90, 1, 0, 8, 64)
+
+
+def test_invalid_argument_carries_field_violations(client: pie_client.Client) -> None:
+    with pytest.raises(pie_client.InvalidArgument) as caught:
+        client.generate("invalid", request_id="bad-1")
+    error = caught.value
+    assert error.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.details == "invalid sampling parameters"
+    assert error.request_id == "bad-1"
+    assert error.field_violations == [("sampling.top_p", "must be in (0, 1]")]
+    assert "sampling.top_p" in str(error)
+    with pytest.raises(pie_client.InvalidArgument):
+        list(client.stream("invalid"))
+
+
+def test_resource_exhausted_has_retry_after(client: pie_client.Client) -> None:
+    with pytest.raises(pie_client.ResourceExhausted) as caught:
+        client.generate("full")
+    assert caught.value.retry_after == pytest.approx(RETRY_SECONDS)
+    assert caught.value.request_id == "srv-1"  # from the trailer
+
+
+def test_unreachable_server_is_unavailable() -> None:
+    server, _, address = _start("gone")
+    server.stop(None)  # the port is now closed
+    with pie_client.Client(address, timeout=5) as client, pytest.raises(pie_client.Unavailable):
+        client.model_info()
+
+
+class _Error(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode) -> None:
+        self._code = code
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return "boom"
+
+
+@pytest.mark.parametrize(
+    ("code", "cls"),
+    [
+        (grpc.StatusCode.DEADLINE_EXCEEDED, pie_client.DeadlineExceeded),
+        (grpc.StatusCode.CANCELLED, pie_client.Cancelled),
+        (grpc.StatusCode.INTERNAL, pie_client.InternalError),
+        (grpc.StatusCode.UNAUTHENTICATED, pie_client.Unauthenticated),
+        (grpc.StatusCode.UNAVAILABLE, pie_client.Unavailable),
+        (grpc.StatusCode.ABORTED, pie_client.PieError),
+    ],
+)
+def test_error_classes_by_code(code: grpc.StatusCode, cls: type[pie_client.PieError]) -> None:
+    error = pie_client.from_rpc_error(_Error(code), request_id="mine")
+    assert type(error) is cls
+    assert (error.code, error.details, error.request_id, error.field_violations) == (code, "boom", "mine", [])
+
+
+def test_several_addresses_are_balanced_round_robin() -> None:
+    (server_a, _, address_a), (server_b, _, address_b) = _start("a"), _start("b")
+    try:
+        with pie_client.Client([address_a, address_b], timeout=5) as client:
+            assert client.target.startswith("ipv4:127.0.0.1:")
+            seen: set[str] = set()
+            for _ in range(200):  # until both answered; round_robin alternates once both connect
+                seen.add(client.model_info().model_name)
+                if seen == {"a", "b"}:
+                    break
+            assert seen == {"a", "b"}
+    finally:
+        server_a.stop(None)
+        server_b.stop(None)
+
+
+def test_resolve_target() -> None:
+    assert resolve_target("dns:///pie:50051") == ("dns:///pie:50051", False)
+    assert resolve_target(["10.0.0.1:1"]) == ("10.0.0.1:1", False)
+    assert resolve_target(["10.0.0.1:1", "10.0.0.2:2"]) == ("ipv4:10.0.0.1:1,10.0.0.2:2", True)
+    assert resolve_target(["[::1]:1", "[::1]:2"]) == ("ipv6:[::1]:1,[::1]:2", True)
+    with pytest.raises(ValueError, match="dns:///"):
+        resolve_target(["pie-a:1", "pie-b:1"])
+    with pytest.raises(ValueError, match="host:port"):
+        resolve_target(["10.0.0.1", "10.0.0.2:1"])
+
+
+def test_async_client(fake: tuple[FakeGenerateService, str]) -> None:
+    servicer, address = fake
+
+    async def scenario() -> None:
+        async with pie_client.AsyncClient(address, timeout=10) as client:
+            await client.wait_ready(5)
+            done = await client.generate("Hi", request_id="a-1", max_tokens=3)
+            assert (done.text, done.finish_reason, done.request_id) == ("Hello!", "stop", "a-1")
+            assert servicer.metadata[-1]["x-request-id"] == "a-1"
+            deltas = [d async for d in client.stream("Hi")]
+            assert "".join(d.text for d in deltas) == "Hello!"
+            assert deltas[-1].finish_reason == "length" and deltas[-1].usage is not None
+            assert (await client.tokenize("a")).token_ids == [1, 97]
+            assert (await client.model_info()).model_name == "fake"
+            with pytest.raises(pie_client.InvalidArgument) as caught:
+                await client.generate("invalid")
+            assert caught.value.field_violations == [("sampling.top_p", "must be in (0, 1]")]
+            with pytest.raises(pie_client.ResourceExhausted):
+                async for _ in client.stream("full"):
+                    pass
+            with pytest.raises(TypeError):
+                await client.generate("hi", temprature=1.0)
+
+    asyncio.run(scenario())
+
+
+def test_cli_streams_text(fake: tuple[FakeGenerateService, str], capsys: pytest.CaptureFixture[str]) -> None:
+    status = cli.main(["--address", fake[1], "generate", "Hi", "--max-tokens", "4", "--stop", "x", "--seed", "1"])
+    out, err = capsys.readouterr()
+    assert status == 0
+    assert out == "Hello!\n"
+    assert "finish_reason=length" in err and "completion_tokens=4" in err
+    sent = fake[0].requests[-1]
+    assert isinstance(sent, pb.GenerateStreamRequest)
+    assert (sent.sampling.max_tokens, list(sent.sampling.stop), sent.sampling.seed) == (4, ["x"], 1)
+
+
+def test_cli_unary_info_tokenize(fake: tuple[FakeGenerateService, str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--address", fake[1], "generate", "1 2", "--token-ids", "--no-stream"]) == 0
+    out, err = capsys.readouterr()
+    assert out == "Hello!\n" and "stop_reason='\\n'" in err
+    assert list(fake[0].requests[-1].prompt_token_ids.ids) == [1, 2]
+
+    assert cli.main(["--address", fake[1], "info"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["model_name"] == "fake" and info["load"]["max_waiting"] == 64
+
+    assert cli.main(["--address", fake[1], "tokenize", "a", "--no-special-tokens"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"token_ids": [97], "tokens": ["a"], "count": 1}
+
+
+def test_cli_error_is_one_line(fake: tuple[FakeGenerateService, str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--address", fake[1], "generate", "invalid"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("pie-client: INVALID_ARGUMENT")

@@ -1,0 +1,244 @@
+"""Incremental detokenizer tests against a small byte-level BPE trained here: the concatenated
+deltas equal one full decode, split characters never leak U+FFFD, stop strings are cut exactly."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from engine.detokenizer import IncrementalDetokenizer
+
+WORDS = ("the cat sat on a mat while café naïve 日本語 東京 🙂🚀 déjà vu über straße "
+         "hello world , . ! ? 42 emoji 🎉 test ünïcödé ελληνικά русский текст").split()
+
+
+class Adapter:
+    """The engine's tokenizer interface over a `tokenizers.Tokenizer`."""
+
+    def __init__(self, tok: Tokenizer):
+        self.tok = tok
+        self.calls = 0
+        self.longest = 0  # most ids decoded in one call
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+        self.calls += 1
+        self.longest = max(self.longest, len(ids))
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def random_text(rng: random.Random, n_words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n_words))
+
+
+@pytest.fixture(scope="module")
+def tok() -> Adapter:
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    rng = random.Random(0)
+    corpus = [random_text(rng, rng.randint(3, 15)) for _ in range(400)]
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<eos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tokenizer.train_from_iterator(corpus, trainer)
+    return Adapter(tokenizer)
+
+
+def byte_token_ids(tok: Adapter, text: str) -> list[int]:
+    """One token per UTF-8 byte: every multi-byte character is split across tokens."""
+    table = {b: c for b, c in zip(range(256), _bytes_to_unicode())}
+    return [tok.tok.token_to_id(table[b]) for b in text.encode()]
+
+
+def _bytes_to_unicode() -> list[str]:
+    # The GPT-2 byte -> printable character map used by the ByteLevel pre-tokenizer.
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0x100))
+    out, extra = [], 0
+    for b in range(256):
+        if b in keep:
+            out.append(chr(b))
+        else:
+            out.append(chr(256 + extra))
+            extra += 1
+    return out
+
+
+def run(detok: IncrementalDetokenizer, ids: list[int], chunks: list[int] | None = None,
+        flush: bool = True) -> list[str]:
+    deltas, i = [], 0
+    sizes = iter(chunks or [])
+    while i < len(ids) and not detok.stopped:
+        n = next(sizes, 1)
+        deltas.append(detok.step(ids[i:i + n]))
+        i += n
+    if flush:
+        deltas.append(detok.flush())
+    return deltas
+
+
+def cut_at_stop(text: str, stops: list[str], include: bool) -> tuple[str, str | None]:
+    best = None
+    for s in stops:
+        i = text.find(s)
+        if i != -1 and (best is None or i < best[0]):
+            best = (i, s)
+    if best is None:
+        return text, None
+    return text[:best[0] + (len(best[1]) if include else 0)], best[1]
+
+
+def test_one_token_at_a_time_equals_full_decode(tok):
+    rng = random.Random(1)
+    for _ in range(50):
+        prompt = tok.encode(random_text(rng, rng.randint(1, 6)))
+        output = tok.encode(" " + random_text(rng, rng.randint(1, 20)))
+        detok = IncrementalDetokenizer(tok, prompt)
+        deltas = run(detok, output)
+        assert "".join(deltas) == tok.decode(output, True) == detok.text
+        assert not any("\ufffd" in d for d in deltas)
+        assert not detok.stopped and detok.stop_string is None
+
+
+def test_random_chunks_equal_full_decode(tok):
+    rng = random.Random(2)
+    for _ in range(50):
+        prompt = tok.encode(random_text(rng, 3))
+        output = tok.encode(random_text(rng, rng.randint(1, 25)))
+        chunks = [rng.randint(1, 6) for _ in range(len(output))]
+        detok = IncrementalDetokenizer(tok, prompt)
+        assert "".join(run(detok, output, chunks)) == tok.decode(output, True)
+
+
+def test_split_multibyte_characters_never_yield_replacement(tok):
+    text = "café 日本語 🙂🚀 naïve"
+    ids = byte_token_ids(tok, text)
+    assert len(ids) == len(text.encode())
+    detok = IncrementalDetokenizer(tok, tok.encode("hello"))
+    deltas = run(detok, ids, flush=False)
+    assert not any("\ufffd" in d for d in deltas)
+    assert "".join(deltas) == text
+    # The 4 byte tokens of 🚀 give nothing, nothing, nothing, then the character.
+    detok = IncrementalDetokenizer(tok, tok.encode("x"))
+    assert [detok.step([i]) for i in byte_token_ids(tok, "🚀")] == ["", "", "", "🚀"]
+
+
+def test_chunks_ending_inside_characters(tok):
+    # Every 3-token chunk of 4-byte characters ends mid-character: text before the split one
+    # still comes out, and the window catches up when a chunk ends on a boundary.
+    text = "ab🙂🚀🎉🙂🚀🎉"
+    ids = byte_token_ids(tok, text)
+    detok = IncrementalDetokenizer(tok, tok.encode("x"))
+    deltas = run(detok, ids, [3] * len(ids), flush=False)
+    assert deltas[:4] == ["ab", "🙂", "", "🚀"] and "".join(deltas) == text
+    assert not any("\ufffd" in d for d in deltas)
+
+
+def test_flush_returns_incomplete_character_as_full_decode_does(tok):
+    ids = byte_token_ids(tok, "ab🚀")[:-1]  # the rocket's last byte never arrives
+    detok = IncrementalDetokenizer(tok, tok.encode("x"))
+    assert "".join(run(detok, ids, flush=False)) == "ab"
+    rest = detok.flush()
+    assert "ab" + rest == tok.decode(ids, True) and "\ufffd" in rest
+
+
+def test_prompt_text_is_not_emitted_and_leading_space_kept(tok):
+    prompt = tok.encode("the cat sat")
+    output = tok.encode(" on a mat")
+    detok = IncrementalDetokenizer(tok, prompt)
+    assert "".join(run(detok, output)) == " on a mat"
+
+
+def test_skip_special_tokens(tok):
+    eos = tok.tok.token_to_id("<eos>")
+    output = tok.encode("hello world") + [eos]
+    assert "".join(run(IncrementalDetokenizer(tok, [1], skip_special_tokens=True), output)) == "hello world"
+    assert "".join(run(IncrementalDetokenizer(tok, [1], skip_special_tokens=False), output)) \
+        == "hello world<eos>"
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_strings_spanning_tokens_match_reference(tok, include):
+    rng = random.Random(3)
+    found = 0
+    for _ in range(80):
+        output = tok.encode(random_text(rng, rng.randint(5, 25)))
+        full = tok.decode(output, True)
+        # Stop strings drawn from the text itself (so they often span token boundaries), plus one
+        # that rarely occurs.
+        a = rng.randrange(len(full))
+        stops = [full[a:a + rng.randint(1, 8)], "zzz"]
+        rng.shuffle(stops)
+        detok = IncrementalDetokenizer(tok, [1, 2, 3], stop=stops, include_stop_str_in_output=include)
+        chunks = [rng.randint(1, 3) for _ in range(len(output))]
+        deltas = run(detok, output, chunks)
+        expected, stop = cut_at_stop(full, stops, include)
+        assert "".join(deltas) == expected == detok.text
+        assert detok.stop_string == stop and detok.stopped == (stop is not None)
+        found += stop is not None
+    assert found >= 70
+
+
+def test_stop_string_across_byte_tokens(tok):
+    ids = byte_token_ids(tok, "so 日本語 and more")
+    detok = IncrementalDetokenizer(tok, [5], stop=["本語 a"])
+    deltas = run(detok, ids, flush=False)
+    assert "".join(deltas) == "so 日" and detok.stopped and detok.stop_string == "本語 a"
+    assert detok.step(tok.encode(" more")) == "" and detok.flush() == ""
+
+
+def test_stop_at_first_token(tok):
+    output = tok.encode("hello world")
+    first = tok.decode(output[:1], True)
+    detok = IncrementalDetokenizer(tok, [1], stop=[first])
+    assert detok.step(output[:1]) == "" and detok.stopped and detok.stop_string == first
+    assert detok.text == ""
+    detok = IncrementalDetokenizer(tok, [1], stop=[first], include_stop_str_in_output=True)
+    assert detok.step(output[:1]) == first and detok.stopped
+
+
+def test_earliest_stop_wins_and_hold_back_is_flushed(tok):
+    detok = IncrementalDetokenizer(tok, [1], stop=["world peace", "lo w"])
+    deltas = run(detok, tok.encode("hello world"), flush=False)
+    assert "".join(deltas) == "hel" and detok.stop_string == "lo w"
+    # No stop string occurs: the held-back tail comes out on flush.
+    detok = IncrementalDetokenizer(tok, [1], stop=["world peace"])
+    deltas = run(detok, tok.encode("hello world"), flush=False)
+    held = detok.flush()
+    assert held and "".join(deltas) + held == "hello world" and not detok.stopped
+    assert len(held) <= len("world peace") - 1 + 4  # the hold-back, plus at most the last token
+
+
+def test_decode_cost_bounded_by_window(tok):
+    rng = random.Random(4)
+    prompt = tok.encode(random_text(rng, 200))
+    output = tok.encode(" " + random_text(rng, 400))
+    tok.longest, tok.calls = 0, 0
+    detok = IncrementalDetokenizer(tok, prompt, stop=["never appears"])
+    text = "".join(run(detok, output))
+    assert tok.longest <= 12 and tok.calls <= 2 * len(output) + 2, (tok.longest, tok.calls)
+    assert text == tok.decode(output, True)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prompt=st.text(max_size=20), body=st.text(min_size=1, max_size=60),
+       stop=st.text(min_size=1, max_size=4), chunk=st.integers(1, 5))
+def test_property_random_strings(tok, prompt, body, stop, chunk):
+    prompt_ids = tok.encode(prompt) or [0]
+    output = tok.encode(body)
+    full = tok.decode(output, True)
+    detok = IncrementalDetokenizer(tok, prompt_ids)
+    deltas = run(detok, output, [chunk] * len(output))
+    assert "".join(deltas) == full
+    if "\ufffd" not in full:
+        assert not any("\ufffd" in d for d in deltas)
+    detok = IncrementalDetokenizer(tok, prompt_ids, stop=[stop])
+    expected, found = cut_at_stop(full, [stop], False)
+    assert "".join(run(detok, output, [chunk] * len(output))) == expected
+    assert detok.stop_string == found

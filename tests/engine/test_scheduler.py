@@ -1,0 +1,274 @@
+"""Scheduler on tiny pools, driven by a fake engine: append a token when `sample`, finish at
+max_tokens. Asserts exact block ids, budgets, chunking, preemption order and that every block
+comes back."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.block_manager import BlockManager
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import RequestTooLargeError, Scheduler, SchedulerOutput
+
+TOKEN = 7
+
+
+def make(num_blocks: int, block_size: int, *, max_num_seqs: int = 8, budget: int = 64,
+         max_model_len: int = 256) -> tuple[Scheduler, BlockManager]:
+    bm = BlockManager(num_blocks, block_size)
+    return Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                     max_model_len=max_model_len), bm
+
+
+def req(rid: str, num_prompt: int, max_tokens: int = 4, max_model_len: int = 256) -> Request:
+    return Request(rid, [100 + i for i in range(num_prompt)], SamplingParams(max_tokens=max_tokens),
+                   max_model_len=max_model_len)
+
+
+def step(sched: Scheduler) -> SchedulerOutput:
+    """One engine step without a model: every sampling request gets TOKEN."""
+    out = sched.schedule()
+    sched.update_after_step(out)
+    for s in out.scheduled:
+        if s.sample:
+            s.request.append_token(TOKEN)
+            status = s.request.check_token_stop()
+            if status is not None:
+                sched.finish(s.request, status)
+    return out
+
+
+def summary(out: SchedulerOutput) -> list[tuple[str, int, int, list[int], bool]]:
+    return [(s.request.request_id, s.start, s.num_new_tokens, s.block_table, s.sample)
+            for s in out.scheduled]
+
+
+def test_prefill_then_decode_exact_blocks() -> None:
+    sched, bm = make(8, 4)
+    a, b = req("a", 5), req("b", 6)
+    sched.add_request(a)
+    sched.add_request(b)
+    out = step(sched)
+    assert summary(out) == [("a", 0, 5, [0, 1], True), ("b", 0, 6, [2, 3], True)]
+    assert out.num_batched_tokens == 11 and out.preempted == []
+    assert a.status == b.status == RequestStatus.RUNNING and a.first_scheduled_time is not None
+    assert summary(step(sched)) == [("a", 5, 1, [0, 1], True), ("b", 6, 1, [2, 3], True)]
+    assert summary(step(sched)) == [("a", 6, 1, [0, 1], True), ("b", 7, 1, [2, 3], True)]
+    # b's 9th token (position 8) crosses into a new block, taken from the head of the free list.
+    assert summary(step(sched)) == [("a", 7, 1, [0, 1], True), ("b", 8, 1, [2, 3, 4], True)]
+    assert a.status == b.status == RequestStatus.FINISHED_LENGTH
+    assert a.output_token_ids == [TOKEN] * 4
+    assert not sched.has_unfinished() and bm.num_free_blocks == 8
+
+
+def test_chunked_prefill_respects_the_token_budget() -> None:
+    sched, bm = make(16, 4, budget=8)
+    a, b = req("a", 20, max_tokens=2), req("b", 6, max_tokens=2)
+    sched.add_request(a)
+    sched.add_request(b)
+    assert summary(step(sched)) == [("a", 0, 8, [0, 1], False)]
+    assert b.status == RequestStatus.WAITING and sched.num_waiting == 1
+    assert summary(step(sched)) == [("a", 8, 8, [0, 1, 2, 3], False)]
+    # a's last chunk leaves room for the first chunk of b's prompt in the same step.
+    out = step(sched)
+    assert summary(out) == [("a", 16, 4, [0, 1, 2, 3, 4], True), ("b", 0, 4, [5], False)]
+    assert out.num_batched_tokens == 8
+    # A decode and the rest of b's prompt together.
+    assert summary(step(sched)) == [("a", 20, 1, [0, 1, 2, 3, 4, 6], True),
+                                    ("b", 4, 2, [5, 7], True)]
+    assert a.finished and a.num_output_tokens == 2
+    assert summary(step(sched)) == [("b", 6, 1, [5, 7], True)]
+    assert not sched.has_unfinished() and bm.num_free_blocks == 16
+
+
+def test_every_step_within_budget_and_seq_cap() -> None:
+    sched, bm = make(64, 4, max_num_seqs=3, budget=10)
+    reqs = [req(f"r{i}", 3 + i, max_tokens=3) for i in range(6)]
+    for r in reqs:
+        sched.add_request(r)
+    steps = 0
+    while sched.has_unfinished():
+        out = step(sched)
+        steps += 1
+        assert 0 < out.num_batched_tokens <= 10
+        assert out.num_batched_tokens == sum(s.num_new_tokens for s in out.scheduled)
+        assert sched.num_running <= 3 and len(out.scheduled) <= 3
+        assert steps < 100
+    assert all(r.num_output_tokens == 3 and r.status == RequestStatus.FINISHED_LENGTH
+               for r in reqs)
+    assert bm.num_free_blocks == 64
+
+
+def test_max_num_seqs_caps_admission() -> None:
+    sched, _ = make(32, 4, max_num_seqs=2)
+    a, b, c = req("a", 2, max_tokens=2), req("b", 2, max_tokens=3), req("c", 2)
+    for r in (a, b, c):
+        sched.add_request(r)
+    out = step(sched)
+    assert [s.request.request_id for s in out.scheduled] == ["a", "b"]
+    assert c.status == RequestStatus.WAITING and sched.num_waiting == 1
+    out = step(sched)  # a finishes at the end of this step
+    assert [s.request.request_id for s in out.scheduled] == ["a", "b"] and a.finished
+    out = step(sched)
+    assert [s.request.request_id for s in out.scheduled] == ["b", "c"]
+
+
+def test_preemption_takes_the_newest_and_recomputes_it() -> None:
+    sched, bm = make(4, 2, max_model_len=8)
+    a, b = req("a", 3, max_tokens=4), req("b", 3, max_tokens=4)
+    sched.add_request(a)
+    sched.add_request(b)
+    assert summary(step(sched)) == [("a", 0, 3, [0, 1], True), ("b", 0, 3, [2, 3], True)]
+    assert summary(step(sched)) == [("a", 3, 1, [0, 1], True), ("b", 3, 1, [2, 3], True)]
+    # a's 5th token needs a third block; none is free, so b (newest) is preempted.
+    out = step(sched)
+    assert out.preempted == [b]
+    assert summary(out) == [("a", 4, 1, [0, 1, 3], True)]  # b's blocks came back tail first
+    assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
+    assert b.num_preemptions == 1 and b.output_token_ids == [TOKEN, TOKEN]
+    assert list(sched.waiting) == [b] and sched.running == [a]
+    # b needs 3 blocks for its 5 tokens and only one is free: it waits until a finishes.
+    assert summary(step(sched)) == [("a", 5, 1, [0, 1, 3], True)]
+    assert a.finished and bm.num_free_blocks == 4
+    # Recompute prompt + outputs in one prefill, then sample b's third token.
+    assert summary(step(sched)) == [("b", 0, 5, [2, 3, 1], True)]
+    assert b.status == RequestStatus.RUNNING and b.num_output_tokens == 3
+    assert summary(step(sched)) == [("b", 5, 1, [2, 3, 1], True)]
+    assert b.finished and b.num_output_tokens == 4 and bm.num_free_blocks == 4
+
+
+def test_preemption_skips_older_requests_and_goes_to_the_front() -> None:
+    sched, bm = make(6, 2, max_model_len=12)
+    a, b, c, d = req("a", 3), req("b", 4), req("c", 4), req("d", 2)
+    for r in (a, b, c):
+        sched.add_request(r)
+    assert summary(step(sched)) == [("a", 0, 3, [0, 1], True), ("b", 0, 4, [2, 3], True),
+                                    ("c", 0, 4, [4, 5], True)]
+    sched.add_request(d)
+    # a fits; b's 5th token needs a block: c, the newest, goes, and ahead of d in the queue.
+    out = step(sched)
+    assert out.preempted == [c]
+    assert summary(out) == [("a", 3, 1, [0, 1], True), ("b", 4, 1, [2, 3, 5], True)]
+    assert list(sched.waiting) == [c, d] and c.num_computed_tokens == 0
+    assert c.output_token_ids == [TOKEN]
+
+
+def test_a_request_can_preempt_itself() -> None:
+    sched, _ = make(4, 2, max_model_len=8)
+    a, b = req("a", 3), req("b", 4)
+    sched.add_request(a)
+    sched.add_request(b)
+    step(sched)  # a: blocks 0, 1; b: blocks 2, 3
+    out = step(sched)  # a still fits in 2 blocks; b needs a third and is the newest itself
+    assert out.preempted == [b] and summary(out) == [("a", 3, 1, [0, 1], True)]
+    assert sched.running == [a] and list(sched.waiting) == [b]
+
+
+def test_no_admission_in_a_step_that_preempted() -> None:
+    sched, bm = make(3, 2, budget=3, max_model_len=6)
+    a, b = req("a", 2, max_tokens=3), req("b", 2, max_tokens=3)
+    sched.add_request(a)
+    sched.add_request(b)
+    assert summary(step(sched)) == [("a", 0, 2, [0], True), ("b", 0, 1, [1], False)]
+    assert summary(step(sched)) == [("a", 2, 1, [0, 2], True), ("b", 1, 1, [1], True)]
+    # b preempts itself; a 2-token chunk of it would fit in the freed block, but memory is short,
+    # so nothing is admitted until the next step.
+    out = step(sched)
+    assert out.preempted == [b] and summary(out) == [("a", 3, 1, [0, 2], True)]
+    assert list(sched.waiting) == [b]
+    while sched.has_unfinished():
+        step(sched)
+    assert b.num_output_tokens == 3 and bm.num_free_blocks == 3
+
+
+def test_abort_and_finish_give_every_block_back() -> None:
+    sched, bm = make(8, 4, max_num_seqs=2)
+    a, b, c = req("a", 5), req("b", 9), req("c", 3)
+    for r in (a, b, c):
+        sched.add_request(r)
+    out = sched.schedule()
+    assert bm.num_free_blocks == 3
+    # Aborted while its step runs: blocks back at once, and the step's update skips it.
+    assert sched.abort("a") is a and a.status == RequestStatus.FINISHED_ABORTED
+    sched.update_after_step(out)
+    assert a.num_computed_tokens == 0 and sched.running == [b]
+    assert sched.abort("c") is c and sched.num_waiting == 0  # from the waiting queue
+    assert sched.abort("c") is None and sched.abort("nope") is None
+    sched.finish(b, RequestStatus.FINISHED_STOPPED)
+    assert b.status == RequestStatus.FINISHED_STOPPED
+    sched.finish(b, RequestStatus.FINISHED_ABORTED)  # a second finish changes nothing
+    assert b.status == RequestStatus.FINISHED_STOPPED
+    assert not sched.has_unfinished() and bm.num_free_blocks == 8
+    assert sched.schedule().is_empty
+
+
+def test_requests_that_can_never_fit_are_refused() -> None:
+    sched, _ = make(4, 4, max_model_len=64)  # 16 tokens of cache
+    with pytest.raises(RequestTooLargeError):
+        sched.add_request(req("big", 10, max_tokens=7))  # 17 tokens > 16
+    sched.add_request(req("ok", 10, max_tokens=6))
+    capped, _ = make(4, 4, max_model_len=16)
+    capped.add_request(req("capped", 10, max_tokens=100))  # max_model_len caps it at 16
+    with pytest.raises(RequestTooLargeError):
+        capped.add_request(req("prompt", 16))  # no room left for one output token
+    with pytest.raises(ValueError):
+        capped.add_request(req("capped", 2))  # duplicate id
+    assert issubclass(RequestTooLargeError, ValueError)
+    assert capped.num_waiting == 1
+
+
+def test_random_workload_keeps_every_tokens_kv_in_place() -> None:
+    """Fake KV cache: each scheduled token writes (request id, position, token id) at its slot;
+    every sampling step reads back the whole sequence through its block table. Any block handed
+    to two live requests, or a wrong table, shows up as a mismatch."""
+    seed = random.randrange(2**32)
+    rng = random.Random(seed)
+    block_size, num_blocks = rng.choice([(2, 12), (4, 8), (4, 20)])
+    sched, bm = make(num_blocks, block_size, max_num_seqs=rng.randint(1, 5),
+                     budget=rng.randint(3, 16), max_model_len=num_blocks * block_size)
+    cache: dict[int, tuple[str, int, int]] = {}
+    pending = [req(f"r{i}", rng.randint(1, 12), max_tokens=rng.randint(1, 8)) for i in range(30)]
+    live: list[Request] = []
+    for _ in range(2000):
+        if not pending and not sched.has_unfinished():
+            break
+        if pending and rng.random() < 0.5:
+            r = pending.pop()
+            sched.add_request(r)
+            live.append(r)
+        if live and rng.random() < 0.03:
+            sched.abort(rng.choice(live).request_id)
+        out = sched.schedule()
+        assert out.num_batched_tokens <= sched.max_num_batched_tokens, seed
+        assert sched.num_running <= sched.max_num_seqs, seed
+        for s in out.scheduled:
+            r, end = s.request, s.start + s.num_new_tokens
+            assert len(s.block_table) == bm.blocks_needed(end), seed
+            tokens = r.all_token_ids
+            for pos in range(s.start, end):
+                slot = s.block_table[pos // block_size] * block_size + pos % block_size
+                cache[slot] = (r.request_id, pos, tokens[pos])
+            if s.sample:
+                for pos in range(end):
+                    slot = s.block_table[pos // block_size] * block_size + pos % block_size
+                    assert cache[slot] == (r.request_id, pos, tokens[pos]), seed
+        step_update(sched, out)
+    assert not sched.has_unfinished(), seed
+    assert bm.num_free_blocks == num_blocks, seed
+    for r in live:
+        assert r.finished, seed
+        if r.status != RequestStatus.FINISHED_ABORTED:
+            assert r.num_output_tokens == r.sampling.max_tokens, seed
+
+
+def step_update(sched: Scheduler, out: SchedulerOutput) -> None:
+    sched.update_after_step(out)
+    for s in out.scheduled:
+        if s.sample and not s.request.finished:
+            s.request.append_token(TOKEN)
+            status = s.request.check_token_stop()
+            if status is not None:
+                sched.finish(s.request, status)

@@ -1,0 +1,151 @@
+"""Builders of tiny Hugging Face-layout model folders for tests across the tree.
+
+`make_hf_model_dir(tmp_path, "llama")` writes what a real checkpoint folder holds: config.json,
+model.safetensors (or shards), generation_config.json, tokenizer.json and tokenizer_config.json. The
+weights come from transformers' own model classes (so transformers can serve as the oracle), with
+a fresh random seed per call, printed (pytest shows it with a failure) and kept in the folder name.
+Importing this module is cheap; transformers is imported on the first call.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import random
+import secrets
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+
+PAD_ID, BOS_ID, EOS_ID = 0, 1, 2  # the tiny tokenizer's specials: <pad>, <s>, </s>
+
+# Small enough to build in ~0.1 s; head_dim 16, GQA with 2 query heads per kv head.
+TINY_CONFIG: dict[str, Any] = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    bos_token_id=BOS_ID,
+    eos_token_id=EOS_ID,
+    pad_token_id=PAD_ID,
+    tie_word_embeddings=False,
+)
+
+_WORDS = (
+    "the a small large red blue green cat dog bird tree river mountain city house road story model "
+    "token cache block layer head query key value runs sleeps reads writes jumps flies sings quickly "
+    "slowly today yesterday because and but or with under over near far old new bright dark"
+).split()
+_UNICODE_WORDS = ("café", "naïve", "über", "garçon", "日本", "東京", "こんにちは", "Привет", "😀", "🚀", "👍🏽")
+
+
+def sample_sentences(n: int = 400, seed: int = 0) -> list[str]:
+    """n short sentences of ASCII words with some multi-byte UTF-8 (accents, CJK, emoji)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        words = [rng.choice(_WORDS) for _ in range(rng.randint(4, 12))]
+        if rng.random() < 0.3:
+            words.insert(rng.randrange(len(words) + 1), rng.choice(_UNICODE_WORDS))
+        sentence = " ".join(words)
+        out.append(sentence[0].upper() + sentence[1:] + rng.choice(".!?"))
+    return out
+
+
+@functools.lru_cache(maxsize=4)
+def _trained_tokenizer_json(vocab_size: int) -> str:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<pad>", "<s>", "</s>"],  # ids 0, 1, 2
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte encodable
+        show_progress=False,
+    )
+    tok.train_from_iterator(sample_sentences(), trainer=trainer)
+    assert (tok.token_to_id("<pad>"), tok.token_to_id("<s>"), tok.token_to_id("</s>")) == (PAD_ID, BOS_ID, EOS_ID)
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", BOS_ID)])
+    return tok.to_str()
+
+
+def write_tokenizer(path: Path, vocab_size: int = 512) -> Path:
+    """Writes tokenizer.json (byte-level BPE with <pad>/<s>/</s> = 0/1/2, BOS added by the
+    post-processor; at most vocab_size ids) and tokenizer_config.json into `path`; returns path."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "tokenizer.json").write_text(_trained_tokenizer_json(vocab_size))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "pad_token": "<pad>",
+    }, indent=2))
+    return path
+
+
+def _config_class(arch: str):
+    import transformers
+
+    classes = {
+        "llama": transformers.LlamaConfig,
+        "mistral": transformers.MistralConfig,
+        "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+    }
+    if arch not in classes:
+        raise ValueError(f"unknown arch {arch!r}; one of {ARCHS}")
+    return classes[arch]
+
+
+def make_hf_model_dir(tmp_path: Path, arch: str, *, seed: int | None = None, weight_scale: float = 1.0,
+                      max_shard_size: str | None = None, generation_eos: int | list[int] | None = None,
+                      **overrides: Any) -> Path:
+    """A tiny random `arch` model folder under tmp_path, loadable by transformers and by model/.
+
+    arch: "llama" | "mistral" | "qwen2" | "qwen3". overrides: config fields over TINY_CONFIG (e.g.
+    tie_word_embeddings=True, rope_scaling={...}, attention_bias=True). seed: weights' seed (fresh
+    and printed when None). weight_scale: multiplies every projection and embedding weight after
+    transformers' init (std 0.02), for sharper attention and output distributions. Norm weights and
+    biases are also randomized (transformers initializes them to 1 and 0), so that a swapped norm or
+    a dropped bias shows. max_shard_size (e.g. "20KB") forces a sharded checkpoint.
+    generation_eos: eos_token_id written to generation_config.json (default: the config's).
+    """
+    import torch
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()  # save/load bars would flood test output
+    if seed is None:
+        seed = secrets.randbelow(2**31)
+    print(f"make_hf_model_dir: arch={arch} seed={seed} weight_scale={weight_scale} overrides={overrides}")
+    cfg_kwargs = {**TINY_CONFIG, "dtype": "float32", **overrides}
+    config = _config_class(arch)(**cfg_kwargs)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * weight_scale * torch.randn_like(p))
+            else:
+                p.mul_(weight_scale)
+
+    path = Path(tempfile.mkdtemp(dir=tmp_path, prefix=f"{arch}-seed{seed}-"))
+    save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, **save_kwargs)
+    eos = cfg_kwargs.get("eos_token_id") if generation_eos is None else generation_eos
+    (path / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": cfg_kwargs.get("bos_token_id"), "eos_token_id": eos,
+         "pad_token_id": cfg_kwargs.get("pad_token_id")}, indent=2))
+    write_tokenizer(path, vocab_size=min(cfg_kwargs["vocab_size"], 512))
+    return path

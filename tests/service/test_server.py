@@ -1,0 +1,214 @@
+"""End to end: a real grpc.aio server on a loopback port, called through the bundled client."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import random
+import time
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from engine.config import EngineConfig
+from pie_client import Client, InvalidArgument, ResourceExhausted, DeadlineExceeded
+from service.server import BackgroundServer, ServerConfig
+from service.servicer import SERVICE_NAME
+from tests.helpers import make_hf_model_dir
+
+NUM_BLOCKS = 96
+
+
+def wait_until(predicate, timeout: float = 10.0, what: str = "condition"):
+    """Polls a condition (never a blind sleep) until it holds or the timeout passes."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_hf_model_dir(tmp_path_factory.mktemp("llama"), "llama")
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    cfg = EngineConfig(model=str(model_dir), device="cpu", kv_cache_dtype="fp32", block_size=16,
+                       num_kv_blocks=NUM_BLOCKS, max_num_seqs=16, max_num_batched_tokens=256, max_waiting=64)
+    with BackgroundServer(ServerConfig(port=0, grace_s=5), cfg) as s:
+        yield s
+
+
+@pytest.fixture()
+def client(server):
+    with Client(server.address, timeout=60) as c:
+        yield c
+
+
+def hf_greedy(model_dir, prompt_ids: list[int], n: int) -> list[int]:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = hf.generate(ids, max_new_tokens=n, do_sample=False, min_new_tokens=n,
+                          attention_mask=torch.ones_like(ids), pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def test_model_info_and_tokenize(client, server):
+    info = client.model_info()
+    assert info.architecture == "LlamaForCausalLM"
+    assert info.kv_cache_dtype == "fp32"
+    assert info.block_size == 16
+    assert info.load.kv_blocks_total == NUM_BLOCKS
+    assert info.load.kv_blocks_free == NUM_BLOCKS
+    assert info.vocab_size == server.engine.vocab_size
+    assert info.eos_token_ids == list(server.engine.eos_token_ids)
+    tok = client.tokenize("Once upon a time")
+    assert tok.token_ids == server.engine.tokenizer.encode("Once upon a time")
+    assert len(tok.tokens) == len(tok.token_ids)
+
+
+def test_greedy_matches_transformers(client, model_dir):
+    rng = random.Random()
+    for _ in range(3):
+        prompt = [rng.randrange(3, 500) for _ in range(rng.randrange(3, 40))]
+        ours = client.generate(prompt, max_tokens=32, temperature=0, ignore_eos=True)
+        assert ours.token_ids == hf_greedy(model_dir, prompt, 32)
+        assert ours.finish_reason == "length"
+        assert ours.prompt_tokens == len(prompt) and ours.completion_tokens == 32
+
+
+def test_streams_equal_unary(client):
+    """16 concurrent streams, each with its own seed; each stream's text equals the unary answer."""
+    rng = random.Random()
+    prompts = [" ".join(rng.choice(["the", "cat", "sat", "on", "a", "mat", "and", "dog"]) for _ in range(rng.randrange(2, 30)))
+               for _ in range(16)]
+    kwargs = [dict(max_tokens=rng.randrange(8, 40), temperature=0.9, top_p=0.95, top_k=50, seed=rng.randrange(2**31),
+                   ignore_eos=True) for _ in range(16)]
+
+    def run_stream(i):
+        deltas = list(client.stream(prompts[i], **kwargs[i]))
+        return deltas
+
+    with cf.ThreadPoolExecutor(16) as pool:
+        streamed = list(pool.map(run_stream, range(16)))
+    for i, deltas in enumerate(streamed):
+        unary = client.generate(prompts[i], **kwargs[i])
+        assert "".join(d.text for d in deltas) == unary.text
+        assert [t for d in deltas for t in d.token_ids] == unary.token_ids
+        assert deltas[-1].finish_reason == "length" and deltas[-1].usage.completion_tokens == kwargs[i]["max_tokens"]
+        assert all(d.finish_reason is None for d in deltas[:-1])
+
+
+def test_cancelled_stream_and_deadline_free_blocks(client, server):
+    free_before = client.model_info().load.kv_blocks_free
+    it = client.stream("a b c d e f", max_tokens=500, ignore_eos=True, temperature=0)
+    next(it)
+    next(it)
+    it.close()  # cancels the RPC
+    wait_until(lambda: client.model_info().load.kv_blocks_free == free_before, what="blocks back after cancel")
+    # An expired deadline mid-generation: time a full run first so the deadline surely falls inside one.
+    t0 = time.monotonic()
+    client.generate("a b c d e f", max_tokens=480, ignore_eos=True)
+    full_s = time.monotonic() - t0
+    with pytest.raises(DeadlineExceeded):
+        for _ in client.stream("a b c d e f", max_tokens=480, ignore_eos=True, timeout=full_s / 3):
+            pass
+    wait_until(lambda: client.model_info().load.kv_blocks_free == free_before, what="blocks back after deadline")
+    info = client.model_info()
+    assert info.load.requests_running == 0 and info.load.requests_waiting == 0
+
+
+BAD_INPUTS = [
+    ("prompt", dict(prompt="")),
+    ("prompt_token_ids", dict(prompt=[])),
+    ("prompt_token_ids", dict(prompt=[1, 2, 10_000_000])),
+    ("prompt", dict(prompt=[1] * 5000)),
+    ("sampling.max_tokens", dict(max_tokens=100_000)),
+    ("sampling.max_tokens", dict(prompt=[1] * 200, max_tokens=400)),
+    ("sampling.temperature", dict(temperature=-1.0)),
+    ("sampling.temperature", dict(temperature=float("nan"))),
+    ("sampling.top_k", dict(top_k=10**6)),
+    ("sampling.top_p", dict(top_p=0.0)),
+    ("sampling.top_p", dict(top_p=1.5)),
+    ("sampling.min_p", dict(min_p=2.0)),
+    ("sampling.repetition_penalty", dict(repetition_penalty=0.0)),
+    ("sampling.repetition_penalty", dict(repetition_penalty=float("inf"))),
+    ("sampling.presence_penalty", dict(presence_penalty=3.0)),
+    ("sampling.frequency_penalty", dict(frequency_penalty=-5.0)),
+    ("sampling.seed", dict(seed=2**64 - 1)),
+    ("sampling.stop", dict(stop=[""])),
+    ("sampling.stop", dict(stop=["x"] * 100)),
+    ("sampling.stop", dict(stop=["x" * 1000])),
+    ("sampling.stop_token_ids", dict(stop_token_ids=[10**7])),
+    ("sampling.logprobs", dict(logprobs=1000)),
+]
+
+
+@pytest.mark.parametrize("field,kwargs", BAD_INPUTS, ids=[f"{f}-{i}" for i, (f, _) in enumerate(BAD_INPUTS)])
+def test_bad_input_names_field(client, field, kwargs):
+    kwargs = dict(kwargs)
+    prompt = kwargs.pop("prompt", "hello there")
+    with pytest.raises(InvalidArgument) as err:
+        client.generate(prompt, **kwargs)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in [f for f, _ in err.value.field_violations], err.value
+    with pytest.raises(InvalidArgument):
+        list(client.stream(prompt, **kwargs))
+    # ... and the server keeps serving everyone else.
+    assert client.generate("hello", max_tokens=2).completion_tokens == 2
+
+
+def test_request_id_round_trip(client):
+    out = client.generate("hello", max_tokens=2, request_id="my-id-42")
+    assert out.request_id == "my-id-42"
+    with pytest.raises(InvalidArgument) as err:
+        client.generate("", request_id="bad-id-7")
+    assert err.value.request_id == "bad-id-7"
+
+
+def test_stop_string_and_logprobs(client):
+    base = client.generate("the cat", max_tokens=24, temperature=0, ignore_eos=True, logprobs=3)
+    assert len(base.logprobs) == len(base.token_ids)
+    for lp in base.logprobs:
+        assert len(lp.top_logprobs) == 3
+        assert lp.top_logprobs[0].logprob >= lp.top_logprobs[-1].logprob
+        assert lp.logprob <= lp.top_logprobs[0].logprob + 1e-5
+    text = base.text
+    if len(text) >= 6:
+        stop = text[3:6]
+        cut = client.generate("the cat", max_tokens=24, temperature=0, ignore_eos=True, stop=[stop])
+        assert cut.finish_reason == "stop" and cut.stop_reason == stop
+        assert cut.text == text[:text.index(stop)]
+
+
+def test_health_readiness(server):
+    with grpc.insecure_channel(server.address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        assert stub.Check(health_pb2.HealthCheckRequest(service="")).status == health_pb2.HealthCheckResponse.SERVING
+        assert stub.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME)).status == \
+            health_pb2.HealthCheckResponse.SERVING
+
+
+def test_queue_bound_resource_exhausted(model_dir):
+    cfg = EngineConfig(model=str(model_dir), device="cpu", kv_cache_dtype="fp32", num_kv_blocks=32,
+                       max_num_seqs=1, max_waiting=1)
+    with BackgroundServer(ServerConfig(port=0, grace_s=1), cfg) as s, Client(s.address, timeout=60) as c:
+        first = c.stream("a b c", max_tokens=400, ignore_eos=True)
+        next(first)  # running
+        second = c.stream("d e f", max_tokens=4, ignore_eos=True)
+        with cf.ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(lambda: list(second))
+            wait_until(lambda: c.model_info().load.requests_waiting == 1, what="one waiting request")
+            with pytest.raises(ResourceExhausted) as err:
+                c.generate("g h i", max_tokens=4)
+            assert err.value.retry_after is not None
+            first.close()
+            assert fut.result(timeout=60)[-1].finish_reason == "length"
