@@ -66,10 +66,13 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.dead: BaseException | None = None
+        self._idle: asyncio.Event | None = None  # set while no request is in flight (drain waits on it)
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self._loop = loop or asyncio.get_running_loop()
+        self._idle = asyncio.Event()
+        self._idle.set()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
 
@@ -84,6 +87,16 @@ class AsyncEngine:
     @property
     def num_in_flight(self) -> int:
         return len(self._streams)
+
+    async def wait_idle(self) -> None:
+        """Returns once no request is in flight (used to drain before shutting down)."""
+        await self._idle.wait()
+
+    def _forget_stream(self, request_id: str) -> RequestStream | None:
+        stream = self._streams.pop(request_id, None)
+        if not self._streams:
+            self._idle.set()
+        return stream
 
     @property
     def num_queued(self) -> int:
@@ -104,6 +117,7 @@ class AsyncEngine:
             raise QueueFullError(f"{waiting} requests are waiting (bound {self.engine.config.max_waiting})")
         stream = RequestStream(request_id)
         self._streams[request_id] = stream
+        self._idle.clear()
         with self._wake:
             self._inbox.append(("add", request_id, prompt_token_ids, sampling))
             self._wake.notify()
@@ -111,7 +125,7 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         """Stops a request within one step and frees its blocks; its stream gets nothing more."""
-        if self._streams.pop(request_id, None) is None:
+        if self._forget_stream(request_id) is None:
             return
         with self._wake:
             self._inbox.append(("abort", request_id))
@@ -124,7 +138,7 @@ class AsyncEngine:
                 continue  # aborted by its caller after the step began
             stream._put(o)
             if o.finished:
-                del self._streams[o.request_id]
+                self._forget_stream(o.request_id)
 
     # ---- the engine thread -----------------------------------------------------------------
     def _run(self) -> None:

@@ -78,11 +78,20 @@ class PieServer:
     async def stop(self, grace_s: float | None = None) -> None:
         """Readiness off, new requests UNAVAILABLE, in-flight requests get `grace_s` to finish."""
         grace = self.config.grace_s if grace_s is None else grace_s
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
         self.servicer.draining = True
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
-        log.info("server_draining", grace_s=grace)
+        in_flight = self.engine.num_in_flight if self.engine is not None else 0
+        log.info("server_draining", grace_s=grace, in_flight=in_flight)
+        if self.engine is not None and in_flight:
+            # Health and the RPCs' UNAVAILABLE answers keep working while in-flight requests finish.
+            try:
+                await asyncio.wait_for(self.engine.wait_idle(), timeout=grace)
+            except TimeoutError:
+                log.warning("drain_timeout", still_in_flight=self.engine.num_in_flight)
         if self.server is not None:
-            await self.server.stop(grace)
+            await self.server.stop(max(0.0, deadline - loop.time()))
         if self.engine is not None:
             await asyncio.to_thread(self.engine.stop)
         log.info("server_stopped")
