@@ -156,6 +156,13 @@ class LLMEngine:
         self._forget(request_id)
         return True
 
+    def abort_all(self) -> list[str]:
+        """Aborts every request (shutdown); returns their ids."""
+        ids = list(self._requests)
+        for rid in ids:
+            self.abort(rid)
+        return ids
+
     def _forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
         self._seeds.pop(request_id, None)

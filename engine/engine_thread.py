@@ -174,10 +174,12 @@ class AsyncEngine:
 
     def _shutdown_requests(self) -> None:
         status = RequestStatus.FINISHED_ERROR if self.dead is not None else RequestStatus.FINISHED_ABORTED
-        ids = list(self.engine._requests)
-        for rid in ids:
-            self.engine.abort(rid)
-        outs = [RequestOutput(rid, [], "", finished=True, status=status,
-                              error=str(self.dead) if self.dead else None) for rid in list(self._streams)]
-        if outs and self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._deliver, outs)
+        self.engine.abort_all()
+        if self._loop is not None and not self._loop.is_closed():
+            # Streams are owned by the loop thread: fail whatever is still open there.
+            self._loop.call_soon_threadsafe(self._fail_open_streams, status)
+
+    def _fail_open_streams(self, status: RequestStatus) -> None:
+        error = str(self.dead) if self.dead is not None else None
+        self._deliver([RequestOutput(rid, [], "", finished=True, status=status, error=error)
+                       for rid in list(self._streams)])

@@ -191,3 +191,52 @@ def test_queue_bound_resource_exhausted(model_dir):
             assert err.value.retry_after is not None
             first.close()
             assert fut.result(timeout=60)[-1].finish_reason == "length"
+
+
+def test_reflection_lists_and_describes_services(server):
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+    from google.protobuf.descriptor_pool import DescriptorPool
+
+    with grpc.insecure_channel(server.address) as ch:
+        db = ProtoReflectionDescriptorDatabase(ch)
+        services = set(db.get_services())
+        assert {SERVICE_NAME, "grpc.health.v1.Health"} <= services
+        pool = DescriptorPool(db)
+        svc = pool.FindServiceByName(SERVICE_NAME)
+        assert {m.name for m in svc.methods} == {"Generate", "GenerateStream", "Tokenize", "GetModelInfo"}
+        sampling = pool.FindMessageTypeByName("pie.v1.SamplingParams")
+        assert "repetition_penalty" in sampling.fields_by_name
+
+
+def test_not_serving_until_loaded(model_dir):
+    """Readiness is NOT_SERVING and RPCs answer UNAVAILABLE while the model is not loaded yet."""
+    import asyncio
+
+    from pie_client import Unavailable
+    from service.server import PieServer
+
+    cfg = EngineConfig(model=str(model_dir), device="cpu", num_kv_blocks=8)
+    loop = asyncio.new_event_loop()
+    pie = PieServer(ServerConfig(port=0), cfg)
+    try:
+        port = loop.run_until_complete(pie.start())
+        address = f"127.0.0.1:{port}"
+
+        async def check():
+            async with grpc.aio.insecure_channel(address) as ch:
+                stub = health_pb2_grpc.HealthStub(ch)
+                live = await stub.Check(health_pb2.HealthCheckRequest(service=""))
+                ready = await stub.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
+                return live.status, ready.status
+
+        live, ready = loop.run_until_complete(check())
+        assert live == health_pb2.HealthCheckResponse.SERVING
+        assert ready == health_pb2.HealthCheckResponse.NOT_SERVING
+        fut = cf.ThreadPoolExecutor(1).submit(lambda: Client(address, timeout=10).generate("hi", max_tokens=1))
+        while not fut.done():
+            loop.run_until_complete(asyncio.sleep(0.01))
+        with pytest.raises(Unavailable):
+            fut.result()
+    finally:
+        loop.run_until_complete(pie.stop(0))
+        loop.close()
