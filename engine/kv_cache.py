@@ -2,7 +2,7 @@
 
 Layout (one tensor for all layers, so capacity is one number):
     k, v:             (num_layers, num_blocks, block_size, num_kv_heads, head_dim)  int8 | bf16 | fp16 | fp32
-    k_scale, v_scale: (num_layers, num_blocks, block_size, num_kv_heads)  fp32, int8 caches only
+    k_scale, v_scale: (num_layers, num_blocks, num_kv_heads, block_size)  fp32, int8 caches only
 A token's slot is block_id * block_size + offset; its K/V are quantized once, when written.
 
 Per step the runner fills `AttentionMetadata` for the packed batch. For sequence i:
@@ -44,8 +44,9 @@ class KVCache:
         self.k_scale: torch.Tensor | None = None
         self.v_scale: torch.Tensor | None = None
         if kv_cache_dtype == "int8":
-            self.k_scale = torch.zeros(shape[:-1], dtype=torch.float32, device=device)
-            self.v_scale = torch.zeros(shape[:-1], dtype=torch.float32, device=device)
+            scale_shape = (num_layers, num_blocks, num_kv_heads, block_size)  # head-major per page
+            self.k_scale = torch.zeros(scale_shape, dtype=torch.float32, device=device)
+            self.v_scale = torch.zeros(scale_shape, dtype=torch.float32, device=device)
 
     @staticmethod
     def bytes_per_block(*, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,

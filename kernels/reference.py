@@ -3,7 +3,8 @@ tested against.
 
 Shapes (one layer):
     k_cache, v_cache   (num_blocks, block_size, Hkv, D)  int8 | bfloat16 | float16 | float32
-    k_scale, v_scale   (num_blocks, block_size, Hkv)     float32, only for int8 caches, else None
+    k_scale, v_scale   (num_blocks, Hkv, block_size)     float32, only for int8 caches, else None
+                       (head-major: a kernel reads one page's scales of one kv head contiguously)
     slot               block_id * block_size + offset; -1 marks a padding token (skipped)
 
 Packed queries of B sequences (T = sum of q_len_i):
@@ -56,8 +57,9 @@ def _check_cache(cache: torch.Tensor, scale: torch.Tensor | None) -> None:
     assert cache.is_contiguous(), "cache must be contiguous"
     if cache.dtype == torch.int8:
         assert scale is not None and scale.dtype == torch.float32, "int8 cache needs float32 scales"
-        assert scale.shape == cache.shape[:3] and scale.is_contiguous(), (
-            f"scale must be contiguous {tuple(cache.shape[:3])}, got {tuple(scale.shape)}")
+        want = (cache.shape[0], cache.shape[2], cache.shape[1])  # (num_blocks, Hkv, block_size)
+        assert tuple(scale.shape) == want and scale.is_contiguous(), (
+            f"scale must be contiguous {want}, got {tuple(scale.shape)}")
     else:
         assert scale is None, "scales are only for int8 caches"
 
@@ -97,7 +99,7 @@ def write_kv_cache(
         if cache.dtype == torch.int8:
             q, s = quantize_per_token_head(x)
             flat.index_copy_(0, slots, q)
-            scale.view(num_slots, hkv).index_copy_(0, slots, s)
+            scale[slots // block_size, :, slots % block_size] = s  # (T, Hkv) into (nb, Hkv, bs)
         else:
             flat.index_copy_(0, slots, x.to(cache.dtype))
 
@@ -117,7 +119,7 @@ def _gather_kv(cache: torch.Tensor, scale: torch.Tensor | None,
     """blocks (..., n) block ids -> float32 values (..., n * block_size, Hkv, D)."""
     _, block_size, hkv, d = cache.shape
     # (..., n, block_size, Hkv, D)
-    vals = dequantize(cache[blocks], None if scale is None else scale[blocks])
+    vals = dequantize(cache[blocks], None if scale is None else scale[blocks].transpose(-1, -2))
     return vals.reshape(*blocks.shape[:-1], blocks.shape[-1] * block_size, hkv, d)
 
 
@@ -192,7 +194,7 @@ def paged_attention_decode(
         vals = cache[blocks].permute(0, 3, 1, 2, 4).reshape(b, hkv, s_len, d).float()
         if scale is None:
             return vals, None
-        return vals, scale[blocks].permute(0, 3, 1, 2).reshape(b, hkv, 1, s_len)
+        return vals, scale[blocks].permute(0, 2, 1, 3).reshape(b, hkv, 1, s_len)  # (B, n, Hkv, bs) ->
 
     k, k_s = gather(k_cache, k_scale)
     v, v_s = gather(v_cache, v_scale)

@@ -30,8 +30,9 @@ def make_cache(num_blocks: int, block_size: int, hkv: int, dtype: torch.dtype,
         fill = 99 if poison else 0
         k = torch.full(shape, fill, dtype=dtype)
         v = torch.full(shape, fill, dtype=dtype)
-        ks = torch.full(shape[:3], math.nan if poison else 0.0)
-        vs = torch.full(shape[:3], math.nan if poison else 0.0)
+        scale_shape = (num_blocks, hkv, block_size)  # head-major per page
+        ks = torch.full(scale_shape, math.nan if poison else 0.0)
+        vs = torch.full(scale_shape, math.nan if poison else 0.0)
         return k, v, ks, vs
     fill = math.nan if poison else 0.0
     return torch.full(shape, fill, dtype=dtype), torch.full(shape, fill, dtype=dtype), None, None
@@ -181,8 +182,9 @@ def test_write_kv_cache_skips_padding_slots(dtype: torch.dtype) -> None:
         if dtype == torch.int8:
             q, s = quantize_per_token_head(x[keep])
             assert torch.equal(flat[written], q)
-            assert torch.equal(scale.view(-1, hkv)[written], s)
-            untouched = torch.isnan(scale.view(-1, hkv)).all(-1)
+            by_slot = scale.transpose(1, 2).reshape(-1, hkv)  # (num_slots, Hkv)
+            assert torch.equal(by_slot[written], s)
+            untouched = torch.isnan(by_slot).all(-1)
             assert bool((flat[untouched] == 99).all())
         else:
             assert torch.equal(flat[written], x[keep].to(dtype))
