@@ -22,6 +22,7 @@ class EngineConfig:
     max_model_len: int | None = None  # context served; default and cap: the model's
     max_waiting: int = 256  # waiting queue bound; beyond it the service answers RESOURCE_EXHAUSTED
     seed: int = 0  # seeds the stream that draws seeds for requests that bring none
+    attention_backend: str = "auto"  # auto (triton on cuda, torch on cpu), triton, torch (reference)
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -39,5 +40,7 @@ class EngineConfig:
             raise ValueError("num_kv_blocks must be >= 1")
         if self.kv_cache_memory_bytes < 1:
             raise ValueError("kv_cache_memory_bytes must be >= 1")
+        if self.attention_backend not in ("auto", "triton", "torch"):
+            raise ValueError(f"attention_backend must be auto, triton or torch, got {self.attention_backend!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")

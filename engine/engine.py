@@ -98,7 +98,8 @@ class LLMEngine:
             self.block_manager, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=self.max_model_len)
         self.runner = ModelRunner(self.model, self.kv_cache, vocab_size=mc.vocab_size,
-                                  softmax_scale=mc.head_dim ** -0.5, device=self.device)
+                                  softmax_scale=mc.attn_scale, device=self.device,
+                                  attention_backend=config.attention_backend)
         self._seed_source = random.Random(config.seed)
         self._seeds: dict[str, int] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}

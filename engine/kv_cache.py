@@ -69,23 +69,52 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # (B,) int32: tokens in the cache per sequence after this step's write
     query_start_loc: torch.Tensor  # (B + 1,) int32: sequence i owns queries [qsl[i], qsl[i+1])
     max_query_len: int  # longest query run in the batch (1 = pure decode)
+    max_seq_len: int  # longest seq_lens entry (host copy, so kernels size their grids without a sync)
+
+
+ATTENTION_BACKENDS = ("auto", "triton", "torch")
 
 
 class PagedAttention:
     """Attention backend handed to the model: writes each layer's new K/V into the paged cache,
-    then attends from the cache. The torch reference ops run here on the CPU."""
+    then attends from the cache.
 
-    def __init__(self, kv_cache: KVCache, softmax_scale: float) -> None:
+    `impl`: "triton" (CUDA: the Triton cache-write, decode and extend kernels), "torch" (the
+    reference ops in kernels.reference; the CPU path), "auto" = triton on CUDA, torch elsewhere.
+    "triton" on CPU tensors works only under Triton's interpreter (TRITON_INTERPRET=1, tests).
+    Triton is imported only when chosen, so the CPU path never needs it.
+    """
+
+    def __init__(self, kv_cache: KVCache, softmax_scale: float, impl: str = "auto") -> None:
+        if impl not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {impl!r}")
+        if impl == "auto":
+            impl = "triton" if kv_cache.k.is_cuda else "torch"
+        self.impl = impl
         self.kv_cache = kv_cache
         self.softmax_scale = softmax_scale
         self.metadata: AttentionMetadata | None = None
+        if impl == "triton":
+            from kernels import triton_cache_write, triton_decode, triton_extend
+
+            self._write = triton_cache_write.write_kv_cache
+            self._decode = triton_decode.paged_decode
+            self._extend = triton_extend.paged_extend
+        else:
+            self._write = reference.write_kv_cache
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: (T, Hq, D); k, v: (T, Hkv, D) -> (T, Hq, D)
         md = self.metadata
         assert md is not None, "attention metadata must be set before the forward pass"
         k_cache, v_cache, k_scale, v_scale = self.kv_cache.layer(layer_idx)
-        reference.write_kv_cache(k, v, k_cache, v_cache, k_scale, v_scale, md.slot_mapping)
-        return reference.paged_attention(
-            q, k_cache, v_cache, k_scale, v_scale, md.block_tables, md.seq_lens,
-            md.query_start_loc, self.softmax_scale, max_query_len=md.max_query_len)
+        self._write(k, v, k_cache, v_cache, k_scale, v_scale, md.slot_mapping)
+        if self.impl == "torch":
+            return reference.paged_attention(
+                q, k_cache, v_cache, k_scale, v_scale, md.block_tables, md.seq_lens,
+                md.query_start_loc, self.softmax_scale, max_query_len=md.max_query_len)
+        if md.max_query_len == 1:  # pure decode: one query per sequence, split-K over the context
+            return self._decode(q, k_cache, v_cache, k_scale, v_scale, md.block_tables, md.seq_lens,
+                                self.softmax_scale, max_seq_len=md.max_seq_len)
+        return self._extend(q, k_cache, v_cache, k_scale, v_scale, md.block_tables, md.seq_lens,
+                            md.query_start_loc, self.softmax_scale, max_query_len=md.max_query_len)

@@ -36,13 +36,13 @@ def _token_slice(req: Request, start: int, n: int) -> list[int]:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, *, vocab_size: int,
-                 softmax_scale: float, device: torch.device) -> None:
+                 softmax_scale: float, device: torch.device, attention_backend: str = "auto") -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.vocab_size = vocab_size
         self.device = device
-        self.attention = PagedAttention(kv_cache, softmax_scale)
+        self.attention = PagedAttention(kv_cache, softmax_scale, attention_backend)
 
     def _prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         scheduled = out.scheduled
@@ -72,6 +72,7 @@ class ModelRunner:
             seq_lens=(start_t + q_lens).to(torch.int32).to(dev, non_blocking=True),
             query_start_loc=qsl.to(torch.int32).to(dev, non_blocking=True),
             max_query_len=max(query_lens),
+            max_seq_len=max(st + n for st, n in zip(starts, query_lens)),
         )
         input_ids = torch.tensor(token_ids, dtype=torch.int64).to(dev, non_blocking=True)
         return input_ids, positions.to(dev, non_blocking=True), md

@@ -32,6 +32,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--max-waiting", type=int, default=d.max_waiting,
                    help="waiting-queue bound; beyond it requests get RESOURCE_EXHAUSTED")
+    p.add_argument("--attention-backend", default=d.attention_backend, choices=("auto", "triton", "torch"),
+                   help="attention kernels: triton on cuda, torch reference on cpu (auto)")
     p.add_argument("--seed", type=int, default=d.seed, help="seeds the seeds of requests that bring none")
     p.add_argument("--grace", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM")
     p.add_argument("--model-name", default=None, help="name reported by GetModelInfo")
@@ -52,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
                 block_size=args.block_size, kv_cache_memory_bytes=int(args.kv_cache_memory * 2**30),
                 num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                max_waiting=args.max_waiting, seed=args.seed)
+                max_waiting=args.max_waiting, seed=args.seed,
+                attention_backend=args.attention_backend)
         except ValueError as e:
             parser.error(str(e))
         server = PieServer(ServerConfig(host=args.host, port=args.port, grace_s=args.grace,

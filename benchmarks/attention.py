@@ -1,0 +1,194 @@
+"""Paged attention kernel benchmark (GPU): our int8 and bf16 paged decode against torch SDPA on
+contiguous bf16 K/V, the extend kernel against SDPA causal, a device-to-device copy as the
+bandwidth ceiling, and int8 fidelity, all measured in one run.
+
+    python benchmarks/attention.py [--quick] [--out results.json]
+
+Bytes counted per decode call are the ones that must move: K and V once (int8 + fp32 scales, or
+bf16), q and out. Times are medians of triton.testing.do_bench (L2 flushed between runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+import torch
+import triton
+
+from kernels import reference
+from kernels.triton_cache_write import write_kv_cache
+from kernels.triton_decode import paged_decode
+from kernels.triton_extend import paged_extend
+
+HQ, HKV, D, BLOCK = 32, 8, 128, 16
+
+
+def bench(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def copy_bandwidth() -> float:
+    """Bytes read + written per second by a large device-to-device copy."""
+    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    ms = bench(lambda: dst.copy_(src))
+    return 2 * src.numel() / (ms * 1e-3)
+
+
+def make_paged(batch: int, ctx: int, kv_dtype: str, k: torch.Tensor, v: torch.Tensor):
+    """Scatter contiguous K/V (B, ctx, Hkv, D) into shuffled pages of a fresh cache."""
+    blocks_per_seq = math.ceil(ctx / BLOCK)
+    num_blocks = batch * blocks_per_seq
+    dtype = torch.int8 if kv_dtype == "int8" else torch.bfloat16
+    k_cache = torch.empty(num_blocks, BLOCK, HKV, D, dtype=dtype, device="cuda")
+    v_cache = torch.empty_like(k_cache)
+    ks = vs = None
+    if kv_dtype == "int8":
+        ks = torch.empty(num_blocks, HKV, BLOCK, dtype=torch.float32, device="cuda")
+        vs = torch.empty_like(ks)
+    tables = torch.randperm(num_blocks, device="cuda", dtype=torch.int32).view(batch, blocks_per_seq)
+    pos = torch.arange(ctx, device="cuda")
+    for b in range(batch):
+        slots = tables[b, pos // BLOCK].long() * BLOCK + pos % BLOCK
+        write_kv_cache(k[b], v[b], k_cache, v_cache, ks, vs, slots)
+    return k_cache, v_cache, ks, vs, tables
+
+
+def decode_rows(quick: bool, copy_bw: float) -> list[dict]:
+    rows = []
+    batches = (1, 64) if quick else (1, 8, 64, 256)
+    contexts = (4096, 32768) if quick else (512, 4096, 32768)
+    scale = D ** -0.5
+    for batch in batches:
+        for ctx in contexts:
+            if batch * ctx > 64 * 32768:
+                continue  # K/V of every variant would not fit beside each other
+            k = torch.randn(batch, ctx, HKV, D, device="cuda", dtype=torch.bfloat16)
+            v = torch.randn_like(k)
+            q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16)
+            seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+            # SDPA on contiguous bf16: (B, H, L, D) with GQA.
+            kt, vt = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
+            sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
+                q[:, :, None], kt, vt, scale=scale, enable_gqa=True)
+            t_sdpa = bench(sdpa)
+            ref_out = sdpa()[:, :, 0].float()
+            del kt, vt
+            qo_bytes = 2 * q.numel() * q.element_size()
+            row = dict(batch=batch, ctx=ctx, sdpa_ms=t_sdpa,
+                       sdpa_tbs=(2 * k.numel() * 2 + qo_bytes) / t_sdpa / 1e9)
+            for kv_dtype in ("int8", "bf16"):
+                kc, vc, ks, vs, tables = make_paged(batch, ctx, kv_dtype, k, v)
+                fn = lambda: paged_decode(q, kc, vc, ks, vs, tables, seq_lens, scale, max_seq_len=ctx)  # noqa: E731
+                out = fn().float()
+                err = ((out - ref_out).norm() / ref_out.norm()).item()
+                t = bench(fn)
+                kv_bytes = 2 * kc.numel() * kc.element_size() + (2 * ks.numel() * 4 if ks is not None else 0)
+                tbs = (kv_bytes + qo_bytes) / t / 1e9
+                row |= {f"{kv_dtype}_ms": t, f"{kv_dtype}_tbs": tbs, f"{kv_dtype}_copy_frac": tbs * 1e12 / copy_bw,
+                        f"{kv_dtype}_vs_sdpa": t_sdpa / t, f"{kv_dtype}_rel_err_vs_sdpa": err}
+                del kc, vc, ks, vs
+            rows.append(row)
+            del k, v
+            torch.cuda.empty_cache()
+    return rows
+
+
+def extend_rows(quick: bool) -> list[dict]:
+    rows = []
+    scale = D ** -0.5
+    for batch, n in ((1, 4096), (4, 4096)) if not quick else ((1, 4096),):
+        k = torch.randn(batch, n, HKV, D, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        q = torch.randn(batch, n, HQ, D, device="cuda", dtype=torch.bfloat16)
+        qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+        sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
+            qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
+        t_sdpa = bench(sdpa)
+        ref_out = sdpa().transpose(1, 2).reshape(batch * n, HQ, D).float()
+        seq_lens = torch.full((batch,), n, dtype=torch.int32, device="cuda")
+        qsl = torch.arange(0, (batch + 1) * n, n, dtype=torch.int32, device="cuda")
+        row = dict(batch=batch, prompt=n, sdpa_causal_ms=t_sdpa)
+        for kv_dtype in ("int8", "bf16"):
+            kc, vc, ks, vs, tables = make_paged(batch, n, kv_dtype, k, v)
+            qf = q.reshape(batch * n, HQ, D)
+            fn = lambda: paged_extend(qf, kc, vc, ks, vs, tables, seq_lens, qsl, scale, max_query_len=n)  # noqa: E731
+            out = fn().float()
+            t = bench(fn)
+            row |= {f"{kv_dtype}_ms": t, f"{kv_dtype}_over_sdpa": t / t_sdpa,
+                    f"{kv_dtype}_rel_err_vs_sdpa": ((out - ref_out).norm() / ref_out.norm()).item()}
+        rows.append(row)
+    return rows
+
+
+def fidelity_rows() -> list[dict]:
+    """Attention output error of int8 and bf16 pages against an fp32 reference (fp32 q, K, V)."""
+    rows = []
+    batch, ctx, scale = 8, 2048, D ** -0.5
+    for case in ("gaussian", "outlier channels x20"):
+        k = torch.randn(batch, ctx, HKV, D, device="cuda")
+        v = torch.randn_like(k)
+        if case != "gaussian":
+            ch = torch.randperm(D, device="cuda")[:4]
+            k[..., ch] *= 20
+            v[..., ch] *= 20
+        q = torch.randn(batch, HQ, D, device="cuda")
+        kt, vt = k.transpose(1, 2), v.transpose(1, 2)
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q[:, :, None].double(), kt.double(), vt.double(), scale=scale, enable_gqa=True)[:, :, 0]
+        seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+        row = dict(case=case)
+        for kv_dtype in ("int8", "bf16"):
+            kc, vc, ks, vs, tables = make_paged(batch, ctx, kv_dtype, k, v)
+            out = paged_decode(q.bfloat16(), kc, vc, ks, vs, tables, seq_lens, scale, max_seq_len=ctx).double()
+            row[f"{kv_dtype}_rel_err"] = ((out - ref).norm() / ref.norm()).item()
+            row[f"{kv_dtype}_max_abs_err"] = (out - ref).abs().max().item()
+        rows.append(row)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="fewer shapes")
+    ap.add_argument("--out", default=None, help="write all figures as JSON here")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("this benchmark needs a CUDA GPU")
+    torch.manual_seed(0)
+    dev = torch.cuda.get_device_name()
+    copy_bw = copy_bandwidth()
+    print(f"# {dev}, torch {torch.__version__}, triton {triton.__version__}")
+    print(f"copy bandwidth (read + write): {copy_bw / 1e12:.2f} TB/s")
+    dec = decode_rows(args.quick, copy_bw)
+    print("\n## paged decode (Hq 32, Hkv 8, D 128, block 16)")
+    print("| batch | ctx | SDPA bf16 ms | int8 ms | int8 TB/s | int8 % copy | int8 x SDPA | bf16 ms | bf16 TB/s | bf16 % copy | bf16 x SDPA |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in dec:
+        print(f"| {r['batch']} | {r['ctx']} | {r['sdpa_ms']:.4f} | {r['int8_ms']:.4f} | {r['int8_tbs']:.2f} | "
+              f"{100 * r['int8_copy_frac']:.0f}% | {r['int8_vs_sdpa']:.2f} | {r['bf16_ms']:.4f} | {r['bf16_tbs']:.2f} | "
+              f"{100 * r['bf16_copy_frac']:.0f}% | {r['bf16_vs_sdpa']:.2f} |")
+    ext = extend_rows(args.quick)
+    print("\n## paged extend vs SDPA causal (contiguous bf16)")
+    print("| batch | prompt | SDPA causal ms | int8 ms | int8 / SDPA | bf16 ms | bf16 / SDPA |")
+    print("|---|---|---|---|---|---|---|")
+    for r in ext:
+        print(f"| {r['batch']} | {r['prompt']} | {r['sdpa_causal_ms']:.3f} | {r['int8_ms']:.3f} | "
+              f"{r['int8_over_sdpa']:.2f} | {r['bf16_ms']:.3f} | {r['bf16_over_sdpa']:.2f} |")
+    fid = fidelity_rows()
+    print("\n## fidelity: decode output vs fp64 reference (B 8, ctx 2048)")
+    print("| inputs | int8 rel err | int8 max abs | bf16 rel err | bf16 max abs |")
+    print("|---|---|---|---|---|")
+    for r in fid:
+        print(f"| {r['case']} | {r['int8_rel_err']:.2e} | {r['int8_max_abs_err']:.2e} | "
+              f"{r['bf16_rel_err']:.2e} | {r['bf16_max_abs_err']:.2e} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(device=dev, copy_tbs=copy_bw / 1e12, decode=dec, extend=ext, fidelity=fid), f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
