@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# One call on the lent GPU machine: the GPU-marked tests, then the kernel benchmark.
+# Run from the repo root with .whl carried (../shared/tools/gpu-wheels.sh fills it):
+#   bash benchmarks/gpu_check.sh [pytest selection...]
+# Results land in $OUT (gpu_tests.log, attention.md, attention.json) when OUT is set.
+set -uo pipefail
+OUT=${OUT:-/tmp/pie-gpu}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .site .whl/*.whl \
+  && export PYTHONPATH=$PWD/.site:$PWD:$PWD/clients || exit 1
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+sel=("$@")
+[ ${#sel[@]} -eq 0 ] && sel=(tests/kernels tests/engine)
+python3 -m pytest -q -m gpu -p no:cacheprovider "${sel[@]}" 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+python3 benchmarks/attention.py --out "$OUT/attention.json" 2>&1 | tee "$OUT/attention.md"
