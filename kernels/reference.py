@@ -32,12 +32,19 @@ def quantize_per_token_head(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     """Symmetric int8 quantization with one scale per (token, head).
 
     x (T, H, D) float -> (q int8 (T, H, D), scale float32 (T, H)), with
-    scale = max(absmax over D, eps) / 127 and q = clamp(round(x / scale), -127, 127).
+    scale = max(absmax over D, eps) / 127 and q = clamp(round(x / scale), -127, 127), rounding
+    half away from zero.
     """
     assert x.dim() == 3, f"expected (T, H, D), got {tuple(x.shape)}"
     xf = x.float()
-    scale = xf.abs().amax(dim=-1).clamp_min(SCALE_EPS) / INT8_MAX  # (T, H)
-    q = torch.round(xf / scale.unsqueeze(-1)).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    absmax = xf.abs().amax(dim=-1).clamp_min(SCALE_EPS)  # (T, H)
+    # A tensor divisor: CUDA torch multiplies by the reciprocal of a Python scalar divisor, which
+    # is not the IEEE quotient the kernels compute (tl.div_rn) and the CPU gives.
+    scale = absmax / torch.full_like(absmax, INT8_MAX)
+    y = xf / scale.unsqueeze(-1)
+    # Round half away from zero (not torch.round's half-to-even): what a kernel gets from
+    # floor(|y| + 0.5) without libdevice, so the Triton cache write matches this bit for bit.
+    q = (torch.sign(y) * torch.floor(y.abs() + 0.5)).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
     return q, scale
 
 

@@ -43,10 +43,11 @@ class _Recorder(torch.nn.Module):
         return self.inner.compute_logits(hidden)
 
 
-def run_recorded(model_dir, kv_cache_dtype: str, prompts: list[list[int]], max_tokens: int):
-    engine = LLMEngine(EngineConfig(
-        model=str(model_dir), device="cpu", kv_cache_dtype=kv_cache_dtype, block_size=16, num_kv_blocks=64,
-        max_num_seqs=8, max_num_batched_tokens=24))  # small budget: prompts are prefilled in chunks
+def run_recorded(model_dir, kv_cache_dtype: str, prompts: list[list[int]], max_tokens: int, **engine_kwargs):
+    engine = LLMEngine(EngineConfig(**{
+        **dict(model=str(model_dir), device="cpu", kv_cache_dtype=kv_cache_dtype, block_size=16, num_kv_blocks=64,
+               max_num_seqs=8, max_num_batched_tokens=24),  # small budget: prompts are prefilled in chunks
+        **engine_kwargs}))
     rec = _Recorder(engine.model, engine)
     engine.runner.model = rec
     schedule = engine.scheduler.schedule
@@ -163,3 +164,19 @@ def test_triton_path_matches_transformers_on_gpu(tmp_path, arch, kv_cache_dtype)
         total += len(ours)
     print(f"{arch}/{kv_cache_dtype} on cuda: teacher-forced top-1 agreement {agree}/{total}")
     assert agree / total >= 0.9
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp32", "int8"])
+def test_triton_kernels_in_the_engine_on_the_interpreter(tmp_path, kv_cache_dtype):
+    """The engine through the Triton cache-write, extend and decode kernels (Triton's interpreter on
+    the CPU): the same logits as the torch reference path, chunked prefill and decode included."""
+    if torch.cuda.is_available():
+        pytest.skip("the GPU runs the Triton path in test_triton_path_matches_transformers_on_gpu")
+    model_dir = make_hf_model_dir(tmp_path, "llama", weight_scale=4.0, head_dim=64, num_hidden_layers=1)
+    prompts = random_prompts(2)
+    ours = run_recorded(model_dir, kv_cache_dtype, prompts, max_tokens=4, attention_backend="triton")
+    ref = run_recorded(model_dir, kv_cache_dtype, prompts, max_tokens=4, attention_backend="torch")
+    for (seq, gen, logits), (ref_seq, ref_gen, ref_logits) in zip(ours, ref):
+        assert gen == ref_gen
+        err = ((logits - ref_logits).abs().max() / ref_logits.abs().max()).item()
+        assert err <= 1e-4, f"triton vs torch attention path: relative logit error {err:.2e}"

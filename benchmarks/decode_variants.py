@@ -1,0 +1,249 @@
+"""Scratch GPU script for kernels/triton_decode.py: correctness (bf16 q vs the fp32 reference),
+then timings of (BLOCK_N, num_stages, num_splits) variants against SDPA on contiguous bf16 K/V.
+
+    PYTHONPATH=. python3 benchmarks/decode_variants.py [--quick]
+
+Median of triton.testing.do_bench (it zeroes a 256 MB buffer before every rep: L2 flushed).
+Bandwidth counts the K/V bytes (int8 plus fp32 scales, or bf16) once. Writes the table and the
+stage-1 PTX of the gate config to $OUT (or /tmp).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+import triton
+from triton.testing import do_bench
+
+import kernels.triton_decode as td
+from kernels.reference import paged_attention_decode
+
+OUT = os.environ.get("OUT", "/tmp")
+LINES: list[str] = []
+CHECK_EACH = "--v3" in sys.argv  # compare every timed variant with the fp32 reference
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+    LINES.append(msg)
+
+
+def make(b, ctx, hkv, group, d, page, int8):
+    lens = [ctx] * b if isinstance(ctx, int) else ctx
+    nbs = [triton.cdiv(n, page) for n in lens]
+    nb = sum(nbs)
+    perm = torch.randperm(nb, device="cuda").int()
+    table = torch.zeros(b, max(nbs), dtype=torch.int32, device="cuda")
+    used = 0
+    for i, n in enumerate(nbs):
+        table[i, :n] = perm[used:used + n]
+        used += n
+    shape = (nb, page, hkv, d)
+    if int8:
+        k = torch.randint(-127, 128, shape, dtype=torch.int8, device="cuda")
+        v = torch.randint(-127, 128, shape, dtype=torch.int8, device="cuda")
+        ks = torch.rand(nb, hkv, page, device="cuda") * 0.02 + 0.001
+        vs = torch.rand(nb, hkv, page, device="cuda") * 0.02 + 0.001
+        nbytes = 2 * k.numel() + 2 * ks.numel() * 4
+    else:
+        k = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
+        v = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
+        ks = vs = None
+        nbytes = 2 * k.numel() * 2
+    q = torch.randn(b, hkv * group, d, dtype=torch.bfloat16, device="cuda")
+    lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    return (q, k, v, ks, vs, table, lens_t), nbytes * sum(lens) / (nb * page)
+
+
+def bench(fn) -> float:
+    return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def sdpa_ms(b, ctx, hkv, group, d) -> float:
+    q = torch.randn(b, hkv * group, 1, d, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(b, hkv, ctx, d, dtype=torch.bfloat16, device="cuda")
+    v = torch.randn(b, hkv, ctx, d, dtype=torch.bfloat16, device="cuda")
+    return bench(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+
+
+def correctness(int8_only: bool = False) -> None:
+    cases = [  # (lens, hkv, group, d, page, int8, splits)
+        ([1, 17, 1000, 4095, 333], 8, 4, 128, 16, True, None),
+        ([1, 17, 1000, 4095, 333], 8, 4, 128, 16, False, None),
+        ([4096] * 64, 8, 4, 128, 16, True, 1),
+        ([32768], 8, 4, 128, 16, True, None),
+        ([32768], 8, 4, 128, 16, False, None),
+        ([7, 2000, 513], 4, 8, 64, 32, True, 5),
+        ([7, 2000, 513], 2, 16, 128, 16, True, 3),
+        ([7, 2000, 513], 8, 1, 128, 16, False, 1),
+    ]
+    for lens, hkv, group, d, page, int8, splits in cases:
+        if int8_only and not int8:
+            continue
+        args, _ = make(len(lens), lens, hkv, group, d, page, int8)
+        scale = d ** -0.5
+        out = torch.full_like(args[0], float("nan"))
+        td.paged_decode(*args, scale, num_splits=splits, out=out)
+        ref = paged_attention_decode(args[0].float(), *args[1:], scale)
+        err = ((out.float() - ref).norm() / ref.norm()).item()
+        ok = bool(torch.isfinite(out).all()) and err < 1e-2
+        log(f"check lens={lens[:5]} hkv={hkv} g={group} d={d} page={page} int8={int8} "
+            f"splits={splits}: rel_l2={err:.2e} {'OK' if ok else 'FAIL'}")
+
+
+class Capture:
+    """Stands in for the stage-1 kernel to keep the compiled kernel a launch returns."""
+
+    def __init__(self, kernel):
+        self.kernel, self.last = kernel, None
+
+    def __getitem__(self, grid):
+        def launch(*a, **kw):
+            self.last = self.kernel[grid](*a, **kw)
+            return self.last
+        return launch
+
+
+def ptx_report(args, tag: str, **kw) -> None:
+    cap = Capture(td._decode_stage1)
+    td._decode_stage1 = cap
+    try:
+        td.paged_decode(*args, 0.1, **kw)
+    finally:
+        td._decode_stage1 = cap.kernel
+    c = cap.last
+    ptx = c.asm["ptx"]
+    with open(os.path.join(OUT, f"stage1_{tag}.ptx"), "w") as f:
+        f.write(ptx)
+    cvts: dict[str, int] = {}
+    for line in ptx.splitlines():
+        tok = line.strip().split(" ")[0]
+        if tok.startswith("cvt") or tok.startswith("prmt") or tok.startswith("mma") or \
+                tok.startswith("sub.bf16") or tok.startswith("fma.rn.bf16"):
+            cvts[tok] = cvts.get(tok, 0) + 1
+    log(f"ptx {tag}: regs={getattr(c, 'n_regs', '?')} spills={getattr(c, 'n_spills', '?')} "
+        f"smem={getattr(c.metadata, 'shared', '?')} ops={cvts}")
+
+
+def sweep(name, b, ctx, hkv, group, d, page, int8, variants, sdpa):
+    args, nbytes = make(b, ctx, hkv, group, d, page, int8)
+    scale = d ** -0.5
+    out = torch.empty_like(args[0])
+    ref = paged_attention_decode(args[0].float(), *args[1:], scale) if CHECK_EACH else None
+    rows = []
+    for variant in variants:
+        bn, st, sp, nw = variant[:4]
+        regs = variant[4] if len(variant) > 4 else None
+        asm = variant[5] if len(variant) > 5 else True
+        cfg = None if bn is None else td.DecodeConfig(bn, nw, st, regs, asm)
+        if sp is None:
+            sp_used = td.default_num_splits(b, hkv, ctx, td._sm_count(0))
+        else:
+            sp_used = sp
+        try:
+            ms = bench(lambda: td.paged_decode(*args, scale, num_splits=sp_used, out=out,
+                                               config=cfg))
+        except Exception as e:  # noqa: BLE001 - a variant that fails to compile is reported
+            log(f"{name} {variant}: ERROR {type(e).__name__} {e}"[:300])
+            continue
+        err = float("nan")
+        if ref is not None:
+            out.fill_(float("nan"))
+            td.paged_decode(*args, scale, num_splits=sp_used, out=out, config=cfg)
+            err = ((out.float() - ref).norm() / ref.norm()).item()
+        rows.append((ms, bn or 0, st or 0, sp_used, nw or 0))
+        tag = "default" if bn is None else f"r{regs}" + ("" if asm else " noasm")
+        log(f"{name:20s} BN={bn} st={st} splits={sp_used:3d} w={nw} {tag:9s} {ms:.4f} ms "
+            f"{nbytes / ms / 1e9:.2f} TB/s  x{sdpa / ms:.2f} vs SDPA  err {err:.1e}")
+    best = min(rows)
+    log(f"BEST {name}: BN={best[1]} st={best[2]} splits={best[3]} w={best[4]} {best[0]:.4f} ms "
+        f"{nbytes / best[0] / 1e9:.2f} TB/s x{sdpa / best[0]:.2f}")
+    return args
+
+
+def main_v2() -> None:
+    """int8 only, after the inline-PTX V conversion; SDPA times from the first run."""
+    log(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
+    correctness(int8_only=True)
+    gate_sdpa, long_sdpa, short_sdpa = 0.2548, 0.0500, 0.1382
+    gate = [(None, None, None, None), (64, 2, 1, 4), (64, 3, 2, 4), (64, 3, 1, 4, 128),
+            (64, 2, 1, 4, 128), (128, 3, 1, 4), (128, 3, 2, 4), (128, 2, 1, 8), (32, 3, 1, 4),
+            (32, 4, 2, 4), (64, 3, 1, 4, None, False)]
+    args = sweep("B64 ctx4096 int8", 64, 4096, 8, 4, 128, 16, True, gate, gate_sdpa)
+    ptx_report(args, "gate_int8_v2", num_splits=1)
+    sweep("B1 ctx32768 int8", 1, 32768, 8, 4, 128, 16, True,
+          [(None, None, None, None), (64, 3, 64, 4), (128, 3, 32, 4), (128, 2, 64, 4),
+           (64, 3, 32, 4, 128)], long_sdpa)
+    sweep("B256 ctx512 int8", 256, 512, 8, 4, 128, 16, True,
+          [(None, None, None, None), (32, 3, 1, 4), (64, 3, 1, 4, 128)], short_sdpa)
+    with open(os.path.join(OUT, "decode_variants_v2.txt"), "w") as f:
+        f.write("\n".join(LINES) + "\n")
+
+
+def main_v3() -> None:
+    """Register cap, grid order (kv head fastest vs sequence fastest), inline-PTX V on/off."""
+    log(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
+    correctness(int8_only=False)
+    gate_sdpa, long_sdpa, short_sdpa = 0.2548, 0.0500, 0.1382
+    gate = [(None, None, None, None), (64, 2, 1, 4, 128), (64, 2, 1, 4, 128, False),
+            (128, 3, 1, 4), (128, 3, 1, 4, None, False), (64, 3, 1, 4, 128), (64, 2, 2, 4, 128),
+            (64, 2, 8, 4, 128), (128, 3, 4, 4)]
+    sweep("B64 ctx4096 int8", 64, 4096, 8, 4, 128, 16, True, gate, gate_sdpa)
+    sweep("B1 ctx32768 int8", 1, 32768, 8, 4, 128, 16, True,
+          [(128, 3, 32, 4), (128, 3, 32, 4, None, False), (64, 2, 64, 4, 128),
+           (64, 2, 128, 4, 128), (128, 3, 64, 4)], long_sdpa)
+    sweep("B256 ctx512 int8", 256, 512, 8, 4, 128, 16, True,
+          [(64, 2, 1, 4, 128), (128, 3, 1, 4), (64, 2, 1, 4, 128, False)], short_sdpa)
+    sweep("B64 ctx4096 bf16", 64, 4096, 8, 4, 128, 16, False,
+          [(None, None, None, None), (128, 3, 1, 4)], gate_sdpa)
+    sweep("B1 ctx32768 bf16", 1, 32768, 8, 4, 128, 16, False, [(128, 3, 32, 4)], long_sdpa)
+    with open(os.path.join(OUT, "decode_variants_v3.txt"), "w") as f:
+        f.write("\n".join(LINES) + "\n")
+
+
+def main() -> None:
+    if "--v3" in sys.argv:
+        return main_v3()
+    if "--v2" in sys.argv:
+        return main_v2()
+    quick = "--quick" in sys.argv
+    torch.manual_seed(0)
+    log(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
+    a = torch.empty(2 ** 30, dtype=torch.uint8, device="cuda")
+    c = torch.empty_like(a)
+    ms = bench(lambda: c.copy_(a))
+    log(f"copy 1 GiB: {ms:.3f} ms {2 * a.numel() / ms / 1e9:.2f} TB/s")
+    del a, c
+    correctness()
+
+    gate_sdpa = sdpa_ms(64, 4096, 8, 4, 128)
+    long_sdpa = sdpa_ms(1, 32768, 8, 4, 128)
+    short_sdpa = sdpa_ms(256, 512, 8, 4, 128)
+    log(f"SDPA bf16 contiguous: B64 ctx4096 {gate_sdpa:.4f} ms; B1 ctx32768 {long_sdpa:.4f} ms; "
+        f"B256 ctx512 {short_sdpa:.4f} ms")
+
+    dflt = [(None, None, None, None)]
+    grid = [(bn, st, sp, 4) for bn in (32, 64, 128) for st in (2, 3, 4) for sp in (1, 2)]
+    grid += [(64, 3, 4, 4), (128, 3, 1, 8), (128, 2, 1, 8)]
+    if quick:
+        grid = [(64, 3, 1, 4), (128, 2, 1, 4)]
+    for int8 in (True, False):
+        kind = "int8" if int8 else "bf16"
+        gate_args = sweep(f"B64 ctx4096 {kind}", 64, 4096, 8, 4, 128, 16, int8, dflt + grid,
+                          gate_sdpa)
+        ptx_report(gate_args, f"gate_{kind}", num_splits=1)
+        long_grid = [(bn, st, sp, 4) for bn in (64, 128) for st in (3,)
+                     for sp in (8, 16, 32, 48, 64, 96)]
+        sweep(f"B1 ctx32768 {kind}", 1, 32768, 8, 4, 128, 16, int8,
+              dflt + (long_grid[:2] if quick else long_grid), long_sdpa)
+        sweep(f"B256 ctx512 {kind}", 256, 512, 8, 4, 128, 16, int8,
+              dflt + [(64, 3, 1, 4), (32, 3, 1, 4), (64, 3, 2, 4)], short_sdpa)
+    with open(os.path.join(OUT, "decode_variants.txt"), "w") as f:
+        f.write("\n".join(LINES) + "\n")
+
+
+if __name__ == "__main__":
+    main()

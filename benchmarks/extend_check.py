@@ -1,0 +1,186 @@
+"""GPU check and timing of the Triton extend and cache-write kernels (one device call).
+
+    PYTHONPATH=. python3 benchmarks/extend_check.py [--out DIR]
+
+1. Correctness: bf16 q over int8 and bf16 paged caches (GQA 4) against the fp32 torch reference.
+2. Extend timing: 4k-token prompts (Hq 32, Hkv 8, D 128, page 16; B = 1 and 4, plus a 512-token
+   chunk after a 3.5k prefix) against torch SDPA causal on contiguous bf16, over a few tile
+   configurations (BLOCK_M, BLOCK_N, warps, stages).
+3. Cache-write timing: T = 4096 / 16384 tokens from a fused qkv slice into int8 / bf16 caches.
+Times: medians of triton.testing.do_bench (L2 flushed between runs). A markdown table goes to
+stdout and to DIR/extend_check.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from kernels import reference as ref
+from kernels.triton_cache_write import write_kv_cache
+from kernels.triton_extend import paged_extend
+
+HQ, HKV, D, PAGE = 32, 8, 128, 16
+CONFIGS = {  # (BLOCK_M, BLOCK_N, num_warps, num_stages) tried at B=1; None = the default
+    torch.bfloat16: [None],
+    torch.int8: [None, (128, 128, 8, 3), (128, 128, 4, 2)],
+}
+
+
+def bench(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+
+def paged(k: torch.Tensor, v: torch.Tensor, seq_lens: list[int], dtype: torch.dtype):
+    """k, v (B, L, Hkv, D) -> cache, scales and shuffled block tables holding seq_lens[i] tokens."""
+    b, length = k.shape[:2]
+    pages = -(-length // PAGE)
+    num_blocks = b * pages + 7
+    perm = torch.randperm(num_blocks, device="cuda")
+    tables = perm[: b * pages].view(b, pages).int().contiguous()
+    shape = (num_blocks, PAGE, HKV, D)
+    kc = torch.zeros(shape, dtype=dtype, device="cuda")
+    vc = torch.zeros(shape, dtype=dtype, device="cuda")
+    ks = vs = None
+    if dtype == torch.int8:
+        ks = torch.zeros(num_blocks, HKV, PAGE, device="cuda")
+        vs = torch.zeros(num_blocks, HKV, PAGE, device="cuda")
+    for i, s in enumerate(seq_lens):
+        pos = torch.arange(s, device="cuda")
+        slots = tables[i, pos // PAGE].long() * PAGE + pos % PAGE
+        write_kv_cache(k[i, :s], v[i, :s], kc, vc, ks, vs, slots)
+    return kc, vc, ks, vs, tables
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def correctness(rows: list[str]) -> bool:
+    ok = True
+    seq_lens, q_lens = [1000, 517, 300, 77, 1, 2048], [1000, 130, 1, 77, 1, 333]
+    b = len(seq_lens)
+    k = torch.randn(b, max(seq_lens), HKV, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    q = torch.randn(sum(q_lens), HQ, D, device="cuda", dtype=torch.bfloat16)
+    qsl = torch.tensor([0] + q_lens, device="cuda").cumsum(0).int()
+    sl = torch.tensor(seq_lens, device="cuda", dtype=torch.int32)
+    for dtype in (torch.int8, torch.bfloat16):
+        kc, vc, ks, vs, tables = paged(k, v, seq_lens, dtype)
+        want = ref.paged_attention(q.float(), kc, vc, ks, vs, tables, sl, qsl, D ** -0.5)
+        out = torch.full_like(q, float("nan"))
+        paged_extend(q, kc, vc, ks, vs, tables, sl, qsl, D ** -0.5, max_query_len=max(q_lens),
+                     out=out)
+        err = rel(out, want)
+        good = not bool(out.isnan().any()) and err < 1e-2
+        ok &= good
+        rows.append(f"| correctness bf16 q, {dtype} cache, GQA 4, mixed batch | rel err "
+                    f"{err:.2e} | {'ok' if good else 'FAIL'} |")
+    return ok
+
+
+def extend_rows(rows: list[str]) -> None:
+    scale = D ** -0.5
+    flops_of = lambda b, lq, s: 4 * b * HQ * D * (lq * s - lq * (lq - 1) / 2)  # noqa: E731
+    cases = [(1, 4096, 4096), (4, 4096, 4096), (4, 512, 4096)]  # (B, q_len, seq_len)
+    for b, lq, s in cases:
+        k = torch.randn(b, s, HKV, D, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        qd = torch.randn(b, HQ, lq, D, device="cuda", dtype=torch.bfloat16)  # SDPA layout
+        kd = k.transpose(1, 2).repeat_interleave(HQ // HKV, 1).contiguous()  # (B, Hq, S, D)
+        vd = v.transpose(1, 2).repeat_interleave(HQ // HKV, 1).contiguous()
+        if lq == s:
+            sdpa = lambda: F.scaled_dot_product_attention(qd, kd, vd, is_causal=True)  # noqa
+        else:  # a chunk after a prefix: bottom-right aligned causal mask
+            mask = (torch.arange(s, device="cuda")[None, :]
+                    <= torch.arange(s - lq, s, device="cuda")[:, None])
+            sdpa = lambda: F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask)  # noqa
+        t_sdpa = bench(sdpa)
+        sdpa_out = sdpa().transpose(1, 2).reshape(b * lq, HQ, D)
+        tf = flops_of(b, lq, s) / 1e12
+        rows.append(f"| SDPA bf16 contiguous B={b} q={lq} ctx={s} | {t_sdpa:.3f} ms | "
+                    f"{tf / t_sdpa * 1e3:.0f} TFLOP/s |")
+        q = qd.transpose(1, 2).reshape(b * lq, HQ, D).contiguous()
+        qsl = torch.arange(0, b * lq + 1, lq, device="cuda", dtype=torch.int32)
+        sl = torch.full((b,), s, device="cuda", dtype=torch.int32)
+        for dtype in (torch.bfloat16, torch.int8):
+            kc, vc, ks, vs, tables = paged(k, v, [s] * b, dtype)
+            for cfg in CONFIGS[dtype] if b == 1 else [None]:
+                bm, bn, w, st = cfg or (None,) * 4
+                fn = lambda: paged_extend(q, kc, vc, ks, vs, tables, sl, qsl, scale,  # noqa
+                                          max_query_len=lq, block_m=bm, block_n=bn,
+                                          num_warps=w, num_stages=st)
+                try:
+                    err = rel(fn(), sdpa_out)
+                    t = bench(fn)
+                except Exception as exc:  # a config that does not compile / fit
+                    rows.append(f"| extend {dtype} B={b} q={lq} ctx={s} cfg={cfg} | error | "
+                                f"{type(exc).__name__}: {str(exc)[:80]} |")
+                    continue
+                name = f"{str(dtype)[6:]} B={b} q={lq} ctx={s} cfg={cfg or 'default'}"
+                rows.append(f"| extend {name} | "
+                            f"{t:.3f} ms | {t / t_sdpa:.2f}x SDPA, {tf / t * 1e3:.0f} TFLOP/s, "
+                            f"err vs SDPA {err:.1e} |")
+        del kd, vd
+
+
+def cache_write_rows(rows: list[str]) -> None:
+    for t in (4096, 16384):
+        qkv = torch.randn(t, (HQ + 2 * HKV) * D, device="cuda", dtype=torch.bfloat16)
+        k = qkv[:, HQ * D:(HQ + HKV) * D].view(t, HKV, D)
+        v = qkv[:, (HQ + HKV) * D:].view(t, HKV, D)
+        num_blocks = t // PAGE + 8
+        slots = torch.randperm(num_blocks * PAGE, device="cuda")[:t]
+        for dtype in (torch.int8, torch.bfloat16):
+            kc = torch.zeros(num_blocks, PAGE, HKV, D, dtype=dtype, device="cuda")
+            vc = torch.zeros_like(kc)
+            ks = vs = None
+            if dtype == torch.int8:
+                ks = torch.zeros(num_blocks, HKV, PAGE, device="cuda")
+                vs = torch.zeros_like(ks)
+            fn = lambda: write_kv_cache(k, v, kc, vc, ks, vs, slots)  # noqa: E731
+            fn()
+            want = [x.clone() if x is not None else None for x in (kc, vc, ks, vs)]
+            ref.write_kv_cache(k, v, *want, slots)
+            exact = all(torch.equal(a, b) for a, b in zip((kc, vc, ks, vs), want)
+                        if a is not None)
+            if not exact:
+                for name, a, b in zip("kv", (kc, vc, ks, vs), want):
+                    print(f"{name}: {int((a != b).sum())} values differ, max "
+                          f"{int((a.int() - b.int()).abs().max())}")
+                if ks is not None:
+                    print(f"scales differ: {int((ks != want[2]).sum())} of {ks.numel()}")
+            ms = bench(fn)
+            t_ref = bench(lambda: ref.write_kv_cache(k, v, kc, vc, ks, vs, slots))
+            nbytes = 2 * t * HKV * D * (2 + kc.element_size()) + (
+                2 * t * HKV * 4 if ks is not None else 0) + t * 8
+            rows.append(f"| cache write {str(dtype)[6:]} T={t} | {ms * 1e3:.1f} us | "
+                        f"{nbytes / ms / 1e6:.0f} GB/s, torch ref {t_ref * 1e3:.1f} us, "
+                        f"{'bit-exact' if exact else 'MISMATCH'} |")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = parser.parse_args()
+    torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
+    rows = ["| what | time | notes |", "|---|---|---|"]
+    ok = correctness(rows)
+    cache_write_rows(rows)
+    print("\n".join(rows), flush=True)
+    extend_rows(rows)
+    table = "\n".join(rows)
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, "
+          f"triton {triton.__version__}\n{table}")
+    with open(os.path.join(args.out, "extend_check.md"), "w") as f:
+        f.write(table + "\n")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

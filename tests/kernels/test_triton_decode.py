@@ -1,0 +1,191 @@
+"""The Triton paged decode kernel against the torch reference `paged_attention_decode`.
+
+On a machine without CUDA the kernel runs in Triton's CPU interpreter (TRITON_INTERPRET=1, set
+here before triton is imported, and by tests/conftest.py), with fp32/fp16 queries (the interpreter's
+bf16 arithmetic is wrong); with CUDA it runs on the GPU with bf16 queries. Inputs are fresh random
+tensors each run. Cache slots that no sequence owns, slots past a sequence's length in its last
+page and block-table entries past its last page all point at NaN-poisoned data, and `out` starts
+as NaN: a kernel that reads what it must not, or leaves an element unwritten, fails.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (by the kernel)
+
+import pytest  # noqa: E402
+
+from kernels.reference import paged_attention_decode, quantize_per_token_head  # noqa: E402
+from kernels.triton_decode import default_num_splits, paged_decode  # noqa: E402
+
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+# (q dtype, tolerance on max |err| / max |ref|): the interpreter's fp32 dot is exact; fp16/bf16
+# round q, P and (bf16/fp16 caches) K/V to 8 or 11 significant bits.
+Q_DTYPES = [torch.bfloat16] if HAS_CUDA else [torch.float32, torch.float16]
+TOL = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 2.5e-2}
+
+
+def make_case(lens: list[int], hkv: int, group: int, d: int, page: int, cache_dtype: torch.dtype,
+              q_dtype: torch.dtype, outliers: bool = False, spare_blocks: int = 3):
+    """Random paged inputs. Returns (kernel args, reference args): the kernel's cache, block table
+    padding and unowned slots are poisoned; the reference sees the same values with zeros there."""
+    b = len(lens)
+    hq = hkv * group
+    blocks_per_seq = [(n + page - 1) // page for n in lens]
+    max_blocks = max(blocks_per_seq) + 2  # table padding past every sequence's last page
+    num_blocks = sum(blocks_per_seq) + spare_blocks
+    perm = torch.randperm(num_blocks)  # shuffled block ids; the tail of perm is never owned
+    poison_ids = perm[sum(blocks_per_seq):]
+
+    table = torch.zeros(b, max_blocks, dtype=torch.int32)
+    owned = torch.zeros(num_blocks, page, dtype=torch.bool)  # slot holds a token of some sequence
+    used = 0
+    for i, (n, nb) in enumerate(zip(lens, blocks_per_seq)):
+        ids = perm[used:used + nb]
+        used += nb
+        table[i, :nb] = ids.int()
+        pos = torch.arange(n)
+        owned[ids[pos // page], pos % page] = True
+    poison_table = table.clone()
+    for i, nb in enumerate(blocks_per_seq):
+        poison_table[i, nb:] = poison_ids[torch.randint(len(poison_ids), (max_blocks - nb,))].int()
+
+    def values() -> torch.Tensor:
+        x = torch.randn(num_blocks, page, hkv, d)
+        if outliers:  # a few channels 30x larger, as in real K
+            ch = torch.randperm(d)[:3]
+            x[..., ch] *= 30.0
+        return x
+
+    clean, poisoned = [], []
+    for x in (values(), values()):
+        mask = owned[:, :, None, None]
+        if cache_dtype == torch.int8:
+            qv, scale = quantize_per_token_head(x.view(-1, hkv, d))
+            qv = qv.view(num_blocks, page, hkv, d)
+            scale = scale.view(num_blocks, page, hkv).permute(0, 2, 1).contiguous()  # (nb, Hkv, P)
+            own_s = owned[:, None, :]
+            clean += [qv.masked_fill(~mask, 0), scale.masked_fill(~own_s, 0.0)]
+            poisoned += [qv.masked_fill(~mask, 127), scale.masked_fill(~own_s, float("nan"))]
+        else:
+            c = x.to(cache_dtype)
+            clean += [c.masked_fill(~mask, 0), None]
+            poisoned += [c.masked_fill(~mask, float("nan")), None]
+    k_c, ks_c, v_c, vs_c = clean
+    k_p, ks_p, v_p, vs_p = poisoned
+    q = torch.randn(b, hq, d).to(q_dtype)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+
+    def dev(*ts):
+        return [None if t is None else t.to(DEVICE) for t in ts]
+
+    kernel_args = dev(q, k_p, v_p, ks_p, vs_p, poison_table, seq_lens)
+    ref_args = dev(q.float(), k_c, v_c, ks_c, vs_c, table, seq_lens)
+    return kernel_args, ref_args
+
+
+def check(kernel_args, ref_args, num_splits, **kw):
+    q = kernel_args[0]
+    scale = q.shape[-1] ** -0.5
+    out = torch.full_like(q, float("nan"))
+    res = paged_decode(*kernel_args, scale, num_splits=num_splits, out=out, **kw)
+    assert res is out
+    ref = paged_attention_decode(*ref_args, scale)
+    assert torch.isfinite(out).all(), "unwritten or NaN output"
+    err = (out.float() - ref).abs().max().item() / ref.abs().max().item()
+    assert err < TOL[q.dtype], f"relative max error {err:.2e}"
+
+
+# (lens, Hkv, G, D, page, cache dtype); contexts are not page multiples, several include 1.
+CASES = [
+    ([1, 37, 70], 2, 4, 64, 16, torch.int8),
+    ([50, 1, 33], 2, 8, 128, 32, torch.int8),
+    ([23, 65], 3, 1, 64, 32, torch.int8),
+    ([90, 7], 1, 8, 64, 16, torch.float16),
+    ([1, 45], 2, 4, 128, 16, torch.float32),
+    ([31, 64, 2], 2, 1, 128, 16, torch.float16),
+]
+
+
+@pytest.mark.parametrize("q_dtype", Q_DTYPES, ids=str)
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("case", CASES,
+                         ids=lambda c: f"L{c[0]}-kv{c[1]}-g{c[2]}-d{c[3]}-p{c[4]}-{c[5]}")
+def test_matches_reference(case, num_splits, q_dtype):
+    lens, hkv, group, d, page, cache_dtype = case
+    if cache_dtype == torch.float16 and q_dtype == torch.bfloat16:
+        cache_dtype = torch.bfloat16
+    kernel_args, ref_args = make_case(lens, hkv, group, d, page, cache_dtype, q_dtype,
+                                      outliers=cache_dtype == torch.int8)
+    check(kernel_args, ref_args, num_splits)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float32] if not HAS_CUDA
+                         else [torch.int8, torch.bfloat16], ids=str)
+def test_empty_splits(cache_dtype):
+    """4 splits over sequences of 1..2 tiles: most splits hold nothing and must weigh 0."""
+    q_dtype = Q_DTYPES[0]
+    kernel_args, ref_args = make_case([1, 5, 17, 40], 2, 4, 64, 16, cache_dtype, q_dtype)
+    check(kernel_args, ref_args, 4)
+
+
+def test_strided_q_and_out_default_splits():
+    """q and out as views with padded head strides; the split count from the heuristic, with and
+    without the caller's max_seq_len."""
+    q_dtype = Q_DTYPES[-1]
+    kernel_args, ref_args = make_case([19, 3], 2, 4, 64, 16, torch.int8, q_dtype)
+    q = kernel_args[0]
+    b, hq, d = q.shape
+    wide_q = torch.full((b, hq, d + 32), float("nan"), dtype=q.dtype, device=DEVICE)
+    wide_q[..., :d] = q
+    kernel_args[0] = wide_q[..., :d]
+    wide_out = torch.full((b, hq, 2 * d), float("nan"), dtype=q.dtype, device=DEVICE)
+    out = wide_out[..., :d]
+    ref = paged_attention_decode(*ref_args, d ** -0.5)
+    for max_len in (None, 19):
+        out.fill_(float("nan"))
+        paged_decode(*kernel_args, d ** -0.5, max_seq_len=max_len, out=out)
+        err = (out.float() - ref).abs().max().item() / ref.abs().max().item()
+        assert err < TOL[q_dtype]
+    assert wide_out[..., d:].isnan().all(), "wrote outside out"
+
+
+def test_rejects_bad_inputs():
+    kernel_args, _ = make_case([5], 2, 2, 64, 16, torch.int8, Q_DTYPES[0])
+    q, k, v, ks, vs, table, lens = kernel_args
+    with pytest.raises(AssertionError, match="scales"):
+        paged_decode(q, k, v, None, None, table, lens, 0.1)
+    with pytest.raises(AssertionError, match="int32"):
+        paged_decode(q, k, v, ks, vs, table.long(), lens, 0.1)
+    with pytest.raises(AssertionError, match="multiple"):
+        paged_decode(q[:, :1].expand(1, 3, 64), k, v, ks, vs, table, lens, 0.1)
+    with pytest.raises(AssertionError, match="group"):
+        big = q[:, :1].expand(1, 34, 64).contiguous()  # 17 query heads per kv head
+        paged_decode(big, k, v, ks, vs, table, lens, 0.1)
+
+
+def test_default_num_splits():
+    sms = 132
+    assert default_num_splits(64, 8, 4096, sms) == 1  # 512 programs already fill the chip
+    assert default_num_splits(1, 8, 32768, sms) > 16  # one sequence: split-K must fill the SMs
+    assert default_num_splits(1, 8, 100, sms) == 1  # too short to split
+    assert all(default_num_splits(b, 8, n, sms) >= 1 for b in (1, 7, 300) for n in (1, 10**6))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("group,d,page", [(4, 128, 16), (8, 64, 32), (16, 128, 16), (1, 128, 16)])
+def test_gpu_long_contexts(cache_dtype, group, d, page):
+    """Ragged long contexts with the default split count and forced splits on the GPU."""
+    import random
+
+    lens = [random.randint(1, 6000) for _ in range(5)] + [1, 4096, 8191]
+    kernel_args, ref_args = make_case(lens, 4, group, d, page, cache_dtype, torch.bfloat16,
+                                      outliers=cache_dtype == torch.int8)
+    for splits in (None, 1, 7, 32):
+        check(kernel_args, ref_args, splits)

@@ -1,0 +1,161 @@
+"""The Triton paged extend kernel against `kernels.reference.paged_attention` (float32).
+
+Runs in Triton's CPU interpreter when there is no GPU (shapes kept tiny: the interpreter costs
+~7 ms per program per KV tile). Fresh random inputs every run; block tables shuffled; cache slots
+nobody wrote are poisoned (NaN / NaN scales), as is the output before the launch.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any @triton.jit runs
+
+import pytest  # noqa: E402
+
+from kernels import reference as ref  # noqa: E402
+from kernels.triton_extend import paged_extend  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class Batch:
+    """B sequences in a paged cache with shuffled pages, plus their packed new queries.
+
+    `clean` caches hold zeros in slots nobody wrote (the reference's input); the kernel reads the
+    `poisoned` copies, where those slots are NaN (float) or have NaN scales (int8)."""
+
+    def __init__(self, seq_lens: list[int], q_lens: list[int], *, block_size: int, hkv: int,
+                 group: int, d: int, cache_dtype: torch.dtype,
+                 q_dtype: torch.dtype = torch.float32):
+        assert all(1 <= lq <= s for s, lq in zip(seq_lens, q_lens))
+        self.seq_lens, self.q_lens, self.hq, self.d = seq_lens, q_lens, hkv * group, d
+        pages = [-(-s // block_size) for s in seq_lens]
+        num_blocks = sum(pages) + 3  # a few pages nobody owns
+        shape = (num_blocks, block_size, hkv, d)
+        self.k_cache = torch.zeros(shape, dtype=cache_dtype, device=DEVICE)
+        self.v_cache = torch.zeros(shape, dtype=cache_dtype, device=DEVICE)
+        self.k_scale = self.v_scale = None
+        if cache_dtype == torch.int8:
+            self.k_scale = torch.zeros(num_blocks, hkv, block_size, device=DEVICE)
+            self.v_scale = torch.zeros(num_blocks, hkv, block_size, device=DEVICE)
+        perm = torch.randperm(num_blocks).tolist()
+        self.block_tables = torch.full((len(seq_lens), max(pages) + 2), -1, dtype=torch.int32)
+        written = torch.zeros(num_blocks * block_size, dtype=torch.bool)
+        for i, (s, n) in enumerate(zip(seq_lens, pages)):
+            table = torch.tensor([perm.pop() for _ in range(n)], dtype=torch.int32)
+            self.block_tables[i, :n] = table
+            pos = torch.arange(s)
+            slots = table[pos // block_size].long() * block_size + pos % block_size
+            written[slots] = True
+            k, v = (torch.randn(s, hkv, d, device=DEVICE) for _ in range(2))
+            ref.write_kv_cache(k, v, self.k_cache, self.v_cache, self.k_scale, self.v_scale,
+                               slots.to(DEVICE))
+        self.block_tables = self.block_tables.to(DEVICE)
+        self.poisoned = [t.clone() if t is not None else None
+                         for t in (self.k_cache, self.v_cache, self.k_scale, self.v_scale)]
+        unused = ~written.to(DEVICE)
+        for cache in self.poisoned[:2]:
+            flat = cache.view(num_blocks * block_size, hkv, d)
+            flat[unused] = 99 if cache_dtype == torch.int8 else float("nan")
+        for scale in self.poisoned[2:]:
+            if scale is not None:
+                scale.transpose(1, 2)[unused.view(num_blocks, block_size)] = float("nan")
+        self.q = torch.randn(sum(q_lens), self.hq, d, device=DEVICE).to(q_dtype)
+        self.query_start_loc = torch.tensor([0] + q_lens).cumsum(0).int().to(DEVICE)
+        self.seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+        self.scale = d ** -0.5
+
+    def expected(self) -> torch.Tensor:
+        return ref.paged_attention(self.q.float(), self.k_cache, self.v_cache, self.k_scale,
+                                   self.v_scale, self.block_tables, self.seq_lens_t,
+                                   self.query_start_loc, self.scale)
+
+    def run(self, q: torch.Tensor | None = None, **kw) -> torch.Tensor:
+        q = self.q if q is None else q
+        out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=DEVICE)
+        got = paged_extend(q, *self.poisoned, self.block_tables, self.seq_lens_t,
+                           self.query_start_loc, self.scale, max_query_len=max(self.q_lens),
+                           out=out, **kw)
+        assert got is out
+        assert not bool(out.isnan().any()), "output not fully written (or NaN)"
+        return out
+
+
+def rel_err(out: torch.Tensor, want: torch.Tensor) -> float:
+    return float((out.double() - want.double()).abs().max() / want.double().abs().max())
+
+
+# (seq_lens, q_lens): lengths off block multiples throughout.
+SHAPES = {
+    "prefill": ([37, 21], [37, 21]),  # no cached prefix
+    "chunked": ([70, 45], [19, 6]),  # a chunk after a cached prefix
+    "mixed": ([40, 3, 66, 1, 25], [1, 3, 17, 1, 25]),  # q_len 1 rows, prefill and chunk packed
+    "long_prefix": ([150, 9], [10, 9]),  # several unmasked prefix tiles before the diagonal
+}
+# (group, head dim, block size, cache dtype, Hkv)
+CONFIGS = [
+    (1, 64, 16, torch.float32, 2),
+    (4, 128, 32, torch.int8, 2),
+    (8, 64, 16, torch.int8, 1),
+    (4, 64, 16, torch.float16, 2),
+    (8, 128, 32, torch.float32, 1),
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"g{c[0]}-d{c[1]}-bs{c[2]}-{c[3]}")
+def test_extend_matches_reference(shape: str, config) -> None:
+    group, d, block_size, cache_dtype, hkv = config
+    batch = Batch(*SHAPES[shape], block_size=block_size, hkv=hkv, group=group, d=d,
+                  cache_dtype=cache_dtype)
+    out = batch.run()
+    # fp32 operands on the interpreter; tf32 is not used (input_precision="ieee").
+    assert rel_err(out, batch.expected()) <= 2e-5
+
+
+@pytest.mark.parametrize("block_m,block_n", [(16, 16), (32, 64), (128, 32)])
+def test_extend_tile_shapes(block_m: int, block_n: int) -> None:
+    """Tiles smaller and larger than a page, one token per q-block (block_m 16 at G 16)."""
+    batch = Batch([45, 29, 2], [12, 29, 1], block_size=32, hkv=1,
+                  group=16 if block_m == 16 else 4, d=64, cache_dtype=torch.int8)
+    out = batch.run(block_m=block_m, block_n=block_n)
+    assert rel_err(out, batch.expected()) <= 2e-5
+
+
+def test_extend_strided_half_q() -> None:
+    """fp16 q as a slice of a fused qkv buffer (row stride past Hq * D); output in fp16."""
+    batch = Batch([30, 18], [11, 18], block_size=16, hkv=2, group=2, d=64,
+                  cache_dtype=torch.float16, q_dtype=torch.float16)
+    t, hq, d = batch.q.shape
+    fused = torch.randn(t, (hq + 4) * d, device=DEVICE, dtype=torch.float16)
+    fused[:, : hq * d] = batch.q.reshape(t, hq * d)
+    q = fused[:, : hq * d].view(t, hq, d)
+    assert not q.is_contiguous()
+    out = batch.run(q=q)
+    assert out.dtype == torch.float16
+    # fp16 output rounding; on the GPU P and the dots are fp16 too.
+    assert rel_err(out, batch.expected()) <= (2e-3 if DEVICE == "cpu" else 1e-2)
+
+
+def test_extend_rejects_bad_inputs() -> None:
+    batch = Batch([20], [4], block_size=16, hkv=2, group=2, d=64, cache_dtype=torch.int8)
+    args = (batch.block_tables, batch.seq_lens_t, batch.query_start_loc, batch.scale)
+    with pytest.raises(AssertionError):  # int8 cache without scales
+        paged_extend(batch.q, batch.k_cache, batch.v_cache, None, None, *args, max_query_len=4)
+    with pytest.raises(AssertionError):  # Hq not a multiple of Hkv
+        paged_extend(batch.q[:, :3], *batch.poisoned, *args, max_query_len=4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 128])
+def test_extend_gpu_bf16(cache_dtype: torch.dtype, d: int) -> None:
+    """bf16 queries on the GPU (bf16 dots) against the fp32 reference: bf16-level error."""
+    batch = Batch([1000, 517, 300, 77, 1], [1000, 130, 1, 77, 1], block_size=16, hkv=8,
+                  group=4, d=d, cache_dtype=cache_dtype, q_dtype=torch.bfloat16)
+    out = batch.run()
+    assert rel_err(out, batch.expected()) <= 2e-2
