@@ -3,7 +3,7 @@
 Never imports triton, engine, kernels or service: attention is delegated to an AttentionBackend.
 """
 
-from model.attention import AttentionBackend, DenseCausalAttention
+from model.attention import AttentionBackend, BatchedCausalAttention, DenseCausalAttention
 from model.config import ModelConfig, as_token_ids
 from model.llama import LlamaForCausalLM
 from model.loader import load_model, read_generation_config
@@ -11,6 +11,7 @@ from model.tokenizer import Tokenizer
 
 __all__ = [
     "AttentionBackend",
+    "BatchedCausalAttention",
     "DenseCausalAttention",
     "LlamaForCausalLM",
     "ModelConfig",

@@ -59,3 +59,31 @@ class DenseCausalAttention:
             o = F.scaled_dot_product_attention(qs.transpose(0, 1), ks, vs, is_causal=True, scale=self.scale)
             outs.append(o.transpose(0, 1))  # (L, H, D)
         return torch.cat(outs, dim=0)
+
+
+class BatchedCausalAttention:
+    """Backend for training: B sequences of the same length L packed as T = B * L tokens.
+
+    The packed q/k/v are viewed as (B, L, H, D) and attended with one fused causal SDPA call (no
+    per-sequence loop, no cache), grouped-query heads handled by SDPA itself. Same layers, same
+    parameters as serving: only the attention call differs.
+    """
+
+    def __init__(self, batch_size: int, seq_len: int, scale: float) -> None:
+        if batch_size <= 0 or seq_len <= 0:
+            raise ValueError(f"batch_size and seq_len must be positive, got {batch_size}, {seq_len}")
+        self.batch_size = batch_size
+        self.seq_len = seq_len
+        self.scale = scale
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        b, n = self.batch_size, self.seq_len
+        if q.shape[0] != b * n:
+            raise ValueError(f"got {q.shape[0]} tokens, expected batch {b} x length {n}")
+        # (B*L, H, D) -> (B, H, L, D)
+        qb = q.view(b, n, q.shape[1], q.shape[2]).transpose(1, 2)
+        kb = k.view(b, n, k.shape[1], k.shape[2]).transpose(1, 2)
+        vb = v.view(b, n, v.shape[1], v.shape[2]).transpose(1, 2)
+        o = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=self.scale,
+                                           enable_gqa=q.shape[1] != k.shape[1])
+        return o.transpose(1, 2).reshape(b * n, q.shape[1], q.shape[2])  # (B*L, H, D)

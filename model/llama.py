@@ -8,10 +8,12 @@ names follow transformers' without the `model.` prefix, except two fused project
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
-from model.attention import AttentionBackend
+from model.attention import AttentionBackend, BatchedCausalAttention
 from model.config import ModelConfig
 from model.layers import RMSNorm, SelfAttention, SwiGLUMLP
 from model.rope import RotaryEmbedding
@@ -56,3 +58,33 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (N, hidden) -> logits (N, vocab_size) fp32."""
         return self.lm_head(hidden).float()
+
+    def forward_train(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Training forward: input_ids (B, L) -> logits (B, L, vocab_size) in the compute dtype.
+
+        The same modules as `forward`, on the (B * L,) flattening with positions 0..L-1 per row and
+        a batched causal SDPA backend, so trained weights serve exactly as they were trained.
+        """
+        b, n = input_ids.shape
+        positions = torch.arange(n, device=input_ids.device).repeat(b)  # (B*L,)
+        attn = BatchedCausalAttention(b, n, self.attn_scale)
+        hidden = self.forward(input_ids.reshape(b * n), positions, attn)  # (B*L, hidden)
+        return self.lm_head(hidden).view(b, n, -1)
+
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
+        """GPT-2 style initialisation for training from scratch: every linear and the embedding
+        ~ N(0, std), the projections that write into the residual stream (o_proj, down_proj) with
+        std / sqrt(2 * layers) so the residual's variance does not grow with depth; biases 0, norms 1.
+        """
+        residual_std = std / math.sqrt(2 * self.config.num_hidden_layers)
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                s = residual_std if name.endswith(("o_proj", "down_proj")) else std
+                if module.weight is not self.embed_tokens.weight:  # tied lm_head: set once, below
+                    module.weight.normal_(0.0, s, generator=generator)
+                if module.bias is not None:
+                    module.bias.zero_()
+            elif isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+        self.embed_tokens.weight.normal_(0.0, std, generator=generator)

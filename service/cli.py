@@ -41,10 +41,23 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--log-level", default="info")
 
 
+def _train(argv: list[str]) -> int:
+    """`pie train ...`: the training branch, imported only here so the server never loads it."""
+    from training.cli import add_train_parser, run
+
+    parser = argparse.ArgumentParser(prog="pie")
+    add_train_parser(parser.add_subparsers(dest="command", required=True))
+    return run(parser.parse_args(["train", *argv]))
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["train"]:
+        return _train(argv[1:])
     parser = argparse.ArgumentParser(prog="pie", description="Paged INT8 LLM inference over gRPC")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
+    sub.add_parser("train", help="train a model and export it in the Hugging Face layout (pie train --help)")
     args = parser.parse_args(argv)
     configure_logging(json=None if args.log_format == "auto" else args.log_format == "json", level=args.log_level)
     if args.command == "serve":

@@ -1,0 +1,210 @@
+"""Training branch on the CPU: data loading, BPE tokenizer, loop, resume, export parity, CLI."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from model import DenseCausalAttention, Tokenizer, load_model
+from training.data import STORY_SEPARATOR, HubUnreachableError, TokenSplits, load_text_dataset, prepare_tokens
+from training.export import export_hf
+from training.plot import PNG_SIGNATURE
+from training.tokenizer import BOS_ID, EOS_ID, PAD_ID, train_bpe_tokenizer
+from training.train import TrainConfig, train
+
+_WORDS = ("once upon a time there was a little cat named Tom . she liked to play in the big park with "
+          "her red ball . one day Lily saw a dog and they were happy friends").split()
+
+
+def _stories(n: int, seed: int) -> list[str]:
+    rng = np.random.default_rng(seed)
+    return [" ".join(rng.choice(_WORDS, size=int(rng.integers(20, 60)))) + "\nThe end." for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> dict:
+    """Hand-written story files (training.corpus is exercised by its own tests)."""
+    root = tmp_path_factory.mktemp("corpus")
+    train_file, eval_file = root / "train.txt", root / "eval.txt"
+    train_file.write_text(STORY_SEPARATOR.join(_stories(300, 0)))
+    eval_file.write_text(STORY_SEPARATOR.join(_stories(30, 1)))
+    return {"train": train_file, "eval": eval_file, "root": root}
+
+
+@pytest.fixture(scope="module")
+def tokenized(corpus, tmp_path_factory):
+    tok_dir = tmp_path_factory.mktemp("tok")
+    train_ds = load_text_dataset(str(corpus["train"]))
+    tok = train_bpe_tokenizer(iter(train_ds["text"]), 320, tok_dir)
+    splits = prepare_tokens(train_ds, tok, eos_id=EOS_ID, eval_ds=load_text_dataset(str(corpus["eval"])))
+    return tok, tok_dir / "tokenizer.json", splits
+
+
+def _tiny(out_dir, **kw) -> TrainConfig:
+    base = dict(vocab_size=320, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
+                max_seq_len=64, batch_size=8, seq_len=32, lr=3e-3, min_lr=3e-4, warmup_steps=5, max_steps=30,
+                eval_every=0, eval_steps=4, save_every=0, log_every=5, out_dir=str(out_dir), progress=False)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def test_txt_documents_split_on_separator_or_line(tmp_path):
+    f = tmp_path / "s.txt"
+    f.write_text("first story\nline two" + STORY_SEPARATOR + "second" + STORY_SEPARATOR + "third\n")
+    assert load_text_dataset(str(f))["text"] == ["first story\nline two", "second", "third"]
+    assert load_text_dataset(str(f), txt_mode="line")["text"] == ["first story", "line two", "second", "third"]
+    j = tmp_path / "d.jsonl"
+    j.write_text(json.dumps({"story": "a b"}) + "\n" + json.dumps({"story": "c"}) + "\n")
+    assert load_text_dataset(str(j), text_field="story")["story"] == ["a b", "c"]
+
+
+def test_hub_unreachable_fails_fast_with_offline_hint(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    t0 = time.perf_counter()
+    with pytest.raises(HubUnreachableError, match="--data PATH.*--generate-corpus"):
+        load_text_dataset("roneneldan/TinyStories")
+    assert time.perf_counter() - t0 < 5
+
+
+def test_tokenizer_round_trip_and_specials(tokenized):
+    tok, _, _ = tokenized
+    assert [tok.token_to_id(t) for t in ("<pad>", "<s>", "</s>")] == [PAD_ID, BOS_ID, EOS_ID]
+    for text in ["  leading and trailing  ", "Tom said: \"héllo, wörld\" 😀 — 日本語\n\tend ", "", " ", "\n\n"]:
+        ids = tok.encode(text).ids
+        assert ids[0] == BOS_ID
+        assert tok.decode(ids) == text
+
+
+def test_token_stream_has_bos_doc_eos(tokenized):
+    tok, _, splits = tokenized
+    stream = splits.train
+    assert stream.dtype == np.uint16 and stream[0] == BOS_ID and stream[-1] == EOS_ID
+    n_docs = 300
+    assert (stream == EOS_ID).sum() == n_docs and (stream == BOS_ID).sum() == n_docs
+    first_doc = stream[1:int(np.argmax(stream == EOS_ID))]
+    assert tok.decode(first_doc.tolist()).endswith("\nThe end.")
+
+
+def test_training_lowers_eval_loss_and_writes_metrics_and_png(tokenized, tmp_path):
+    _, _, splits = tokenized
+    result = train(_tiny(tmp_path), splits)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if "eval_loss" in r]
+    assert evals[0]["step"] == 0 and evals[-1]["step"] == 30
+    assert evals[0]["eval_loss"] > math.log(320) - 0.5  # starts near uniform
+    assert evals[-1]["eval_loss"] < evals[0]["eval_loss"] - 1.0
+    assert sum("loss" in r for r in rows) == 30 // 5
+    assert result["step"] == 30 and result["eval_loss"] == evals[-1]["eval_loss"]
+    assert result["plot"].read_bytes().startswith(PNG_SIGNATURE)
+    assert (tmp_path / "checkpoint.pt").is_file()
+
+
+def test_resume_matches_uninterrupted_run(tokenized, tmp_path):
+    _, _, splits = tokenized
+    full = train(_tiny(tmp_path / "full", max_steps=20), splits)["model"]
+    half_dir = tmp_path / "half"
+    train(_tiny(half_dir, max_steps=10, lr_decay_steps=20), splits)
+    saved = torch.load(half_dir / "checkpoint.pt", weights_only=False)
+    assert saved["step"] == 10 and saved["optimizer"]["state"]
+    resumed = train(_tiny(half_dir, max_steps=20, resume=True), splits)
+    assert resumed["step"] == 20
+    steps = [json.loads(line)["step"] for line in (half_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == sorted(steps) and 0 in steps and 20 in steps  # one log, continued after step 10
+    for (name, a), b in zip(full.state_dict().items(), resumed["model"].state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+    # The equality above is not vacuous: other seeds (init and batch order) give other weights.
+    fresh = train(_tiny(tmp_path / "fresh", max_steps=10, seed=1), splits)["model"]
+    assert not torch.allclose(fresh.embed_tokens.weight, full.embed_tokens.weight)
+
+
+def test_resume_refuses_other_model_shape(tokenized, tmp_path):
+    _, _, splits = tokenized
+    train(_tiny(tmp_path, max_steps=2), splits)
+    with pytest.raises(ValueError, match="hidden_size"):
+        train(_tiny(tmp_path, max_steps=4, hidden_size=32, resume=True), splits)
+
+
+@pytest.fixture(scope="module")
+def exported(tokenized, tmp_path_factory):
+    _, tok_file, splits = tokenized
+    root = tmp_path_factory.mktemp("export")
+    cfg = _tiny(root / "run", max_steps=5, tie_embeddings=False)
+    model = train(cfg, splits)["model"]
+    tied_cfg = _tiny(root / "run_tied", max_steps=5)
+    tied = train(tied_cfg, splits)["model"]
+    return {
+        "untied": (model, export_hf(model, cfg, tok_file, root / "untied", dtype=torch.float32)),
+        "tied": (tied, export_hf(tied, tied_cfg, tok_file, root / "tied", dtype=torch.float32)),
+    }
+
+
+def _our_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        hidden = model(torch.tensor(ids), torch.arange(len(ids)), DenseCausalAttention([len(ids)], model.attn_scale))
+        return model.compute_logits(hidden)
+
+
+@pytest.mark.parametrize("kind", ["untied", "tied"])
+def test_export_loads_in_transformers_with_our_logits(exported, kind):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model, path = exported[kind]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert hf.config.tie_word_embeddings == (kind == "tied")
+    text = "once upon a time Tom saw a dog"
+    ids = AutoTokenizer.from_pretrained(path)(text)["input_ids"]
+    assert ids[0] == BOS_ID and ids.count(BOS_ID) == 1
+    ours = _our_logits(model, ids)
+    with torch.no_grad():
+        theirs = hf(torch.tensor([ids])).logits[0].float()
+    rel = (ours - theirs).abs().max() / theirs.abs().max()
+    assert rel <= 1e-4, f"relative error {rel:.2e}"
+
+
+def test_export_loads_in_our_loader_and_tokenizer(exported):
+    model, path = exported["untied"]
+    loaded, cfg = load_model(path)
+    tok = Tokenizer.from_pretrained(path, cfg)
+    assert tok.eos_token_ids == (EOS_ID,) and tok.bos_token_id == BOS_ID
+    text = " Lily liked the big red ball. "
+    ids = tok.encode(text)
+    assert ids[0] == BOS_ID and tok.decode(ids) == text
+    torch.testing.assert_close(_our_logits(loaded, ids), _our_logits(model, ids), rtol=0, atol=0)
+    gen = json.loads((path / "generation_config.json").read_text())
+    assert (gen["bos_token_id"], gen["eos_token_id"], gen["pad_token_id"]) == (BOS_ID, EOS_ID, PAD_ID)
+
+
+def test_batched_training_forward_matches_serving_forward(exported):
+    model, _ = exported["untied"]
+    ids = torch.randint(3, 320, (3, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        batched = model.forward_train(ids)
+    for row in range(3):
+        torch.testing.assert_close(batched[row], _our_logits(model, ids[row].tolist()), rtol=1e-5, atol=1e-5)
+
+
+def test_cli_corpus_to_export(corpus, tmp_path):
+    out, export = tmp_path / "run", tmp_path / "model"
+    cmd = [sys.executable, "-m", "training.cli", "train", "--data", str(corpus["train"]),
+           "--eval-data", str(corpus["eval"]), "--out", str(out), "--export", str(export), "--vocab-size", "300",
+           "--hidden-size", "32", "--num-layers", "1", "--num-heads", "2", "--num-kv-heads", "1",
+           "--intermediate-size", "64", "--max-seq-len", "64", "--seq-len", "32", "--batch-size", "4",
+           "--max-steps", "6", "--warmup-steps", "2", "--eval-every", "3", "--eval-steps", "1", "--no-progress"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert {p.name for p in export.iterdir()} >= {"config.json", "model.safetensors", "tokenizer.json",
+                                                  "tokenizer_config.json", "generation_config.json"}
+    loaded, cfg = load_model(export)
+    assert cfg.vocab_size % 64 == 0 and cfg.vocab_size >= Tokenizer.from_pretrained(export).vocab_size
+    bad = subprocess.run([*cmd[:4], "roneneldan/TinyStories", "--out", str(tmp_path / "hub")], cwd=root,
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--generate-corpus" in bad.stderr
