@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+
+# The bundled default model (model/bundled/): a ~7M-parameter Llama trained by `pie train` on the
+# offline story corpus; `pie serve` serves it when no --model is given.
+DEFAULT_MODEL = str(Path(__file__).resolve().parents[1] / "model" / "bundled" / "stories-7m")
 
 KV_CACHE_DTYPES = ("int8", "bf16", "fp16", "fp32")
 MODEL_DTYPES = ("auto", "fp32", "bf16", "fp16")
@@ -10,7 +15,7 @@ MODEL_DTYPES = ("auto", "fp32", "bf16", "fp16")
 
 @dataclass(slots=True)
 class EngineConfig:
-    model: str  # Hugging Face-layout folder: config.json, *.safetensors, tokenizer.json
+    model: str = DEFAULT_MODEL  # Hugging Face-layout folder: config.json, *.safetensors, tokenizer.json
     device: str = "auto"  # auto (cuda when available, else cpu), cpu, cuda, cuda:N
     dtype: str = "auto"  # weights/activations: auto = bf16 on cuda, fp32 on cpu (cpu bf16 is slow)
     kv_cache_dtype: str = "int8"  # int8: K/V quantized per (token, kv head); bf16/fp16/fp32 baselines

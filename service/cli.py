@@ -14,8 +14,9 @@ from service.server import PieServer, ServerConfig
 def _add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve a model over gRPC",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    d = EngineConfig(model="")
-    p.add_argument("--model", required=True, help="Hugging Face-layout model folder")
+    d = EngineConfig()
+    p.add_argument("--model", default=d.model,
+                   help="Hugging Face-layout model folder (default: the bundled story model)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (loopback unless told otherwise)")
     p.add_argument("--port", type=int, default=50051, help="port to bind (0 = any free port)")
     p.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N")
