@@ -205,6 +205,17 @@ def test_cli_corpus_to_export(corpus, tmp_path):
                                                   "tokenizer_config.json", "generation_config.json"}
     loaded, cfg = load_model(export)
     assert cfg.vocab_size % 64 == 0 and cfg.vocab_size >= Tokenizer.from_pretrained(export).vocab_size
+    # the exported folder serves through the gRPC server, end to end
+    from engine.config import EngineConfig
+    from pie_client import Client
+    from service.server import BackgroundServer, ServerConfig
+
+    with BackgroundServer(ServerConfig(port=0, grace_s=1),
+                          EngineConfig(model=str(export), device="cpu", num_kv_blocks=16)) as s, \
+            Client(s.address, timeout=60) as c:
+        assert c.model_info().architecture == "LlamaForCausalLM"
+        out = c.generate("Once upon a time", max_tokens=8, temperature=0, ignore_eos=True)
+        assert out.completion_tokens == 8 and out.finish_reason == "length"
     bad = subprocess.run([*cmd[:4], "roneneldan/TinyStories", "--out", str(tmp_path / "hub")], cwd=root,
                          env=env, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--generate-corpus" in bad.stderr
