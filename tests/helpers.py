@@ -14,6 +14,7 @@ import json
 import random
 import secrets
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -149,3 +150,14 @@ def make_hf_model_dir(tmp_path: Path, arch: str, *, seed: int | None = None, wei
          "pad_token_id": cfg_kwargs.get("pad_token_id")}, indent=2))
     write_tokenizer(path, vocab_size=min(cfg_kwargs["vocab_size"], 512))
     return path
+
+
+def wait_until(predicate, timeout: float = 10.0, what: str = "condition"):
+    """Polls a condition (never a blind sleep) until it holds, returning its value, or fails."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")

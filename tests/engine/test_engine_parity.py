@@ -72,7 +72,7 @@ def run_recorded(model_dir, kv_cache_dtype: str, prompts: list[list[int]], max_t
         rows = rec.rows[rid]
         assert sorted(rows) == list(range(len(seq))), "every position computed exactly once"
         with torch.inference_mode():
-            logits = engine.model.compute_logits(torch.stack([rows[i] for i in range(len(seq))]))
+            logits = engine.model.compute_logits(torch.stack([rows[i] for i in range(len(seq))])).float().cpu()
         results.append((seq, outputs[rid], logits))
     return results
 
@@ -128,39 +128,15 @@ def test_triton_path_matches_transformers_on_gpu(tmp_path, arch, kv_cache_dtype)
     """The CUDA path (bf16 weights, Triton cache-write/decode/extend kernels) against transformers
     in fp32: bf16 tolerance on the logits, and teacher-forced greedy agreement."""
     model_dir = make_hf_model_dir(tmp_path, arch, weight_scale=4.0)
-    engine = LLMEngine(EngineConfig(
-        model=str(model_dir), device="cuda", dtype="bf16", kv_cache_dtype=kv_cache_dtype, block_size=16,
-        num_kv_blocks=64, max_num_seqs=8, max_num_batched_tokens=24))
-    assert engine.runner.attention.impl == "triton"
-    rec = _Recorder(engine.model, engine)
-    engine.runner.model = rec
-    schedule = engine.scheduler.schedule
-
-    def recording_schedule():
-        out = schedule()
-        rec.step_ids = [s.request.request_id for s in out.scheduled]
-        return out
-
-    engine.scheduler.schedule = recording_schedule
-    prompts = random_prompts(4)
-    outputs = {f"r{i}": [] for i in range(len(prompts))}
-    for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
-    while engine.has_unfinished():
-        for o in engine.step():
-            outputs[o.request_id].extend(o.new_token_ids)
     agree = total = 0
-    for i, p in enumerate(prompts):
-        gen = outputs[f"r{i}"]
-        seq = p + gen[:-1]
-        rows = rec.rows[f"r{i}"]
-        with torch.inference_mode():
-            logits = engine.model.compute_logits(torch.stack([rows[j] for j in range(len(seq))])).float().cpu()
+    for seq, generated, logits in run_recorded(model_dir, kv_cache_dtype, random_prompts(4), max_tokens=24,
+                                               device="cuda", dtype="bf16", attention_backend="triton"):
         ref = hf_full_logits(model_dir, seq)
         err = ((logits - ref).abs().max() / ref.abs().max()).item()
         assert err <= 5e-2, f"{arch}/{kv_cache_dtype}: relative logit error {err:.3e}"
-        ours = logits[len(p) - 1:].argmax(-1)
-        agree += int((ours == ref[len(p) - 1:].argmax(-1)).sum())
+        n_prompt = len(seq) - len(generated) + 1
+        ours = logits[n_prompt - 1:].argmax(-1)
+        agree += int((ours == ref[n_prompt - 1:].argmax(-1)).sum())
         total += len(ours)
     print(f"{arch}/{kv_cache_dtype} on cuda: teacher-forced top-1 agreement {agree}/{total}")
     assert agree / total >= 0.9

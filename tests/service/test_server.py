@@ -15,20 +15,9 @@ from engine.config import EngineConfig
 from pie_client import Client, InvalidArgument, ResourceExhausted, DeadlineExceeded
 from service.server import BackgroundServer, ServerConfig
 from service.servicer import SERVICE_NAME
-from tests.helpers import make_hf_model_dir
+from tests.helpers import make_hf_model_dir, wait_until
 
 NUM_BLOCKS = 96
-
-
-def wait_until(predicate, timeout: float = 10.0, what: str = "condition"):
-    """Polls a condition (never a blind sleep) until it holds or the timeout passes."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture(scope="module")

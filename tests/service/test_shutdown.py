@@ -16,17 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pie_client import Client, Unavailable
 from service.servicer import SERVICE_NAME
-from tests.helpers import make_hf_model_dir
-
-
-def wait_until(predicate, timeout: float = 60.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
+from tests.helpers import make_hf_model_dir, wait_until
 
 
 class ServerProcess:
@@ -63,9 +53,9 @@ def test_sigterm_drains_in_flight_then_exits(tmp_path):
     server = ServerProcess(["--model", str(model_dir), "--port", "0", "--kv-cache-dtype", "int8", "--grace", "30",
                             "--num-kv-blocks", "64"])
     try:
-        port = wait_until(lambda: (server.event("server_listening") or {}).get("port"), what="server to listen")
+        port = wait_until(lambda: (server.event("server_listening") or {}).get("port"), what="server to listen", timeout=60)
         address = f"127.0.0.1:{port}"
-        wait_until(lambda: readiness(address) == health_pb2.HealthCheckResponse.SERVING, what="readiness")
+        wait_until(lambda: readiness(address) == health_pb2.HealthCheckResponse.SERVING, what="readiness", timeout=60)
         with Client(address, timeout=120) as client:
             streams = [client.stream("once upon a time", max_tokens=400, ignore_eos=True, seed=i, temperature=1.0)
                        for i in range(4)]
