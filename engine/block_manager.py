@@ -1,14 +1,46 @@
-"""Physical KV cache blocks: who holds which, and which are free.
+"""Physical KV cache blocks: who holds which, which are free, and which hold a cached prefix.
 
 A request's block table maps its logical block i (tokens i*block_size .. (i+1)*block_size - 1) to a
 physical block id; the slot of token p is table[p // block_size] * block_size + p % block_size.
+
+Prefix caching: a full block is named by a hash chained over its tokens and its parent's hash, so
+one hash names the whole prefix up to the block's end:
+
+    block 0: h0 = hash_block(None, tokens[0:bs])
+    block 1: h1 = hash_block(h0,   tokens[bs:2bs])   ...
+
+A block gets its hash once its K/V are all computed (`cache_full_blocks`, after each step). When a
+request lets go of it, it stays in the free queue with its contents (evictable): a new request whose
+prefix chain matches takes it back out of the middle of the queue, and only when allocation reaches
+it at the head is its hash dropped (LRU eviction). Hits compare the stored (parent hash, tokens) too,
+so a hash collision is a miss, not a wrong answer. Blocks with ref_count > 1 are shared.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 from engine.request import Request
+
+
+def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    """The chained hash of a full block (Python's hash: salted per process, fine in-process).
+    Looked up through the module at each call, so tests can monkeypatch it to force collisions."""
+    return hash((parent_hash, token_ids))
+
+
+@dataclass(slots=True)
+class CachedPrefix:
+    """A request's longest cached prefix: blocks to reuse and the chain hashes of its full blocks."""
+
+    block_ids: list[int] = field(default_factory=list)  # physical ids of the hit blocks, in order
+    block_hashes: list[int] = field(default_factory=list)  # chain hash of each hit block
+    num_queried_tokens: int = 0  # tokens looked up (the request's num_tokens), for the hit rate
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_ids)
 
 
 class FreeBlockQueue:
@@ -69,23 +101,30 @@ class FreeBlockQueue:
 
 
 class BlockManager:
-    """Owns the free list, per-block reference counts and each request's block table.
+    """Owns the free queue, per-block reference counts, each request's block table and the prefix
+    cache (hash -> block id, plus each cached block's key for the equality check)."""
 
-    Reference counts are 1 for every held block today; they are here so that prefix caching can
-    later share full blocks between requests without changing `free`.
-    """
-
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, *, enable_caching: bool = True) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks, block_size >= 1, got {num_blocks}, {block_size}")
         self.block_size = block_size
+        self.enable_caching = enable_caching
         self._num_blocks = num_blocks
         self._free = FreeBlockQueue(num_blocks)
         self._ref_counts = [0] * num_blocks
         self._tables: dict[str, list[int]] = {}
+        # Prefix cache. _keys[b] is (parent hash, tokens) of a hashed block b, else None.
+        self._cached: dict[int, int] = {}  # chain hash -> block id
+        self._hashes: list[int | None] = [None] * num_blocks
+        self._keys: list[tuple[int | None, tuple[int, ...]] | None] = [None] * num_blocks
+        self._req_hashes: dict[str, list[int]] = {}  # chain hashes of each request's full blocks
+        self.prefix_cache_queries = 0  # tokens looked up in the cache on admission (cumulative)
+        self.prefix_cache_hits = 0  # of those, tokens found cached (cumulative)
+        self.num_cached_free_blocks = 0  # free blocks still holding reusable cached content
 
     @property
     def num_free_blocks(self) -> int:
+        """Free blocks, counting evictable cached ones (they can be handed out at once)."""
         return len(self._free)
 
     @property
@@ -98,20 +137,104 @@ class BlockManager:
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
 
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
-        """Grow the request's table to cover `num_computed_tokens + num_new_tokens` tokens.
+    def block_hash(self, block_id: int) -> int | None:
+        return self._hashes[block_id]
 
-        Allocates only the missing blocks; returns False, allocating nothing, when too few are free.
+    def free_queue(self) -> list[int]:
+        """Free block ids in eviction order (head first); for tests and debugging."""
+        return list(self._free)
+
+    # ---- prefix cache ------------------------------------------------------------------------
+    def find_cached_prefix(self, request: Request) -> CachedPrefix:
+        """The longest run of the request's leading full blocks that is cached, read-only.
+
+        At most (num_tokens - 1) // block_size blocks: at least one token is left to compute, so
+        the step that runs it produces the logits of the next token.
+        """
+        result = CachedPrefix(num_queried_tokens=request.num_tokens)
+        if not self.enable_caching:
+            return result
+        bs = self.block_size
+        parent: int | None = None
+        for i in range((request.num_tokens - 1) // bs):
+            tokens = tuple(request.token_slice(i * bs, (i + 1) * bs))
+            h = hash_block(parent, tokens)
+            block_id = self._cached.get(h)
+            if block_id is None or self._keys[block_id] != (parent, tokens):
+                break  # a miss, or a hash collision caught by the equality check
+            result.block_ids.append(block_id)
+            result.block_hashes.append(h)
+            parent = h
+        return result
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Hash the request's blocks that became full of computed tokens since the last call.
+
+        A block whose hash is already cached under another id (the same prefix computed twice,
+        e.g. two equal prompts admitted in one step) stays unhashed: it is freed as plain memory.
+        """
+        if not self.enable_caching:
+            return
+        table = self._tables.get(request.request_id)
+        if table is None:
+            return
+        hashes = self._req_hashes.setdefault(request.request_id, [])
+        bs = self.block_size
+        for i in range(len(hashes), request.num_computed_tokens // bs):
+            parent = hashes[-1] if hashes else None
+            tokens = tuple(request.token_slice(i * bs, (i + 1) * bs))
+            h = hash_block(parent, tokens)
+            hashes.append(h)
+            block_id = table[i]
+            if self._hashes[block_id] is None and h not in self._cached:
+                self._cached[h] = block_id
+                self._hashes[block_id] = h
+                self._keys[block_id] = (parent, tokens)
+
+    def _take_free(self) -> int:
+        """Pop the head of the free queue (the least recently freed), evicting its cached content."""
+        block_id = self._free.popleft()
+        h = self._hashes[block_id]
+        if h is not None:
+            if self._cached.get(h) == block_id:
+                del self._cached[h]
+            self._hashes[block_id] = None
+            self._keys[block_id] = None
+            self.num_cached_free_blocks -= 1
+        return block_id
+
+    # ---- allocation ----------------------------------------------------------------------------
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       cached: CachedPrefix | None = None) -> bool:
+        """Grow the request's table to cover `num_computed_tokens + num_new_tokens` tokens, after
+        the `cached` prefix blocks when given (only for a request without a table; the caller then
+        sets num_computed_tokens to the prefix length).
+
+        Allocates only the missing blocks; returns False, changing nothing, when too few are free.
         """
         table = self._tables.get(request.request_id)
         have = 0 if table is None else len(table)
-        missing = self.blocks_needed(request.num_computed_tokens + num_new_tokens) - have
-        if missing > len(self._free):
+        num_hit = 0 if cached is None else cached.num_blocks
+        assert num_hit == 0 or table is None, "a cached prefix is only taken on admission"
+        total = request.num_computed_tokens + num_hit * self.block_size + num_new_tokens
+        missing = self.blocks_needed(total) - have - num_hit
+        hit_free = 0 if cached is None else sum(1 for b in cached.block_ids if self._ref_counts[b] == 0)
+        if missing + hit_free > len(self._free):
             return False
         if table is None:
             table = self._tables[request.request_id] = []
+        if cached is not None:
+            for block_id in cached.block_ids:  # touch: take it off the free queue or share it
+                if self._ref_counts[block_id] == 0:
+                    self._free.remove(block_id)
+                    self.num_cached_free_blocks -= 1
+                self._ref_counts[block_id] += 1
+                table.append(block_id)
+            self._req_hashes[request.request_id] = list(cached.block_hashes)
+            self.prefix_cache_queries += cached.num_queried_tokens
+            self.prefix_cache_hits += num_hit * self.block_size
         for _ in range(missing):
-            block_id = self._free.popleft()
+            block_id = self._take_free()
             self._ref_counts[block_id] = 1
             table.append(block_id)
         return True
@@ -120,8 +243,9 @@ class BlockManager:
         """Release the request's blocks; idempotent (a request without a table is a no-op).
 
         Blocks whose count drops to 0 go back tail first, so the last blocks of a sequence (the
-        least likely to be shared as a prefix) are the first to be reused.
+        least likely to be shared as a prefix) are evicted first; hashed ones keep their content.
         """
+        self._req_hashes.pop(request.request_id, None)
         table = self._tables.pop(request.request_id, None)
         if table is None:
             return
@@ -130,6 +254,8 @@ class BlockManager:
             assert self._ref_counts[block_id] >= 0, f"block {block_id} freed twice"
             if self._ref_counts[block_id] == 0:
                 self._free.append(block_id)
+                if self._hashes[block_id] is not None:
+                    self.num_cached_free_blocks += 1
 
     def get_block_table(self, request_id: str) -> list[int]:
         """The request's physical block ids in logical order (the live list: copy it to keep it)."""

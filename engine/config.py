@@ -28,6 +28,7 @@ class EngineConfig:
     max_waiting: int = 256  # waiting queue bound; beyond it the service answers RESOURCE_EXHAUSTED
     seed: int = 0  # seeds the stream that draws seeds for requests that bring none
     attention_backend: str = "auto"  # auto (triton on cuda, torch on cpu), triton, torch (reference)
+    enable_prefix_caching: bool = True  # reuse K/V of full blocks shared by prompts (and n > 1 samples)
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

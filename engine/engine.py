@@ -52,14 +52,28 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     error: str | None = None  # set when status is FINISHED_ERROR
+    queue_time_s: float | None = None  # first_scheduled_time - arrival_time; on the first output only
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (their prefill skipped)
+    index: int = 0  # which of the request's n samples this output belongs to (0 when n == 1)
+    # Every sample of the request is done: the caller's stream ends here. None (the default) means
+    # "same as finished", right for n == 1 and for outputs made outside the engine.
+    all_finished: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.all_finished is None:
+            self.all_finished = self.finished
 
 
 @dataclass(slots=True)
 class EngineStats:
     kv_blocks_total: int
-    kv_blocks_free: int
+    kv_blocks_free: int  # free blocks, counting cached ones that no request holds (evictable at once)
     requests_running: int
     requests_waiting: int
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (cumulative)
+    prefix_cache_hits: int = 0  # of those, tokens found cached (cumulative)
+    num_preemptions: int = 0  # requests preempted (cumulative)
+    kv_blocks_cached: int = 0  # free blocks still holding reusable cached content (part of kv_blocks_free)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -93,7 +107,8 @@ class LLMEngine:
             num_layers=mc.num_hidden_layers, num_blocks=num_blocks, block_size=config.block_size,
             num_kv_heads=mc.num_key_value_heads, head_dim=mc.head_dim,
             kv_cache_dtype=config.kv_cache_dtype, device=self.device)
-        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.block_manager = BlockManager(num_blocks, config.block_size,
+                                          enable_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=self.max_model_len)
@@ -103,7 +118,8 @@ class LLMEngine:
         self._seed_source = random.Random(config.seed)
         self._seeds: dict[str, int] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
-        self._requests: dict[str, Request] = {}
+        self._requests: dict[str, Request] = {}  # internal (per-sample) id -> request
+        self._groups: dict[str, list[str]] = {}  # caller's id -> internal ids of its unfinished samples
         log.info("engine_ready", model=config.model, architecture=mc.architecture, device=str(self.device),
                  dtype=dtype_name, kv_cache_dtype=config.kv_cache_dtype, kv_blocks=num_blocks,
                  block_size=config.block_size, kv_cache_tokens=num_blocks * config.block_size,
@@ -133,33 +149,55 @@ class LLMEngine:
                                         f"{self.block_manager.num_total_blocks}")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> Request:
-        if request_id in self._requests:
+        """Queues a request; with sampling.n > 1, n samples (internal ids f"{request_id}#{i}") whose
+        outputs carry `request_id` and `index` = i. Sample i draws from seed + i when a seed is
+        given (so one seed reproduces all n), else from its own random seed. Returns sample 0."""
+        if request_id in self._groups or request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.check_request(prompt_token_ids, sampling)
-        req = Request(request_id, prompt_token_ids, sampling, eos_token_ids=self.eos_token_ids,
-                      max_model_len=self.max_model_len)
+        n = sampling.n
+        ids = [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
+        if any(i in self._requests for i in ids):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        reqs: list[Request] = []
         try:
-            self.scheduler.add_request(req)
+            for i, rid in enumerate(ids):
+                req = Request(rid, prompt_token_ids, sampling, eos_token_ids=self.eos_token_ids,
+                              max_model_len=self.max_model_len, parent_id=request_id, index=i,
+                              wait_for=reqs[0] if i else None,
+                              arrival_time=reqs[0].arrival_time if i else None)
+                self.scheduler.add_request(req)
+                reqs.append(req)
         except RequestTooLargeError as e:
+            for req in reqs:
+                self.scheduler.abort(req.request_id)
             raise PromptError("prompt", str(e)) from e
-        self._requests[request_id] = req
-        self._seeds[request_id] = sampling.seed if sampling.seed is not None else self._seed_source.getrandbits(63)
-        self._detok[request_id] = IncrementalDetokenizer(
-            self.tokenizer, prompt_token_ids, skip_special_tokens=sampling.skip_special_tokens,
-            stop=sampling.stop)
-        return req
+        for i, req in enumerate(reqs):
+            rid = req.request_id
+            self._requests[rid] = req
+            if sampling.seed is not None:
+                self._seeds[rid] = (sampling.seed + i) % 2**63
+            else:
+                self._seeds[rid] = self._seed_source.getrandbits(63)
+            self._detok[rid] = IncrementalDetokenizer(
+                self.tokenizer, prompt_token_ids, skip_special_tokens=sampling.skip_special_tokens,
+                stop=sampling.stop)
+        self._groups[request_id] = list(ids)
+        return reqs[0]
 
     def abort(self, request_id: str) -> bool:
-        """Drops a request and frees its blocks now. Returns False for an unknown id."""
-        if request_id not in self._requests:
+        """Drops a request (every sample of it) and frees its blocks now. False for an unknown id."""
+        ids = self._groups.pop(request_id, None)
+        if ids is None:
             return False
-        self.scheduler.abort(request_id)
-        self._forget(request_id)
+        for rid in ids:
+            self.scheduler.abort(rid)
+            self._forget(rid)
         return True
 
     def abort_all(self) -> list[str]:
         """Aborts every request (shutdown); returns their ids."""
-        ids = list(self._requests)
+        ids = list(self._groups)
         for rid in ids:
             self.abort(rid)
         return ids
@@ -168,6 +206,20 @@ class LLMEngine:
         self._requests.pop(request_id, None)
         self._seeds.pop(request_id, None)
         self._detok.pop(request_id, None)
+
+    def _finish(self, req: Request, status: RequestStatus) -> bool:
+        """Ends one sample; True when it was the last unfinished sample of its request."""
+        self.scheduler.finish(req, status)
+        self._forget(req.request_id)
+        group = self._groups.get(req.parent_id)
+        if group is None:
+            return True
+        if req.request_id in group:
+            group.remove(req.request_id)
+        if group:
+            return False
+        del self._groups[req.parent_id]
+        return True
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -178,6 +230,10 @@ class LLMEngine:
             kv_blocks_free=self.block_manager.num_free_blocks,
             requests_running=self.scheduler.num_running,
             requests_waiting=self.scheduler.num_waiting,
+            prefix_cache_queries=self.block_manager.prefix_cache_queries,
+            prefix_cache_hits=self.block_manager.prefix_cache_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            kv_blocks_cached=self.block_manager.num_cached_free_blocks,
         )
 
     # ---- the step ------------------------------------------------------------------------
@@ -206,12 +262,14 @@ class LLMEngine:
             elif status is not None:
                 text += detok.flush()
             o = RequestOutput(
-                request_id=req.request_id, new_token_ids=[tok.token_id], new_text=text,
+                request_id=req.parent_id, new_token_ids=[tok.token_id], new_text=text,
                 new_logprobs=[tok] if req.sampling.logprobs or tok.top else [],
-                num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens)
+                num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
+                num_cached_tokens=req.num_cached_tokens, index=req.index, all_finished=False)
+            if req.num_output_tokens == 1 and req.first_scheduled_time is not None:
+                o.queue_time_s = req.first_scheduled_time - req.arrival_time
             if status is not None:
-                self.scheduler.finish(req, status)
-                self._forget(req.request_id)
+                o.all_finished = self._finish(req, status)
                 o.finished, o.status, o.stop_reason = True, status, req.stop_reason
             outputs.append(o)
         return outputs
@@ -219,24 +277,26 @@ class LLMEngine:
     def _fail(self, reqs: list[Request], error: str) -> list[RequestOutput]:
         outs = []
         for req in reqs:
-            self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
-            self._forget(req.request_id)
+            last = self._finish(req, RequestStatus.FINISHED_ERROR)
             outs.append(RequestOutput(
-                request_id=req.request_id, new_token_ids=[], new_text="", finished=True,
+                request_id=req.parent_id, new_token_ids=[], new_text="", finished=True,
                 status=RequestStatus.FINISHED_ERROR, num_prompt_tokens=req.num_prompt_tokens,
-                num_output_tokens=req.num_output_tokens, error=error))
+                num_output_tokens=req.num_output_tokens, error=error, index=req.index,
+                num_cached_tokens=req.num_cached_tokens, all_finished=last))
         return outs
 
     # ---- convenience for tests and offline use ------------------------------------------------
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[list[int]]:
-        """Runs prompts to completion on this thread; returns the generated token ids of each."""
+        """Runs prompts to completion on this thread; returns the generated token ids of each
+        (of sample 0 when sampling.n > 1)."""
         ids = [f"offline-{i}-{self._seed_source.getrandbits(32):08x}" for i in range(len(prompts))]
         results: dict[str, list[int]] = {i: [] for i in ids}
         for rid, p in zip(ids, prompts):
             self.add_request(rid, p, sampling)
         while self.has_unfinished():
             for o in self.step():
-                results[o.request_id].extend(o.new_token_ids)
+                if o.index == 0:
+                    results[o.request_id].extend(o.new_token_ids)
                 if o.status == RequestStatus.FINISHED_ERROR:
                     raise RuntimeError(o.error)
         return [results[i] for i in ids]

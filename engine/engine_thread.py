@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections import deque
+from collections.abc import Callable
 
 import structlog
+import torch
 
 from engine.engine import LLMEngine, PromptError, RequestOutput
 from engine.request import RequestStatus
@@ -32,6 +35,52 @@ class EngineDeadError(RuntimeError):
     """The engine thread has stopped; no request can be served."""
 
 
+class StepTimeoutError(RuntimeError):
+    """One engine step ran past the watchdog's limit; the engine is presumed hung."""
+
+
+def is_out_of_memory(error: str | None) -> bool:
+    """True for a step failure caused by device memory (the engine reports `TypeName: message`).
+    Such requests are retryable (RESOURCE_EXHAUSTED), unlike an engine fault (INTERNAL)."""
+    return bool(error) and error.startswith(("OutOfMemoryError", "torch.OutOfMemoryError"))
+
+
+class StepWatchdog:
+    """Watches the engine thread from a thread of its own: when one step has run longer than
+    `timeout_s`, it calls `on_hang(error)` once and stops watching. A hung step cannot be
+    interrupted from Python (it may be stuck inside a CUDA call), so the owner's job is to fail
+    the waiting RPCs, flip readiness and let the process exit for a supervisor to restart it."""
+
+    def __init__(self, engine: "AsyncEngine", timeout_s: float, on_hang: Callable[[StepTimeoutError], None]) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"step timeout must be > 0, got {timeout_s}")
+        self.engine = engine
+        self.timeout_s = timeout_s
+        self.on_hang = on_hang
+        self.fired = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="step-watchdog", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _watch(self) -> None:
+        interval = min(1.0, self.timeout_s / 4)
+        while not self._stop.wait(interval):
+            started = self.engine.step_started_at
+            if started is None or time.monotonic() - started <= self.timeout_s:
+                continue
+            self.fired = True
+            err = StepTimeoutError(f"engine step {self.engine.steps} has run for more than {self.timeout_s} s")
+            log.error("engine_step_hung", step=self.engine.steps, timeout_s=self.timeout_s)
+            self.engine._declare_dead(err)
+            self.on_hang(err)
+            return
+
+
 class RequestStream:
     """The asyncio end of one request: outputs pushed by the engine thread, read by the RPC."""
 
@@ -45,7 +94,7 @@ class RequestStream:
 
     def _put(self, output: RequestOutput) -> None:
         self._pending.append(output)
-        self.finished = self.finished or output.finished
+        self.finished = self.finished or output.all_finished
         self._event.set()
 
     async def next_batch(self) -> list[RequestOutput]:
@@ -57,8 +106,13 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, *, step_timeout_s: float | None = None,
+                 on_hang: Callable[[StepTimeoutError], None] | None = None) -> None:
         self.engine = engine
+        self.steps = 0  # engine steps begun so far
+        self.step_started_at: float | None = None  # monotonic start of the step in progress, else None
+        self._watchdog = (StepWatchdog(self, step_timeout_s, on_hang or (lambda err: None))
+                          if step_timeout_s is not None else None)
         self._inbox: deque[tuple] = deque()
         self._wake = threading.Condition()
         self._streams: dict[str, RequestStream] = {}
@@ -75,14 +129,18 @@ class AsyncEngine:
         self._idle.set()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
+        if self._watchdog is not None:
+            self._watchdog.start()
 
     def stop(self, timeout: float | None = 10.0) -> None:
         """Stops the thread after its current step; aborts whatever is left."""
+        if self._watchdog is not None:
+            self._watchdog.stop()
         with self._wake:
             self._stopping = True
             self._wake.notify()
         if self._thread is not None:
-            self._thread.join(timeout)
+            self._thread.join(1.0 if isinstance(self.dead, StepTimeoutError) else timeout)
 
     @property
     def num_in_flight(self) -> int:
@@ -112,9 +170,13 @@ class AsyncEngine:
         self.engine.check_request(prompt_token_ids, sampling)
         if request_id in self._streams:
             raise PromptError("request_id", f"request id {request_id!r} is already in flight")
-        waiting = self.engine.scheduler.num_waiting + len(self._inbox)
-        if waiting >= self.engine.config.max_waiting:
-            raise QueueFullError(f"{waiting} requests are waiting (bound {self.engine.config.max_waiting})")
+        # Requests the engine has not taken in yet may fill free batch slots at once, so a burst into
+        # an idle engine is not shed early; in flight stays <= max_num_seqs + max_waiting.
+        cfg, sched = self.engine.config, self.engine.scheduler
+        waiting = sched.num_waiting + self.num_queued  # pending aborts do not count
+        headroom = max(0, cfg.max_num_seqs - sched.num_running)
+        if waiting >= cfg.max_waiting + headroom:
+            raise QueueFullError(f"{waiting} requests are waiting (bound {cfg.max_waiting})")
         stream = RequestStream(request_id)
         self._streams[request_id] = stream
         self._idle.clear()
@@ -137,7 +199,7 @@ class AsyncEngine:
             if stream is None:
                 continue  # aborted by its caller after the step began
             stream._put(o)
-            if o.finished:
+            if o.all_finished:  # with n > 1, `finished` only ends one sample
                 self._forget_stream(o.request_id)
 
     # ---- the engine thread -----------------------------------------------------------------
@@ -163,12 +225,24 @@ class AsyncEngine:
                                                        status=RequestStatus.FINISHED_ERROR, error=str(e)))
                     else:
                         engine.abort(cmd[1])
-                outputs = early + (engine.step() if engine.has_unfinished() else [])
+                stepped: list[RequestOutput] = []
+                if engine.has_unfinished():
+                    self.steps += 1
+                    self.step_started_at = time.monotonic()
+                    try:
+                        stepped = engine.step()
+                    finally:
+                        self.step_started_at = None
+                if self.dead is not None:
+                    break  # the watchdog gave up on this step; its requests were failed already
+                if any(is_out_of_memory(o.error) for o in stepped) and torch.cuda.is_available():
+                    torch.cuda.empty_cache()  # hand back what the failed step held before retries come
+                outputs = early + stepped
                 if outputs:
                     self._loop.call_soon_threadsafe(self._deliver, outputs)
         except BaseException as e:  # the loop itself broke: fail everyone rather than hang them
             log.exception("engine_thread_died")
-            self.dead = e
+            self.dead = self.dead or e
         finally:
             self._shutdown_requests()
 
@@ -178,6 +252,12 @@ class AsyncEngine:
         if self._loop is not None and not self._loop.is_closed():
             # Streams are owned by the loop thread: fail whatever is still open there.
             self._loop.call_soon_threadsafe(self._fail_open_streams, status)
+
+    def _declare_dead(self, error: BaseException) -> None:
+        """Called off the engine thread (watchdog): no new requests, every open stream fails now."""
+        self.dead = error
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._fail_open_streams, RequestStatus.FINISHED_ERROR)
 
     def _fail_open_streams(self, status: RequestStatus) -> None:
         error = str(self.dead) if self.dead is not None else None

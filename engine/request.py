@@ -34,7 +34,7 @@ class Request:
     __slots__ = (
         "request_id", "prompt_token_ids", "sampling", "output_token_ids", "num_computed_tokens",
         "status", "arrival_time", "max_model_len", "eos_token_ids", "num_preemptions",
-        "first_scheduled_time", "stop_reason",
+        "first_scheduled_time", "stop_reason", "parent_id", "index", "wait_for", "num_cached_tokens",
     )
 
     def __init__(
@@ -46,6 +46,9 @@ class Request:
         eos_token_ids: tuple[int, ...] = (),
         max_model_len: int,
         arrival_time: float | None = None,
+        parent_id: str | None = None,
+        index: int = 0,
+        wait_for: Request | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt_token_ids must not be empty")
@@ -61,6 +64,13 @@ class Request:
         self.num_preemptions = 0
         self.first_scheduled_time: float | None = None
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+        # n > 1: the caller's request id and this sample's index (the id itself is internal).
+        self.parent_id = request_id if parent_id is None else parent_id
+        self.index = index
+        # Sample 0 of the same prompt: this sample is not admitted before that one's prompt is
+        # computed (so its full blocks are in the prefix cache); cleared once that holds.
+        self.wait_for = wait_for
+        self.num_cached_tokens = 0  # prompt tokens taken from the prefix cache on first admission
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -77,6 +87,15 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output, without concatenating the whole sequence."""
+        p = len(self.prompt_token_ids)
+        if start >= p:
+            return self.output_token_ids[start - p:end - p]
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
 
     @property
     def num_remaining_tokens(self) -> int:

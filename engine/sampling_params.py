@@ -15,6 +15,7 @@ MAX_LOGPROBS = 20  # top-n logprobs per token
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
+MAX_N = 16  # samples per request
 
 
 class SamplingParamsError(ValueError):
@@ -42,6 +43,7 @@ class SamplingParams:
     ignore_eos: bool = False  # keep going past the model's EOS tokens
     logprobs: int = 0  # number of top logprobs per generated token; 0 = none
     skip_special_tokens: bool = True  # drop special tokens from the returned text
+    n: int = 1  # independent samples of the same prompt (prompt prefilled once via the prefix cache)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -98,5 +100,7 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if t < 0 or (vocab_size is not None and t >= vocab_size):
                 raise SamplingParamsError("stop_token_ids", f"token id {t} is outside the vocabulary")
+        if not 1 <= self.n <= MAX_N:
+            raise SamplingParamsError("n", f"must be in [1, {MAX_N}], got {self.n}")
         if not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise SamplingParamsError("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")

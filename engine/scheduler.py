@@ -11,9 +11,22 @@ The engine loop around it:
     scheduler.update_after_step(out)        # advances num_computed_tokens
     ... append sampled tokens; scheduler.finish(req, status) for requests that are done ...
 
-When blocks run out, the newest running request is preempted: its blocks are freed and it goes to
-the front of the waiting queue with `num_computed_tokens = 0`. It keeps its output tokens; when it
-is admitted again its "prefill" recomputes prompt + outputs and then samples the next token.
+Order within a step: running decodes, then running prefills (chunked to what is left of the
+budget), then admissions. So a long prompt arriving mid-stream never stalls the streams already
+decoding: each step holds one decode per running stream and a chunk of the prompt.
+
+Admission looks up the request's longest cached prefix (block_manager.py): those tokens count as
+computed and are never scheduled. For n > 1, samples 1..n-1 wait (skipped, not blocking the queue)
+until sample 0 has computed the prompt; then they hit the cache for every full prompt block and
+compute only the rest (at least one token, for the logits). Without prefix caching they prefill
+independently.
+
+When blocks run out, the running request that arrived last is preempted (ties: admitted last): its
+blocks are freed (cached ones stay reusable) and it re-enters the waiting queue in arrival order
+with `num_computed_tokens = 0`. It keeps its output tokens; when it is admitted again its "prefill"
+recomputes prompt + outputs (hitting the cache where the blocks survived) and then samples the next
+token. Choosing by arrival, not admission, means an old request that was re-admitted is never the
+victim of newer ones, so nothing starves.
 """
 
 from __future__ import annotations
@@ -47,9 +60,10 @@ class ScheduledRequest:
 
 @dataclass(slots=True)
 class SchedulerOutput:
-    # Requests that run this step: running ones first (admission order), then newly admitted.
+    # Requests that run this step: running decodes, running prefills (admission order within
+    # each), then newly admitted ones.
     scheduled: list[ScheduledRequest] = field(default_factory=list)
-    # Requests preempted this step (blocks freed, back at the front of the waiting queue).
+    # Requests preempted this step (blocks freed, back in the waiting queue in arrival order).
     preempted: list[Request] = field(default_factory=list)
     # Sum of num_new_tokens over `scheduled`; at most max_num_batched_tokens.
     num_batched_tokens: int = 0
@@ -74,9 +88,10 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.waiting: deque[Request] = deque()  # FIFO; preempted requests re-enter at the front
-        self.running: list[Request] = []  # admission order; the last one is preempted first
+        self.waiting: deque[Request] = deque()  # FIFO; preempted requests re-enter by arrival time
+        self.running: list[Request] = []  # admission order; the latest arrival is preempted first
         self.requests: dict[str, Request] = {}  # every unfinished request, waiting or running
+        self.num_preemptions = 0  # cumulative, for stats
 
     @property
     def num_running(self) -> int:
@@ -119,62 +134,107 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        scheduled: dict[str, ScheduledRequest] = {}
 
-        # 1. Running requests, oldest first. When blocks run out, preempt the newest until this
-        # one fits (or it was the newest itself).
-        i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
+        # 1. Running requests: decodes first (one token each, so every stream advances each step),
+        # then prefills (their chunks take what is left of the budget), admission order within each.
+        # When blocks run out, preempt the latest arrival until this one fits (or it is the latest).
+        decodes = [r for r in self.running if r.num_remaining_tokens == 1]
+        prefills = [r for r in self.running if r.num_remaining_tokens > 1]
+        for request in decodes + prefills:
+            if budget <= 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this step
             num_new = min(request.num_remaining_tokens, budget)
             if num_new <= 0:  # nothing to run until the engine appends its sampled token
-                i += 1
                 continue
             while not self.block_manager.allocate_slots(request, num_new):
-                victim = self.running.pop()
+                victim = self._pick_victim()
+                if victim is not request and victim.request_id in scheduled:
+                    # Already given tokens this step: take them back.
+                    s = scheduled.pop(victim.request_id)
+                    out.scheduled.remove(s)
+                    out.num_batched_tokens -= s.num_new_tokens
+                    budget += s.num_new_tokens
+                self.running.remove(victim)
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is request:
                     break
             if request.status == RequestStatus.PREEMPTED:
-                break  # it was the newest running request, so nothing runs after it
-            self._schedule(out, request, num_new)
+                continue
+            scheduled[request.request_id] = self._schedule(out, request, num_new)
             budget -= num_new
-            i += 1
 
         # 2. Admit waiting requests in FIFO order; none after a preemption (memory is short), and
         # none past the first that does not fit (head-of-line, so big requests are not starved).
-        while (not out.preempted and self.waiting and budget > 0
+        # Samples 2..n of a prompt are skipped while sample 0 still computes that prompt.
+        i = 0
+        while (not out.preempted and i < len(self.waiting) and budget > 0
                and len(self.running) < self.max_num_seqs):
-            request = self.waiting[0]
-            num_new = min(request.num_remaining_tokens, budget)
-            if not self.block_manager.allocate_slots(request, num_new):
+            request = self.waiting[i]
+            if self._held_back(request):
+                i += 1
+                continue
+            cached = None
+            if request.num_computed_tokens == 0:
+                cached = self.block_manager.find_cached_prefix(request)
+            num_cached = 0 if cached is None else cached.num_blocks * self.block_manager.block_size
+            num_new = min(request.num_remaining_tokens - num_cached, budget)
+            if not self.block_manager.allocate_slots(request, num_new, cached):
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
+            request.num_computed_tokens += num_cached
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
+                request.num_cached_tokens = min(num_cached, request.num_prompt_tokens)
             self.running.append(request)
             self._schedule(out, request, num_new)
             budget -= num_new
         return out
 
-    def _schedule(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
+    def _held_back(self, request: Request) -> bool:
+        """True while the request waits for its sample 0 to compute the shared prompt."""
+        leader = request.wait_for
+        if leader is None:
+            return False
+        if (not self.block_manager.enable_caching or leader.finished
+                or leader.num_computed_tokens >= leader.num_prompt_tokens):
+            request.wait_for = None
+            return False
+        return True
+
+    def _pick_victim(self) -> Request:
+        """The running request that arrived last (ties: admitted last). Preempting by arrival, not
+        admission, means a re-admitted old request is never the victim of newer ones: nothing
+        starves."""
+        return max(enumerate(self.running), key=lambda ir: (ir[1].arrival_time, ir[0]))[1]
+
+    def _schedule(self, out: SchedulerOutput, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
-        out.scheduled.append(ScheduledRequest(
+        s = ScheduledRequest(
             request=request,
             num_new_tokens=num_new,
             start=start,
             block_table=list(self.block_manager.get_block_table(request.request_id)),
             sample=start + num_new == request.num_tokens,
-        ))
+        )
+        out.scheduled.append(s)
         out.num_batched_tokens += num_new
+        return s
 
     def _preempt(self, request: Request) -> None:
         self.block_manager.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+        # Back into the waiting queue in arrival order (ahead of everything that came later).
+        pos = next((j for j, w in enumerate(self.waiting) if w.arrival_time > request.arrival_time),
+                   len(self.waiting))
+        self.waiting.insert(pos, request)
         log.info("preempted", request_id=request.request_id,
                  num_preemptions=request.num_preemptions, num_tokens=request.num_tokens)
 
@@ -184,6 +244,7 @@ class Scheduler:
         for s in out.scheduled:
             if not s.request.finished:  # aborted while the step ran
                 s.request.num_computed_tokens += s.num_new_tokens
+                self.block_manager.cache_full_blocks(s.request)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """End a request (status must be a FINISHED_* one) and give back its blocks."""

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 
 from engine.config import EngineConfig
 from service.logging import configure_logging
-from service.server import PieServer, ServerConfig
+from service.auth import read_token_file
+from service.server import PieServer, ServerConfig, TlsConfig
+from service.validation import Limits
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
@@ -38,6 +41,24 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=d.seed, help="seeds the seeds of requests that bring none")
     p.add_argument("--grace", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM")
     p.add_argument("--model-name", default=None, help="name reported by GetModelInfo")
+    p.add_argument("--max-message-bytes", type=int, default=16 << 20,
+                   help="largest gRPC message received or sent; larger ones get RESOURCE_EXHAUSTED")
+    p.add_argument("--max-prompt-chars", type=int, default=Limits().max_prompt_chars,
+                   help="text prompts longer than this are refused before tokenizing")
+    p.add_argument("--max-concurrent-rpcs", type=int, default=None,
+                   help="RPCs in progress at most (streams included); beyond it RESOURCE_EXHAUSTED (default: no cap)")
+    p.add_argument("--step-timeout", type=float, default=60.0,
+                   help="watchdog: an engine step longer than this fails every RPC with UNAVAILABLE, turns "
+                        "readiness off and exits with status 3 (0 = off)")
+    p.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve TLS (needs --tls-key)")
+    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    p.add_argument("--tls-client-ca", default=None,
+                   help="PEM CA bundle: require client certificates signed by it (mutual TLS)")
+    p.add_argument("--auth-token-file", default=None,
+                   help="file of accepted bearer tokens, one per line: every RPC but health and reflection "
+                        "needs `authorization: Bearer <token>` metadata")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (off unless given; 0 = any free port)")
     p.add_argument("--log-format", choices=("auto", "json", "console"), default="auto")
     p.add_argument("--log-level", default="info")
 
@@ -70,12 +91,41 @@ def main(argv: list[str] | None = None) -> int:
                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                 max_waiting=args.max_waiting, seed=args.seed,
                 attention_backend=args.attention_backend)
-        except ValueError as e:
+            server_config = _server_config(args)
+        except (ValueError, OSError) as e:
             parser.error(str(e))
-        server = PieServer(ServerConfig(host=args.host, port=args.port, grace_s=args.grace,
-                                        model_name=args.model_name), engine_config)
-        asyncio.run(server.serve_forever())
+        code = asyncio.run(PieServer(server_config, engine_config).serve_forever())
+        if code:
+            # The engine thread may be stuck inside a device call: do not wait for it at exit.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
     return 0
+
+
+def _server_config(args: argparse.Namespace) -> ServerConfig:
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise ValueError("--tls-cert and --tls-key go together")
+    if args.tls_client_ca and args.tls_cert is None:
+        raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+    for name in ("max_message_bytes", "max_prompt_chars"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.max_concurrent_rpcs is not None and args.max_concurrent_rpcs < 1:
+        raise ValueError("--max-concurrent-rpcs must be >= 1")
+    if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
+        raise ValueError("--metrics-port must be in [0, 65535]")
+    if args.step_timeout < 0:
+        raise ValueError("--step-timeout must be >= 0 (0 = off)")
+    tls = TlsConfig(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
+    if tls is not None:
+        tls.credentials()  # fail at start on an unreadable file, not on the first connection
+    return ServerConfig(
+        host=args.host, port=args.port, grace_s=args.grace, model_name=args.model_name,
+        max_message_bytes=args.max_message_bytes, limits=Limits(max_prompt_chars=args.max_prompt_chars),
+        max_concurrent_rpcs=args.max_concurrent_rpcs, step_timeout_s=args.step_timeout or None, tls=tls,
+        auth_tokens=read_token_file(args.auth_token_file) if args.auth_token_file else (),
+        metrics_port=args.metrics_port)
 
 
 if __name__ == "__main__":

@@ -16,12 +16,30 @@ from grpc_reflection.v1alpha import reflection
 
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
-from engine.engine_thread import AsyncEngine
+from engine.engine_thread import AsyncEngine, StepTimeoutError
 from pie.v1 import generate_pb2, generate_pb2_grpc
+from service.auth import BearerTokenInterceptor
+from service.interceptors import UndecodableRequestInterceptor
+from service.metrics import ServiceMetrics
 from service.servicer import SERVICE_NAME, GenerateServicer
 from service.validation import Limits
 
 log = structlog.get_logger(__name__)
+
+
+EXIT_ENGINE_HUNG = 3  # process exit status after the step watchdog fired
+
+
+@dataclass(slots=True, frozen=True)
+class TlsConfig:
+    cert: str  # PEM certificate chain of the server
+    key: str  # PEM private key of the server
+    client_ca: str | None = None  # PEM CA bundle; when set, clients must present a certificate it signed
+
+    def credentials(self) -> grpc.ServerCredentials:
+        ca = Path(self.client_ca).read_bytes() if self.client_ca else None
+        return grpc.ssl_server_credentials([(Path(self.key).read_bytes(), Path(self.cert).read_bytes())],
+                                           root_certificates=ca, require_client_auth=ca is not None)
 
 
 @dataclass(slots=True)
@@ -32,6 +50,11 @@ class ServerConfig:
     max_message_bytes: int = 16 << 20  # receive/send cap per gRPC message
     model_name: str | None = None  # reported by GetModelInfo; default: the model folder's name
     limits: Limits = field(default_factory=Limits)
+    metrics_port: int | None = None  # Prometheus /metrics over HTTP on `host`; None = off, 0 = any free port
+    max_concurrent_rpcs: int | None = None  # RPCs in progress at most; beyond it grpc answers RESOURCE_EXHAUSTED
+    step_timeout_s: float | None = 60.0  # watchdog: a step longer than this marks the engine hung (None = off)
+    tls: TlsConfig | None = None  # None: plaintext (fine on loopback)
+    auth_tokens: tuple[str, ...] = ()  # bearer tokens accepted; empty = no token needed
 
 
 class PieServer:
@@ -42,38 +65,70 @@ class PieServer:
         self.config = server_config
         self.engine_config = engine_config
         name = server_config.model_name or Path(engine_config.model).resolve().name
-        self.servicer = GenerateServicer(model_name=name, limits=server_config.limits)
+        self.metrics = ServiceMetrics(name, self._engine_stats)
+        self.metrics_port: int | None = None  # bound once start() served /metrics
+        self.servicer = GenerateServicer(model_name=name, limits=server_config.limits, metrics=self.metrics)
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.port: int | None = None
         self.engine: AsyncEngine | None = None
+        self.fatal: asyncio.Event | None = None  # set when the engine hung; serve_forever then exits non-zero
+
+    def _engine_stats(self):
+        """For the metrics scrape (HTTP thread): None until loaded; waiting includes the hand-off queue."""
+        if self.engine is None:
+            return None
+        stats = self.engine.engine.stats()
+        stats.requests_waiting += self.engine.num_queued
+        return stats
 
     async def start(self) -> int:
         opts = [("grpc.max_receive_message_length", self.config.max_message_bytes),
                 ("grpc.max_send_message_length", self.config.max_message_bytes),
                 ("grpc.so_reuseport", 0)]
-        self.server = grpc.aio.server(options=opts)
+        interceptors: list[grpc.aio.ServerInterceptor] = [UndecodableRequestInterceptor()]
+        if self.config.auth_tokens:
+            interceptors.insert(0, BearerTokenInterceptor(self.config.auth_tokens))
+        self.server = grpc.aio.server(options=opts, interceptors=interceptors,
+                                      maximum_concurrent_rpcs=self.config.max_concurrent_rpcs)
+        self.fatal = asyncio.Event()
         generate_pb2_grpc.add_GenerateServiceServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             self.server)
-        self.port = self.server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        address = f"{self.config.host}:{self.config.port}"
+        if self.config.tls is not None:
+            self.port = self.server.add_secure_port(address, self.config.tls.credentials())
+        else:
+            self.port = self.server.add_insecure_port(address)
         if self.port == 0:
             raise RuntimeError(f"could not bind {self.config.host}:{self.config.port}")
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)  # liveness
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)  # readiness
         await self.server.start()
-        log.info("server_listening", host=self.config.host, port=self.port)
+        if self.config.metrics_port is not None:
+            self.metrics_port = self.metrics.serve_http(self.config.host, self.config.metrics_port)
+            log.info("metrics_listening", host=self.config.host, port=self.metrics_port, path="/metrics")
+        log.info("server_listening", host=self.config.host, port=self.port, tls=self.config.tls is not None,
+                 auth=bool(self.config.auth_tokens))
         return self.port
 
     async def load(self) -> None:
         core = await asyncio.to_thread(LLMEngine, self.engine_config)
-        self.engine = AsyncEngine(core)
+        loop = asyncio.get_running_loop()
+        self.engine = AsyncEngine(core, step_timeout_s=self.config.step_timeout_s,
+                                  on_hang=lambda err: loop.call_soon_threadsafe(self._engine_hung, err))
         self.engine.start(asyncio.get_running_loop())
         self.servicer.engine = self.engine
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         log.info("server_ready", model=self.servicer.model_name)
+
+    def _engine_hung(self, err: StepTimeoutError) -> None:
+        """On the loop, after the watchdog failed every open RPC: readiness off, then exit."""
+        log.error("server_engine_hung", error=str(err))
+        asyncio.ensure_future(self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING))
+        self.fatal.set()
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Readiness off, new requests UNAVAILABLE, in-flight requests get `grace_s` to finish."""
@@ -94,9 +149,12 @@ class PieServer:
             await self.server.stop(max(0.0, deadline - loop.time()))
         if self.engine is not None:
             await asyncio.to_thread(self.engine.stop)
+        self.metrics.stop_http()
         log.info("server_stopped")
 
-    async def serve_forever(self) -> None:
+    async def serve_forever(self) -> int:
+        """Serves until SIGTERM/SIGINT (returns 0 after draining) or a hung engine step (returns
+        EXIT_ENGINE_HUNG at once: the RPCs were failed already, a supervisor should restart us)."""
         await self.start()
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -107,9 +165,14 @@ class PieServer:
         if loader.done() and loader.exception() is not None:
             await self.stop(0)
             raise loader.exception()
-        await stop.wait()
+        await asyncio.wait([asyncio.create_task(stop.wait()), asyncio.create_task(self.fatal.wait())],
+                           return_when=asyncio.FIRST_COMPLETED)
         loader.cancel()
+        if self.fatal.is_set():
+            await self.stop(0)
+            return EXIT_ENGINE_HUNG
         await self.stop()
+        return 0
 
 
 class BackgroundServer:

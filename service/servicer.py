@@ -9,12 +9,14 @@ import grpc
 import structlog
 
 from engine.engine import PromptError, RequestOutput
-from engine.engine_thread import AsyncEngine, EngineDeadError, QueueFullError
+from engine.engine_thread import AsyncEngine, EngineDeadError, QueueFullError, is_out_of_memory
 from engine.request import RequestStatus
 from engine.sampling_params import SamplingParamsError
 from pie.v1 import generate_pb2 as pb
 from pie.v1 import generate_pb2_grpc
 from service.errors import ServiceError, invalid_argument
+from service.logging import RequestSummary
+from service.metrics import ServiceMetrics
 from service.validation import FieldError, Limits, prompt_from_proto, qualify, request_id_from, sampling_from_proto
 
 log = structlog.get_logger(__name__)
@@ -26,12 +28,31 @@ _FINISH = {
     RequestStatus.FINISHED_LENGTH: pb.FINISH_REASON_LENGTH,
     RequestStatus.FINISHED_ABORTED: pb.FINISH_REASON_ABORT,
 }
+_FINISH_LABEL = {  # the summary line's and vllm:request_success's finished_reason
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+def _by_index(outputs: list[RequestOutput]) -> dict[int, list[RequestOutput]]:
+    """Outputs grouped by choice index (n > 1), each group in arrival order."""
+    groups: dict[int, list[RequestOutput]] = {}
+    for o in outputs:
+        groups.setdefault(o.index, []).append(o)
+    return groups
+
+
+def _cached(outputs: list[RequestOutput]) -> int:
+    """Prompt tokens served from the prefix cache (reported on a request's first outputs)."""
+    return max((o.num_cached_tokens for o in outputs), default=0)
 
 
 class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
-    def __init__(self, *, model_name: str, limits: Limits | None = None) -> None:
+    def __init__(self, *, model_name: str, limits: Limits | None = None, metrics: ServiceMetrics | None = None) -> None:
         self.model_name = model_name
         self.limits = limits or Limits()
+        self.metrics = metrics or ServiceMetrics(model_name)
         self.engine: AsyncEngine | None = None  # set once the model is loaded
         self.draining = False
 
@@ -80,101 +101,147 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                                   for t, lp in s.top]))
         return result
 
-    @staticmethod
-    def _final_error(last: RequestOutput, rid: str) -> ServiceError | None:
-        if last.status == RequestStatus.FINISHED_ERROR:
-            return ServiceError(grpc.StatusCode.INTERNAL,
-                                f"engine fault while serving request {rid}; search the server log for this id")
-        return None
+    def _observe(self, s: RequestSummary, batch: list[RequestOutput]) -> None:
+        """Times one hand-off of outputs: TTFT, inter-token gaps (split over its tokens), queue time."""
+        first = s.ttft_s is None
+        n = sum(len(o.new_token_ids) for o in batch)
+        gap = s.tokens_arrived(n, time.monotonic())
+        if first and s.ttft_s is not None:
+            self.metrics.first_token(s.ttft_s)
+        if gap is not None:
+            self.metrics.token_gap(gap, n)
+        if s.queue_time_s is None:
+            q = next((o.queue_time_s for o in batch if o.queue_time_s is not None), None)
+            if q is not None:
+                s.queue_time_s = q
+                self.metrics.queued(q)
+
+    def _end(self, s: RequestSummary, code: grpc.StatusCode, error: str | None = None) -> None:
+        """Where every generation RPC ends, once: its summary log line and its metrics."""
+        s.status, s.error, s.ended = code.name, error, True
+        self.metrics.request_finished(
+            rpc=s.rpc, code=s.status, prompt_tokens=s.prompt_tokens, generated_tokens=s.generated_tokens,
+            finished_reason=s.finish_reason, e2e_s=s.total_s if s.finish_reason is not None else None)
+        s.emit(log)
+
+    async def _reject(self, context, s: RequestSummary, err: ServiceError) -> None:
+        self._end(s, err.code, err.message)
+        await self._abort(context, err, s.request_id)
+
+    def _final_error(self, last: RequestOutput, rid: str) -> ServiceError | None:
+        if last.status != RequestStatus.FINISHED_ERROR:
+            return None
+        if self.engine is not None and self.engine.dead is not None:  # hung or crashed: try another replica
+            return ServiceError(grpc.StatusCode.UNAVAILABLE,
+                                f"the engine stopped while serving request {rid}; search the server log for this id")
+        if is_out_of_memory(last.error):
+            return ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"out of device memory while serving request {rid}; retry later", retry_after_s=1.0)
+        return ServiceError(grpc.StatusCode.INTERNAL,
+                            f"engine fault while serving request {rid}; search the server log for this id")
 
     # ---- RPCs ----------------------------------------------------------------------------
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
-        rid = None
+        s = RequestSummary("Generate", context.peer())
         try:
-            rid = self._request_id(request, context)
+            s.request_id = rid = self._request_id(request, context)
             prompt, sampling, stream = self._submit(request, rid)
         except FieldError as e:
-            return await self._abort(context, invalid_argument(e.field, e.description), rid)
+            return await self._reject(context, s, invalid_argument(e.field, e.description))
         except ServiceError as e:
-            return await self._abort(context, e, rid)
-        await context.send_initial_metadata((("x-request-id", rid),))
-        started = time.monotonic()
+            return await self._reject(context, s, e)
+        s.prompt_tokens = len(prompt)
         outputs: list[RequestOutput] = []
         finished = False
-        try:
+        try:  # from here on the engine holds the request: every way out must abort it
+            await context.send_initial_metadata((("x-request-id", rid),))
             while not finished:
                 batch = await stream.next_batch()
+                self._observe(s, batch)
                 outputs.extend(batch)
-                finished = batch[-1].finished
+                finished = batch[-1].all_finished
         finally:
-            if not finished:
+            if not finished:  # the caller went away (cancel or deadline)
                 self.engine.abort(rid)
-                log.info("request_cancelled", request_id=rid, rpc="Generate")
-        last = outputs[-1]
-        err = self._final_error(last, rid)
-        if err is not None:
-            log.error("request_failed", request_id=rid, error=last.error)
-            return await self._abort(context, err, rid)
-        token_ids = [t for o in outputs for t in o.new_token_ids]
-        log.info("request_done", request_id=rid, rpc="Generate", prompt_tokens=len(prompt),
-                 generated_tokens=len(token_ids), finish_reason=last.status.name,
-                 total_ms=round(1e3 * (time.monotonic() - started), 2))
+                self._end(s, grpc.StatusCode.CANCELLED, "cancelled by the caller or its deadline")
+        failed = next((o for o in outputs if o.status == RequestStatus.FINISHED_ERROR), None)
+        if failed is not None:
+            log.error("request_failed", request_id=rid, error=failed.error)
+            return await self._reject(context, s, self._final_error(failed, rid))
+        choices = [self._choice(i, outs, sampling.logprobs > 0) for i, outs in sorted(_by_index(outputs).items())]
+        first = choices[0]
+        completion = sum(len(c.token_ids) for c in choices)
+        s.finish_reason = _FINISH_LABEL.get(_by_index(outputs)[0][-1].status)
+        self._end(s, grpc.StatusCode.OK)
         return pb.GenerateResponse(
-            request_id=rid, text="".join(o.new_text for o in outputs), token_ids=token_ids,
-            finish_reason=_FINISH.get(last.status, pb.FINISH_REASON_UNSPECIFIED),
-            stop_reason="" if last.stop_reason is None else str(last.stop_reason),
-            usage=pb.Usage(prompt_tokens=len(prompt), completion_tokens=len(token_ids),
-                           total_tokens=len(prompt) + len(token_ids)),
-            logprobs=self._logprobs(outputs) if sampling.logprobs else [],
+            request_id=rid, text=first.text, token_ids=first.token_ids, finish_reason=first.finish_reason,
+            stop_reason=first.stop_reason, logprobs=first.logprobs,
+            usage=pb.Usage(prompt_tokens=len(prompt), completion_tokens=completion,
+                           total_tokens=len(prompt) + completion, cached_prompt_tokens=_cached(outputs)),
+            choices=choices if sampling.n > 1 else [],
         )
 
+    def _choice(self, index: int, outputs: list[RequestOutput], logprobs: bool) -> pb.Choice:
+        """One sample's whole answer from its outputs (in order; the last one finished it)."""
+        last = outputs[-1]
+        return pb.Choice(
+            index=index, text="".join(o.new_text for o in outputs),
+            token_ids=[t for o in outputs for t in o.new_token_ids],
+            finish_reason=_FINISH.get(last.status, pb.FINISH_REASON_UNSPECIFIED),
+            stop_reason="" if last.stop_reason is None else str(last.stop_reason),
+            logprobs=self._logprobs(outputs) if logprobs else [])
+
     async def GenerateStream(self, request: pb.GenerateStreamRequest, context: grpc.aio.ServicerContext):
-        rid = None
+        s = RequestSummary("GenerateStream", context.peer())
         try:
-            rid = self._request_id(request, context)
+            s.request_id = rid = self._request_id(request, context)
             prompt, sampling, stream = self._submit(request, rid)
         except FieldError as e:
-            await self._abort(context, invalid_argument(e.field, e.description), rid)
+            await self._reject(context, s, invalid_argument(e.field, e.description))
             return
         except ServiceError as e:
-            await self._abort(context, e, rid)
+            await self._reject(context, s, e)
             return
-        await context.send_initial_metadata((("x-request-id", rid),))
-        started = time.monotonic()
-        first_token_s = None
-        n_generated = 0
+        s.prompt_tokens = len(prompt)
         finished = False
-        try:
+        cached = 0
+        try:  # from here on the engine holds the request: every way out must abort it
+            await context.send_initial_metadata((("x-request-id", rid),))
             while not finished:
                 batch = await stream.next_batch()
-                last = batch[-1]
-                finished = last.finished
-                if finished and (err := self._final_error(last, rid)) is not None:
-                    log.error("request_failed", request_id=rid, error=last.error)
-                    await self._abort(context, err, rid)
+                finished = batch[-1].all_finished
+                failed = next((o for o in batch if o.status == RequestStatus.FINISHED_ERROR), None)
+                if failed is not None:
+                    log.error("request_failed", request_id=rid, error=failed.error)
+                    await self._reject(context, s, self._final_error(failed, rid))
                     return
-                token_ids = [t for o in batch for t in o.new_token_ids]
-                n_generated += len(token_ids)
-                if first_token_s is None and token_ids:
-                    first_token_s = time.monotonic() - started
-                msg = pb.GenerateStreamResponse(
-                    request_id=rid, text="".join(o.new_text for o in batch), token_ids=token_ids,
-                    logprobs=self._logprobs(batch) if sampling.logprobs else [])
-                if finished:
-                    msg.finish_reason = _FINISH.get(last.status, pb.FINISH_REASON_UNSPECIFIED)
-                    msg.stop_reason = "" if last.stop_reason is None else str(last.stop_reason)
-                    msg.usage.CopyFrom(pb.Usage(prompt_tokens=len(prompt), completion_tokens=n_generated,
-                                                total_tokens=len(prompt) + n_generated))
-                yield msg
+                self._observe(s, batch)
+                cached = max(cached, _cached(batch))
+                # One message per choice present in this hand-off (one message when n == 1).
+                groups = sorted(_by_index(batch).items())
+                for j, (index, outs) in enumerate(groups):
+                    last = outs[-1]
+                    msg = pb.GenerateStreamResponse(
+                        request_id=rid, index=index, text="".join(o.new_text for o in outs),
+                        token_ids=[t for o in outs for t in o.new_token_ids],
+                        logprobs=self._logprobs(outs) if sampling.logprobs else [])
+                    if last.finished:
+                        msg.finish_reason = _FINISH.get(last.status, pb.FINISH_REASON_UNSPECIFIED)
+                        msg.stop_reason = "" if last.stop_reason is None else str(last.stop_reason)
+                        if index == 0:
+                            s.finish_reason = _FINISH_LABEL.get(last.status)
+                    if finished and j == len(groups) - 1:
+                        n_generated = s.generated_tokens
+                        msg.usage.CopyFrom(pb.Usage(prompt_tokens=len(prompt), completion_tokens=n_generated,
+                                                    total_tokens=len(prompt) + n_generated,
+                                                    cached_prompt_tokens=cached))
+                    yield msg
+            self._end(s, grpc.StatusCode.OK)
         finally:
             if not finished:
                 self.engine.abort(rid)
-                log.info("request_cancelled", request_id=rid, rpc="GenerateStream", generated_tokens=n_generated)
-            else:
-                log.info("request_done", request_id=rid, rpc="GenerateStream", prompt_tokens=len(prompt),
-                         generated_tokens=n_generated,
-                         ttft_ms=None if first_token_s is None else round(1e3 * first_token_s, 2),
-                         total_ms=round(1e3 * (time.monotonic() - started), 2))
+            if not s.ended:  # the caller went away (cancel or deadline) before the last message
+                self._end(s, grpc.StatusCode.CANCELLED, "cancelled by the caller or its deadline")
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
         try:

@@ -56,6 +56,7 @@ def sampling_from_proto(msg, *, max_model_len: int) -> SamplingParams:
             ignore_eos=msg.ignore_eos,
             logprobs=msg.logprobs,
             skip_special_tokens=msg.skip_special_tokens if msg.HasField("skip_special_tokens") else True,
+            n=msg.n or 1,
         )
     except SamplingParamsError as e:
         raise FieldError(qualify(e.field), e.message) from e
@@ -94,6 +95,6 @@ def request_id_from(request, metadata: dict[str, str], make_id) -> str:
     rid = request.request_id or metadata.get("x-request-id", "")
     if not rid:
         return make_id()
-    if len(rid) > 128 or not rid.isprintable():
-        raise FieldError("request_id", "must be at most 128 printable characters")
+    if len(rid) > 128 or not (rid.isascii() and rid.isprintable()):  # it travels in metadata: ASCII only
+        raise FieldError("request_id", "must be at most 128 printable ASCII characters")
     return rid

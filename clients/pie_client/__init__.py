@@ -17,12 +17,13 @@ from .errors import (
     Unavailable,
     from_rpc_error,
 )
-from .types import Completion, Delta, ModelInfo, ModelLoad, Tokenization, TokenLogprob, TopLogprob, Usage
+from .types import Choice, Completion, Delta, ModelInfo, ModelLoad, Tokenization, TokenLogprob, TopLogprob, Usage
 
 __all__ = [
     "AsyncClient",
     "Cancelled",
     "Client",
+    "Choice",
     "Completion",
     "DeadlineExceeded",
     "Delta",

@@ -7,7 +7,7 @@ from typing import Any, TypeVar
 
 from pie.v1 import generate_pb2 as pb
 
-from .types import Completion, Delta, ModelInfo, ModelLoad, Tokenization, TokenLogprob, TopLogprob, Usage
+from .types import Choice, Completion, Delta, ModelInfo, ModelLoad, Tokenization, TokenLogprob, TopLogprob, Usage
 
 # Every SamplingParams field is a keyword of generate/stream, under the same name.
 SAMPLING_FIELDS: frozenset[str] = frozenset(f.name for f in pb.SamplingParams.DESCRIPTOR.fields)
@@ -80,6 +80,11 @@ def _logprobs(items: Sequence[pb.TokenLogprob]) -> list[TokenLogprob]:
     ]
 
 
+def _choice(c: pb.Choice) -> Choice:
+    return Choice(index=c.index, text=c.text, token_ids=list(c.token_ids), finish_reason=finish_reason(c.finish_reason),
+                  stop_reason=c.stop_reason, logprobs=_logprobs(c.logprobs))
+
+
 def completion(response: pb.GenerateResponse) -> Completion:
     return Completion(
         request_id=response.request_id,
@@ -90,6 +95,8 @@ def completion(response: pb.GenerateResponse) -> Completion:
         prompt_tokens=response.usage.prompt_tokens,
         completion_tokens=response.usage.completion_tokens,
         logprobs=_logprobs(response.logprobs),
+        choices=[_choice(c) for c in response.choices],
+        cached_prompt_tokens=response.usage.cached_prompt_tokens,
     )
 
 
@@ -97,7 +104,7 @@ def delta(response: pb.GenerateStreamResponse) -> Delta:
     usage = None
     if response.HasField("usage"):
         u = response.usage
-        usage = Usage(u.prompt_tokens, u.completion_tokens, u.total_tokens)
+        usage = Usage(u.prompt_tokens, u.completion_tokens, u.total_tokens, u.cached_prompt_tokens)
     return Delta(
         request_id=response.request_id,
         text=response.text,
@@ -106,6 +113,7 @@ def delta(response: pb.GenerateStreamResponse) -> Delta:
         stop_reason=response.stop_reason,
         usage=usage,
         logprobs=_logprobs(response.logprobs),
+        index=response.index,
     )
 
 

@@ -34,6 +34,7 @@ _SAMPLING_FLAGS: tuple[tuple[str, str, type], ...] = (
     ("--frequency-penalty", "frequency_penalty", float),
     ("--seed", "seed", int),
     ("--logprobs", "logprobs", int),
+    ("--n", "n", int),
 )
 
 
@@ -83,9 +84,10 @@ def _prompt(args: argparse.Namespace) -> str | list[int]:
 
 def _generate(client: Client, args: argparse.Namespace) -> None:
     prompt, sampling = _prompt(args), _sampling(args)
-    if args.no_stream:
+    if args.no_stream or sampling.get("n", 1) > 1:  # several choices: printed whole, one after another
         done = client.generate(prompt, request_id=args.request_id, **sampling)
-        sys.stdout.write(done.text + "\n")
+        texts = [c.text for c in done.choices] or [done.text]
+        sys.stdout.write("\n\n".join(f"[{i}] {t}" if len(texts) > 1 else t for i, t in enumerate(texts)) + "\n")
         sys.stdout.flush()
         reason, stop, request_id = done.finish_reason, done.stop_reason, done.request_id
         prompt_tokens, completion_tokens = done.prompt_tokens, done.completion_tokens

@@ -29,8 +29,21 @@ class Usage:
     """Token counts of one request."""
 
     prompt_tokens: int
-    completion_tokens: int
+    completion_tokens: int  # over all choices
     total_tokens: int
+    cached_prompt_tokens: int = 0  # of prompt_tokens, served from the server's prefix cache
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """One of the n samples of a `generate` call with n > 1."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: str
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +58,8 @@ class Completion:
     prompt_tokens: int
     completion_tokens: int
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token when asked
+    choices: list[Choice] = field(default_factory=list)  # all n samples when n > 1 (the fields above are choice 0's)
+    cached_prompt_tokens: int = 0  # of prompt_tokens, served from the server's prefix cache
 
     @property
     def total_tokens(self) -> int:
@@ -65,6 +80,7 @@ class Delta:
     stop_reason: str = ""
     usage: Usage | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    index: int = 0  # the choice this delta belongs to (n > 1)
 
 
 @dataclass(frozen=True, slots=True)

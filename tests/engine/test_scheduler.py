@@ -17,8 +17,9 @@ TOKEN = 7
 
 
 def make(num_blocks: int, block_size: int, *, max_num_seqs: int = 8, budget: int = 64,
-         max_model_len: int = 256) -> tuple[Scheduler, BlockManager]:
-    bm = BlockManager(num_blocks, block_size)
+         max_model_len: int = 256, caching: bool = False) -> tuple[Scheduler, BlockManager]:
+    # Prompts from `req` all share a prefix; caching is off unless a test is about it.
+    bm = BlockManager(num_blocks, block_size, enable_caching=caching)
     return Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                      max_model_len=max_model_len), bm
 
@@ -220,7 +221,8 @@ def test_requests_that_can_never_fit_are_refused() -> None:
     assert capped.num_waiting == 1
 
 
-def test_random_workload_keeps_every_tokens_kv_in_place() -> None:
+@pytest.mark.parametrize("caching", [False, True])
+def test_random_workload_keeps_every_tokens_kv_in_place(caching: bool) -> None:
     """Fake KV cache: each scheduled token writes (request id, position, token id) at its slot;
     every sampling step reads back the whole sequence through its block table. Any block handed
     to two live requests, or a wrong table, shows up as a mismatch."""
@@ -228,8 +230,13 @@ def test_random_workload_keeps_every_tokens_kv_in_place() -> None:
     rng = random.Random(seed)
     block_size, num_blocks = rng.choice([(2, 12), (4, 8), (4, 20)])
     sched, bm = make(num_blocks, block_size, max_num_seqs=rng.randint(1, 5),
-                     budget=rng.randint(3, 16), max_model_len=num_blocks * block_size)
-    cache: dict[int, tuple[str, int, int]] = {}
+                     budget=rng.randint(3, 16), max_model_len=num_blocks * block_size,
+                     caching=caching)
+    cache: dict[int, tuple] = {}
+
+    def key(r: Request, pos: int) -> tuple:  # with caching, a slot may be shared by equal prefixes
+        return (pos, tuple(r.all_token_ids[:pos + 1])) if caching else (r.request_id, pos, r.all_token_ids[pos])
+
     pending = [req(f"r{i}", rng.randint(1, 12), max_tokens=rng.randint(1, 8)) for i in range(30)]
     live: list[Request] = []
     for _ in range(2000):
@@ -247,14 +254,13 @@ def test_random_workload_keeps_every_tokens_kv_in_place() -> None:
         for s in out.scheduled:
             r, end = s.request, s.start + s.num_new_tokens
             assert len(s.block_table) == bm.blocks_needed(end), seed
-            tokens = r.all_token_ids
             for pos in range(s.start, end):
                 slot = s.block_table[pos // block_size] * block_size + pos % block_size
-                cache[slot] = (r.request_id, pos, tokens[pos])
+                cache[slot] = key(r, pos)
             if s.sample:
                 for pos in range(end):
                     slot = s.block_table[pos // block_size] * block_size + pos % block_size
-                    assert cache[slot] == (r.request_id, pos, tokens[pos]), seed
+                    assert cache[slot] == key(r, pos), seed
         step_update(sched, out)
     assert not sched.has_unfinished(), seed
     assert bm.num_free_blocks == num_blocks, seed

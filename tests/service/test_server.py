@@ -229,3 +229,33 @@ def test_not_serving_until_loaded(model_dir):
     finally:
         loop.run_until_complete(pie.stop(0))
         loop.close()
+
+
+def test_n_samples_unary_and_stream(client):
+    """n choices: reproducible with a seed, distinct from each other, the stream tags each delta with
+    its choice index and its per-choice text equals the unary answer's."""
+    kw = dict(max_tokens=12, temperature=1.0, seed=1234, ignore_eos=True, n=3)
+    first = client.generate("the cat sat on", **kw)
+    again = client.generate("the cat sat on", **kw)
+    assert [c.token_ids for c in first.choices] == [c.token_ids for c in again.choices]
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in first.choices}) > 1, "samples with different seeds differ"
+    assert first.text == first.choices[0].text and first.token_ids == first.choices[0].token_ids
+    assert first.completion_tokens == 3 * 12
+    texts, finished = {0: "", 1: "", 2: ""}, set()
+    deltas = list(client.stream("the cat sat on", **kw))
+    for d in deltas:
+        texts[d.index] += d.text
+        if d.finish_reason is not None:
+            finished.add(d.index)
+    assert finished == {0, 1, 2}
+    assert texts == {c.index: c.text for c in first.choices}
+    assert deltas[-1].usage is not None and deltas[-1].usage.completion_tokens == 36
+    assert all(d.usage is None for d in deltas[:-1])
+
+
+def test_prefix_cache_reported_in_usage(client):
+    prompt = list(range(3, 3 + 40))  # 2 full blocks of 16 + 8
+    client.generate(prompt, max_tokens=2, temperature=0)
+    out = client.generate(prompt, max_tokens=2, temperature=0)
+    assert out.cached_prompt_tokens == 32

@@ -1,0 +1,164 @@
+"""Prometheus metrics, named like vLLM's (`vllm:...`) so existing vLLM dashboards fit.
+
+Each PieServer owns one `ServiceMetrics` with its own CollectorRegistry (never the process-global
+one), so several servers in one process do not clash. Two kinds of series:
+
+- observed by the servicer as requests finish: token counters, request_success, the latency
+  histograms, and `pie_requests_finished_total{rpc, code}` (every RPC outcome by gRPC status code);
+- read from `engine.stats()` at scrape time by `_EngineCollector`: running/waiting requests, KV
+  usage, and the engine's cumulative prefix-cache and preemption counters.
+
+Inter-token latency with coalesced stream messages: one message may carry k tokens made since the
+previous one; the gap since the previous message is divided by k and observed k times, so the
+histogram holds one sample per generated token after the first (as vLLM's does) and its sum is the
+decode time.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from engine.engine import EngineStats
+
+# Bucket edges follow vLLM's (seconds); requests on the CPU are slower, hence the long tails.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+               20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                           60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+
+FINISHED_REASONS = ("stop", "length", "abort")  # request_success label values, as in vLLM
+
+
+class _EngineCollector(Collector):
+    """Scheduler and cache state, read from the engine when Prometheus scrapes (never cached)."""
+
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats | None]) -> None:
+        self.model_name = model_name
+        self.stats = stats  # None while the model is still loading
+
+    def describe(self):
+        return []  # the series appear only once the engine exists; skip the registry's dry run
+
+    def collect(self):
+        stats = self.stats()
+        if stats is None:
+            return
+        labels, value = ["model_name"], [self.model_name]
+
+        def gauge(name: str, doc: str, v: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            g.add_metric(value, v)
+            return g
+
+        def counter(name: str, doc: str, v: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=labels)
+            c.add_metric(value, v)
+            return c
+
+        yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
+                    stats.requests_running)
+        yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+                    stats.requests_waiting)
+        used = stats.kv_blocks_total - stats.kv_blocks_free
+        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                    used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0)
+        yield counter("vllm:prefix_cache_queries",
+                      "Prefix cache queries, in terms of number of queried tokens.", stats.prefix_cache_queries)
+        yield counter("vllm:prefix_cache_hits",
+                      "Prefix cache hits, in terms of number of cached tokens.", stats.prefix_cache_hits)
+        yield counter("vllm:num_preemptions", "Cumulative number of preemptions from the engine.",
+                      stats.num_preemptions)
+
+
+class ServiceMetrics:
+    """The server's metrics and (optionally) the HTTP endpoint that serves them on /metrics."""
+
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats | None] = lambda: None) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry(auto_describe=True)
+        r, m = self.registry, ["model_name"]
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", m, registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.",
+                                         m, registry=r)
+        self.request_success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                                       [*m, "finished_reason"], registry=r)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              m, buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                             m, buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds",
+                             "Histogram of e2e request latency in seconds.", m, buckets=REQUEST_LATENCY_BUCKETS,
+                             registry=r)
+        self.queue_time = Histogram("vllm:request_queue_time_seconds",
+                                    "Histogram of time spent in WAITING phase for request.", m,
+                                    buckets=REQUEST_LATENCY_BUCKETS, registry=r)
+        self.request_prompt_tokens = Histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
+                                               m, buckets=TOKEN_BUCKETS, registry=r)
+        self.request_generation_tokens = Histogram("vllm:request_generation_tokens",
+                                                   "Number of generation tokens processed.", m,
+                                                   buckets=TOKEN_BUCKETS, registry=r)
+        self.finished = Counter("pie_requests_finished", "Finished RPCs by method and gRPC status code.",
+                                [*m, "rpc", "code"], registry=r)
+        self.registry.register(_EngineCollector(model_name, stats))
+        # Make the labelled series exist at 0 from the start, so rate() works from the first scrape.
+        for reason in FINISHED_REASONS:
+            self.request_success.labels(model_name, reason)
+        for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e, self.queue_time,
+                       self.request_prompt_tokens, self.request_generation_tokens):
+            metric.labels(model_name)
+        self._http: WSGIServer | None = None
+        self._http_thread: threading.Thread | None = None
+
+    # ---- observations (from the servicer, on the event loop) --------------------------------
+    def first_token(self, ttft_s: float) -> None:
+        self.ttft.labels(self.model_name).observe(ttft_s)
+
+    def token_gap(self, gap_s: float, num_tokens: int) -> None:
+        """`num_tokens` arrived together `gap_s` after the previous ones: one sample per token."""
+        if num_tokens <= 0:
+            return
+        h = self.itl.labels(self.model_name)
+        for _ in range(num_tokens):
+            h.observe(gap_s / num_tokens)
+
+    def queued(self, queue_time_s: float) -> None:
+        self.queue_time.labels(self.model_name).observe(queue_time_s)
+
+    def request_finished(self, *, rpc: str, code: str, prompt_tokens: int | None = None,
+                         generated_tokens: int = 0, finished_reason: str | None = None,
+                         e2e_s: float | None = None) -> None:
+        """Every RPC ends here once. Requests the engine served (prompt_tokens known) also count
+        their tokens; those that reached a finish reason count in request_success."""
+        self.finished.labels(self.model_name, rpc, code).inc()
+        if prompt_tokens is None:
+            return
+        name = self.model_name
+        self.prompt_tokens.labels(name).inc(prompt_tokens)
+        self.generation_tokens.labels(name).inc(generated_tokens)
+        if finished_reason is not None:
+            self.request_success.labels(name, finished_reason).inc()
+            self.request_prompt_tokens.labels(name).observe(prompt_tokens)
+            self.request_generation_tokens.labels(name).observe(generated_tokens)
+        if e2e_s is not None:
+            self.e2e.labels(name).observe(e2e_s)
+
+    # ---- the HTTP endpoint -------------------------------------------------------------------
+    def serve_http(self, host: str, port: int) -> int:
+        """Serves /metrics on a daemon thread; returns the bound port (port 0 = any free port)."""
+        self._http, self._http_thread = start_http_server(port, addr=host, registry=self.registry)
+        return self._http.server_port
+
+    def stop_http(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None

@@ -1,0 +1,30 @@
+"""Test helper, not a test: `python hang_server.py N serve ...` runs `pie serve ...` with a model
+runner whose step N+1 (and every later one) blocks forever, to exercise the step watchdog in a
+real process. Used by tests/service/test_reliability.py."""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+from engine.model_runner import ModelRunner
+from service.cli import main
+
+
+def install_hang(after_steps: int) -> None:
+    original = ModelRunner.execute
+    calls = [0]
+    never = threading.Event()
+
+    def execute(self, out, seeds):
+        calls[0] += 1
+        if calls[0] > after_steps:
+            never.wait()
+        return original(self, out, seeds)
+
+    ModelRunner.execute = execute
+
+
+if __name__ == "__main__":
+    install_hang(int(sys.argv[1]))
+    sys.exit(main(sys.argv[2:]))
