@@ -52,6 +52,7 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     error: str | None = None  # set when status is FINISHED_ERROR
+    out_of_memory: bool = False  # the failure was device memory: retryable, unlike an engine fault
     queue_time_s: float | None = None  # first_scheduled_time - arrival_time; on the first output only
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (their prefill skipped)
     index: int = 0  # which of the request's n samples this output belongs to (0 when n == 1)
@@ -245,7 +246,10 @@ class LLMEngine:
             sampled = self.runner.execute(out, self._seeds)
         except Exception as e:  # an engine fault fails this step's requests, not the engine
             log.exception("step_failed", request_ids=[s.request.request_id for s in out.scheduled])
-            return self._fail([s.request for s in out.scheduled], f"{type(e).__name__}: {e}")
+            oom = isinstance(e, torch.cuda.OutOfMemoryError)
+            if oom and torch.cuda.is_available():
+                torch.cuda.empty_cache()  # hand back what the failed step held before retries come
+            return self._fail([s.request for s in out.scheduled], f"{type(e).__name__}: {e}", out_of_memory=oom)
         self.scheduler.update_after_step(out)
         outputs: list[RequestOutput] = []
         for s in out.scheduled:
@@ -274,14 +278,14 @@ class LLMEngine:
             outputs.append(o)
         return outputs
 
-    def _fail(self, reqs: list[Request], error: str) -> list[RequestOutput]:
+    def _fail(self, reqs: list[Request], error: str, *, out_of_memory: bool = False) -> list[RequestOutput]:
         outs = []
         for req in reqs:
             last = self._finish(req, RequestStatus.FINISHED_ERROR)
             outs.append(RequestOutput(
                 request_id=req.parent_id, new_token_ids=[], new_text="", finished=True,
                 status=RequestStatus.FINISHED_ERROR, num_prompt_tokens=req.num_prompt_tokens,
-                num_output_tokens=req.num_output_tokens, error=error, index=req.index,
+                num_output_tokens=req.num_output_tokens, error=error, out_of_memory=out_of_memory, index=req.index,
                 num_cached_tokens=req.num_cached_tokens, all_finished=last))
         return outs
 

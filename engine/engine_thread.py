@@ -18,7 +18,6 @@ from collections import deque
 from collections.abc import Callable
 
 import structlog
-import torch
 
 from engine.engine import LLMEngine, PromptError, RequestOutput
 from engine.request import RequestStatus
@@ -37,12 +36,6 @@ class EngineDeadError(RuntimeError):
 
 class StepTimeoutError(RuntimeError):
     """One engine step ran past the watchdog's limit; the engine is presumed hung."""
-
-
-def is_out_of_memory(error: str | None) -> bool:
-    """True for a step failure caused by device memory (the engine reports `TypeName: message`).
-    Such requests are retryable (RESOURCE_EXHAUSTED), unlike an engine fault (INTERNAL)."""
-    return bool(error) and error.startswith(("OutOfMemoryError", "torch.OutOfMemoryError"))
 
 
 class StepWatchdog:
@@ -235,8 +228,6 @@ class AsyncEngine:
                         self.step_started_at = None
                 if self.dead is not None:
                     break  # the watchdog gave up on this step; its requests were failed already
-                if any(is_out_of_memory(o.error) for o in stepped) and torch.cuda.is_available():
-                    torch.cuda.empty_cache()  # hand back what the failed step held before retries come
                 outputs = early + stepped
                 if outputs:
                     self._loop.call_soon_threadsafe(self._deliver, outputs)

@@ -9,7 +9,7 @@ import grpc
 import structlog
 
 from engine.engine import PromptError, RequestOutput
-from engine.engine_thread import AsyncEngine, EngineDeadError, QueueFullError, is_out_of_memory
+from engine.engine_thread import AsyncEngine, EngineDeadError, QueueFullError
 from engine.request import RequestStatus
 from engine.sampling_params import SamplingParamsError
 from pie.v1 import generate_pb2 as pb
@@ -134,7 +134,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         if self.engine is not None and self.engine.dead is not None:  # hung or crashed: try another replica
             return ServiceError(grpc.StatusCode.UNAVAILABLE,
                                 f"the engine stopped while serving request {rid}; search the server log for this id")
-        if is_out_of_memory(last.error):
+        if last.out_of_memory:
             return ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"out of device memory while serving request {rid}; retry later", retry_after_s=1.0)
         return ServiceError(grpc.StatusCode.INTERNAL,
