@@ -28,6 +28,9 @@ class EngineConfig:
     max_waiting: int = 256  # waiting queue bound; beyond it the service answers RESOURCE_EXHAUSTED
     seed: int = 0  # seeds the stream that draws seeds for requests that bring none
     attention_backend: str = "auto"  # auto (triton on cuda, torch on cpu), triton, torch (reference)
+    # torch intra-op threads when the model runs on the CPU; None = all cores but one, which the
+    # asyncio gRPC loop needs (on 2 cores: 1 thread served 728 tok/s against 596 with 2).
+    cpu_threads: int | None = None
     enable_prefix_caching: bool = True  # reuse K/V of full blocks shared by prompts (and n > 1 samples)
 
     def __post_init__(self) -> None:
@@ -46,6 +49,8 @@ class EngineConfig:
             raise ValueError("num_kv_blocks must be >= 1")
         if self.kv_cache_memory_bytes < 1:
             raise ValueError("kv_cache_memory_bytes must be >= 1")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError("cpu_threads must be >= 1")
         if self.attention_backend not in ("auto", "triton", "torch"):
             raise ValueError(f"attention_backend must be auto, triton or torch, got {self.attention_backend!r}")
         if self.max_model_len is not None and self.max_model_len < 2:

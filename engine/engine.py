@@ -8,6 +8,7 @@ detokenize -> per-request outputs.
 from __future__ import annotations
 
 
+import os
 import random
 from dataclasses import dataclass, field
 
@@ -90,6 +91,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = resolve_device(config.device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(config.cpu_threads or max(1, (os.cpu_count() or 2) - 1))
         dtype_name = config.dtype if config.dtype != "auto" else ("bf16" if self.device.type == "cuda" else "fp32")
         self.dtype_name = dtype_name
         self.model, self.model_config = load_model(config.model, device=self.device, dtype=_TORCH_DTYPES[dtype_name])
@@ -260,11 +263,14 @@ class LLMEngine:
             req.append_token(tok.token_id)
             detok = self._detok[req.request_id]
             text = detok.step([tok.token_id])
-            status = RequestStatus.FINISHED_STOPPED if detok.stopped else req.check_token_stop()
-            if detok.stopped:
-                req.stop_reason = detok.stop_string
-            elif status is not None:
+            status = None if detok.stopped else req.check_token_stop()
+            if status is not None:
+                # Ending for another reason: text held back (a possible stop string, a split
+                # character) comes out now, and a stop string found in it still ends the request.
                 text += detok.flush()
+            if detok.stopped:
+                status = RequestStatus.FINISHED_STOPPED
+                req.stop_reason = detok.stop_string
             o = RequestOutput(
                 request_id=req.parent_id, new_token_ids=[tok.token_id], new_text=text,
                 new_logprobs=[tok] if req.sampling.logprobs or tok.top else [],

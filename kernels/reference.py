@@ -194,19 +194,22 @@ def paged_attention_decode(
     blocks = block_tables[:, :n].long().clamp_min(0)  # (B, n)
     s_len = n * block_size
 
+    flat_blocks = blocks.reshape(-1)  # (B * n,)
+
     def gather(cache: torch.Tensor, scale: torch.Tensor | None):
-        # (B, n, bs, Hkv, D) -> (B, Hkv, S, D) float32 values; an int8 cache's scales come back
-        # apart, (B, Hkv, 1, S), to be folded into the scores and the probabilities: cheaper than
-        # multiplying every element.
-        vals = cache[blocks].permute(0, 3, 1, 2, 4).reshape(b, hkv, s_len, d).float()
+        # One index_select per cache, no permute copies: values (B, S, Hkv, D) as float32, and an
+        # int8 cache's scales apart, (B, Hkv, 1, S), to be folded into the scores and the
+        # probabilities: cheaper than multiplying every element.
+        vals = cache.view(cache.shape[0], -1).index_select(0, flat_blocks).view(b, s_len, hkv, d).float()
         if scale is None:
             return vals, None
-        return vals, scale[blocks].permute(0, 2, 1, 3).reshape(b, hkv, 1, s_len)  # (B, n, Hkv, bs) ->
+        s = scale.view(scale.shape[0], -1).index_select(0, flat_blocks).view(b, n, hkv, block_size)
+        return vals, s.permute(0, 2, 1, 3).reshape(b, hkv, 1, s_len)
 
-    k, k_s = gather(k_cache, k_scale)
+    k, k_s = gather(k_cache, k_scale)  # (B, S, Hkv, D)
     v, v_s = gather(v_cache, v_scale)
     qf = q.float().view(b, hkv, group, d)  # (B, Hkv, G, D)
-    scores = torch.matmul(qf, k.transpose(2, 3))  # (B, Hkv, G, S)
+    scores = torch.einsum("bkgd,bskd->bkgs", qf, k)  # (B, Hkv, G, S)
     scores *= softmax_scale if k_s is None else k_s * softmax_scale
     positions = torch.arange(s_len, device=q.device)  # (S,)
     pad = positions.unsqueeze(0) >= seq_lens.long().unsqueeze(1)  # (B, S), True = masked
@@ -214,7 +217,7 @@ def paged_attention_decode(
     probs = torch.softmax(scores, dim=-1)
     if v_s is not None:
         probs *= v_s
-    out = torch.matmul(probs, v)  # (B, Hkv, G, D)
+    out = torch.einsum("bkgs,bskd->bkgd", probs, v)  # (B, Hkv, G, D)
     return out.reshape(b, hq, d).to(q.dtype)
 
 

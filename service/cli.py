@@ -38,6 +38,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="waiting-queue bound; beyond it requests get RESOURCE_EXHAUSTED")
     p.add_argument("--attention-backend", default=d.attention_backend, choices=("auto", "triton", "torch"),
                    help="attention kernels: triton on cuda, torch reference on cpu (auto)")
+    p.add_argument("--cpu-threads", type=int, default=None,
+                   help="torch threads when the model runs on the CPU (default: all cores but one)")
     p.add_argument("--seed", type=int, default=d.seed, help="seeds the seeds of requests that bring none")
     p.add_argument("--grace", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM")
     p.add_argument("--model-name", default=None, help="name reported by GetModelInfo")
@@ -90,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
                 num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                 max_waiting=args.max_waiting, seed=args.seed,
-                attention_backend=args.attention_backend)
+                attention_backend=args.attention_backend, cpu_threads=args.cpu_threads)
             server_config = _server_config(args)
         except (ValueError, OSError) as e:
             parser.error(str(e))

@@ -62,8 +62,10 @@ def scrape(server) -> dict[tuple[str, frozenset], float]:
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
-def value(samples, name: str, **labels) -> float:
-    return samples[(name, frozenset({"model_name": MODEL, **labels}.items()))]
+def value(samples, name: str, default: float | None = None, **labels) -> float:
+    """A sample's value; `default` when given stands for a labelled series not exported yet."""
+    key = (name, frozenset({"model_name": MODEL, **labels}.items()))
+    return samples[key] if default is None else samples.get(key, default)
 
 
 def log_lines(buf: io.StringIO) -> list[dict]:
@@ -132,7 +134,7 @@ def test_gauges_during_a_stream_and_cancellation(server, client, log_buffer):
                    what="the running gauge to show the stream")
     assert 0 < value(m, "vllm:kv_cache_usage_perc") <= 1
     it.close()  # cancels the RPC
-    wait_until(lambda: value(scrape(server), "pie_requests_finished_total", rpc="GenerateStream",
+    wait_until(lambda: value(scrape(server), "pie_requests_finished_total", 0.0, rpc="GenerateStream",
                              code="CANCELLED") == cancelled_before + 1, what="the cancellation to be counted")
     m = wait_until(lambda: (s := scrape(server)) and value(s, "vllm:num_requests_running") == 0 and s,
                    what="the running gauge to drop")

@@ -259,3 +259,16 @@ def test_prefix_cache_reported_in_usage(client):
     client.generate(prompt, max_tokens=2, temperature=0)
     out = client.generate(prompt, max_tokens=2, temperature=0)
     assert out.cached_prompt_tokens == 32
+
+
+def test_stop_string_completed_by_the_last_token(client):
+    """A stop string completed by the request's last allowed token ends it as "stop", cut."""
+    for prompt in ("the cat", "a dog", "the red bird", "one day", "a small house", "the river"):
+        text = client.generate(prompt, max_tokens=10, temperature=0, ignore_eos=True).text
+        stop = text[-2:]
+        if len(stop) == 2 and text.index(stop) == len(text) - 2:
+            break
+    else:
+        raise AssertionError("no prompt gave a text whose last two characters are new")
+    cut = client.generate(prompt, max_tokens=10, temperature=0, ignore_eos=True, stop=[stop])
+    assert (cut.finish_reason, cut.stop_reason, cut.text) == ("stop", stop, text[:-2])
