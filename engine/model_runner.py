@@ -50,12 +50,13 @@ class ModelRunner:
         query_lens: list[int] = []
         starts: list[int] = []
         max_blocks = max(len(s.block_table) for s in scheduled)
-        tables = torch.zeros((len(scheduled), max_blocks), dtype=torch.int32)
-        for i, s in enumerate(scheduled):
+        padded_tables: list[list[int]] = []
+        for s in scheduled:
             token_ids.extend(_token_slice(s.request, s.start, s.num_new_tokens))
             query_lens.append(s.num_new_tokens)
             starts.append(s.start)
-            tables[i, :len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
+            padded_tables.append(s.block_table + [0] * (max_blocks - len(s.block_table)))
+        tables = torch.tensor(padded_tables, dtype=torch.int32)  # (B, max_blocks), one conversion
         q_lens = torch.tensor(query_lens, dtype=torch.int64)
         start_t = torch.tensor(starts, dtype=torch.int64)
         # Per token: which sequence it belongs to and its position in that sequence.
@@ -103,14 +104,17 @@ class ModelRunner:
             device=logits.device,
         )
         result = sample(logits, tensors)
-        # The one host sync of the step: everything sampled comes back in one transfer.
-        ids = result.token_ids.tolist()
-        lps = result.logprobs.tolist()
-        top_ids = result.top_ids.tolist() if result.top_ids is not None else None
-        top_lps = result.top_logprobs.tolist() if result.top_logprobs is not None else None
+        # The one host sync of the step: everything sampled comes back in one transfer, packed as
+        # float64 columns (token ids are exact in float64): id, logprob, then n top ids, n top logprobs.
+        cols = [result.token_ids.double()[:, None], result.logprobs.double()[:, None]]
+        n_top = 0
+        if result.top_ids is not None:
+            n_top = result.top_ids.shape[1]
+            cols += [result.top_ids.double(), result.top_logprobs.double()]
+        rows_back = torch.cat(cols, dim=1).tolist()
         sampled: dict[str, SampledToken] = {}
-        for j, r in enumerate(reqs):
-            n = r.sampling.logprobs
-            top = list(zip(top_ids[j][:n], top_lps[j][:n])) if n and top_ids is not None else []
-            sampled[r.request_id] = SampledToken(ids[j], lps[j], top)
+        for r, row in zip(reqs, rows_back):
+            n = min(r.sampling.logprobs, n_top)
+            top = [(int(t), lp) for t, lp in zip(row[2:2 + n], row[2 + n_top:2 + n_top + n])]
+            sampled[r.request_id] = SampledToken(int(row[0]), row[1], top)
         return sampled
