@@ -138,6 +138,10 @@ class LLMEngine:
         if bad is not None:
             raise PromptError("prompt_token_ids", f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         sampling.validate(self.vocab_size)
+        if sampling.n > self.config.max_num_seqs + self.config.max_waiting:
+            raise SamplingParamsError(
+                "n", f"{sampling.n} samples can never be admitted: max_num_seqs + max_waiting is "
+                     f"{self.config.max_num_seqs + self.config.max_waiting}")
         n = len(prompt_token_ids)
         if n >= self.max_model_len:
             raise PromptError("prompt", f"prompt has {n} tokens; the context length is {self.max_model_len} "

@@ -151,8 +151,8 @@ class AsyncEngine:
 
     @property
     def num_queued(self) -> int:
-        """Requests handed to the engine thread that it has not taken in yet."""
-        return sum(1 for cmd in list(self._inbox) if cmd[0] == "add")
+        """Samples (a request of n > 1 counts n) handed to the engine thread and not taken in yet."""
+        return sum(cmd[3].n for cmd in list(self._inbox) if cmd[0] == "add")
 
     # ---- called on the asyncio loop --------------------------------------------------------
     def submit(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> RequestStream:
@@ -166,9 +166,10 @@ class AsyncEngine:
         # Requests the engine has not taken in yet may fill free batch slots at once, so a burst into
         # an idle engine is not shed early; in flight stays <= max_num_seqs + max_waiting.
         cfg, sched = self.engine.config, self.engine.scheduler
+        # Counted in samples, as the scheduler counts them: a request of n > 1 takes n places.
         waiting = sched.num_waiting + self.num_queued  # pending aborts do not count
         headroom = max(0, cfg.max_num_seqs - sched.num_running)
-        if waiting >= cfg.max_waiting + headroom:
+        if waiting + sampling.n > cfg.max_waiting + headroom:
             raise QueueFullError(f"{waiting} requests are waiting (bound {cfg.max_waiting})")
         stream = RequestStream(request_id)
         self._streams[request_id] = stream
