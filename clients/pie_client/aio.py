@@ -37,6 +37,7 @@ class AsyncClient:
         *,
         timeout: float | None = None,
         metadata: Metadata | None = None,
+        token: str | None = None,
         tls: bool = False,
         credentials: grpc.ChannelCredentials | None = None,
         options: ChannelOptions = (),
@@ -54,6 +55,8 @@ class AsyncClient:
         self.target = channel_target
         self.timeout = timeout
         self._metadata = list(metadata or ())
+        if token is not None:  # the server's --auth-token-file check
+            self._metadata.append(("authorization", f"Bearer {token}"))
 
     def _timeout(self, timeout: float | None) -> float | None:
         return self.timeout if timeout is _DEFAULT else timeout

@@ -33,6 +33,8 @@ class Client:
         timeout: default deadline of every call in seconds (for a stream: the whole stream);
             None means no deadline. Each method takes `timeout=` to override it.
         metadata: (key, value) pairs sent with every call.
+        token: bearer token for a server started with --auth-token-file (sent as
+            "authorization: Bearer TOKEN").
         credentials: channel credentials for TLS; `tls=True` uses the system roots.
         options: extra gRPC channel options.
         lb_policy: load-balancing policy; defaults to round_robin when several addresses are given.
@@ -46,6 +48,7 @@ class Client:
         *,
         timeout: float | None = None,
         metadata: Metadata | None = None,
+        token: str | None = None,
         tls: bool = False,
         credentials: grpc.ChannelCredentials | None = None,
         options: ChannelOptions = (),
@@ -63,6 +66,8 @@ class Client:
         self.target = channel_target
         self.timeout = timeout
         self._metadata = list(metadata or ())
+        if token is not None:  # the server's --auth-token-file check
+            self._metadata.append(("authorization", f"Bearer {token}"))
 
     def _timeout(self, timeout: float | None) -> float | None:
         return self.timeout if timeout is _DEFAULT else timeout

@@ -84,7 +84,7 @@ def test_bearer_token(model_dir, tmp_path):
     assert tokens == ("first-secret", "second-secret")
     with BackgroundServer(ServerConfig(port=0, auth_tokens=tokens), engine_config(model_dir)) as s:
         for token in tokens:
-            with Client(s.address, timeout=10, metadata=[("authorization", f"Bearer {token}")]) as c:
+            with Client(s.address, timeout=10, token=token) as c:
                 assert c.generate("hi", max_tokens=2, ignore_eos=True).completion_tokens == 2
                 assert [d.text for d in c.stream("hi", max_tokens=2)]
         for metadata in ([], [("authorization", "Bearer wrong")], [("authorization", "first-secret")],
