@@ -17,3 +17,5 @@ python3 -m pytest -q -m gpu -p no:cacheprovider "${sel[@]}" 2>&1 | tee "$OUT/gpu
 python3 benchmarks/attention.py --out "$OUT/attention.json" 2>&1 | tee "$OUT/attention.md"
 # Issue 6's recorded GPU figures: prefix caching off/on and chunked vs whole prefill.
 python3 benchmarks/scheduling.py 2>&1 | grep -v '"event"' | tee "$OUT/scheduling.md"
+# Issue 5's offline throughput against transformers' continuous batching.
+python3 benchmarks/throughput.py --out "$OUT/throughput.json" 2>&1 | grep -v '"event"' | tail -8 | tee "$OUT/throughput.md"

@@ -1,0 +1,167 @@
+"""Offline throughput (issue 5, benchmark 1): our engine with the int8 and the bf16 KV cache against
+Hugging Face transformers' continuous batching (`generate_batch`, attention "paged|sdpa"), on the
+same random-initialized model and the same requests, in one run.
+
+    python benchmarks/throughput.py            # GPU: Llama-3.2-1B-shaped, 256 requests x 256 tokens
+    python benchmarks/throughput.py --tiny     # CPU-sized smoke run of the same code path
+
+Workload: random prompt ids of length uniform in [--min-prompt, --max-prompt], --max-tokens
+generated each, EOS ignored, greedy, fixed seed. Prints generated tokens/s, the ratio to
+transformers, and the fraction of the memory roofline: per decode step the weights are read once
+and every running sequence's K/V once, so the ideal step time is (weight bytes + KV bytes) over the
+copy bandwidth measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from engine.config import DEFAULT_MODEL, EngineConfig  # noqa: E402
+from engine.engine import LLMEngine  # noqa: E402
+from engine.kv_cache import KVCache  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+
+LLAMA_1B = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                intermediate_size=8192, vocab_size=32000, tie_word_embeddings=True)
+TINY = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+            intermediate_size=768, vocab_size=4096, tie_word_embeddings=True)
+
+
+def build_model(folder: Path, shape: dict, dtype: torch.dtype) -> int:
+    """A random-initialized Llama saved by transformers (so both sides load the same weights), with
+    the bundled tokenizer (its text is meaningless here; ids past its vocabulary decode to nothing)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**shape, max_position_embeddings=2048, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
+                      pad_token_id=0)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to(dtype)
+    model.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(DEFAULT_MODEL) / name, folder / name)
+    return sum(p.numel() for p in model.parameters())
+
+
+def copy_bandwidth(device: str) -> float:
+    src = torch.empty(1 << 30 if device == "cuda" else 1 << 27, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    sync(device)
+    t0 = time.perf_counter()
+    n = 20
+    for _ in range(n):
+        dst.copy_(src)
+    sync(device)
+    return 2 * src.numel() * n / (time.perf_counter() - t0)
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_ours(folder: Path, prompts, args, kv: str) -> dict:
+    eng = LLMEngine(EngineConfig(model=str(folder), device=args.device, dtype="bf16" if args.device == "cuda" else "fp32",
+                                 kv_cache_dtype=kv, kv_cache_memory_bytes=int(args.kv_gib * 2**30),
+                                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens))
+    sp = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+    eng.generate(prompts[:4], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
+    sync(args.device)
+    t0 = time.perf_counter()
+    outs = eng.generate(prompts, sp)
+    sync(args.device)
+    wall = time.perf_counter() - t0
+    tokens = sum(len(o) for o in outs)
+    return dict(name=f"pie, {kv} KV cache", wall_s=wall, tokens=tokens, tok_per_s=tokens / wall,
+                preemptions=eng.stats().num_preemptions, kv_blocks=eng.block_manager.num_total_blocks)
+
+
+def run_hf(folder: Path, prompts, args) -> dict:
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="paged|sdpa").to(args.device)
+    gen = GenerationConfig(max_new_tokens=args.max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
+                           use_cuda_graph=False)
+    model.generate_batch(inputs=prompts[:4], generation_config=gen)  # warm-up
+    sync(args.device)
+    t0 = time.perf_counter()
+    out = model.generate_batch(inputs=prompts, generation_config=gen)
+    sync(args.device)
+    wall = time.perf_counter() - t0
+    tokens = sum(len(r.generated_tokens) for r in out.values())
+    return dict(name="transformers generate_batch (paged|sdpa)", wall_s=wall, tokens=tokens, tok_per_s=tokens / wall)
+
+
+def roofline_tok_per_s(params: int, shape: dict, prompts, args, kv: str, copy_bw: float) -> float:
+    """Tokens/s if every decode step only moved the weights once and each sequence's K/V once, at
+    the measured copy bandwidth (average context: prompt + half the generated tokens)."""
+    weight_bytes = params * (2 if args.device == "cuda" else 4)
+    head_dim = shape["hidden_size"] // shape["num_attention_heads"]
+    per_token = KVCache.bytes_per_block(num_layers=shape["num_hidden_layers"], block_size=1,
+                                        num_kv_heads=shape["num_key_value_heads"], head_dim=head_dim, kv_cache_dtype=kv)
+    batch = min(args.max_num_seqs, len(prompts))
+    avg_ctx = sum(len(p) for p in prompts) / len(prompts) + args.max_tokens / 2
+    step_bytes = weight_bytes + batch * avg_ctx * per_token
+    return batch / (step_bytes / (copy_bw / 2))  # copy_bw counts read + write; a step only reads
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args, _ = ap.parse_known_args(argv)
+    big = not args.tiny
+    ap.add_argument("--requests", type=int, default=256 if big else 16)
+    ap.add_argument("--min-prompt", type=int, default=100 if big else 16)
+    ap.add_argument("--max-prompt", type=int, default=512 if big else 64)
+    ap.add_argument("--max-tokens", type=int, default=256 if big else 32)
+    ap.add_argument("--max-num-seqs", type=int, default=256 if big else 16)
+    ap.add_argument("--max-batched-tokens", type=int, default=8192 if big else 1024)
+    ap.add_argument("--kv-gib", type=float, default=40.0 if big else 0.25)
+    ap.add_argument("--skip-hf", action="store_true", help="only our engine")
+    ap.add_argument("--out", help="JSON with every figure")
+    args = ap.parse_args(argv)
+    shape = LLAMA_1B if big else TINY
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, shape["vocab_size"]) for _ in range(rng.randint(args.min_prompt, args.max_prompt))]
+               for _ in range(args.requests)]
+    copy_bw = copy_bandwidth(args.device)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        params = build_model(folder, shape, torch.bfloat16 if args.device == "cuda" else torch.float32)
+        print(f"# {args.device}: random Llama {params / 1e6:.0f}M params, {args.requests} requests, prompts "
+              f"{args.min_prompt}-{args.max_prompt} tokens, {args.max_tokens} generated; copy bandwidth "
+              f"{copy_bw / 1e12:.2f} TB/s")
+        if not args.skip_hf:
+            rows.append(run_hf(folder, prompts, args))
+        for kv in ("int8", "bf16"):
+            r = run_ours(folder, prompts, args, kv)
+            r["roofline_frac"] = r["tok_per_s"] / roofline_tok_per_s(params, shape, prompts, args, kv, copy_bw)
+            rows.append(r)
+    base = rows[0]["tok_per_s"] if not args.skip_hf else None
+    print("| engine | tokens/s | x transformers | memory roofline | wall s |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        ratio = f"{r['tok_per_s'] / base:.1f}x" if base else "-"
+        frac = f"{100 * r['roofline_frac']:.0f}%" if "roofline_frac" in r else "-"
+        print(f"| {r['name']} | {r['tok_per_s']:,.0f} | {ratio} | {frac} | {r['wall_s']:.1f} |")
+    if args.out:
+        Path(args.out).write_text(json.dumps(dict(copy_tbs=copy_bw / 1e12, rows=rows), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
