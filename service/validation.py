@@ -7,7 +7,6 @@ grpcurl can find the field in the contract. Range checks on sampling live in
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from engine.sampling_params import SamplingParams, SamplingParamsError
@@ -31,15 +30,10 @@ class Limits:
 
 
 def sampling_from_proto(msg, *, max_model_len: int) -> SamplingParams:
-    """`msg` is a pie.v1.SamplingParams (possibly unset: all defaults)."""
-    for name in ("temperature", "min_p", "presence_penalty", "frequency_penalty", "top_p", "repetition_penalty"):
-        value = getattr(msg, name)
-        if not math.isfinite(value):
-            raise FieldError(f"sampling.{name}", f"must be a finite number, got {value}")
+    """`msg` is a pie.v1.SamplingParams (possibly unset: all defaults). Ranges, NaN and infinities
+    are SamplingParams.validate's to check; its errors come back here named by their proto field."""
     if msg.max_tokens > max_model_len:
         raise FieldError("sampling.max_tokens", f"must be <= the context length {max_model_len}, got {msg.max_tokens}")
-    if msg.HasField("seed") and msg.seed >= 2**63:
-        raise FieldError("sampling.seed", "must be < 2^63")
     try:
         return SamplingParams(
             max_tokens=msg.max_tokens or DEFAULT_MAX_TOKENS,
