@@ -73,8 +73,10 @@ def sync(device: str) -> None:
 
 def run_ours(folder: Path, prompts, args, kv: str) -> dict:
     eng = LLMEngine(EngineConfig(model=str(folder), device=args.device, dtype="bf16" if args.device == "cuda" else "fp32",
-                                 kv_cache_dtype=kv, kv_cache_memory_bytes=int(args.kv_gib * 2**30),
-                                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens))
+                                 kv_cache_dtype=kv, gpu_memory_fraction=args.gpu_memory_fraction,
+                                 kv_cache_memory_bytes=None if args.kv_gib is None else int(args.kv_gib * 2**30),
+                                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,
+                                 enforce_eager=args.enforce_eager))
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     eng.generate(prompts[:4], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
     sync(args.device)
@@ -83,7 +85,8 @@ def run_ours(folder: Path, prompts, args, kv: str) -> dict:
     sync(args.device)
     wall = time.perf_counter() - t0
     tokens = sum(len(o) for o in outs)
-    return dict(name=f"pie, {kv} KV cache", wall_s=wall, tokens=tokens, tok_per_s=tokens / wall,
+    mode = " (eager)" if args.enforce_eager else ""
+    return dict(name=f"pie, {kv} KV cache{mode}", wall_s=wall, tokens=tokens, tok_per_s=tokens / wall,
                 preemptions=eng.stats().num_preemptions, kv_blocks=eng.block_manager.num_total_blocks)
 
 
@@ -129,7 +132,11 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=256 if big else 32)
     ap.add_argument("--max-num-seqs", type=int, default=256 if big else 16)
     ap.add_argument("--max-batched-tokens", type=int, default=8192 if big else 1024)
-    ap.add_argument("--kv-gib", type=float, default=40.0 if big else 0.25)
+    ap.add_argument("--kv-gib", type=float, default=None if big else 0.25,
+                    help="KV pool in GiB (default on CUDA: what --gpu-memory-fraction leaves)")
+    ap.add_argument("--gpu-memory-fraction", type=float, default=0.9)
+    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    ap.add_argument("--kv", default="int8,bf16", help="KV cache dtypes to run, comma-separated")
     ap.add_argument("--skip-hf", action="store_true", help="only our engine")
     ap.add_argument("--out", help="JSON with every figure")
     args = ap.parse_args(argv)
@@ -147,7 +154,7 @@ def main(argv=None) -> int:
               f"{copy_bw / 1e12:.2f} TB/s")
         if not args.skip_hf:
             rows.append(run_hf(folder, prompts, args))
-        for kv in ("int8", "bf16"):
+        for kv in args.kv.split(","):
             r = run_ours(folder, prompts, args, kv)
             r["roofline_frac"] = r["tok_per_s"] / roofline_tok_per_s(params, shape, prompts, args, kv, copy_bw)
             rows.append(r)

@@ -20,7 +20,11 @@ class EngineConfig:
     dtype: str = "auto"  # weights/activations: auto = bf16 on cuda, fp32 on cpu (cpu bf16 is slow)
     kv_cache_dtype: str = "int8"  # int8: K/V quantized per (token, kv head); bf16/fp16/fp32 baselines
     block_size: int = 16  # tokens per KV block (page)
-    kv_cache_memory_bytes: int = 1 << 30  # KV pool budget when num_kv_blocks is not given
+    # KV pool budget when num_kv_blocks is not given. None: on CUDA, what gpu_memory_fraction of the
+    # device leaves after the weights and a profiling forward's peak; on the CPU, 1 GiB.
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_fraction: float = 0.9  # share of the whole device memory this engine may use (CUDA)
+    enforce_eager: bool = False  # never replay CUDA graphs (decode steps are captured by default on CUDA)
     num_kv_blocks: int | None = None  # exact pool size; overrides the byte budget (tests)
     max_num_seqs: int = 64  # running sequences per step at most (the batch cap)
     max_num_batched_tokens: int = 2048  # tokens per step (prefill chunks + decodes)
@@ -47,8 +51,10 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be >= 1")
-        if self.kv_cache_memory_bytes < 1:
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
             raise ValueError("kv_cache_memory_bytes must be >= 1")
+        if not 0.0 < self.gpu_memory_fraction <= 1.0:
+            raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError("cpu_threads must be >= 1")
         if self.attention_backend not in ("auto", "triton", "torch"):

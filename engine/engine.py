@@ -27,6 +27,8 @@ from model import ModelConfig, Tokenizer, load_model
 
 log = structlog.get_logger(__name__)
 
+CPU_KV_CACHE_BYTES = 1 << 30  # the KV pool on the CPU when no size is given
+
 _TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -106,19 +108,23 @@ class LLMEngine:
         block_bytes = KVCache.bytes_per_block(
             num_layers=mc.num_hidden_layers, block_size=config.block_size,
             num_kv_heads=mc.num_key_value_heads, head_dim=mc.head_dim, kv_cache_dtype=config.kv_cache_dtype)
-        num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory_bytes // block_bytes)
-        self.kv_cache = KVCache(
-            num_layers=mc.num_hidden_layers, num_blocks=num_blocks, block_size=config.block_size,
-            num_kv_heads=mc.num_key_value_heads, head_dim=mc.head_dim,
-            kv_cache_dtype=config.kv_cache_dtype, device=self.device)
+        if config.num_kv_blocks:
+            num_blocks = config.num_kv_blocks
+        elif config.kv_cache_memory_bytes is not None:
+            num_blocks = max(1, config.kv_cache_memory_bytes // block_bytes)
+        elif self.device.type == "cuda":
+            num_blocks = self._blocks_from_free_memory(block_bytes)
+        else:
+            num_blocks = max(1, CPU_KV_CACHE_BYTES // block_bytes)
+        self.kv_cache = self._make_kv_cache(num_blocks)
         self.block_manager = BlockManager(num_blocks, config.block_size,
                                           enable_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=self.max_model_len)
-        self.runner = ModelRunner(self.model, self.kv_cache, vocab_size=mc.vocab_size,
-                                  softmax_scale=mc.attn_scale, device=self.device,
-                                  attention_backend=config.attention_backend)
+        self.runner = self._make_runner(self.kv_cache)
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.runner.capture_cuda_graphs()
         self._seed_source = random.Random(config.seed)
         self._seeds: dict[str, int] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
@@ -128,6 +134,51 @@ class LLMEngine:
                  dtype=dtype_name, kv_cache_dtype=config.kv_cache_dtype, kv_blocks=num_blocks,
                  block_size=config.block_size, kv_cache_tokens=num_blocks * config.block_size,
                  max_model_len=self.max_model_len)
+
+    def _make_kv_cache(self, num_blocks: int) -> KVCache:
+        mc = self.model_config
+        return KVCache(num_layers=mc.num_hidden_layers, num_blocks=num_blocks, block_size=self.config.block_size,
+                       num_kv_heads=mc.num_key_value_heads, head_dim=mc.head_dim,
+                       kv_cache_dtype=self.config.kv_cache_dtype, device=self.device)
+
+    def _make_runner(self, kv_cache: KVCache) -> ModelRunner:
+        c, mc = self.config, self.model_config
+        return ModelRunner(self.model, kv_cache, vocab_size=mc.vocab_size, softmax_scale=mc.attn_scale,
+                           device=self.device, attention_backend=c.attention_backend, max_num_seqs=c.max_num_seqs,
+                           max_num_batched_tokens=c.max_num_batched_tokens, max_model_len=self.max_model_len)
+
+    def _blocks_from_free_memory(self, block_bytes: int) -> int:
+        """KV blocks that fit in gpu_memory_fraction of the device once the weights and the peak of
+        a profiling step are counted: one prefill of max_num_batched_tokens tokens (the largest
+        activations a step makes) plus logits and sampling for max_num_seqs rows."""
+        c = self.config
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        used_before = total - free  # CUDA context, weights, anything else on the device
+        n_tok = min(c.max_num_batched_tokens, self.max_model_len - 1)
+        tmp_cache = self._make_kv_cache(-(-n_tok // c.block_size) + rows)
+        base = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        runner = self._make_runner(tmp_cache)
+        rows = min(c.max_num_seqs, n_tok)
+        lens = [n_tok // rows] * rows
+        lens[-1] += n_tok - sum(lens)
+        runner.profile(lens)
+        torch.cuda.synchronize(self.device)
+        activation_peak = torch.cuda.max_memory_allocated(self.device) - base
+        del runner, tmp_cache
+        torch.cuda.empty_cache()
+        budget = int(total * c.gpu_memory_fraction) - used_before - activation_peak
+        if budget < block_bytes:
+            raise ValueError(
+                f"gpu_memory_fraction {c.gpu_memory_fraction} of {total / 2**30:.1f} GiB leaves no room for the "
+                f"KV cache: {used_before / 2**30:.1f} GiB are in use and a step peaks at "
+                f"{activation_peak / 2**30:.2f} GiB more")
+        log.info("kv_cache_sized", gpu_memory_fraction=c.gpu_memory_fraction, total_gib=round(total / 2**30, 2),
+                 in_use_gib=round(used_before / 2**30, 2), step_peak_gib=round(activation_peak / 2**30, 2),
+                 kv_cache_gib=round(budget / 2**30, 2))
+        return budget // block_bytes
 
     # ---- requests in and out -------------------------------------------------------------
     def check_request(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:

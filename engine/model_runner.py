@@ -1,20 +1,38 @@
 """Turns a SchedulerOutput into one forward pass and one batched sample.
 
-Step inputs are built vectorized from per-request slices (a loop over requests, never over tokens):
-token ids, positions, the slot of every new token, padded block tables, sequence lengths and query
-offsets. The only device->host synchronization of a step is reading the sampled ids back.
+Step inputs are built on the host with numpy (a loop over requests, never over tokens) straight
+into one pinned staging buffer, then go to the device in two asynchronous copies (the int32 scalars
+packed end to end, and the block tables). The only device->host synchronization of a step is
+reading the sampled ids back.
+
+Packed int32 layout, for T tokens and B sequences (decode: T = B):
+
+    | input ids (T) | positions (T) | slots (T) | seq lens (B) | query start loc (B + 1) |
+
+Pure decode steps (one new token per sequence) replay a CUDA graph when the device is CUDA: graphs
+are captured at start for bucketed batch sizes (1, 2, 4, 8, then multiples of 16 up to
+max_num_seqs) into one memory pool, each reading its inputs from the same device buffers at the
+offsets of its bucket size. A batch of B rows runs the smallest bucket >= B; padding rows have
+slot -1 (the cache write skips them) and length 0 (attention reads nothing). Other steps (prefill
+chunks, mixed batches, batches beyond the largest bucket) run eagerly.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
+import numpy as np
+import structlog
 import torch
 
 from engine.request import Request
 from engine.kv_cache import AttentionMetadata, KVCache, PagedAttention
 from engine.sampler import SamplingTensors, sample
-from engine.scheduler import SchedulerOutput
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledRequest, SchedulerOutput
+
+log = structlog.get_logger(__name__)
 
 
 @dataclass(slots=True)
@@ -34,65 +52,159 @@ def _token_slice(req: Request, start: int, n: int) -> list[int]:
     return req.prompt_token_ids[start:] + req.output_token_ids[:start + n - p]
 
 
+def graph_buckets(max_batch: int) -> list[int]:
+    """Captured decode batch sizes: 1, 2, 4, 8, then every multiple of 16 up to max_batch (which
+    is always included), so a batch pads by at most 15 rows."""
+    sizes = [b for b in (1, 2, 4, 8) if b < max_batch] + list(range(16, max_batch, 16)) + [max_batch]
+    return sorted(set(sizes))
+
+
+@dataclass(slots=True)
+class _Step:
+    """One step's inputs on the device (views of the runner's buffers) and its host facts."""
+
+    input_ids: torch.Tensor  # (T,) int32
+    positions: torch.Tensor  # (T,) int32
+    metadata: AttentionMetadata
+    num_seqs: int
+    graph_batch: int | None  # bucket whose graph runs this step; None = eager
+
+
+class _Graph:
+    __slots__ = ("graph", "logits")
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, logits: torch.Tensor) -> None:
+        self.graph = graph
+        self.logits = logits  # (bucket, vocab) fp32, rewritten by every replay
+
+
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, *, vocab_size: int,
-                 softmax_scale: float, device: torch.device, attention_backend: str = "auto") -> None:
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, *, vocab_size: int, softmax_scale: float,
+                 device: torch.device, attention_backend: str = "auto", max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 2048, max_model_len: int = 2048) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.vocab_size = vocab_size
         self.device = device
+        self.max_model_len = max_model_len
         self.attention = PagedAttention(kv_cache, softmax_scale, attention_backend)
+        self.max_num_seqs = max_num_seqs
+        self.max_tokens = max(max_num_batched_tokens, max_num_seqs)
+        self.max_blocks = -(-max_model_len // self.block_size)
+        ints = 3 * self.max_tokens + 2 * max_num_seqs + 1
+        on_cuda = device.type == "cuda"
+        # Host staging (pinned on CUDA, so the copies are asynchronous) and the device buffers the
+        # kernels and the captured graphs read. On the CPU the staging buffers are used directly.
+        self._host_ints = torch.empty(ints, dtype=torch.int32, pin_memory=on_cuda)
+        self._host_tables = torch.empty(max_num_seqs * self.max_blocks, dtype=torch.int32, pin_memory=on_cuda)
+        if on_cuda:
+            self._dev_ints = torch.zeros(ints, dtype=torch.int32, device=device)
+            self._dev_tables = torch.zeros(max_num_seqs, self.max_blocks, dtype=torch.int32, device=device)
+            self._copied = torch.cuda.Event()  # staging may be rewritten once the last copy is done
+        else:
+            self._dev_ints = self._host_ints
+            self._dev_tables = None
+            self._copied = None
+        self._graphs: dict[int, _Graph] = {}
 
-    def _prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    # ---- inputs ---------------------------------------------------------------------------------
+    def _stage(self, out: SchedulerOutput, graph_batch: int | None) -> _Step:
+        """Writes the step's inputs into the staging buffers and starts their copy to the device.
+
+        With `graph_batch` (a pure decode of B <= graph_batch rows) the sections are laid out for
+        T = B = graph_batch and rows B.. are padding."""
         scheduled = out.scheduled
-        token_ids: list[int] = []
-        query_lens: list[int] = []
-        starts: list[int] = []
-        max_blocks = max(len(s.block_table) for s in scheduled)
-        padded_tables: list[list[int]] = []
-        for s in scheduled:
-            token_ids.extend(_token_slice(s.request, s.start, s.num_new_tokens))
-            query_lens.append(s.num_new_tokens)
-            starts.append(s.start)
-            padded_tables.append(s.block_table + [0] * (max_blocks - len(s.block_table)))
-        tables = torch.tensor(padded_tables, dtype=torch.int32)  # (B, max_blocks), one conversion
-        q_lens = torch.tensor(query_lens, dtype=torch.int64)
-        start_t = torch.tensor(starts, dtype=torch.int64)
-        # Per token: which sequence it belongs to and its position in that sequence.
-        seq_idx = torch.repeat_interleave(torch.arange(len(scheduled)), q_lens)  # (T,)
-        qsl = torch.zeros(len(scheduled) + 1, dtype=torch.int64)
-        torch.cumsum(q_lens, 0, out=qsl[1:])
-        positions = start_t[seq_idx] + (torch.arange(int(qsl[-1])) - qsl[:-1][seq_idx])  # (T,)
-        blocks = tables[seq_idx, positions // self.block_size].to(torch.int64)
-        slots = blocks * self.block_size + positions % self.block_size  # (T,)
-        dev = self.device
+        b = len(scheduled)
+        q_lens = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=b)
+        starts = np.fromiter((s.start for s in scheduled), dtype=np.int64, count=b)
+        widths = np.fromiter((len(s.block_table) for s in scheduled), dtype=np.int64, count=b)
+        t = int(q_lens.sum())
+        w = int(widths.max())
+        rows = graph_batch or b
+        n_tok = graph_batch or t
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copy has left the staging buffers
+        ints = self._host_ints.numpy()
+        ids, pos, slots = ints[:n_tok], ints[n_tok:2 * n_tok], ints[2 * n_tok:3 * n_tok]
+        lens, qsl = ints[3 * n_tok:3 * n_tok + rows], ints[3 * n_tok + rows:3 * n_tok + 2 * rows + 1]
+        tables = self._host_tables.numpy()[:b * w].reshape(b, w)
+
+        ids[:t] = np.fromiter(chain.from_iterable(_token_slice(s.request, s.start, s.num_new_tokens)
+                                                  for s in scheduled), dtype=np.int32, count=t)
+        tables[:] = 0
+        for i, s in enumerate(scheduled):
+            tables[i, :len(s.block_table)] = s.block_table
+        qsl[0] = 0
+        np.cumsum(q_lens, out=qsl[1:b + 1])
+        seq_idx = np.repeat(np.arange(b), q_lens)  # (T,) sequence of each token
+        p = starts[seq_idx] + (np.arange(t) - qsl[:b][seq_idx])  # (T,) position of each token
+        pos[:t] = p
+        slots[:t] = tables[seq_idx, p // self.block_size] * self.block_size + p % self.block_size
+        lens[:b] = starts + q_lens
+        if rows > b:  # graph padding: no token written, nothing attended
+            ids[t:], pos[t:], slots[t:], lens[b:] = 0, 0, -1, 0
+            qsl[b + 1:] = np.arange(t + 1, t + 1 + rows - b)
+        max_query_len = int(q_lens.max())
+        max_seq_len = int(lens[:b].max())
+
+        n_ints = 3 * n_tok + 2 * rows + 1
+        if self._dev_tables is not None:
+            dev = self._dev_ints[:n_ints]
+            dev.copy_(self._host_ints[:n_ints], non_blocking=True)
+            dev_tables = self._dev_tables[:rows] if graph_batch else self._dev_tables[:b, :w]
+            self._dev_tables[:b, :w].copy_(self._host_tables[:b * w].view(b, w), non_blocking=True)
+            self._copied.record()
+        else:
+            dev = self._host_ints[:n_ints]
+            dev_tables = self._host_tables[:b * w].view(b, w)
         md = AttentionMetadata(
-            slot_mapping=slots.to(dev, non_blocking=True),
-            block_tables=tables.to(dev, non_blocking=True),
-            seq_lens=(start_t + q_lens).to(torch.int32).to(dev, non_blocking=True),
-            query_start_loc=qsl.to(torch.int32).to(dev, non_blocking=True),
-            max_query_len=max(query_lens),
-            max_seq_len=max(st + n for st, n in zip(starts, query_lens)),
+            slot_mapping=dev[2 * n_tok:3 * n_tok],
+            block_tables=dev_tables,
+            seq_lens=dev[3 * n_tok:3 * n_tok + rows],
+            query_start_loc=dev[3 * n_tok + rows:n_ints],
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
         )
-        input_ids = torch.tensor(token_ids, dtype=torch.int64).to(dev, non_blocking=True)
-        return input_ids, positions.to(dev, non_blocking=True), md
+        return _Step(dev[:n_tok], dev[n_tok:2 * n_tok], md, b, graph_batch)
+
+    def _graph_batch(self, out: SchedulerOutput) -> int | None:
+        if not self._graphs or any(s.num_new_tokens != 1 for s in out.scheduled):
+            return None
+        b = len(out.scheduled)
+        return next((g for g in self._graphs if g >= b), None)
+
+    # ---- forward --------------------------------------------------------------------------------
+    def forward_logits(self, out: SchedulerOutput, *, eager: bool = False) -> tuple[list[int], torch.Tensor | None]:
+        """Runs the step's tokens; returns the scheduled rows that sample and their logits (R, V)
+        fp32 (None when no row samples). `eager` skips the CUDA graphs (tests compare the two)."""
+        step = self._stage(out, None if eager else self._graph_batch(out))
+        rows = [i for i, s in enumerate(out.scheduled) if s.sample]
+        if step.graph_batch is not None:
+            g = self._graphs[step.graph_batch]
+            g.graph.replay()
+            return rows, (g.logits[rows] if len(rows) < step.num_seqs else g.logits[:step.num_seqs])
+        self.attention.metadata = step.metadata
+        try:
+            hidden = self.model(step.input_ids, step.positions, self.attention)  # (T, hidden)
+        finally:
+            self.attention.metadata = None
+        if not rows:
+            return rows, None
+        qsl = step.metadata.query_start_loc
+        if step.metadata.max_query_len == 1 and len(rows) == step.num_seqs:
+            last = hidden  # pure decode: every token is its sequence's last
+        else:
+            last = hidden[(qsl[1:].to(torch.int64) - 1)[torch.tensor(rows, device=self.device)]]
+        return rows, self.model.compute_logits(last)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, seeds: dict[str, int]) -> dict[str, SampledToken]:
         """Runs the scheduled tokens; returns the sampled token of every request that reached the
         end of its known tokens this step (prefill chunks in the middle of a prompt sample nothing)."""
-        input_ids, positions, md = self._prepare(out)
-        self.attention.metadata = md
-        try:
-            hidden = self.model(input_ids, positions, self.attention)  # (T, hidden)
-        finally:
-            self.attention.metadata = None
-        rows = [i for i, s in enumerate(out.scheduled) if s.sample]
-        if not rows:
+        rows, logits = self.forward_logits(out)
+        if logits is None:
             return {}
-        last = (md.query_start_loc[1:].to(torch.int64) - 1)[torch.tensor(rows, device=self.device)]
-        logits = self.model.compute_logits(hidden[last])  # (R, V) fp32
         reqs = [out.scheduled[i].request for i in rows]
         tensors = SamplingTensors.build(
             params=[r.sampling for r in reqs],
@@ -118,3 +230,55 @@ class ModelRunner:
             top = [(int(t), lp) for t, lp in zip(row[2:2 + n], row[2 + n_top:2 + n_top + n])]
             sampled[r.request_id] = SampledToken(int(row[0]), row[1], top)
         return sampled
+
+    def profile(self, prompt_lens: list[int]) -> None:
+        """One prefill step of sequences with these prompt lengths, sampled with every sampler
+        feature on (penalties, top-k/top-p/min-p, logprobs): what sizing the KV pool measures.
+        Needs sum(prompt_lens) / block_size blocks in this runner's cache; writes block 0 onward."""
+        sampling = SamplingParams(max_tokens=1, temperature=1.0, top_p=0.9, min_p=0.05,
+                                  repetition_penalty=1.1, frequency_penalty=0.1, presence_penalty=0.1,
+                                  logprobs=min(20, self.vocab_size))
+        scheduled, next_block = [], 0
+        for i, n in enumerate(prompt_lens):
+            blocks = -(-n // self.block_size)
+            req = Request(f"profile-{i}", [1] * n, sampling, max_model_len=self.max_model_len)
+            scheduled.append(ScheduledRequest(req, n, 0, list(range(next_block, next_block + blocks)), True))
+            next_block += blocks
+        self.execute(SchedulerOutput(scheduled=scheduled, num_batched_tokens=sum(prompt_lens)),
+                     {f"profile-{i}": i for i in range(len(prompt_lens))})
+
+    # ---- CUDA graphs ----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def capture_cuda_graphs(self) -> None:
+        """Captures the decode forward (and the logits) for every bucket, largest first, into one
+        memory pool. Each bucket first runs once eagerly, which also compiles its Triton kernels."""
+        if self.device.type != "cuda":
+            raise RuntimeError("CUDA graphs need a CUDA device")
+        pool = torch.cuda.graph_pool_handle()
+        buckets = graph_buckets(self.max_num_seqs)
+        for b in reversed(buckets):
+            n_ints = 5 * b + 1
+            dev = self._dev_ints[:n_ints]
+            host = self._host_ints[:n_ints].numpy()
+            # Dummy decode of b rows: one cached token each, in block 0 (never written: slot -1).
+            host[:b], host[b:2 * b], host[2 * b:3 * b], host[3 * b:4 * b] = 0, 0, -1, 1
+            host[4 * b:] = np.arange(b + 1)
+            dev.copy_(self._host_ints[:n_ints])
+            self._dev_tables[:b].zero_()
+            md = AttentionMetadata(
+                slot_mapping=dev[2 * b:3 * b], block_tables=self._dev_tables[:b], seq_lens=dev[3 * b:4 * b],
+                query_start_loc=dev[4 * b:], max_query_len=1,
+                max_seq_len=self.max_model_len)  # the split count must serve any context length
+            self.attention.metadata = md
+            try:
+                self.model.compute_logits(self.model(dev[:b], dev[b:2 * b], self.attention))  # warm-up
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    logits = self.model.compute_logits(self.model(dev[:b], dev[b:2 * b], self.attention))
+            finally:
+                self.attention.metadata = None
+            self._graphs[b] = _Graph(graph, logits)
+        torch.cuda.synchronize()
+        self._graphs = dict(sorted(self._graphs.items()))
+        log.info("cuda_graphs_captured", batch_sizes=list(self._graphs))

@@ -27,8 +27,13 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="weights/activations dtype (auto: bf16 on cuda, fp32 on cpu)")
     p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=("int8", "bf16", "fp16", "fp32"))
     p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
-    p.add_argument("--kv-cache-memory", type=float, default=d.kv_cache_memory_bytes / 2**30,
-                   help="KV pool budget in GiB")
+    p.add_argument("--kv-cache-memory", type=float, default=None,
+                   help="KV pool budget in GiB (default: from --gpu-memory-fraction on CUDA, 1 GiB on the CPU)")
+    p.add_argument("--gpu-memory-fraction", type=float, default=d.gpu_memory_fraction,
+                   help="share of the GPU's memory for weights, activations and the KV pool, which gets "
+                        "what the weights and a profiling step leave")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="run decode steps eagerly instead of replaying CUDA graphs")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV pool size (overrides the budget)")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="running sequences per step at most")
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
@@ -88,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             engine_config = EngineConfig(
                 model=args.model, device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-                block_size=args.block_size, kv_cache_memory_bytes=int(args.kv_cache_memory * 2**30),
+                block_size=args.block_size, kv_cache_memory_bytes=None if args.kv_cache_memory is None else int(args.kv_cache_memory * 2**30),
+                gpu_memory_fraction=args.gpu_memory_fraction, enforce_eager=args.enforce_eager,
                 num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                 max_waiting=args.max_waiting, seed=args.seed,

@@ -1,0 +1,141 @@
+"""Where the time of one decode step goes (issue 5): host phases, GPU kernels, synchronization.
+
+    python benchmarks/profile_step.py                # GPU: Llama-3.2-1B-shaped model, 256 sequences decoding
+    python benchmarks/profile_step.py --tiny         # CPU smoke run
+
+All requests are admitted and prefilled first; then --steps pure decode steps are measured:
+1. wall time per step (the engine as it runs);
+2. host time per phase (schedule / stage inputs / forward / sample+sync / bookkeeping), with
+   the device synchronized at each boundary so GPU time lands in the phase that queued it;
+3. torch.profiler's top kernels by device time over a few steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.throughput import LLAMA_1B, TINY, build_model  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
+from engine.engine import LLMEngine  # noqa: E402
+from engine.sampler import SamplingTensors, sample  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+
+
+def sync(dev: str) -> None:
+    if dev == "cuda":
+        torch.cuda.synchronize()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--batch", type=int, default=None)
+    ap.add_argument("--ctx", type=int, default=None, help="prompt length of every sequence")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--kv", default="int8")
+    ap.add_argument("--extra", default="", help="EngineConfig overrides, k=v,k=v (ints/floats/bools)")
+    args = ap.parse_args(argv)
+    big = not args.tiny
+    batch = args.batch or (256 if big else 16)
+    ctx = args.ctx or (400 if big else 32)
+    shape = LLAMA_1B if big else TINY
+    extra = {}
+    for kv in filter(None, args.extra.split(",")):
+        k, v = kv.split("=")
+        extra[k] = {"true": True, "false": False}.get(v.lower(), None)
+        if extra[k] is None:
+            extra[k] = float(v) if "." in v else int(v)
+    with tempfile.TemporaryDirectory() as tmp:
+        build_model(Path(tmp), shape, torch.bfloat16 if args.device == "cuda" else torch.float32)
+        cfg = dict(model=tmp, device=args.device, dtype="bf16" if args.device == "cuda" else "fp32",
+                   kv_cache_dtype=args.kv, max_num_seqs=batch, max_num_batched_tokens=8192,
+                   kv_cache_memory_bytes=None if big else (128 << 20))
+        cfg.update(extra)
+        eng = LLMEngine(EngineConfig(**cfg))
+        rng = random.Random(0)
+        sp = SamplingParams(max_tokens=eng.max_model_len - ctx, temperature=0, ignore_eos=True)
+        for i in range(batch):
+            eng.add_request(f"r{i}", [rng.randrange(3, shape["vocab_size"]) for _ in range(ctx)], sp)
+        while eng.scheduler.num_waiting or any(r.num_output_tokens == 0 for r in eng._requests.values()):
+            eng.step()
+        for _ in range(5):
+            eng.step()
+        sync(args.device)
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            eng.step()
+        sync(args.device)
+        step_ms = 1e3 * (time.perf_counter() - t0) / args.steps
+        print(f"# {args.device}: batch {batch}, context ~{ctx}, kv {args.kv}, {extra or ''}")
+        print(f"wall per decode step: {step_ms:.3f} ms  ({batch / step_ms * 1e3:,.0f} tok/s)")
+
+        # Phases, synchronized at each boundary.
+        runner = eng.runner
+        phases = dict(schedule=0.0, stage_inputs=0.0, forward=0.0, sample_and_sync=0.0, bookkeeping=0.0)
+        orig_stage = runner._stage
+        marks: dict[str, float] = {}
+
+        def timed_stage(out, graph_batch):
+            t = time.perf_counter()
+            r = orig_stage(out, graph_batch)
+            sync(args.device)
+            marks["stage_end"] = time.perf_counter()
+            phases["stage_inputs"] += marks["stage_end"] - t
+            return r
+
+        runner._stage = timed_stage
+        graph_steps = 0
+        for _ in range(args.steps):
+            t = time.perf_counter()
+            out = eng.scheduler.schedule()
+            phases["schedule"] += time.perf_counter() - t
+            graph_steps += runner._graph_batch(out) is not None
+            with torch.inference_mode():
+                rows, logits = runner.forward_logits(out)
+                sync(args.device)
+                t2 = time.perf_counter()
+                phases["forward"] += t2 - marks["stage_end"]
+                reqs = [out.scheduled[i].request for i in rows]
+                tensors = SamplingTensors.build(
+                    params=[r.sampling for r in reqs], seeds=[eng._seeds[r.request_id] for r in reqs],
+                    steps=[r.num_output_tokens for r in reqs], prompt_ids=[r.prompt_token_ids for r in reqs],
+                    output_ids=[r.output_token_ids for r in reqs], vocab_size=logits.shape[-1], device=logits.device)
+                ids = sample(logits, tensors).token_ids.tolist()
+            t3 = time.perf_counter()
+            phases["sample_and_sync"] += t3 - t2
+            eng.scheduler.update_after_step(out)
+            for r, tok in zip(reqs, ids):
+                r.append_token(tok)
+                eng._detok[r.request_id].step([tok])
+            phases["bookkeeping"] += time.perf_counter() - t3
+        runner._stage = orig_stage
+        print(f"{graph_steps}/{args.steps} steps replayed a CUDA graph")
+        total = sum(phases.values())
+        print("| phase (device synced at each boundary) | ms per step | share |")
+        print("|---|---|---|")
+        for k, v in phases.items():
+            print(f"| {k} | {1e3 * v / args.steps:.3f} | {100 * v / total:.0f}% |")
+        print(f"| total | {1e3 * total / args.steps:.3f} | |")
+
+        if args.device == "cuda":
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    eng.step()
+                sync(args.device)
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,165 @@
+"""Step inputs, CUDA-graph buckets and padding, and (on a GPU) graphs against the eager forward
+and the KV pool sized from free memory."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from engine.kv_cache import KVCache
+from engine.model_runner import ModelRunner, graph_buckets
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledRequest, SchedulerOutput
+from tests.helpers import make_hf_model_dir
+
+
+def test_graph_buckets():
+    assert graph_buckets(1) == [1]
+    assert graph_buckets(6) == [1, 2, 4, 6]
+    assert graph_buckets(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert graph_buckets(40) == [1, 2, 4, 8, 16, 32, 40]
+    for m in range(1, 300):
+        b = graph_buckets(m)
+        assert b[-1] == m and b == sorted(set(b))
+        assert all(hi - lo <= 16 for lo, hi in zip(b, b[1:]))  # a batch pads by at most 15 rows
+
+
+def _runner(block_size=4, max_num_seqs=8, max_model_len=64) -> ModelRunner:
+    cache = KVCache(num_layers=1, num_blocks=64, block_size=block_size, num_kv_heads=1, head_dim=8,
+                    kv_cache_dtype="fp32", device=torch.device("cpu"))
+    return ModelRunner(torch.nn.Identity(), cache, vocab_size=32, softmax_scale=1.0, device=torch.device("cpu"),
+                       max_num_seqs=max_num_seqs, max_num_batched_tokens=64, max_model_len=max_model_len)
+
+
+def _scheduled(rng: random.Random, prompt_len: int, start: int, n: int, block_size: int) -> ScheduledRequest:
+    req = Request(f"r{rng.random()}", [rng.randrange(32) for _ in range(prompt_len)], SamplingParams(),
+                  max_model_len=64)
+    blocks = rng.sample(range(64), -(-(start + n) // block_size))  # shuffled physical blocks
+    return ScheduledRequest(req, n, start, blocks, start + n == prompt_len)
+
+
+def test_stage_packs_a_mixed_batch():
+    """Positions, slots, lengths and query offsets of a mixed step, against a per-token loop."""
+    rng = random.Random()
+    runner = _runner()
+    # a decode, a prefill chunk in the middle of a prompt, a whole prompt
+    sched = [_scheduled(rng, 10, 9, 1, 4), _scheduled(rng, 30, 8, 7, 4), _scheduled(rng, 5, 0, 5, 4)]
+    step = runner._stage(SchedulerOutput(scheduled=sched), None)
+    want_ids, want_pos, want_slots = [], [], []
+    for s in sched:
+        for p in range(s.start, s.start + s.num_new_tokens):
+            want_ids.append(s.request.prompt_token_ids[p])
+            want_pos.append(p)
+            want_slots.append(s.block_table[p // 4] * 4 + p % 4)
+    assert step.input_ids.tolist() == want_ids
+    assert step.positions.tolist() == want_pos
+    md = step.metadata
+    assert md.slot_mapping.tolist() == want_slots
+    assert md.seq_lens.tolist() == [10, 15, 5]
+    assert md.query_start_loc.tolist() == [0, 1, 8, 13]
+    assert md.max_query_len == 7 and md.max_seq_len == 15
+    for i, s in enumerate(sched):
+        assert md.block_tables[i, :len(s.block_table)].tolist() == s.block_table
+    assert step.graph_batch is None
+
+
+def test_stage_pads_a_decode_batch_for_its_graph():
+    """Rows past the batch: slot -1 (never written), length 0 (nothing attended), one query each."""
+    rng = random.Random()
+    runner = _runner()
+    sched = [_scheduled(rng, 6 + i, 5 + i, 1, 4) for i in range(3)]
+    step = runner._stage(SchedulerOutput(scheduled=sched), 8)
+    md = step.metadata
+    assert step.input_ids.shape == (8,) and step.graph_batch == 8 and step.num_seqs == 3
+    assert step.input_ids.tolist()[3:] == [0] * 5
+    assert step.positions.tolist() == [5, 6, 7] + [0] * 5
+    assert md.slot_mapping.tolist()[3:] == [-1] * 5
+    assert md.slot_mapping.tolist()[:3] == [s.block_table[s.start // 4] * 4 + s.start % 4 for s in sched]
+    assert md.seq_lens.tolist() == [6, 7, 8, 0, 0, 0, 0, 0]
+    assert md.query_start_loc.tolist() == list(range(9))
+    # the buffers are reused: a smaller eager step afterwards sees only its own values
+    step2 = runner._stage(SchedulerOutput(scheduled=sched[:1]), None)
+    assert step2.metadata.seq_lens.tolist() == [6] and step2.metadata.query_start_loc.tolist() == [0, 1]
+
+
+def test_profile_step_runs_on_the_cpu(tmp_path):
+    """The profiling step that sizes the KV pool on CUDA (every sampler feature on) runs anywhere."""
+    engine = LLMEngine(EngineConfig(model=str(make_hf_model_dir(tmp_path, "llama")), device="cpu",
+                                    kv_cache_dtype="int8", num_kv_blocks=64, max_num_seqs=4))
+    engine.runner.profile([20, 7, 1])
+    assert engine.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0)) != []
+
+
+def _decoding_engine(model_dir, batch: int, **kw) -> tuple[LLMEngine, SchedulerOutput]:
+    engine = LLMEngine(EngineConfig(model=str(model_dir), device="cuda", dtype="bf16", max_num_seqs=16,
+                                    kv_cache_memory_bytes=64 << 20, **kw))
+    rng = random.Random()
+    for i in range(batch):
+        engine.add_request(f"r{i}", [rng.randrange(3, 500) for _ in range(rng.randint(5, 40))],
+                           SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    out = engine.scheduler.schedule()
+    assert all(s.num_new_tokens == 1 for s in out.scheduled) and len(out.scheduled) == batch
+    return engine, out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "bf16"])
+@pytest.mark.parametrize("batch", [3, 8, 16])
+def test_graph_replay_matches_the_eager_forward(tmp_path, batch, kv_cache_dtype):
+    """A decode step replayed from its bucket's graph (3 rows pad to 4) gives the eager logits."""
+    engine, out = _decoding_engine(make_hf_model_dir(tmp_path, "llama", weight_scale=4.0), batch,
+                                   kv_cache_dtype=kv_cache_dtype)
+    assert engine.runner._graph_batch(out) == {3: 4, 8: 8, 16: 16}[batch]
+    with torch.inference_mode():
+        torch.cuda.synchronize()
+        rows_g, graph_logits = engine.runner.forward_logits(out)
+        graph_logits = graph_logits.clone()
+        rows_e, eager_logits = engine.runner.forward_logits(out, eager=True)
+    assert rows_g == rows_e == list(range(batch))
+    err = ((graph_logits - eager_logits).abs().max() / eager_logits.abs().max()).item()
+    assert err <= 2e-2, f"graph vs eager relative logit error {err:.3e}"
+    agree = (graph_logits.argmax(-1) == eager_logits.argmax(-1)).float().mean().item()
+    assert agree >= 0.9
+
+
+@pytest.mark.gpu
+def test_graphs_and_eager_generate_alike(tmp_path):
+    """Whole greedy generations with graphs (default) and with --enforce-eager."""
+    model_dir = make_hf_model_dir(tmp_path, "qwen3", weight_scale=4.0)
+    rng = random.Random()
+    prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(5, 60))] for _ in range(11)]
+    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    runs = []
+    for eager in (False, True):
+        engine = LLMEngine(EngineConfig(model=str(model_dir), device="cuda", dtype="bf16", max_num_seqs=16,
+                                        kv_cache_memory_bytes=64 << 20, enforce_eager=eager))
+        assert bool(engine.runner._graphs) != eager
+        runs.append(engine.generate(prompts, sp))
+    same = sum(a == b for ga, gb in zip(*runs) for a, b in zip(ga, gb))
+    assert same / sum(len(g) for g in runs[1]) >= 0.9
+
+
+@pytest.mark.gpu
+def test_kv_pool_is_sized_from_free_memory(tmp_path):
+    model_dir = make_hf_model_dir(tmp_path, "llama")
+    torch.cuda.empty_cache()
+    engines = {}
+    for fraction in (0.3, 0.5):
+        free, total = torch.cuda.mem_get_info()
+        engine = LLMEngine(EngineConfig(model=str(model_dir), device="cuda", gpu_memory_fraction=fraction))
+        used = total - torch.cuda.mem_get_info()[0]
+        assert used <= fraction * total + (256 << 20), f"{used / 2**30:.2f} GiB in use at fraction {fraction}"
+        engines[fraction] = engine.block_manager.num_total_blocks
+        del engine
+        torch.cuda.empty_cache()
+    assert engines[0.5] > engines[0.3] > 0
+    with pytest.raises(ValueError, match="gpu_memory_fraction"):
+        LLMEngine(EngineConfig(model=str(model_dir), device="cuda", gpu_memory_fraction=1e-6))
