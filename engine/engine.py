@@ -157,11 +157,11 @@ class LLMEngine:
         free, total = torch.cuda.mem_get_info(self.device)
         used_before = total - free  # CUDA context, weights, anything else on the device
         n_tok = min(c.max_num_batched_tokens, self.max_model_len - 1)
+        rows = min(c.max_num_seqs, n_tok)
         tmp_cache = self._make_kv_cache(-(-n_tok // c.block_size) + rows)
         base = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         runner = self._make_runner(tmp_cache)
-        rows = min(c.max_num_seqs, n_tok)
         lens = [n_tok // rows] * rows
         lens[-1] += n_tok - sum(lens)
         runner.profile(lens)

@@ -163,3 +163,22 @@ def test_kv_pool_is_sized_from_free_memory(tmp_path):
     assert engines[0.5] > engines[0.3] > 0
     with pytest.raises(ValueError, match="gpu_memory_fraction"):
         LLMEngine(EngineConfig(model=str(model_dir), device="cuda", gpu_memory_fraction=1e-6))
+
+
+def test_kv_sizing_arithmetic_with_a_fake_device(tmp_path, monkeypatch):
+    """The free-memory sizing path on the CPU, with the CUDA memory queries faked: budget =
+    fraction * total - in use - the profiling step's peak."""
+    engine = LLMEngine(EngineConfig(model=str(make_hf_model_dir(tmp_path, "llama")), device="cpu",
+                                    num_kv_blocks=8, max_num_seqs=4, max_num_batched_tokens=64))
+    gib = 2**30
+    fake = dict(synchronize=lambda *a: None, empty_cache=lambda: None, reset_peak_memory_stats=lambda *a: None,
+                mem_get_info=lambda *a: (70 * gib, 100 * gib), memory_allocated=lambda *a: 10 * gib,
+                max_memory_allocated=lambda *a: 12 * gib)
+    for name, fn in fake.items():
+        monkeypatch.setattr(torch.cuda, name, fn)
+    engine.config.gpu_memory_fraction = 0.9
+    blocks = engine._blocks_from_free_memory(1 << 20)
+    assert blocks == (90 - 30 - 2) * 1024  # 90 GiB allowed, 30 in use, a 2 GiB step peak; 1 MiB blocks
+    engine.config.gpu_memory_fraction = 0.3
+    with pytest.raises(ValueError, match="gpu_memory_fraction 0.3"):
+        engine._blocks_from_free_memory(1 << 20)
