@@ -42,6 +42,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ctx", type=int, default=None, help="prompt length of every sequence")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--kv", default="int8")
+    ap.add_argument("--cprofile", type=int, default=0, help="print the N functions with most Python time in step()")
     ap.add_argument("--extra", default="", help="EngineConfig overrides, k=v,k=v (ints/floats/bools)")
     args = ap.parse_args(argv)
     big = not args.tiny
@@ -77,6 +78,18 @@ def main(argv=None) -> int:
         step_ms = 1e3 * (time.perf_counter() - t0) / args.steps
         print(f"# {args.device}: batch {batch}, context ~{ctx}, kv {args.kv}, {extra or ''}")
         print(f"wall per decode step: {step_ms:.3f} ms  ({batch / step_ms * 1e3:,.0f} tok/s)")
+
+        if args.cprofile:  # Python time of the engine's own step, by function
+            import cProfile
+            import pstats
+
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(args.steps):
+                eng.step()
+            sync(args.device)
+            prof.disable()
+            pstats.Stats(prof).sort_stats("tottime").print_stats(args.cprofile)
 
         # Phases, synchronized at each boundary.
         runner = eng.runner

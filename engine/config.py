@@ -24,6 +24,9 @@ class EngineConfig:
     # device leaves after the weights and a profiling forward's peak; on the CPU, 1 GiB.
     kv_cache_memory_bytes: int | None = None
     gpu_memory_fraction: float = 0.9  # share of the whole device memory this engine may use (CUDA)
+    # Queue step N on the device before reading step N-1's tokens back (see LLMEngine.step).
+    # None: on for CUDA, off on the CPU (where the host computes the forward pass itself).
+    async_scheduling: bool | None = None
     enforce_eager: bool = False  # never replay CUDA graphs (decode steps are captured by default on CUDA)
     num_kv_blocks: int | None = None  # exact pool size; overrides the byte budget (tests)
     max_num_seqs: int = 64  # running sequences per step at most (the batch cap)

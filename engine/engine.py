@@ -19,7 +19,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import KVCache
-from engine.model_runner import ModelRunner, SampledToken
+from engine.model_runner import PLACEHOLDER, ModelRunner, PendingSample, SampledToken
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.scheduler import RequestTooLargeError, Scheduler
@@ -126,6 +126,8 @@ class LLMEngine:
         if self.device.type == "cuda" and not config.enforce_eager:
             self.runner.capture_cuda_graphs()
         self._seed_source = random.Random(config.seed)
+        self._async = (self.device.type == "cuda") if config.async_scheduling is None else config.async_scheduling
+        self._pending: PendingSample | None = None  # async scheduling: the launched step not read back yet
         self._seeds: dict[str, int] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._requests: dict[str, Request] = {}  # internal (per-sample) id -> request
@@ -281,7 +283,7 @@ class LLMEngine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._pending is not None
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -297,47 +299,108 @@ class LLMEngine:
 
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Advances every scheduled request by one forward pass; returns the outputs that are ready.
+
+        Synchronous (the CPU default): the outputs of this step. Async scheduling (the CUDA
+        default): this step is queued on the device, then the previous step's tokens are read back
+        and turned into outputs while the device runs, so the host's bookkeeping hides behind the
+        GPU. Each sampled token is appended as PLACEHOLDER at once (the scheduler only needs the
+        count; the next step takes the id from the device), and becomes the real id one call later.
+        A request that ends on a token (EOS, stop token, stop string) may so run one step too many,
+        whose token is dropped; length limits are known without the ids and stop at once."""
+        if not self._async:
+            return self._step_sync()
+        out = self.scheduler.schedule()
+        outputs: list[RequestOutput] = []
+        if out.scheduled and self._pending is not None and any(
+                s.request.sampling.needs_output_ids for s in out.scheduled):
+            outputs += self._collect()  # penalties count the output ids: read them back first
+        launched = None
+        if out.scheduled:
+            try:
+                launched = self.runner.launch(out, self._seeds)
+            except Exception as e:  # an engine fault fails this step's requests, not the engine
+                return outputs + self._collect() + self._step_failed(out, e)
+        outputs += self._collect()
+        self.scheduler.update_after_step(out)
+        if launched is not None:
+            for req in launched.requests:
+                if not req.finished:
+                    req.append_token(PLACEHOLDER)
+            self._pending = launched
+        return outputs
+
+    def _collect(self) -> list[RequestOutput]:
+        """Reads back the pending step's tokens (waiting for the device) and makes their outputs."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return []
+        try:
+            sampled = pending.result()
+        except Exception as e:
+            live = [r for r in pending.requests if not r.finished]
+            log.exception("step_failed", request_ids=[r.request_id for r in live])
+            return self._fail(live, f"{type(e).__name__}: {e}",
+                              out_of_memory=isinstance(e, torch.cuda.OutOfMemoryError))
+        outputs = []
+        for req in pending.requests:
+            if req.finished:  # aborted (or failed) while its step ran
+                continue
+            tok = sampled[req.request_id]
+            req.output_token_ids[-1] = tok.token_id  # the PLACEHOLDER appended at launch
+            outputs.append(self._emit(req, tok))
+        return outputs
+
+    def _step_sync(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
         try:
             sampled = self.runner.execute(out, self._seeds)
         except Exception as e:  # an engine fault fails this step's requests, not the engine
-            log.exception("step_failed", request_ids=[s.request.request_id for s in out.scheduled])
-            oom = isinstance(e, torch.cuda.OutOfMemoryError)
-            if oom and torch.cuda.is_available():
-                torch.cuda.empty_cache()  # hand back what the failed step held before retries come
-            return self._fail([s.request for s in out.scheduled], f"{type(e).__name__}: {e}", out_of_memory=oom)
+            return self._step_failed(out, e)
         self.scheduler.update_after_step(out)
         outputs: list[RequestOutput] = []
         for s in out.scheduled:
-            req = s.request
-            tok = sampled.get(req.request_id)
+            tok = sampled.get(s.request.request_id)
             if tok is None:
                 continue  # a prefill chunk that did not reach the end of the prompt
-            req.append_token(tok.token_id)
-            detok = self._detok[req.request_id]
-            text = detok.step([tok.token_id])
-            status = None if detok.stopped else req.check_token_stop()
-            if status is not None:
-                # Ending for another reason: text held back (a possible stop string, a split
-                # character) comes out now, and a stop string found in it still ends the request.
-                text += detok.flush()
-            if detok.stopped:
-                status = RequestStatus.FINISHED_STOPPED
-                req.stop_reason = detok.stop_string
-            o = RequestOutput(
-                request_id=req.parent_id, new_token_ids=[tok.token_id], new_text=text,
-                new_logprobs=[tok] if req.sampling.logprobs or tok.top else [],
-                num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
-                num_cached_tokens=req.num_cached_tokens, index=req.index, all_finished=False)
-            if req.num_output_tokens == 1 and req.first_scheduled_time is not None:
-                o.queue_time_s = req.first_scheduled_time - req.arrival_time
-            if status is not None:
-                o.all_finished = self._finish(req, status)
-                o.finished, o.status, o.stop_reason = True, status, req.stop_reason
-            outputs.append(o)
+            s.request.append_token(tok.token_id)
+            outputs.append(self._emit(s.request, tok))
         return outputs
+
+    def _step_failed(self, out, e: Exception) -> list[RequestOutput]:
+        log.exception("step_failed", request_ids=[s.request.request_id for s in out.scheduled])
+        oom = isinstance(e, torch.cuda.OutOfMemoryError)
+        if oom and torch.cuda.is_available():
+            torch.cuda.empty_cache()  # hand back what the failed step held before retries come
+        return self._fail([s.request for s in out.scheduled if not s.request.finished],
+                          f"{type(e).__name__}: {e}", out_of_memory=oom)
+
+    def _emit(self, req: Request, tok: SampledToken) -> RequestOutput:
+        """The output of one new token (already in req.output_token_ids): text, stop checks, and
+        the request's end when it stops here."""
+        detok = self._detok[req.request_id]
+        text = detok.step([tok.token_id])
+        status = None if detok.stopped else req.check_token_stop()
+        if status is not None:
+            # Ending for another reason: text held back (a possible stop string, a split
+            # character) comes out now, and a stop string found in it still ends the request.
+            text += detok.flush()
+        if detok.stopped:
+            status = RequestStatus.FINISHED_STOPPED
+            req.stop_reason = detok.stop_string
+        o = RequestOutput(
+            request_id=req.parent_id, new_token_ids=[tok.token_id], new_text=text,
+            new_logprobs=[tok] if req.sampling.logprobs or tok.top else [],
+            num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
+            num_cached_tokens=req.num_cached_tokens, index=req.index, all_finished=False)
+        if req.num_output_tokens == 1 and req.first_scheduled_time is not None:
+            o.queue_time_s = req.first_scheduled_time - req.arrival_time
+        if status is not None:
+            o.all_finished = self._finish(req, status)
+            o.finished, o.status, o.stop_reason = True, status, req.stop_reason
+        return o
 
     def _fail(self, reqs: list[Request], error: str, *, out_of_memory: bool = False) -> list[RequestOutput]:
         outs = []

@@ -42,6 +42,32 @@ class SampledToken:
     top: list[tuple[int, float]]  # top-n (token id, logprob), best first; empty unless asked
 
 
+PLACEHOLDER = -1  # an output token sampled on the device and not read back yet (async scheduling)
+
+
+class PendingSample:
+    """What one launched step sampled, on its way to the host."""
+
+    def __init__(self, requests: list[Request], host: torch.Tensor, n_top: int,
+                 done: torch.cuda.Event | None) -> None:
+        self.requests = requests  # the rows' requests, in row order
+        self._host = host  # (R, 2 + 2 * n_top) float64, pinned on CUDA
+        self._n_top = n_top
+        self._done = done  # recorded after the device->host copy; None on the CPU
+
+    def result(self) -> dict[str, SampledToken]:
+        """Waits for the copy (the step's one host synchronization); request id -> its token."""
+        if self._done is not None:
+            self._done.synchronize()
+        n_top = self._n_top
+        sampled: dict[str, SampledToken] = {}
+        for r, row in zip(self.requests, self._host.tolist()):
+            n = min(r.sampling.logprobs, n_top)
+            top = [(int(t), lp) for t, lp in zip(row[2:2 + n], row[2 + n_top:2 + n_top + n])]
+            sampled[r.request_id] = SampledToken(int(row[0]), row[1], top)
+        return sampled
+
+
 def _token_slice(req: Request, start: int, n: int) -> list[int]:
     """Tokens [start, start + n) of prompt + output, without concatenating the whole sequence."""
     p = req.num_prompt_tokens
@@ -92,7 +118,7 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.max_tokens = max(max_num_batched_tokens, max_num_seqs)
         self.max_blocks = -(-max_model_len // self.block_size)
-        ints = 3 * self.max_tokens + 2 * max_num_seqs + 1
+        ints = 3 * self.max_tokens + 4 * max_num_seqs + 1  # + (dst, src) of up to B placeholder ids
         on_cuda = device.type == "cuda"
         # Host staging (pinned on CUDA, so the copies are asynchronous) and the device buffers the
         # kernels and the captured graphs read. On the CPU the staging buffers are used directly.
@@ -107,6 +133,10 @@ class ModelRunner:
             self._dev_tables = None
             self._copied = None
         self._graphs: dict[int, _Graph] = {}
+        # Async scheduling: the last step's sampled ids stay on the device; a request whose newest
+        # token is still PLACEHOLDER (sampled, not yet read back) takes its input id from there.
+        self._last_ids: torch.Tensor | None = None  # (R,) int64 on the device
+        self._last_rows: dict[str, int] = {}  # request id -> row of _last_ids
 
     # ---- inputs ---------------------------------------------------------------------------------
     def _stage(self, out: SchedulerOutput, graph_batch: int | None) -> _Step:
@@ -149,9 +179,17 @@ class ModelRunner:
         max_seq_len = int(lens[:b].max())
 
         n_ints = 3 * n_tok + 2 * rows + 1
+        # Newest tokens not read back yet: (token index in this step, row of the last step's ids).
+        pending = [(int(qsl[i + 1]) - 1, self._last_rows[s.request.request_id]) for i, s in enumerate(scheduled)
+                   if s.request.output_token_ids and s.request.output_token_ids[-1] == PLACEHOLDER
+                   and s.start + s.num_new_tokens == s.request.num_tokens]
+        n_pend = len(pending)
+        if n_pend:
+            ints[n_ints:n_ints + 2 * n_pend] = np.asarray(pending, dtype=np.int32).T.reshape(-1)
+        n_copy = n_ints + 2 * n_pend
         if self._dev_tables is not None:
             dev = self._dev_ints[:n_ints]
-            dev.copy_(self._host_ints[:n_ints], non_blocking=True)
+            self._dev_ints[:n_copy].copy_(self._host_ints[:n_copy], non_blocking=True)
             dev_tables = self._dev_tables[:rows] if graph_batch else self._dev_tables[:b, :w]
             self._dev_tables[:b, :w].copy_(self._host_tables[:b * w].view(b, w), non_blocking=True)
             self._copied.record()
@@ -166,6 +204,9 @@ class ModelRunner:
             max_query_len=max_query_len,
             max_seq_len=max_seq_len,
         )
+        if n_pend:
+            idx = self._dev_ints[n_ints:n_copy].to(torch.int64)
+            dev[:n_tok].index_copy_(0, idx[:n_pend], self._last_ids[idx[n_pend:]].to(torch.int32))
         return _Step(dev[:n_tok], dev[n_tok:2 * n_tok], md, b, graph_batch)
 
     def _graph_batch(self, out: SchedulerOutput) -> int | None:
@@ -199,12 +240,14 @@ class ModelRunner:
         return rows, self.model.compute_logits(last)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, seeds: dict[str, int]) -> dict[str, SampledToken]:
-        """Runs the scheduled tokens; returns the sampled token of every request that reached the
-        end of its known tokens this step (prefill chunks in the middle of a prompt sample nothing)."""
+    def launch(self, out: SchedulerOutput, seeds: dict[str, int]) -> PendingSample | None:
+        """Queues the step's forward pass and sampling on the device and the copy of what is
+        sampled back to the host; returns without waiting (None when no row samples). The sampled
+        ids also stay on the device, as the next step's input ids of requests whose newest token is
+        still PLACEHOLDER."""
         rows, logits = self.forward_logits(out)
         if logits is None:
-            return {}
+            return None
         reqs = [out.scheduled[i].request for i in rows]
         tensors = SamplingTensors.build(
             params=[r.sampling for r in reqs],
@@ -216,20 +259,30 @@ class ModelRunner:
             device=logits.device,
         )
         result = sample(logits, tensors)
-        # The one host sync of the step: everything sampled comes back in one transfer, packed as
-        # float64 columns (token ids are exact in float64): id, logprob, then n top ids, n top logprobs.
+        self._last_ids = result.token_ids
+        self._last_rows = {r.request_id: i for i, r in enumerate(reqs)}
+        # Everything sampled comes back in one transfer, packed as float64 columns (token ids are
+        # exact in float64): id, logprob, then n top ids, n top logprobs.
         cols = [result.token_ids.double()[:, None], result.logprobs.double()[:, None]]
         n_top = 0
         if result.top_ids is not None:
             n_top = result.top_ids.shape[1]
             cols += [result.top_ids.double(), result.top_logprobs.double()]
-        rows_back = torch.cat(cols, dim=1).tolist()
-        sampled: dict[str, SampledToken] = {}
-        for r, row in zip(reqs, rows_back):
-            n = min(r.sampling.logprobs, n_top)
-            top = [(int(t), lp) for t, lp in zip(row[2:2 + n], row[2 + n_top:2 + n_top + n])]
-            sampled[r.request_id] = SampledToken(int(row[0]), row[1], top)
-        return sampled
+        packed = torch.cat(cols, dim=1)
+        if packed.is_cuda:
+            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            host.copy_(packed, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            return PendingSample(reqs, host, n_top, done)
+        return PendingSample(reqs, packed, n_top, None)
+
+    def execute(self, out: SchedulerOutput, seeds: dict[str, int]) -> dict[str, SampledToken]:
+        """Runs the scheduled tokens and waits for the sample: the sampled token of every request
+        that reached the end of its known tokens this step (prefill chunks in the middle of a
+        prompt sample nothing)."""
+        pending = self.launch(out, seeds)
+        return {} if pending is None else pending.result()
 
     def profile(self, prompt_lens: list[int]) -> None:
         """One prefill step of sequences with these prompt lengths, sampled with every sampler

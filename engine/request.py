@@ -26,6 +26,12 @@ class RequestStatus(enum.IntEnum):
     FINISHED_ERROR = 6  # an engine fault failed this request
 
     @property
+    def length_capped(self) -> bool:
+        """No token may follow: max_tokens or the context length is reached. Known from the count
+        alone, so async scheduling stops such a request before its newest id is read back."""
+        return self.num_output_tokens >= self.sampling.max_tokens or self.num_tokens >= self.max_model_len
+
+    @property
     def finished(self) -> bool:
         return self >= RequestStatus.FINISHED_STOPPED
 
@@ -101,6 +107,12 @@ class Request:
     def num_remaining_tokens(self) -> int:
         """Tokens still to be run through the model before the next sample."""
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def length_capped(self) -> bool:
+        """No token may follow: max_tokens or the context length is reached. Known from the count
+        alone, so async scheduling stops such a request before its newest id is read back."""
+        return self.num_output_tokens >= self.sampling.max_tokens or self.num_tokens >= self.max_model_len
 
     @property
     def finished(self) -> bool:

@@ -139,7 +139,8 @@ class Scheduler:
         # 1. Running requests: decodes first (one token each, so every stream advances each step),
         # then prefills (their chunks take what is left of the budget), admission order within each.
         # When blocks run out, preempt the latest arrival until this one fits (or it is the latest).
-        decodes = [r for r in self.running if r.num_remaining_tokens == 1]
+        # (A length-capped request only waits for its last id to be read back: async scheduling.)
+        decodes = [r for r in self.running if r.num_remaining_tokens == 1 and not r.length_capped]
         prefills = [r for r in self.running if r.num_remaining_tokens > 1]
         for request in decodes + prefills:
             if budget <= 0:

@@ -1,0 +1,166 @@
+"""Async scheduling (step N queued before step N-1's ids are read back) against the synchronous
+engine: the same tokens, texts and finish reasons in every case where they must agree, and every
+KV block back at the end. On the CPU both run the same code; only the order of host work differs."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from engine.model_runner import PLACEHOLDER
+from engine.request import RequestStatus
+from engine.sampling_params import SamplingParams
+from tests.helpers import make_hf_model_dir
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_hf_model_dir(tmp_path_factory.mktemp("async"), "llama", weight_scale=4.0)
+
+
+def _engine(model_dir, async_scheduling: bool, **kw) -> LLMEngine:
+    cfg = dict(model=str(model_dir), device="cpu", kv_cache_dtype="fp32", num_kv_blocks=64, max_num_seqs=8,
+               max_num_batched_tokens=64, async_scheduling=async_scheduling)
+    return LLMEngine(EngineConfig(**{**cfg, **kw}))
+
+
+def _run(engine: LLMEngine, requests: list[tuple[str, list[int], SamplingParams]],
+         abort_after: dict[str, int] | None = None) -> dict[tuple[str, int], dict]:
+    """Runs to completion; per (request id, sample index): token ids, text, status, stop reason."""
+    for rid, prompt, sp in requests:
+        engine.add_request(rid, prompt, sp)
+    res: dict[tuple[str, int], dict] = {}
+    steps = 0
+    pending_seen = False
+    while engine.has_unfinished():
+        for o in engine.step():
+            r = res.setdefault((o.request_id, o.index), dict(ids=[], text="", status=None, reason=None))
+            r["ids"] += o.new_token_ids
+            r["text"] += o.new_text
+            if o.finished:
+                r["status"], r["reason"] = o.status, o.stop_reason
+            assert PLACEHOLDER not in o.new_token_ids
+        steps += 1
+        pending_seen = pending_seen or engine._pending is not None
+        for rid, at in (abort_after or {}).items():
+            if steps == at:
+                engine.abort(rid)
+        assert steps < 10_000
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_total_blocks, "KV blocks leaked"
+    assert engine._pending is None
+    assert pending_seen == engine._async  # async mode really ran ahead of the read-back
+    return res
+
+
+def _prompts(n: int, rng: random.Random) -> list[list[int]]:
+    return [[rng.randrange(3, 500) for _ in range(rng.randint(3, 40))] for _ in range(n)]
+
+
+def _same(model_dir, requests, **kw):
+    sync = _run(_engine(model_dir, False, **kw), requests)
+    asyn = _run(_engine(model_dir, True, **kw), requests)
+    assert asyn == sync
+    return sync
+
+
+def test_greedy_lengths_and_stop_tokens_agree(model_dir):
+    rng = random.Random()
+    prompts = _prompts(6, rng)
+    # A first run finds tokens the model does generate; they become stop tokens / EOS-like stops.
+    first = _run(_engine(model_dir, False), [(f"p{i}", p, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+                                             for i, p in enumerate(prompts)])
+    reqs = []
+    for i, p in enumerate(prompts):
+        ids = first[(f"p{i}", 0)]["ids"]
+        stop = [ids[rng.randrange(len(ids))]] if i % 2 else []
+        reqs.append((f"r{i}", p, SamplingParams(max_tokens=rng.randint(1, 20), temperature=0, ignore_eos=True,
+                                                stop_token_ids=stop)))
+    res = _same(model_dir, reqs)
+    assert {r["status"] for r in res.values()} <= {RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED}
+
+
+def test_stop_strings_and_context_limit_agree(model_dir):
+    rng = random.Random()
+    prompts = _prompts(4, rng)
+    reqs = [(f"s{i}", p, SamplingParams(max_tokens=min(30, 64 - len(p)), temperature=0, ignore_eos=True, stop=["e", " t"]))
+            for i, p in enumerate(prompts)]
+    # max_model_len reached exactly by prompt + max_tokens
+    reqs.append(("edge", prompts[0][:10], SamplingParams(max_tokens=54, temperature=0, ignore_eos=True)))
+    _same(model_dir, reqs, max_model_len=64)
+
+
+def test_seeded_sampling_with_penalties_and_logprobs_agree(model_dir):
+    rng = random.Random()
+    sp = [SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, seed=rng.randrange(2**31), logprobs=3),
+          SamplingParams(max_tokens=16, temperature=1.1, repetition_penalty=1.3, frequency_penalty=0.5,
+                         seed=rng.randrange(2**31)),
+          SamplingParams(max_tokens=12, temperature=0.7, top_k=20, n=3, seed=rng.randrange(2**31))]
+    _same(model_dir, [(f"x{i}", p, s) for i, (p, s) in enumerate(zip(_prompts(3, rng), sp))])
+
+
+def test_preemption_agrees(model_dir):
+    """A pool too small for everyone: requests are preempted and recomputed, in both modes alike."""
+    rng = random.Random()
+    reqs = [(f"q{i}", p, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+            for i, p in enumerate(_prompts(8, rng))]
+    sync_engine = _engine(model_dir, False, num_kv_blocks=24, block_size=4)
+    sync = _run(sync_engine, reqs)
+    assert sync_engine.stats().num_preemptions > 0
+    async_engine = _engine(model_dir, True, num_kv_blocks=24, block_size=4)
+    assert _run(async_engine, reqs) == sync
+    assert async_engine.stats().num_preemptions > 0
+
+
+def test_abort_while_a_step_is_pending(model_dir):
+    """An abort between launch and read-back: nothing more comes for it, its blocks come back,
+    and the others are untouched."""
+    rng = random.Random()
+    prompts = _prompts(4, rng)
+    reqs = [(f"a{i}", p, SamplingParams(max_tokens=25, temperature=0, ignore_eos=True)) for i, p in enumerate(prompts)]
+    sync = _run(_engine(model_dir, False), reqs)
+    engine = _engine(model_dir, True)
+    res = _run(engine, reqs, abort_after={"a1": 6})
+    assert res.get(("a1", 0), {}).get("status") is None  # no finish output after an abort
+    assert len(res.get(("a1", 0), {"ids": []})["ids"]) < 25
+    for k in (("a0", 0), ("a2", 0), ("a3", 0)):
+        assert res[k] == sync[k]
+
+
+@pytest.mark.parametrize("where", ["launch", "read_back"])
+def test_a_fault_fails_its_step_and_leaks_nothing(model_dir, where):
+    """An exception when queuing a step, or when reading its ids back (where CUDA reports
+    asynchronous errors), fails that step's requests; a request added afterwards still runs."""
+    engine = _engine(model_dir, True)
+    rng = random.Random()
+    for i, p in enumerate(_prompts(3, rng)):
+        engine.add_request(f"f{i}", p, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    launch = engine.runner.launch
+
+    def faulty(out, seeds):
+        engine.runner.launch = launch  # once
+        if where == "launch":
+            raise RuntimeError("injected launch fault")
+        pending = launch(out, seeds)
+
+        def broken():
+            raise RuntimeError("injected read-back fault")
+        pending.result = broken
+        return pending
+
+    engine.runner.launch = faulty
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    errors = [o for o in outs if o.status == RequestStatus.FINISHED_ERROR]
+    assert sorted(o.request_id for o in errors) == ["f0", "f1", "f2"]
+    assert all("injected" in o.error for o in errors)
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_total_blocks
+    after = _run(engine, [("later", [5, 6, 7], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))])
+    assert len(after[("later", 0)]["ids"]) == 5
