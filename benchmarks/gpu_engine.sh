@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Issue 5's GPU figures in one call on the lent machine (run from the repo root, .whl carried):
+#   bash benchmarks/gpu_engine.sh [tests|profile|throughput|serving ...]   (default: all four)
+# Results land in $OUT (or /tmp/pie-gpu): tests.log, profile.md, throughput.md/json, serving.md/json.
+set -uo pipefail
+OUT=${OUT:-/tmp/pie-gpu}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .site .whl/*.whl \
+  && export PYTHONPATH=$PWD/.site:$PWD:$PWD/clients || exit 1
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1
+quiet() { grep -v '"event"\|engine_ready\|Writing model shards'; }
+parts=("$@")
+[ ${#parts[@]} -eq 0 ] && parts=(tests profile throughput serving)
+for part in "${parts[@]}"; do
+  case $part in
+    tests) timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine 2>&1 | tee "$OUT/tests.log" | tail -6 ;;
+    profile) timeout 150 python3 benchmarks/profile_step.py --steps 30 2>&1 | quiet | grep -v "^void\|nvjet\|^---\|Self CUDA\|UserWarning\|_warn_once" | tee "$OUT/profile.md" ;;
+    throughput) timeout 300 python3 benchmarks/throughput.py --out "$OUT/throughput.json" 2>&1 | quiet | tail -6 | tee "$OUT/throughput.md" ;;
+    serving)
+      python3 -c 'import sys; sys.path.insert(0, "."); from pathlib import Path; import torch
+from benchmarks.throughput import LLAMA_1B, build_model; Path("/tmp/llama1b").mkdir(exist_ok=True); build_model(Path("/tmp/llama1b"), LLAMA_1B, torch.bfloat16)' 2>&1 | quiet
+      timeout 240 python3 benchmarks/serving.py --model /tmp/llama1b --server-args "--max-num-seqs 256 --max-num-batched-tokens 8192" \
+        --concurrency 64,256 --requests 512 --prompt-len 300 --max-tokens 256 --vocab 32000 --out "$OUT/serving.json" 2>&1 | quiet | tail -8 | tee "$OUT/serving.md"
+      timeout 120 python3 benchmarks/throughput.py --skip-hf --kv int8 --requests 512 --min-prompt 300 --max-prompt 300 2>&1 | quiet | tail -3 | tee -a "$OUT/serving.md" ;;
+  esac
+done
