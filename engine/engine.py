@@ -123,8 +123,10 @@ class LLMEngine:
             self.block_manager, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=self.max_model_len)
         self.runner = self._make_runner(self.kv_cache)
-        if self.device.type == "cuda" and not config.enforce_eager:
-            self.runner.capture_cuda_graphs()
+        if self.device.type == "cuda":
+            self.runner.warm_up()
+            if not config.enforce_eager:
+                self.runner.capture_cuda_graphs()
         self._seed_source = random.Random(config.seed)
         self._async = (self.device.type == "cuda") if config.async_scheduling is None else config.async_scheduling
         self._pending: PendingSample | None = None  # async scheduling: the launched step not read back yet

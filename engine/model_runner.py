@@ -300,6 +300,16 @@ class ModelRunner:
         self.execute(SchedulerOutput(scheduled=scheduled, num_batched_tokens=sum(prompt_lens)),
                      {f"profile-{i}": i for i in range(len(prompt_lens))})
 
+    def warm_up(self) -> None:
+        """Prefills of 2, 3, 5, 9, ... tokens, one per tile variant of the extend kernel (its
+        BLOCK_M follows the longest query of a step in powers of two), so that Triton compiles them
+        at start and not under load. Writes the cache's first blocks; nothing refers to them yet."""
+        n = 2
+        while n < self.max_model_len and n <= self.max_tokens and -(-n // self.block_size) <= self.kv_cache.num_blocks:
+            self.profile([n])
+            n = 2 * n - 1
+        log.info("warmed_up", longest_prefill=(n + 1) // 2)
+
     # ---- CUDA graphs ----------------------------------------------------------------------------
     @torch.inference_mode()
     def capture_cuda_graphs(self) -> None:

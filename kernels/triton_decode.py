@@ -129,7 +129,7 @@ def _attend_tile(
     return acc, m_new, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])  # one compile whatever the split count
 def _decode_stage1(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, lse_ptr,
     qk_scale,
@@ -196,7 +196,7 @@ def _decode_stage1(
         tl.store(lse_ptr + row, lse, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_stage2(
     part_ptr, lse_ptr, out_ptr,
     stride_ob, stride_oh, num_splits,

@@ -110,7 +110,9 @@ def _attend_tile(acc, m_i, l_i, q, start, pos, kv_end, bt_row, k_cache_ptr, v_ca
     return acc, m_new, l_i
 
 
-@triton.jit
+# Counts that change every step are not specialized on (== 1, divisible by 16): each new
+# combination would be a fresh compile (~1 s) in the middle of serving.
+@triton.jit(do_not_specialize=["num_seqs", "num_q_blocks"])
 def _extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, bt_ptr,
                    seq_lens_ptr, qsl_ptr, out_ptr, qk_scale, num_seqs, num_q_blocks,
                    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_cb, stride_ct,

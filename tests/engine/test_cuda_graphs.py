@@ -182,3 +182,15 @@ def test_kv_sizing_arithmetic_with_a_fake_device(tmp_path, monkeypatch):
     engine.config.gpu_memory_fraction = 0.3
     with pytest.raises(ValueError, match="gpu_memory_fraction 0.3"):
         engine._blocks_from_free_memory(1 << 20)
+
+
+def test_warm_up_runs_every_prefill_tile_on_the_cpu(tmp_path):
+    engine = LLMEngine(EngineConfig(model=str(make_hf_model_dir(tmp_path, "llama")), device="cpu",
+                                    kv_cache_dtype="int8", num_kv_blocks=64, max_num_seqs=4,
+                                    max_num_batched_tokens=128))
+    seen = []
+    profile = engine.runner.profile
+    engine.runner.profile = lambda lens: (seen.append(lens[0]), profile(lens))
+    engine.runner.warm_up()
+    assert seen == [2, 3, 5, 9, 17, 33, 65]  # 129 > the step's 128-token budget
+    assert engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0)) != []
