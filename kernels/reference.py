@@ -101,14 +101,20 @@ def write_kv_cache(
     if slots.numel() == 0:
         return
     num_slots = num_blocks * block_size
-    for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
-        flat = cache.view(num_slots, hkv, d)  # (num_slots, Hkv, D), shares storage
-        if cache.dtype == torch.int8:
-            q, s = quantize_per_token_head(x)
-            flat.index_copy_(0, slots, q)
-            scale[slots // block_size, :, slots % block_size] = s  # (T, Hkv) into (nb, Hkv, bs)
-        else:
-            flat.index_copy_(0, slots, x.to(cache.dtype))
+    if k_cache.dtype != torch.int8:
+        k_cache.view(num_slots, hkv, d).index_copy_(0, slots, k.to(k_cache.dtype))
+        v_cache.view(num_slots, hkv, d).index_copy_(0, slots, v.to(v_cache.dtype))
+        return
+    # K and V quantized in one pass: scales are per (token, head), so stacking heads changes nothing.
+    q, s = quantize_per_token_head(torch.cat((k, v), dim=1))  # (T, 2 Hkv, D), (T, 2 Hkv)
+    k_cache.view(num_slots, hkv, d).index_copy_(0, slots, q[:, :hkv])
+    v_cache.view(num_slots, hkv, d).index_copy_(0, slots, q[:, hkv:])
+    # Scale of (slot, head) in the (num_blocks, Hkv, block_size) layout, flattened: (T, Hkv).
+    idx = ((slots // block_size) * (hkv * block_size) + slots % block_size)[:, None] \
+        + torch.arange(0, hkv * block_size, block_size, device=slots.device)
+    idx = idx.reshape(-1)
+    k_scale.view(-1).index_copy_(0, idx, s[:, :hkv].reshape(-1))
+    v_scale.view(-1).index_copy_(0, idx, s[:, hkv:].reshape(-1))
 
 
 def compute_slot_mapping(block_tables: torch.Tensor, seq_index: torch.Tensor,
@@ -197,19 +203,22 @@ def paged_attention_decode(
     flat_blocks = blocks.reshape(-1)  # (B * n,)
 
     def gather(cache: torch.Tensor, scale: torch.Tensor | None):
-        # One index_select per cache, no permute copies: values (B, S, Hkv, D) as float32, and an
-        # int8 cache's scales apart, (B, Hkv, 1, S), to be folded into the scores and the
-        # probabilities: cheaper than multiplying every element.
-        vals = cache.view(cache.shape[0], -1).index_select(0, flat_blocks).view(b, s_len, hkv, d).float()
+        # One index_select per cache, then one pass that both converts to float32 and lays the
+        # values out head-major (B, Hkv, S, D), so the two batched matmuls below read them without
+        # another copy (an einsum over the (B, S, Hkv, D) gather permuted K and V again: 2.4x
+        # slower on the CPU). An int8 cache's scales stay apart, (B, Hkv, 1, S), folded into the
+        # scores and the probabilities: cheaper than multiplying every element.
+        vals = cache.view(cache.shape[0], -1).index_select(0, flat_blocks).view(b, s_len, hkv, d)
+        vals = vals.permute(0, 2, 1, 3).to(torch.float32, memory_format=torch.contiguous_format)
         if scale is None:
             return vals, None
         s = scale.view(scale.shape[0], -1).index_select(0, flat_blocks).view(b, n, hkv, block_size)
         return vals, s.permute(0, 2, 1, 3).reshape(b, hkv, 1, s_len)
 
-    k, k_s = gather(k_cache, k_scale)  # (B, S, Hkv, D)
+    k, k_s = gather(k_cache, k_scale)  # (B, Hkv, S, D)
     v, v_s = gather(v_cache, v_scale)
     qf = q.float().view(b, hkv, group, d)  # (B, Hkv, G, D)
-    scores = torch.einsum("bkgd,bskd->bkgs", qf, k)  # (B, Hkv, G, S)
+    scores = torch.matmul(qf, k.transpose(-1, -2))  # (B, Hkv, G, S)
     scores *= softmax_scale if k_s is None else k_s * softmax_scale
     positions = torch.arange(s_len, device=q.device)  # (S,)
     pad = positions.unsqueeze(0) >= seq_lens.long().unsqueeze(1)  # (B, S), True = masked
@@ -217,7 +226,7 @@ def paged_attention_decode(
     probs = torch.softmax(scores, dim=-1)
     if v_s is not None:
         probs *= v_s
-    out = torch.einsum("bkgs,bskd->bkgd", probs, v)  # (B, Hkv, G, D)
+    out = torch.matmul(probs, v)  # (B, Hkv, G, D)
     return out.reshape(b, hq, d).to(q.dtype)
 
 

@@ -8,7 +8,7 @@ from torch import nn
 
 from model.attention import AttentionBackend
 from model.config import ModelConfig
-from model.rope import RotaryEmbedding
+from model.rope import apply_rotary
 
 
 class RMSNorm(nn.Module):
@@ -20,10 +20,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        # One fused kernel for the statistics and the scaling (F.rms_norm), in fp32 as transformers.
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 class SwiGLUMLP(nn.Module):
@@ -64,16 +62,21 @@ class SelfAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 attn: AttentionBackend) -> torch.Tensor:
-        """x (T, hidden), positions (T,) -> (T, hidden)."""
+        """x (T, hidden), rope: (cos, sin) of the tokens' positions (RotaryEmbedding.lookup) ->
+        (T, hidden)."""
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)  # (T, Hq, D)
-        k = k.view(t, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
-        v = v.view(t, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+        qkv = self.qkv_proj(x)
+        cos, sin = rope
+        v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
+        if self.q_norm is None:  # q and k rotate together: one pass over their heads
+            qk = qkv[:, :self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
+            qk = apply_rotary(qk, cos, sin)
+            q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]  # (T, Hq, D), (T, Hkv, D)
+        else:
+            q = self.q_norm(qkv[:, :self.q_size].view(t, self.num_heads, self.head_dim))
+            k = self.k_norm(qkv[:, self.q_size:self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim))
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         o = attn(self.layer_idx, q, k, v)  # (T, Hq, D)
         return self.o_proj(o.reshape(t, self.q_size))

@@ -27,10 +27,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLUMLP(cfg)
 
-    def forward(self, h: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+    def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 attn: AttentionBackend) -> torch.Tensor:
-        """h (T, hidden) -> (T, hidden); pre-norm residual blocks."""
-        h = h + self.self_attn(self.input_layernorm(h), positions, rotary, attn)
+        """h (T, hidden) -> (T, hidden); pre-norm residual blocks. rope: RotaryEmbedding.lookup."""
+        h = h + self.self_attn(self.input_layernorm(h), rope, attn)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -51,8 +51,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         """input_ids (T,) int64, positions (T,) int64 -> final-normed hidden states (T, hidden)."""
         h = self.embed_tokens(input_ids)  # (T, hidden)
+        rope = self.rotary.lookup(positions, h.dtype)  # once for all layers
         for layer in self.layers:
-            h = layer(h, positions, self.rotary, attn)
+            h = layer(h, rope, attn)
         return self.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

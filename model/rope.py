@@ -105,14 +105,21 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos() * attention_factor, persistent=False)
         self.register_buffer("sin", freqs.sin() * attention_factor, persistent=False)
 
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of every token, (T, 1, D) in `dtype` (each half of D repeated, as the
+        rotate-half form wants); looked up once per forward pass and shared by all layers."""
+        cos = self.cos[positions].to(dtype)  # (T, D/2)
+        sin = self.sin[positions].to(dtype)
+        return torch.cat((cos, cos), dim=-1)[:, None, :], torch.cat((sin, sin), dim=-1)[:, None, :]
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions (T,); q (T, Hq, D), k (T, Hkv, D) -> rotated q, k (same shapes)."""
-        cos = self.cos[positions].to(q.dtype)[:, None, :]  # (T, 1, D/2)
-        sin = self.sin[positions].to(q.dtype)[:, None, :]
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        cos, sin = self.lookup(positions, q.dtype)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (T, H, D): the first and second halves of the last dim are the two coordinates of each pair."""
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (T, H, D) -> x * cos + rotate_half(x) * sin, where rotate_half(x) = (-x2, x1) for the two
+    halves of the last dim (each pair (x1[i], x2[i]) turns by its angle); cos, sin from `lookup`."""
     x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
