@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 5's GPU figures in one call on the lent machine (run from the repo root, .whl carried):
-#   bash benchmarks/gpu_engine.sh [tests|profile|throughput|serving ...]   (default: all four)
-# Results land in $OUT (or /tmp/pie-gpu): tests.log, profile.md, throughput.md/json, serving.md/json.
+#   bash benchmarks/gpu_engine.sh [tests|profile|throughput|capacity|serving ...]   (default: all)
+# Results land in $OUT (or /tmp/pie-gpu): tests.log, profile.md, throughput.md/json, capacity.md,
+# serving.md/json.
 set -uo pipefail
 OUT=${OUT:-/tmp/pie-gpu}
 mkdir -p "$OUT"
@@ -10,12 +11,14 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1
 quiet() { grep -v '"event"\|engine_ready\|Writing model shards'; }
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(tests profile throughput serving)
+[ ${#parts[@]} -eq 0 ] && parts=(tests profile throughput capacity serving)
 for part in "${parts[@]}"; do
   case $part in
     tests) timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine 2>&1 | tee "$OUT/tests.log" | tail -6 ;;
     profile) timeout 150 python3 benchmarks/profile_step.py --steps 30 2>&1 | quiet | grep -v "^void\|nvjet\|^---\|Self CUDA\|UserWarning\|_warn_once" | tee "$OUT/profile.md" ;;
     throughput) timeout 300 python3 benchmarks/throughput.py --out "$OUT/throughput.json" 2>&1 | quiet | tail -6 | tee "$OUT/throughput.md" ;;
+    # The pool, not the batch cap, limits the batch (3 GiB: ~166 int8 / ~85 bf16 sequences of 562 tokens).
+    capacity) timeout 200 python3 benchmarks/throughput.py --skip-hf --kv-gib 3 --repeats 1 2>&1 | quiet | grep -v preempted | tail -5 | tee "$OUT/capacity.md" ;;
     serving)
       python3 -c 'import sys; sys.path.insert(0, "."); from pathlib import Path; import torch
 from benchmarks.throughput import LLAMA_1B, build_model; Path("/tmp/llama1b").mkdir(exist_ok=True); build_model(Path("/tmp/llama1b"), LLAMA_1B, torch.bfloat16)' 2>&1 | quiet

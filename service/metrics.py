@@ -115,23 +115,25 @@ class ServiceMetrics:
         for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e, self.queue_time,
                        self.request_prompt_tokens, self.request_generation_tokens):
             metric.labels(model_name)
+        # The per-token series, labelled once (labels() takes a lock and a dict lookup per call).
+        self._ttft, self._itl, self._queue_time = (h.labels(model_name) for h in (self.ttft, self.itl, self.queue_time))
         self._http: WSGIServer | None = None
         self._http_thread: threading.Thread | None = None
 
     # ---- observations (from the servicer, on the event loop) --------------------------------
     def first_token(self, ttft_s: float) -> None:
-        self.ttft.labels(self.model_name).observe(ttft_s)
+        self._ttft.observe(ttft_s)
 
     def token_gap(self, gap_s: float, num_tokens: int) -> None:
         """`num_tokens` arrived together `gap_s` after the previous ones: one sample per token."""
         if num_tokens <= 0:
             return
-        h = self.itl.labels(self.model_name)
+        per_token = gap_s / num_tokens
         for _ in range(num_tokens):
-            h.observe(gap_s / num_tokens)
+            self._itl.observe(per_token)
 
     def queued(self, queue_time_s: float) -> None:
-        self.queue_time.labels(self.model_name).observe(queue_time_s)
+        self._queue_time.observe(queue_time_s)
 
     def request_finished(self, *, rpc: str, code: str, prompt_tokens: int | None = None,
                          generated_tokens: int = 0, finished_reason: str | None = None,
