@@ -1,11 +1,14 @@
-"""`pie` command line: `pie serve` starts the gRPC server (more subcommands join later)."""
+"""`pie` command line: `pie serve` starts the gRPC server, `pie train` trains a model (training/cli.py),
+`pie bench` runs a script of benchmarks/."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import os
+import runpy
 import sys
+from pathlib import Path
 
 from engine.config import EngineConfig
 from service.logging import configure_logging
@@ -79,14 +82,43 @@ def _train(argv: list[str]) -> int:
     return run(parser.parse_args(["train", *argv]))
 
 
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _bench(argv: list[str]) -> int:
+    """`pie bench NAME [ARGS...]` runs benchmarks/NAME.py with ARGS, as `python benchmarks/NAME.py`
+    would (the scripts live in the source checkout, next to their RESULTS.md)."""
+    names = sorted(p.stem for p in BENCHMARKS.glob("*.py")) if BENCHMARKS.is_dir() else []
+    if not argv or argv[0] in ("-h", "--help", "--list"):
+        print("usage: pie bench NAME [ARGS...]   (pie bench NAME --help for its arguments)")
+        print("benchmarks:", ", ".join(names) if names else f"none: {BENCHMARKS} is not there (install from a checkout)")
+        return 0 if names or argv[:1] == ["--list"] else 2
+    name, rest = argv[0], argv[1:]
+    if name not in names:
+        print(f"pie bench: unknown benchmark {name!r}; one of: {', '.join(names) or 'none'}", file=sys.stderr)
+        return 2
+    saved = sys.argv
+    sys.argv = [str(BENCHMARKS / f"{name}.py"), *rest]
+    try:
+        runpy.run_path(sys.argv[0], run_name="__main__")
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        sys.argv = saved
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["train"]:
         return _train(argv[1:])
+    if argv[:1] == ["bench"]:
+        return _bench(argv[1:])
     parser = argparse.ArgumentParser(prog="pie", description="Paged INT8 LLM inference over gRPC")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
     sub.add_parser("train", help="train a model and export it in the Hugging Face layout (pie train --help)")
+    sub.add_parser("bench", help="run a script of benchmarks/ from the source checkout (pie bench --list)")
     args = parser.parse_args(argv)
     configure_logging(json=None if args.log_format == "auto" else args.log_format == "json", level=args.log_level)
     if args.command == "serve":

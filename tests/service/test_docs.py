@@ -10,8 +10,8 @@ against the code; blocks it does not run name the test or script that does:
   the same code path small; here only its flags are parsed;
 - `pie serve --model models/...` (needs a downloaded model): here its flags are parsed.
 
-Run here: `pie serve --help`, `pie-client --help`, `pie train --help`, the `pie-client` lines and
-the Python blocks against live tiny servers, `python benchmarks/plot_results.py`.
+Run here: `pie serve --help`, `pie-client --help`, `pie train --help`, the `pie bench` lines, the
+`pie-client` lines and the Python blocks against live tiny servers, `python benchmarks/plot_results.py`.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import re
 import shlex
 import shutil
@@ -57,7 +58,7 @@ def run(argv: list[str], **kw) -> subprocess.CompletedProcess:
 
 def test_every_shell_command_is_accounted_for():
     covered = ("python3 -m venv", "grpcurl ", "pie-client generate ", "pie-client info", "pie train ",
-               "pie serve --model ")
+               "pie serve --model ", "pie bench ")
     lines = shell_lines()
     assert lines, "no commands found in README.md"
     for line in lines:
@@ -69,6 +70,18 @@ def test_help_commands_run(argv):
     out = run(argv)
     assert out.returncode == 0, out.stderr
     assert "usage:" in out.stdout
+
+
+def test_bench_commands_run():
+    lines = [line for line in shell_lines() if line.startswith("pie bench ")]
+    assert len(lines) == 2
+    for line in lines:
+        out = run(shlex.split(line), env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        assert out.returncode == 0, out.stderr[-2000:]
+    assert "throughput" in run(["pie", "bench", "--list"]).stdout
+    assert "| pie, int8 KV cache |" in out.stdout
+    bad = run(["pie", "bench", "no-such-benchmark"])
+    assert bad.returncode == 2 and "unknown benchmark" in bad.stderr
 
 
 def test_every_serve_flag_is_in_the_readme_table():
