@@ -6,13 +6,14 @@ an instant (or fixed-time) sampler, loaded by `benchmarks/serving.py` from anoth
 Everything else is the real server: the engine thread (scheduler, block manager, detokenizer,
 stop checks), the hand-off to asyncio, the servicer, metrics, protobuf and grpc.aio. `--step-ms`
 sleeps that long in each step with the GIL released, as a step waiting for a GPU would. The
-engine's own rate (steps/s x sequences per step) is printed next to what the clients received,
-so their ratio is the share of the engine's output the serving path delivers.
+engine's step rate is printed next to what the clients received. `--engine-process` runs the
+engine in its own process (`pie serve --engine-process`).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import subprocess
 import sys
 import time
@@ -26,39 +27,41 @@ from engine.model_runner import SampledToken  # noqa: E402
 from service.server import BackgroundServer, ServerConfig  # noqa: E402
 
 
+def instant_forward(engine, step_s: float = 0.0) -> None:
+    """Replaces the engine's forward pass and sampling: every sampling row gets the token " the"
+    after `step_s` seconds with the GIL released (module-level, so an engine process can unpickle
+    it through functools.partial)."""
+    token = engine.tokenizer.encode(" the")[-1]
+
+    def execute(out, seeds):
+        if step_s:
+            time.sleep(step_s)
+        return {s.request.request_id: SampledToken(token, 0.0, []) for s in out.scheduled if s.sample}
+
+    engine.runner.execute = execute
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", default="16,64,256")
     ap.add_argument("--step-ms", type=float, default=0.0, help="time each step waits with the GIL released")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--requests", type=int, default=0, help="per level (default: serving.py's)")
-    ap.add_argument("--switch-interval-ms", type=float, default=None, help="sys.setswitchinterval for the server")
+    ap.add_argument("--engine-process", action="store_true", help="the engine in its own process")
     args = ap.parse_args(argv)
-    if args.switch_interval_ms is not None:
-        sys.setswitchinterval(args.switch_interval_ms / 1e3)
     levels = [int(c) for c in args.concurrency.split(",")]
-    server = BackgroundServer(ServerConfig(port=0, max_concurrent_rpcs=None),
-                              EngineConfig(device="cpu", max_num_seqs=max(levels), max_waiting=4 * max(levels),
-                                           num_kv_blocks=max(levels) * 16))
+    server = BackgroundServer(
+        ServerConfig(port=0, engine_process=args.engine_process,
+                     engine_setup=functools.partial(instant_forward, step_s=args.step_ms / 1e3)),
+        EngineConfig(device="cpu", max_num_seqs=max(levels), max_waiting=4 * max(levels),
+                     num_kv_blocks=max(levels) * 16))
     server.start()
-    core = server.pie.engine.engine
-    token = core.tokenizer.encode(" the")[-1]
-    steps = tokens = 0
-
-    def instant(out, seeds):
-        nonlocal steps, tokens
-        if args.step_ms:
-            time.sleep(args.step_ms / 1e3)
-        steps += 1
-        sampled = {s.request.request_id: SampledToken(token, 0.0, []) for s in out.scheduled if s.sample}
-        tokens += len(sampled)
-        return sampled
-
-    core.runner.execute = instant
-    print(f"# serving path alone: bundled model's tokenizer, forward replaced, {args.step_ms} ms per step")
+    aeng = server.pie.engine
+    mode = "engine process" if args.engine_process else "engine thread"
+    print(f"# serving path alone ({mode}): bundled model's tokenizer, forward replaced, {args.step_ms} ms per step")
     try:
         for c in levels:
-            s0, t0, w0 = steps, tokens, time.perf_counter()
+            s0, w0 = aeng.steps, time.perf_counter()
             cmd = [sys.executable, str(ROOT / "benchmarks" / "serving.py"), "--address", server.address,
                    "--concurrency", str(c), "--max-tokens", str(args.max_tokens), "--vocab", "2000"]
             if args.requests:
@@ -67,8 +70,7 @@ def main(argv=None) -> int:
             wall = time.perf_counter() - w0
             line = next((ln for ln in res.stdout.splitlines() if ln.startswith("closed")), res.stderr[-500:])
             print(line)
-            print(f"    engine: {(steps - s0) / wall:,.0f} steps/s, {(tokens - t0) / wall:,.0f} tokens/s sampled "
-                  f"(whole level, client start-up included)")
+            print(f"    engine: {(aeng.steps - s0) / wall:,.0f} steps/s over the level (client start-up included)")
     finally:
         server.stop(1.0)
     return 0

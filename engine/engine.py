@@ -80,6 +80,34 @@ class EngineStats:
     kv_blocks_cached: int = 0  # free blocks still holding reusable cached content (part of kv_blocks_free)
 
 
+def check_request(prompt_token_ids: list[int], sampling: SamplingParams, *, config: EngineConfig,
+                  vocab_size: int, max_model_len: int, num_kv_blocks: int) -> None:
+    """Raises PromptError / SamplingParamsError for a request that could never be served by an
+    engine of this configuration (also used where the engine runs in another process)."""
+    if not prompt_token_ids:
+        raise PromptError("prompt", "must not be empty")
+    bad = next((t for t in prompt_token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise PromptError("prompt_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+    sampling.validate(vocab_size)
+    if sampling.n > config.max_num_seqs + config.max_waiting:
+        raise SamplingParamsError(
+            "n", f"{sampling.n} samples can never be admitted: max_num_seqs + max_waiting is "
+                 f"{config.max_num_seqs + config.max_waiting}")
+    n = len(prompt_token_ids)
+    if n >= max_model_len:
+        raise PromptError("prompt", f"prompt has {n} tokens; the context length is {max_model_len} "
+                                    "and at least one token must be generated")
+    if n + sampling.max_tokens > max_model_len:
+        raise SamplingParamsError(
+            "sampling.max_tokens",
+            f"prompt ({n} tokens) + max_tokens ({sampling.max_tokens}) exceeds the context length "
+            f"{max_model_len}")
+    needed = -(-(n + sampling.max_tokens) // config.block_size)
+    if needed > num_kv_blocks:
+        raise PromptError("prompt", f"needs {needed} KV blocks but the pool holds {num_kv_blocks}")
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -187,29 +215,8 @@ class LLMEngine:
     # ---- requests in and out -------------------------------------------------------------
     def check_request(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
         """Raises PromptError / SamplingParamsError for a request that could never be served."""
-        if not prompt_token_ids:
-            raise PromptError("prompt", "must not be empty")
-        bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise PromptError("prompt_token_ids", f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
-        sampling.validate(self.vocab_size)
-        if sampling.n > self.config.max_num_seqs + self.config.max_waiting:
-            raise SamplingParamsError(
-                "n", f"{sampling.n} samples can never be admitted: max_num_seqs + max_waiting is "
-                     f"{self.config.max_num_seqs + self.config.max_waiting}")
-        n = len(prompt_token_ids)
-        if n >= self.max_model_len:
-            raise PromptError("prompt", f"prompt has {n} tokens; the context length is {self.max_model_len} "
-                                        "and at least one token must be generated")
-        if n + sampling.max_tokens > self.max_model_len:
-            raise SamplingParamsError(
-                "sampling.max_tokens",
-                f"prompt ({n} tokens) + max_tokens ({sampling.max_tokens}) exceeds the context length "
-                f"{self.max_model_len}")
-        needed = self.block_manager.blocks_needed(n + sampling.max_tokens)
-        if needed > self.block_manager.num_total_blocks:
-            raise PromptError("prompt", f"needs {needed} KV blocks but the pool holds "
-                                        f"{self.block_manager.num_total_blocks}")
+        check_request(prompt_token_ids, sampling, config=self.config, vocab_size=self.vocab_size,
+                      max_model_len=self.max_model_len, num_kv_blocks=self.block_manager.num_total_blocks)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> Request:
         """Queues a request; with sampling.n > 1, n samples (internal ids f"{request_id}#{i}") whose

@@ -98,10 +98,27 @@ class RequestStream:
         return batch
 
 
+def apply_commands(engine: LLMEngine, commands: list[tuple]) -> list[RequestOutput]:
+    """Applies ("add", id, prompt, sampling) / ("abort", id) commands in order; returns an error
+    output for each add the engine refused (validated up front: a last line of defence)."""
+    early: list[RequestOutput] = []
+    for cmd in commands:
+        if cmd[0] == "add":
+            _, rid, prompt, sampling = cmd
+            try:
+                engine.add_request(rid, prompt, sampling)
+            except Exception as e:
+                early.append(RequestOutput(rid, [], "", finished=True, status=RequestStatus.FINISHED_ERROR,
+                                           error=str(e)))
+        else:
+            engine.abort(cmd[1])
+    return early
+
+
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, *, step_timeout_s: float | None = None,
+    def __init__(self, engine: LLMEngine | None, *, step_timeout_s: float | None = None,
                  on_hang: Callable[[StepTimeoutError], None] | None = None) -> None:
-        self.engine = engine
+        self.engine = engine  # None only in a subclass that sets it later (engine_process)
         self.steps = 0  # engine steps begun so far
         self.step_started_at: float | None = None  # monotonic start of the step in progress, else None
         self._watchdog = (StepWatchdog(self, step_timeout_s, on_hang or (lambda err: None))
@@ -174,17 +191,19 @@ class AsyncEngine:
         stream = RequestStream(request_id)
         self._streams[request_id] = stream
         self._idle.clear()
-        with self._wake:
-            self._inbox.append(("add", request_id, prompt_token_ids, sampling))
-            self._wake.notify()
+        self._enqueue(("add", request_id, prompt_token_ids, sampling))
         return stream
 
     def abort(self, request_id: str) -> None:
         """Stops a request within one step and frees its blocks; its stream gets nothing more."""
         if self._forget_stream(request_id) is None:
             return
+        self._enqueue(("abort", request_id))
+
+    def _enqueue(self, cmd: tuple) -> None:
+        """Hands a command to the engine, which applies it before its next step."""
         with self._wake:
-            self._inbox.append(("abort", request_id))
+            self._inbox.append(cmd)
             self._wake.notify()
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
@@ -208,17 +227,7 @@ class AsyncEngine:
                         break
                     commands = list(self._inbox)
                     self._inbox.clear()
-                early: list[RequestOutput] = []
-                for cmd in commands:
-                    if cmd[0] == "add":
-                        _, rid, prompt, sampling = cmd
-                        try:
-                            engine.add_request(rid, prompt, sampling)
-                        except Exception as e:  # validated up front; this is a last line of defence
-                            early.append(RequestOutput(rid, [], "", finished=True,
-                                                       status=RequestStatus.FINISHED_ERROR, error=str(e)))
-                    else:
-                        engine.abort(cmd[1])
+                early = apply_commands(engine, commands)
                 stepped: list[RequestOutput] = []
                 if engine.has_unfinished():
                     self.steps += 1
@@ -238,8 +247,11 @@ class AsyncEngine:
         finally:
             self._shutdown_requests()
 
+    def _closing_status(self) -> RequestStatus:
+        return RequestStatus.FINISHED_ERROR if self.dead is not None else RequestStatus.FINISHED_ABORTED
+
     def _shutdown_requests(self) -> None:
-        status = RequestStatus.FINISHED_ERROR if self.dead is not None else RequestStatus.FINISHED_ABORTED
+        status = self._closing_status()
         self.engine.abort_all()
         if self._loop is not None and not self._loop.is_closed():
             # Streams are owned by the loop thread: fail whatever is still open there.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import os
 import runpy
 import sys
@@ -35,6 +36,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gpu-memory-fraction", type=float, default=d.gpu_memory_fraction,
                    help="share of the GPU's memory for weights, activations and the KV pool, which gets "
                         "what the weights and a profiling step leave")
+    p.add_argument("--engine-process", action="store_true",
+                   help="run the engine in its own process, apart from the gRPC loop (for many concurrent streams)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="run decode steps eagerly instead of replaying CUDA graphs")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV pool size (overrides the budget)")
@@ -165,7 +168,9 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
         max_message_bytes=args.max_message_bytes, limits=Limits(max_prompt_chars=args.max_prompt_chars),
         max_concurrent_rpcs=args.max_concurrent_rpcs, step_timeout_s=args.step_timeout or None, tls=tls,
         auth_tokens=read_token_file(args.auth_token_file) if args.auth_token_file else (),
-        metrics_port=args.metrics_port)
+        metrics_port=args.metrics_port, engine_process=args.engine_process,
+        log_setup=functools.partial(configure_logging, json=None if args.log_format == "auto" else args.log_format == "json",
+                                    level=args.log_level))
 
 
 if __name__ == "__main__":

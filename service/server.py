@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from grpc_reflection.v1alpha import reflection
 
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
+from engine.engine_process import ProcessAsyncEngine
 from engine.engine_thread import AsyncEngine, StepTimeoutError
 from pie.v1 import generate_pb2, generate_pb2_grpc
 from service.auth import BearerTokenInterceptor
@@ -55,6 +57,13 @@ class ServerConfig:
     step_timeout_s: float | None = 60.0  # watchdog: a step longer than this marks the engine hung (None = off)
     tls: TlsConfig | None = None  # None: plaintext (fine on loopback)
     auth_tokens: tuple[str, ...] = ()  # bearer tokens accepted; empty = no token needed
+    # Run the engine in a child process (engine/engine_process.py) instead of a thread, so the
+    # gRPC loop and the engine do not share one GIL: for hundreds of concurrent streams.
+    engine_process: bool = False
+    log_setup: Callable[[], None] | None = None  # configures logging in that child (picklable)
+    # Called with the LLMEngine once it is built (in the engine process when engine_process, so it
+    # must be picklable there: a module-level function): tests and benchmarks swap parts of it.
+    engine_setup: Callable[[LLMEngine], None] | None = None
 
 
 class PieServer:
@@ -115,11 +124,23 @@ class PieServer:
         return self.port
 
     async def load(self) -> None:
-        core = await asyncio.to_thread(LLMEngine, self.engine_config)
         loop = asyncio.get_running_loop()
-        self.engine = AsyncEngine(core, step_timeout_s=self.config.step_timeout_s,
-                                  on_hang=lambda err: loop.call_soon_threadsafe(self._engine_hung, err))
-        self.engine.start(asyncio.get_running_loop())
+
+        def on_hang(err):
+            loop.call_soon_threadsafe(self._engine_hung, err)
+
+        if self.config.engine_process:
+            engine = ProcessAsyncEngine(self.engine_config, step_timeout_s=self.config.step_timeout_s,
+                                        on_hang=on_hang, log_setup=self.config.log_setup,
+                                        engine_setup=self.config.engine_setup)
+            await asyncio.to_thread(engine.launch)
+        else:
+            core = await asyncio.to_thread(LLMEngine, self.engine_config)
+            if self.config.engine_setup is not None:
+                self.config.engine_setup(core)
+            engine = AsyncEngine(core, step_timeout_s=self.config.step_timeout_s, on_hang=on_hang)
+        self.engine = engine
+        self.engine.start(loop)
         self.servicer.engine = self.engine
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         log.info("server_ready", model=self.servicer.model_name)

@@ -161,3 +161,52 @@ def wait_until(predicate, timeout: float = 10.0, what: str = "condition"):
             return value
         time.sleep(0.01)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+# ---- engine_setup hooks for servers whose engine runs in a child process -------------------------
+# (module-level, so the spawned engine process can unpickle them)
+
+def fail_steps_after(engine, n: int, error: str) -> None:
+    """Steps after the first n raise RuntimeError(error) (an engine fault inside the child)."""
+    original = engine.runner.execute
+    count = [0]
+
+    def execute(out, seeds):
+        count[0] += 1
+        if count[0] > n:
+            raise RuntimeError(error)
+        return original(out, seeds)
+
+    engine.runner.execute = execute
+
+
+def exit_process_after(engine, n: int) -> None:
+    """The engine process dies abruptly (os._exit) in the step after the first n."""
+    import os
+
+    original = engine.runner.execute
+    count = [0]
+
+    def execute(out, seeds):
+        count[0] += 1
+        if count[0] > n:
+            os._exit(7)
+        return original(out, seeds)
+
+    engine.runner.execute = execute
+
+
+def hang_steps_after(engine, n: int, seconds: float) -> None:
+    """Steps after the first n sleep `seconds` (a hung step, for the watchdog)."""
+    import time as _time
+
+    original = engine.runner.execute
+    count = [0]
+
+    def execute(out, seeds):
+        count[0] += 1
+        if count[0] > n:
+            _time.sleep(seconds)
+        return original(out, seeds)
+
+    engine.runner.execute = execute

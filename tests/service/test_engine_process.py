@@ -1,0 +1,105 @@
+"""`pie serve --engine-process`: the engine in a spawned child process behind the same service.
+The same answers as the in-process engine, validation in the parent, cancellation reaching the
+child, and the child's faults, hangs and death turned into clear gRPC errors."""
+
+from __future__ import annotations
+
+import functools
+import random
+
+import pytest
+
+from engine.config import EngineConfig
+from pie_client import Client, InvalidArgument, PieError
+from service.server import BackgroundServer, ServerConfig
+from tests.helpers import exit_process_after, fail_steps_after, hang_steps_after, make_hf_model_dir, wait_until
+
+NUM_BLOCKS = 64
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_hf_model_dir(tmp_path_factory.mktemp("proc"), "llama", weight_scale=4.0)
+
+
+def _config(model_dir) -> EngineConfig:
+    return EngineConfig(model=str(model_dir), device="cpu", kv_cache_dtype="fp32", num_kv_blocks=NUM_BLOCKS,
+                        max_num_seqs=8, max_num_batched_tokens=128, max_waiting=32)
+
+
+@pytest.fixture(scope="module")
+def servers(model_dir):
+    with BackgroundServer(ServerConfig(port=0, grace_s=5), _config(model_dir)) as threaded, \
+            BackgroundServer(ServerConfig(port=0, grace_s=5, engine_process=True), _config(model_dir)) as proc:
+        yield threaded, proc
+
+
+def test_same_answers_as_the_engine_thread(servers):
+    threaded, proc = servers
+    rng = random.Random()
+    prompts = [" ".join(rng.choice(["the", "cat", "sat", "on", "a", "mat"]) for _ in range(rng.randrange(2, 20)))
+               for _ in range(6)]
+    with Client(threaded.address, timeout=60) as a, Client(proc.address, timeout=60) as b:
+        for p in prompts:
+            want = a.generate(p, max_tokens=12, temperature=0, ignore_eos=True)
+            got = b.generate(p, max_tokens=12, temperature=0, ignore_eos=True)
+            assert got.text == want.text and got.token_ids == want.token_ids
+        seed = rng.randrange(2**31)
+        want = a.generate("a cat", max_tokens=10, temperature=0.9, seed=seed, n=3)
+        got = b.generate("a cat", max_tokens=10, temperature=0.9, seed=seed, n=3)
+        assert [c.token_ids for c in got.choices] == [c.token_ids for c in want.choices]
+        streamed = "".join(m.text for m in b.stream(prompts[0], max_tokens=12, temperature=0, ignore_eos=True))
+        assert streamed == b.generate(prompts[0], max_tokens=12, temperature=0, ignore_eos=True).text
+        info = b.model_info()
+        assert info.load.kv_blocks_total == NUM_BLOCKS and info.architecture == "LlamaForCausalLM"
+        assert b.tokenize("the cat").token_ids == a.tokenize("the cat").token_ids
+
+
+def test_bad_input_is_refused_in_the_parent(servers):
+    _, proc = servers
+    with Client(proc.address, timeout=30) as c:
+        with pytest.raises(InvalidArgument, match="max_tokens"):
+            c.generate("the cat", max_tokens=10**6)
+        with pytest.raises(InvalidArgument, match="prompt_token_ids"):
+            c.generate([10**7], max_tokens=2)
+
+
+def test_cancelled_streams_free_their_blocks_in_the_child(servers):
+    _, proc = servers
+    with Client(proc.address, timeout=60) as c:
+        streams = [c.stream("the cat sat", max_tokens=200, ignore_eos=True) for _ in range(4)]
+        for s in streams:
+            next(s)
+        for s in streams:
+            s.close()
+
+        def idle():
+            load = c.model_info().load
+            return load.kv_blocks_free == NUM_BLOCKS and load.requests_running == 0
+        wait_until(idle, timeout=30, what="the child to free every block")
+        assert proc.pie.engine.num_in_flight == 0
+
+
+def test_a_step_fault_in_the_child_fails_only_its_requests(model_dir):
+    cfg = ServerConfig(port=0, grace_s=2, engine_process=True,
+                       engine_setup=functools.partial(fail_steps_after, n=3, error="injected fault"))
+    with BackgroundServer(cfg, _config(model_dir)) as s, Client(s.address, timeout=60) as c:
+        with pytest.raises(PieError, match="INTERNAL|search the server log"):
+            c.generate("the cat", max_tokens=50, ignore_eos=True)
+        # the engine process lives on: a later step fails again, but the service answers
+        assert c.model_info().load.kv_blocks_total == NUM_BLOCKS
+
+
+@pytest.mark.parametrize("how", ["exit", "hang"])
+def test_a_dead_or_hung_engine_process_is_unavailable(model_dir, how):
+    setup = (functools.partial(exit_process_after, n=2) if how == "exit"
+             else functools.partial(hang_steps_after, n=2, seconds=30))
+    cfg = ServerConfig(port=0, grace_s=1, engine_process=True, engine_setup=setup, step_timeout_s=1.0)
+    with BackgroundServer(cfg, _config(model_dir)) as s, Client(s.address, timeout=60) as c:
+        with pytest.raises(PieError) as err:
+            c.generate("the cat", max_tokens=50, ignore_eos=True)
+        assert err.value.code.name == "UNAVAILABLE"
+        wait_until(lambda: s.pie.fatal.is_set(), timeout=10, what="the server to mark itself for exit")
+        with pytest.raises(PieError) as err:
+            c.generate("the cat", max_tokens=2)
+        assert err.value.code.name == "UNAVAILABLE"
