@@ -4,11 +4,7 @@
 #   bash benchmarks/gpu_check.sh [pytest selection...]
 # Results land in $OUT (gpu_tests.log, attention.md, attention.json) when OUT is set.
 set -uo pipefail
-OUT=${OUT:-/tmp/pie-gpu}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .site .whl/*.whl \
-  && export PYTHONPATH=$PWD/.site:$PWD:$PWD/clients || exit 1
-export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1
+source "$(dirname "$0")/gpu_env.sh"
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
 sel=("$@")

@@ -4,11 +4,7 @@
 # Results land in $OUT (or /tmp/pie-gpu): tests.log, profile.md, throughput.md/json, capacity.md,
 # serving.md/json.
 set -uo pipefail
-OUT=${OUT:-/tmp/pie-gpu}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .site .whl/*.whl \
-  && export PYTHONPATH=$PWD/.site:$PWD:$PWD/clients || exit 1
-export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1
+source "$(dirname "$0")/gpu_env.sh"
 quiet() { grep -v '"event"\|engine_ready\|Writing model shards'; }
 parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(tests profile throughput capacity serving)

@@ -166,47 +166,38 @@ def wait_until(predicate, timeout: float = 10.0, what: str = "condition"):
 # ---- engine_setup hooks for servers whose engine runs in a child process -------------------------
 # (module-level, so the spawned engine process can unpickle them)
 
-def fail_steps_after(engine, n: int, error: str) -> None:
-    """Steps after the first n raise RuntimeError(error) (an engine fault inside the child)."""
+def _after_steps(engine, n: int, action) -> None:
+    """Wraps the engine's runner: steps after the first n call action() before running."""
     original = engine.runner.execute
     count = [0]
 
     def execute(out, seeds):
         count[0] += 1
         if count[0] > n:
-            raise RuntimeError(error)
+            action()
         return original(out, seeds)
 
     engine.runner.execute = execute
+
+
+def _raise(error: str) -> None:
+    raise RuntimeError(error)
+
+
+def fail_steps_after(engine, n: int, error: str) -> None:
+    """Steps after the first n raise RuntimeError(error) (an engine fault inside the child)."""
+    _after_steps(engine, n, lambda: _raise(error))
 
 
 def exit_process_after(engine, n: int) -> None:
     """The engine process dies abruptly (os._exit) in the step after the first n."""
     import os
 
-    original = engine.runner.execute
-    count = [0]
-
-    def execute(out, seeds):
-        count[0] += 1
-        if count[0] > n:
-            os._exit(7)
-        return original(out, seeds)
-
-    engine.runner.execute = execute
+    _after_steps(engine, n, lambda: os._exit(7))
 
 
 def hang_steps_after(engine, n: int, seconds: float) -> None:
     """Steps after the first n sleep `seconds` (a hung step, for the watchdog)."""
     import time as _time
 
-    original = engine.runner.execute
-    count = [0]
-
-    def execute(out, seeds):
-        count[0] += 1
-        if count[0] > n:
-            _time.sleep(seconds)
-        return original(out, seeds)
-
-    engine.runner.execute = execute
+    _after_steps(engine, n, lambda: _time.sleep(seconds))
