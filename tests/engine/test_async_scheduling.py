@@ -164,3 +164,17 @@ def test_a_fault_fails_its_step_and_leaks_nothing(model_dir, where):
     assert bm.num_free_blocks == bm.num_total_blocks
     after = _run(engine, [("later", [5, 6, 7], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))])
     assert len(after[("later", 0)]["ids"]) == 5
+
+
+def test_a_stop_read_back_early_for_penalties_leaves_the_step(model_dir):
+    """A penalty row makes the step read the previous ids back before it runs; a request that
+    stopped on one of those ids is scheduled already and must leave the step, not run in it."""
+    rng = random.Random()
+    prompts = _prompts(2, rng)
+    first = _run(_engine(model_dir, False), [("b", prompts[1], SamplingParams(max_tokens=12, temperature=0,
+                                                                             ignore_eos=True))])
+    stop = first[("b", 0)]["ids"][5]
+    reqs = [("a", prompts[0], SamplingParams(max_tokens=20, temperature=0, repetition_penalty=1.2, ignore_eos=True)),
+            ("b", prompts[1], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop_token_ids=[stop]))]
+    res = _same(model_dir, reqs)
+    assert res[("b", 0)]["status"] == RequestStatus.FINISHED_STOPPED
