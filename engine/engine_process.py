@@ -283,6 +283,6 @@ class ProcessAsyncEngine(AsyncEngine):
 
     def _fail(self, error: BaseException) -> None:
         log.error("engine_process_lost", error=str(error))
+        self._on_hang(error)  # first, as the watchdog does: the owner is marked before RPCs fail
         self._declare_dead(error)
-        self._on_hang(error)
 

@@ -69,8 +69,10 @@ class StepWatchdog:
             self.fired = True
             err = StepTimeoutError(f"engine step {self.engine.steps} has run for more than {self.timeout_s} s")
             log.error("engine_step_hung", step=self.engine.steps, timeout_s=self.timeout_s)
-            self.engine._declare_dead(err)
+            # The owner hears first (readiness off, exit flagged), then the open RPCs fail: a caller
+            # that sees its RPC fail finds the server already marked.
             self.on_hang(err)
+            self.engine._declare_dead(err)
             return
 
 

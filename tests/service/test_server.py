@@ -263,12 +263,11 @@ def test_prefix_cache_reported_in_usage(client):
 
 def test_stop_string_completed_by_the_last_token(client):
     """A stop string completed by the request's last allowed token ends it as "stop", cut."""
-    for prompt in ("the cat", "a dog", "the red bird", "one day", "a small house", "the river"):
-        text = client.generate(prompt, max_tokens=10, temperature=0, ignore_eos=True).text
-        stop = text[-2:]
-        if len(stop) == 2 and text.index(stop) == len(text) - 2:
-            break
-    else:
-        raise AssertionError("no prompt gave a text whose last two characters are new")
+    # The shortest suffix (2 characters or more) that first appears at the very end: only the last
+    # token completes it. The whole text always qualifies, so a random model cannot make this fail.
+    prompt = "the cat"
+    text = client.generate(prompt, max_tokens=10, temperature=0, ignore_eos=True).text
+    assert len(text) >= 2
+    stop = next(text[-k:] for k in range(2, len(text) + 1) if text.index(text[-k:]) == len(text) - k)
     cut = client.generate(prompt, max_tokens=10, temperature=0, ignore_eos=True, stop=[stop])
-    assert (cut.finish_reason, cut.stop_reason, cut.text) == ("stop", stop, text[:-2])
+    assert (cut.finish_reason, cut.stop_reason, cut.text) == ("stop", stop, text[:-len(stop)])
