@@ -131,7 +131,7 @@ def test_bad_input_names_field(client, field, kwargs):
     with pytest.raises(InvalidArgument):
         list(client.stream(prompt, **kwargs))
     # ... and the server keeps serving everyone else.
-    assert client.generate("hello", max_tokens=2).completion_tokens == 2
+    assert client.generate("hello", max_tokens=2, ignore_eos=True).completion_tokens == 2
 
 
 def test_request_id_round_trip(client):
