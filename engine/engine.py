@@ -321,11 +321,6 @@ class LLMEngine:
             return self._step_sync()
         out = self.scheduler.schedule()
         outputs: list[RequestOutput] = []
-        if out.scheduled and self._pending is not None and any(
-                s.request.sampling.needs_output_ids for s in out.scheduled):
-            outputs += self._collect()  # penalties count the output ids: read them back first
-            # Requests that ended on the tokens just read (a stop token or string) leave this step.
-            out.scheduled = [s for s in out.scheduled if not s.request.finished]
         launched = None
         if out.scheduled:
             try:

@@ -249,6 +249,13 @@ class ModelRunner:
         if logits is None:
             return None
         reqs = [out.scheduled[i].request for i in rows]
+        # Penalties count output ids: a newest id not read back yet is taken from the device.
+        pend = [(i, self._last_rows[r.request_id]) for i, r in enumerate(reqs)
+                if r.output_token_ids and r.output_token_ids[-1] == PLACEHOLDER]
+        pending_ids = None
+        if pend:
+            src = torch.tensor([p[1] for p in pend], dtype=torch.int64, device=self.device)
+            pending_ids = ([p[0] for p in pend], self._last_ids.index_select(0, src))
         tensors = SamplingTensors.build(
             params=[r.sampling for r in reqs],
             seeds=[seeds[r.request_id] for r in reqs],
@@ -257,6 +264,7 @@ class ModelRunner:
             output_ids=[r.output_token_ids for r in reqs],
             vocab_size=logits.shape[-1],
             device=logits.device,
+            pending_ids=pending_ids,
         )
         result = sample(logits, tensors)
         self._last_ids = result.token_ids

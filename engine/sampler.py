@@ -121,9 +121,14 @@ class SamplingTensors:
         output_ids: list[list[int]],
         vocab_size: int,
         device: torch.device | str,
+        pending_ids: tuple[list[int], torch.Tensor] | None = None,
     ) -> SamplingTensors:
         """Gather one step's parameters into tensors: two host->device copies for the scalars and
-        at most two padded id tensors for the penalties (only rows that use them are filled)."""
+        at most two padded id tensors for the penalties (only rows that use them are filled).
+
+        pending_ids: (rows, ids) for rows whose newest output id is still on the device (async
+        scheduling: its host list holds a negative placeholder, skipped here); ids is a tensor on
+        `device`, one id per listed row, counted with the rest without a host round trip."""
         n = len(params)
         if not (len(seeds) == len(steps) == len(prompt_ids) == len(output_ids) == n):
             raise ValueError("params, seeds, steps, prompt_ids and output_ids differ in length")
@@ -153,14 +158,14 @@ class SamplingTensors:
         output_counts = None
         if any(rows_freq):
             flat = _flat_index([[o] if use else [] for o, use in zip(output_ids, rows_freq)],
-                               vocab_size, device, pin)
+                               vocab_size, device, pin, _pending_for(pending_ids, rows_freq, vocab_size))
             counts = torch.zeros(n * vocab_size, dtype=torch.float32, device=device)
             counts.index_add_(0, flat, torch.ones(flat.shape, dtype=torch.float32, device=device))
             output_counts = counts.view(n, vocab_size)
         seen_mask = None
         if any(rows_rep):
             flat = _flat_index([[pr, o] if use else [] for pr, o, use in zip(prompt_ids, output_ids, rows_rep)],
-                               vocab_size, device, pin)
+                               vocab_size, device, pin, _pending_for(pending_ids, rows_rep, vocab_size))
             seen = torch.zeros(n * vocab_size, dtype=torch.bool, device=device)
             seen[flat] = True
             seen_mask = seen.view(n, vocab_size)
@@ -181,20 +186,36 @@ class SamplingTensors:
         )
 
 
+def _pending_for(pending_ids: tuple[list[int], torch.Tensor] | None, use: list[bool],
+                 vocab_size: int) -> torch.Tensor | None:
+    """Flat indices (row * vocab_size + id) of the device-side ids of the rows that use a table."""
+    if pending_ids is None:
+        return None
+    rows, ids = pending_ids
+    keep = [i for i, r in enumerate(rows) if use[r]]
+    if not keep:
+        return None
+    sel = torch.tensor(keep, dtype=torch.int64, device=ids.device)
+    return ids.index_select(0, sel).to(torch.int64) + torch.tensor(rows, dtype=torch.int64, device=ids.device)[sel] * vocab_size
+
+
 def _flat_index(rows: list[list[list[int]]], vocab_size: int, device: torch.device,
-                pin: bool) -> torch.Tensor:
+                pin: bool, extra: torch.Tensor | None = None) -> torch.Tensor:
     """row * vocab_size + token id for every id of every row (each row given as a few id lists),
-    as one int64 tensor on `device`."""
+    as one int64 tensor on `device`; negative ids (placeholders of ids still on the device) are
+    skipped, and `extra` (flat indices already on the device) is appended."""
     lengths = [sum(len(part) for part in parts) for parts in rows]
     # np.fromiter over a chain is ~6x faster than torch.tensor on a Python list of ints.
-    ids = torch.from_numpy(np.fromiter(chain.from_iterable(chain.from_iterable(rows)),
-                                       dtype=np.int64, count=sum(lengths)))
-    row = torch.repeat_interleave(torch.arange(len(rows), dtype=torch.int64),
-                                  torch.tensor(lengths, dtype=torch.int64))
-    flat = ids + row * vocab_size
+    ids = np.fromiter(chain.from_iterable(chain.from_iterable(rows)), dtype=np.int64, count=sum(lengths))
+    row = np.repeat(np.arange(len(rows), dtype=np.int64), lengths)
+    known = ids >= 0
+    if not known.all():
+        ids, row = ids[known], row[known]
+    flat = torch.from_numpy(ids + row * vocab_size)
     if pin:
         flat = flat.pin_memory()
-    return flat.to(device, non_blocking=True)
+    flat = flat.to(device, non_blocking=True)
+    return flat if extra is None else torch.cat((flat, extra))
 
 
 @dataclass

@@ -52,11 +52,6 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    @property
-    def needs_output_ids(self) -> bool:
-        """Sampling reads the ids generated so far (the penalties), not only their count."""
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-
     def validate(self, vocab_size: int | None = None) -> None:
         def finite(name: str, value: float) -> None:
             if not math.isfinite(value):

@@ -166,9 +166,9 @@ def test_a_fault_fails_its_step_and_leaks_nothing(model_dir, where):
     assert len(after[("later", 0)]["ids"]) == 5
 
 
-def test_a_stop_read_back_early_for_penalties_leaves_the_step(model_dir):
-    """A penalty row makes the step read the previous ids back before it runs; a request that
-    stopped on one of those ids is scheduled already and must leave the step, not run in it."""
+def test_a_stop_next_to_a_penalty_row_agrees(model_dir):
+    """Penalties count the newest ids from the device (no read-back before the step); a request
+    that stops on a token runs one step too many next to them, whose token is dropped."""
     rng = random.Random()
     prompts = _prompts(2, rng)
     first = _run(_engine(model_dir, False), [("b", prompts[1], SamplingParams(max_tokens=12, temperature=0,

@@ -5,6 +5,7 @@ per-row reference, and raw logprobs."""
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
@@ -286,3 +287,23 @@ def test_large_vocab_distribution_sanity():
     hits = (sample(logits.expand(n, v), t).token_ids == 17).double().mean().item()
     p = math.exp(4) / (math.exp(4) + v - 1)
     assert abs(hits - p) < 4 * math.sqrt(p * (1 - p) / n)
+
+
+def test_pending_ids_on_the_device_count_like_listed_ones():
+    """Async scheduling: a newest output id still on the device (placeholder -1 in the host list)
+    feeds the penalty tables exactly as if it were listed."""
+    rng = random.Random()
+    vocab = 50
+    params = [SamplingParams(repetition_penalty=1.5, frequency_penalty=0.7, presence_penalty=0.3),
+              SamplingParams(frequency_penalty=1.0), SamplingParams(), SamplingParams(repetition_penalty=2.0)]
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(1, 8))] for _ in params]
+    outputs = [[rng.randrange(vocab) for _ in range(rng.randint(1, 8))] for _ in params]
+    newest = [o[-1] for o in outputs]
+    listed = SamplingTensors.build(params=params, seeds=[1] * 4, steps=[len(o) for o in outputs],
+                                   prompt_ids=prompts, output_ids=outputs, vocab_size=vocab, device="cpu")
+    held = [o[:-1] + [-1] for o in outputs]
+    pending = SamplingTensors.build(params=params, seeds=[1] * 4, steps=[len(o) for o in outputs],
+                                    prompt_ids=prompts, output_ids=held, vocab_size=vocab, device="cpu",
+                                    pending_ids=([0, 1, 2, 3], torch.tensor(newest)))
+    assert torch.equal(listed.output_counts, pending.output_counts)
+    assert torch.equal(listed.seen_mask, pending.seen_mask)
