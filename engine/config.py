@@ -36,7 +36,8 @@ class EngineConfig:
     seed: int = 0  # seeds the stream that draws seeds for requests that bring none
     attention_backend: str = "auto"  # auto (triton on cuda, torch on cpu), triton, torch (reference)
     # torch intra-op threads when the model runs on the CPU; None = all cores but one, which the
-    # asyncio gRPC loop needs (on 2 cores: 1 thread served 728 tok/s against 596 with 2).
+    # asyncio gRPC loop needs (on 2 cores: 1 thread served 728 tok/s against 596 with 2). A server
+    # with its engine in a process of its own (--engine-process) gives it every core instead.
     cpu_threads: int | None = None
     enable_prefix_caching: bool = True  # reuse K/V of full blocks shared by prompts (and n > 1 samples)
 

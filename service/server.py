@@ -4,6 +4,8 @@ reflection, model loading off the event loop, and graceful drain on SIGTERM/SIGI
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import os
 import signal
 import threading
 from collections.abc import Callable
@@ -130,7 +132,13 @@ class PieServer:
             loop.call_soon_threadsafe(self._engine_hung, err)
 
         if self.config.engine_process:
-            engine = ProcessAsyncEngine(self.engine_config, step_timeout_s=self.config.step_timeout_s,
+            cfg = self.engine_config
+            if cfg.cpu_threads is None:
+                # The engine has an interpreter of its own, so it may take every core: the bundled
+                # model at 16 CPU streams served 1,111-1,247 tokens/s on 2 threads against
+                # 1,024-1,079 on 1 (benchmarks/RESULTS.md); on a thread it is the reverse.
+                cfg = dataclasses.replace(cfg, cpu_threads=os.cpu_count() or 1)
+            engine = ProcessAsyncEngine(cfg, step_timeout_s=self.config.step_timeout_s,
                                         on_hang=on_hang, log_setup=self.config.log_setup,
                                         engine_setup=self.config.engine_setup)
             await asyncio.to_thread(engine.launch)
