@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import multiprocessing
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -117,6 +118,10 @@ def _child_main(config: EngineConfig, conn, step_timeout_s: float | None,
                 log_setup: Callable[[], None] | None, engine_setup: Callable[[LLMEngine], None] | None) -> None:
     """The engine process: build the engine, then step it while requests are unfinished, taking
     commands between steps and sending each step's outputs with a stats snapshot."""
+    # The parent decides when this process ends (a "stop" after draining, or its pipe closing when
+    # it dies): a SIGINT or SIGTERM sent to the whole process group must not cut the drain short.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if log_setup is not None:
         log_setup()
     try:

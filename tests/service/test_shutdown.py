@@ -38,6 +38,24 @@ class ServerProcess:
         return next((e for e in self.events if e.get("event") == name), None)
 
 
+def _engine_children(pid: int) -> list[int]:
+    """Ids of pid's spawned engine processes (Linux /proc; multiprocessing's resource tracker is
+    not one of them)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    cmd = f.read().decode(errors="replace")
+            except (OSError, ValueError, IndexError):
+                continue
+            if parent == pid and "spawn_main" in cmd and "resource_tracker" not in cmd:
+                out.append(int(entry))
+    return out
+
+
 def readiness(address: str) -> int:
     with grpc.insecure_channel(address) as ch:
         try:
@@ -48,10 +66,13 @@ def readiness(address: str) -> int:
 
 
 @pytest.mark.slow
-def test_sigterm_drains_in_flight_then_exits(tmp_path):
+@pytest.mark.parametrize("engine", ["thread", "process"])
+def test_sigterm_drains_in_flight_then_exits(tmp_path, engine):
+    """SIGTERM to the server (and, with --engine-process, to its whole process group, as a
+    supervisor may send it): in-flight streams finish, new requests are refused, exit 0."""
     model_dir = make_hf_model_dir(tmp_path, "llama")
     server = ServerProcess(["--model", str(model_dir), "--port", "0", "--kv-cache-dtype", "int8", "--grace", "30",
-                            "--num-kv-blocks", "64"])
+                            "--num-kv-blocks", "64", *(["--engine-process"] if engine == "process" else [])])
     try:
         port = wait_until(lambda: (server.event("server_listening") or {}).get("port"), what="server to listen", timeout=60)
         address = f"127.0.0.1:{port}"
@@ -61,6 +82,10 @@ def test_sigterm_drains_in_flight_then_exits(tmp_path):
                        for i in range(4)]
             for s in streams:
                 next(s)  # every stream is in flight
+            if engine == "process":
+                children = _engine_children(server.proc.pid)
+                assert len(children) == 1, children
+                os.kill(children[0], signal.SIGTERM)  # the engine process ignores it: the server drains
             server.proc.send_signal(signal.SIGTERM)
             wait_until(lambda: readiness(address) == health_pb2.HealthCheckResponse.NOT_SERVING,
                        what="readiness off after SIGTERM")
