@@ -30,6 +30,30 @@ def bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
+def bench_graph(fn, calls: int = 50) -> float:
+    """ms per call when `calls` back-to-back calls replay from one CUDA graph, as the engine runs
+    its decode steps: no launch overhead, and no L2 flush between calls (contexts of 4k tokens and
+    more do not fit in L2 anyway). Median of 10 replays."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # allocations and compiles happen outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(calls):
+                fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return sorted(times)[len(times) // 2]
+
+
 def copy_bandwidth() -> float:
     """Bytes read + written per second by a large device-to-device copy."""
     src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda").random_()
@@ -57,7 +81,7 @@ def make_paged(batch: int, ctx: int, kv_dtype: str, k: torch.Tensor, v: torch.Te
     return k_cache, v_cache, ks, vs, tables
 
 
-def decode_rows(quick: bool, copy_bw: float) -> list[dict]:
+def decode_rows(quick: bool, copy_bw: float, graphs: bool = False) -> list[dict]:
     rows = []
     batches = (1, 64) if quick else (1, 8, 64, 256)
     contexts = (4096, 32768) if quick else (512, 4096, 32768)
@@ -80,6 +104,8 @@ def decode_rows(quick: bool, copy_bw: float) -> list[dict]:
             qo_bytes = 2 * q.numel() * q.element_size()
             row = dict(batch=batch, ctx=ctx, sdpa_ms=t_sdpa,
                        sdpa_tbs=(2 * k.numel() * 2 + qo_bytes) / t_sdpa / 1e9)
+            if graphs:
+                row["sdpa_graph_ms"] = bench_graph(sdpa)
             for kv_dtype in ("int8", "bf16"):
                 kc, vc, ks, vs, tables = make_paged(batch, ctx, kv_dtype, k, v)
                 fn = lambda: paged_decode(q, kc, vc, ks, vs, tables, seq_lens, scale, max_seq_len=ctx)  # noqa: E731
@@ -90,6 +116,11 @@ def decode_rows(quick: bool, copy_bw: float) -> list[dict]:
                 tbs = (kv_bytes + qo_bytes) / t / 1e9
                 row |= {f"{kv_dtype}_ms": t, f"{kv_dtype}_tbs": tbs, f"{kv_dtype}_copy_frac": tbs * 1e12 / copy_bw,
                         f"{kv_dtype}_vs_sdpa": t_sdpa / t, f"{kv_dtype}_rel_err_vs_sdpa": err}
+                if graphs:
+                    tg = bench_graph(fn)
+                    row |= {f"{kv_dtype}_graph_ms": tg,
+                            f"{kv_dtype}_graph_copy_frac": (kv_bytes + qo_bytes) / tg / 1e9 * 1e12 / copy_bw,
+                            f"{kv_dtype}_graph_vs_sdpa": row["sdpa_graph_ms"] / tg}
                 del kc, vc, ks, vs
             rows.append(row)
             del k, v
@@ -154,6 +185,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer shapes")
     ap.add_argument("--out", default=None, help="write all figures as JSON here")
+    ap.add_argument("--graphs", action="store_true",
+                    help="also time decode calls replayed from a CUDA graph (how the engine runs them)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("this benchmark needs a CUDA GPU")
@@ -162,7 +195,7 @@ def main(argv=None) -> int:
     copy_bw = copy_bandwidth()
     print(f"# {dev}, torch {torch.__version__}, triton {triton.__version__}")
     print(f"copy bandwidth (read + write): {copy_bw / 1e12:.2f} TB/s")
-    dec = decode_rows(args.quick, copy_bw)
+    dec = decode_rows(args.quick, copy_bw, args.graphs)
     print("\n## paged decode (Hq 32, Hkv 8, D 128, block 16)")
     print("| batch | ctx | SDPA bf16 ms | int8 ms | int8 TB/s | int8 % copy | int8 x SDPA | bf16 ms | bf16 TB/s | bf16 % copy | bf16 x SDPA |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -171,6 +204,14 @@ def main(argv=None) -> int:
               f"{100 * r['int8_copy_frac']:.0f}% | {r['int8_vs_sdpa']:.2f} | {r['bf16_ms']:.4f} | {r['bf16_tbs']:.2f} | "
               f"{100 * r['bf16_copy_frac']:.0f}% | {r['bf16_vs_sdpa']:.2f} |")
     ext = extend_rows(args.quick)
+    if args.graphs:
+        print("\n## paged decode replayed from a CUDA graph (50 calls per graph, no L2 flush)")
+        print("| batch | ctx | SDPA bf16 ms | int8 ms | int8 % copy | int8 x SDPA | bf16 ms | bf16 % copy | bf16 x SDPA |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for r in dec:
+            print(f"| {r['batch']} | {r['ctx']} | {r['sdpa_graph_ms']:.4f} | {r['int8_graph_ms']:.4f} | "
+                  f"{100 * r['int8_graph_copy_frac']:.0f}% | {r['int8_graph_vs_sdpa']:.2f} | {r['bf16_graph_ms']:.4f} | "
+                  f"{100 * r['bf16_graph_copy_frac']:.0f}% | {r['bf16_graph_vs_sdpa']:.2f} |")
     print("\n## paged extend vs SDPA causal (contiguous bf16)")
     print("| batch | prompt | SDPA causal ms | int8 ms | int8 / SDPA | bf16 ms | bf16 / SDPA |")
     print("|---|---|---|---|---|---|---|")

@@ -10,7 +10,7 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 sel=("$@")
 [ ${#sel[@]} -eq 0 ] && sel=(tests/kernels tests/engine)
 python3 -m pytest -q -m gpu -p no:cacheprovider "${sel[@]}" 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
-python3 benchmarks/attention.py --out "$OUT/attention.json" 2>&1 | tee "$OUT/attention.md"
+python3 benchmarks/attention.py --graphs --out "$OUT/attention.json" 2>&1 | tee "$OUT/attention.md"
 # Issue 6's recorded GPU figures: prefix caching off/on and chunked vs whole prefill.
 python3 benchmarks/scheduling.py 2>&1 | grep -v '"event"' | tee "$OUT/scheduling.md"
 # Issue 5's offline throughput against transformers' continuous batching.
