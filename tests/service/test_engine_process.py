@@ -103,3 +103,15 @@ def test_a_dead_or_hung_engine_process_is_unavailable(model_dir, how):
         with pytest.raises(PieError) as err:
             c.generate("the cat", max_tokens=2)
         assert err.value.code.name == "UNAVAILABLE"
+
+
+def test_cli_default_is_by_device():
+    import argparse
+
+    from service import cli
+
+    parser = argparse.ArgumentParser(prog="pie")
+    cli._add_serve(parser.add_subparsers(dest="command", required=True))
+    assert cli._server_config(parser.parse_args(["serve", "--device", "cpu"])).engine_process is True
+    assert cli._server_config(parser.parse_args(["serve", "--device", "cpu", "--no-engine-process"])).engine_process is False
+    assert cli._server_config(parser.parse_args(["serve", "--engine-process"])).engine_process is True

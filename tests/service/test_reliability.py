@@ -298,7 +298,7 @@ def test_hung_step_exits_process_nonzero(model_dir, tmp_path):
     script = Path(__file__).with_name("hang_server.py")
     root = Path(__file__).resolve().parents[2]
     proc = subprocess.Popen(
-        [sys.executable, str(script), "3", "serve", "--model", str(model_dir), "--port", "0", "--device", "cpu",
+        [sys.executable, str(script), "3", "serve", "--model", str(model_dir), "--port", "0", "--device", "cpu", "--no-engine-process",
          "--num-kv-blocks", "32", "--step-timeout", "1", "--log-format", "json"],
         stderr=subprocess.PIPE, text=True, cwd=root,
         env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": f"{root}:{root / 'clients'}"})

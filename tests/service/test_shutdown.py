@@ -72,7 +72,7 @@ def test_sigterm_drains_in_flight_then_exits(tmp_path, engine):
     supervisor may send it): in-flight streams finish, new requests are refused, exit 0."""
     model_dir = make_hf_model_dir(tmp_path, "llama")
     server = ServerProcess(["--model", str(model_dir), "--port", "0", "--kv-cache-dtype", "int8", "--grace", "30",
-                            "--num-kv-blocks", "64", *(["--engine-process"] if engine == "process" else [])])
+                            "--num-kv-blocks", "64", "--engine-process" if engine == "process" else "--no-engine-process"])
     try:
         port = wait_until(lambda: (server.event("server_listening") or {}).get("port"), what="server to listen", timeout=60)
         address = f"127.0.0.1:{port}"
