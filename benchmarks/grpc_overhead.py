@@ -48,16 +48,17 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--requests", type=int, default=0, help="per level (default: serving.py's)")
     ap.add_argument("--engine-process", action="store_true", help="the engine in its own process")
+    ap.add_argument("--stream-interval", type=int, default=1, help="tokens per stream message after the first")
     args = ap.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
     server = BackgroundServer(
-        ServerConfig(port=0, engine_process=args.engine_process,
+        ServerConfig(port=0, engine_process=args.engine_process, stream_interval=args.stream_interval,
                      engine_setup=functools.partial(instant_forward, step_s=args.step_ms / 1e3)),
         EngineConfig(device="cpu", max_num_seqs=max(levels), max_waiting=4 * max(levels),
                      num_kv_blocks=max(levels) * 16))
     server.start()
     aeng = server.pie.engine
-    mode = "engine process" if args.engine_process else "engine thread"
+    mode = ("engine process" if args.engine_process else "engine thread") + f", stream interval {args.stream_interval}"
     print(f"# serving path alone ({mode}): bundled model's tokenizer, forward replaced, {args.step_ms} ms per step")
     try:
         for c in levels:

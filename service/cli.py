@@ -40,6 +40,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                    help="run the engine in its own process, apart from the gRPC loop (default: on for the CPU, "
                         "where it serves faster; off on CUDA until it is measured there)")
+    p.add_argument("--stream-interval", type=int, default=1,
+                   help="tokens per stream message after the first (or the end): larger values send fewer "
+                        "messages when hundreds of streams are open")
     p.add_argument("--enforce-eager", action="store_true",
                    help="run decode steps eagerly instead of replaying CUDA graphs")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV pool size (overrides the budget)")
@@ -169,6 +172,8 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
         raise ValueError("--max-concurrent-rpcs must be >= 1")
     if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
         raise ValueError("--metrics-port must be in [0, 65535]")
+    if args.stream_interval < 1:
+        raise ValueError("--stream-interval must be >= 1")
     if args.step_timeout < 0:
         raise ValueError("--step-timeout must be >= 0 (0 = off)")
     tls = TlsConfig(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
@@ -179,7 +184,7 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
         max_message_bytes=args.max_message_bytes, limits=Limits(max_prompt_chars=args.max_prompt_chars),
         max_concurrent_rpcs=args.max_concurrent_rpcs, step_timeout_s=args.step_timeout or None, tls=tls,
         auth_tokens=read_token_file(args.auth_token_file) if args.auth_token_file else (),
-        metrics_port=args.metrics_port, engine_process=_engine_process(args),
+        metrics_port=args.metrics_port, engine_process=_engine_process(args), stream_interval=args.stream_interval,
         log_setup=functools.partial(configure_logging, json=None if args.log_format == "auto" else args.log_format == "json",
                                     level=args.log_level))
 

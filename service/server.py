@@ -62,6 +62,7 @@ class ServerConfig:
     # Run the engine in a child process (engine/engine_process.py) instead of a thread, so the
     # gRPC loop and the engine do not share one GIL: for hundreds of concurrent streams.
     engine_process: bool = False
+    stream_interval: int = 1  # after the first, a stream message carries at least this many tokens (or the end)
     log_setup: Callable[[], None] | None = None  # configures logging in that child (picklable)
     # Called with the LLMEngine once it is built (in the engine process when engine_process, so it
     # must be picklable there: a module-level function): tests and benchmarks swap parts of it.
@@ -78,7 +79,8 @@ class PieServer:
         name = server_config.model_name or Path(engine_config.model).resolve().name
         self.metrics = ServiceMetrics(name, self._engine_stats)
         self.metrics_port: int | None = None  # bound once start() served /metrics
-        self.servicer = GenerateServicer(model_name=name, limits=server_config.limits, metrics=self.metrics)
+        self.servicer = GenerateServicer(model_name=name, limits=server_config.limits, metrics=self.metrics,
+                                         stream_interval=server_config.stream_interval)
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.port: int | None = None

@@ -49,8 +49,14 @@ def _cached(outputs: list[RequestOutput]) -> int:
 
 
 class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
-    def __init__(self, *, model_name: str, limits: Limits | None = None, metrics: ServiceMetrics | None = None) -> None:
+    def __init__(self, *, model_name: str, limits: Limits | None = None, metrics: ServiceMetrics | None = None,
+                 stream_interval: int = 1) -> None:
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
         self.model_name = model_name
+        # After its first token, a stream message waits for this many new tokens per sample (or
+        # the end): fewer, larger messages when the event loop is the bottleneck (hundreds of streams).
+        self.stream_interval = stream_interval
         self.limits = limits or Limits()
         self.metrics = metrics or ServiceMetrics(model_name)
         self.engine: AsyncEngine | None = None  # set once the model is loaded
@@ -209,6 +215,11 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             await context.send_initial_metadata((("x-request-id", rid),))
             while not finished:
                 batch = await stream.next_batch()
+                if s.ttft_s is not None:  # the first token goes out at once
+                    while (not batch[-1].all_finished
+                           and sum(len(o.new_token_ids) for o in batch) < self.stream_interval * sampling.n
+                           and not any(o.status == RequestStatus.FINISHED_ERROR for o in batch)):
+                        batch += await stream.next_batch()
                 finished = batch[-1].all_finished
                 failed = next((o for o in batch if o.status == RequestStatus.FINISHED_ERROR), None)
                 if failed is not None:

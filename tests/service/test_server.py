@@ -271,3 +271,27 @@ def test_stop_string_completed_by_the_last_token(client):
     stop = next(text[-k:] for k in range(2, len(text) + 1) if text.index(text[-k:]) == len(text) - k)
     cut = client.generate(prompt, max_tokens=10, temperature=0, ignore_eos=True, stop=[stop])
     assert (cut.finish_reason, cut.stop_reason, cut.text) == ("stop", stop, text[:-len(stop)])
+
+
+def test_stream_interval_sends_fewer_larger_messages(model_dir):
+    """--stream-interval 4: the first token alone (TTFT unchanged), then at least 4 tokens per
+    message until the last; the text is the same as the unary answer's."""
+    cfg = EngineConfig(model=str(model_dir), device="cpu", kv_cache_dtype="fp32", num_kv_blocks=NUM_BLOCKS,
+                       max_num_seqs=4)
+    with BackgroundServer(ServerConfig(port=0, grace_s=1, stream_interval=4), cfg) as s, \
+            Client(s.address, timeout=60) as c:
+        for n in (1, 2):
+            deltas = list(c.stream("the cat sat", max_tokens=23, temperature=0, ignore_eos=True, n=n))
+            per_choice: dict[int, list] = {}
+            for d in deltas:
+                per_choice.setdefault(d.index, []).append(d)
+            assert len(per_choice) == n
+            assert len(deltas[0].token_ids) == 1
+            for ds in per_choice.values():  # between the first and the last: >= 4 tokens each (n tokens per step)
+                assert all(len(d.token_ids) >= 4 for d in ds[1:-1]), [len(d.token_ids) for d in ds]
+            assert len(deltas) <= n * (2 + 23 // 4)  # against 23 * n with an interval of 1
+            unary = c.generate("the cat sat", max_tokens=23, temperature=0, ignore_eos=True, n=n)
+            texts = {i: "".join(d.text for d in ds) for i, ds in per_choice.items()}
+            assert texts == ({0: unary.text} if n == 1 else {ch.index: ch.text for ch in unary.choices})
+    with pytest.raises(ValueError, match="stream_interval"):
+        BackgroundServer(ServerConfig(port=0, stream_interval=0), cfg)
