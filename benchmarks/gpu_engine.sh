@@ -18,10 +18,12 @@ for part in "${parts[@]}"; do
     serving)
       python3 -c 'import sys; sys.path.insert(0, "."); from pathlib import Path; import torch
 from benchmarks.throughput import LLAMA_1B, build_model; Path("/tmp/llama1b").mkdir(exist_ok=True); build_model(Path("/tmp/llama1b"), LLAMA_1B, torch.bfloat16)' 2>&1 | quiet
-      for mode in --engine-process --no-engine-process; do  # the engine in its own process, then on a thread
+      # the engine in its own process (with 1 and 4 tokens per message), then on a thread
+      for mode in "--engine-process" "--engine-process --stream-interval 4" "--no-engine-process"; do
         echo "## pie serve $mode" | tee -a "$OUT/serving.md"
+        name=$(echo "${mode#--}" | tr -c 'a-z0-9\n' '-')
         timeout 200 python3 benchmarks/serving.py --model /tmp/llama1b --server-args="--max-num-seqs 256 --max-num-batched-tokens 8192 $mode" \
-          --concurrency 64,256 --requests 512 --prompt-len 300 --max-tokens 256 --vocab 32000 --out "$OUT/serving-${mode#--}.json" 2>&1 | quiet | tail -8 | tee -a "$OUT/serving.md"
+          --concurrency 64,256 --requests 512 --prompt-len 300 --max-tokens 256 --vocab 32000 --out "$OUT/serving-$name.json" 2>&1 | quiet | tail -8 | tee -a "$OUT/serving.md"
       done
       timeout 120 python3 benchmarks/throughput.py --skip-hf --kv int8 --requests 512 --min-prompt 300 --max-prompt 300 2>&1 | quiet | tail -3 | tee -a "$OUT/serving.md" ;;
   esac
