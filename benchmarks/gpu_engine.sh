@@ -2,7 +2,7 @@
 # Issue 5's GPU figures in one call on the lent machine (run from the repo root, .whl carried):
 #   bash benchmarks/gpu_engine.sh [tests|profile|throughput|capacity|serving ...]   (default: all)
 # Results land in $OUT (or /tmp/pie-gpu): tests.log, profile.md, throughput.md/json, capacity.md,
-# serving.md/json.
+# serving.md (six files: the device tool brings back at most eight).
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 quiet() { grep -v '"event"\|engine_ready\|Writing model shards'; }
@@ -21,9 +21,8 @@ from benchmarks.throughput import LLAMA_1B, build_model; Path("/tmp/llama1b").mk
       # the engine in its own process (with 1 and 4 tokens per message), then on a thread
       for mode in "--engine-process" "--engine-process --stream-interval 4" "--no-engine-process"; do
         echo "## pie serve $mode" | tee -a "$OUT/serving.md"
-        name=$(echo "${mode#--}" | tr -c 'a-z0-9\n' '-')
         timeout 200 python3 benchmarks/serving.py --model /tmp/llama1b --server-args="--max-num-seqs 256 --max-num-batched-tokens 8192 $mode" \
-          --concurrency 64,256 --requests 512 --prompt-len 300 --max-tokens 256 --vocab 32000 --out "$OUT/serving-$name.json" 2>&1 | quiet | tail -8 | tee -a "$OUT/serving.md"
+          --concurrency 64,256 --requests 512 --prompt-len 300 --max-tokens 256 --vocab 32000 2>&1 | quiet | tail -8 | tee -a "$OUT/serving.md"
       done
       timeout 120 python3 benchmarks/throughput.py --skip-hf --kv int8 --requests 512 --min-prompt 300 --max-prompt 300 2>&1 | quiet | tail -3 | tee -a "$OUT/serving.md" ;;
   esac
