@@ -249,13 +249,11 @@ class ModelRunner:
         if logits is None:
             return None
         reqs = [out.scheduled[i].request for i in rows]
-        # Penalties count output ids: a newest id not read back yet is taken from the device.
+        # Penalties count output ids: a newest id not read back yet is read from the device, and
+        # only for rows that use a penalty (the sampler selects them).
         pend = [(i, self._last_rows[r.request_id]) for i, r in enumerate(reqs)
                 if r.output_token_ids and r.output_token_ids[-1] == PLACEHOLDER]
-        pending_ids = None
-        if pend:
-            src = torch.tensor([p[1] for p in pend], dtype=torch.int64, device=self.device)
-            pending_ids = ([p[0] for p in pend], self._last_ids.index_select(0, src))
+        pending_ids = ([p[0] for p in pend], [p[1] for p in pend], self._last_ids) if pend else None
         tensors = SamplingTensors.build(
             params=[r.sampling for r in reqs],
             seeds=[seeds[r.request_id] for r in reqs],

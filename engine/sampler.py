@@ -121,14 +121,15 @@ class SamplingTensors:
         output_ids: list[list[int]],
         vocab_size: int,
         device: torch.device | str,
-        pending_ids: tuple[list[int], torch.Tensor] | None = None,
+        pending_ids: tuple[list[int], list[int], torch.Tensor] | None = None,
     ) -> SamplingTensors:
         """Gather one step's parameters into tensors: two host->device copies for the scalars and
         at most two padded id tensors for the penalties (only rows that use them are filled).
 
-        pending_ids: (rows, ids) for rows whose newest output id is still on the device (async
-        scheduling: its host list holds a negative placeholder, skipped here); ids is a tensor on
-        `device`, one id per listed row, counted with the rest without a host round trip."""
+        pending_ids: (rows, sources, ids) for rows whose newest output id is still on the device
+        (async scheduling: its host list holds a negative placeholder, skipped here): row rows[i]'s
+        id is ids[sources[i]], ids a tensor on `device`. Only rows that use a penalty read it, on
+        the device, without a host round trip."""
         n = len(params)
         if not (len(seeds) == len(steps) == len(prompt_ids) == len(output_ids) == n):
             raise ValueError("params, seeds, steps, prompt_ids and output_ids differ in length")
@@ -186,17 +187,17 @@ class SamplingTensors:
         )
 
 
-def _pending_for(pending_ids: tuple[list[int], torch.Tensor] | None, use: list[bool],
+def _pending_for(pending_ids: tuple[list[int], list[int], torch.Tensor] | None, use: list[bool],
                  vocab_size: int) -> torch.Tensor | None:
     """Flat indices (row * vocab_size + id) of the device-side ids of the rows that use a table."""
     if pending_ids is None:
         return None
-    rows, ids = pending_ids
-    keep = [i for i, r in enumerate(rows) if use[r]]
+    rows, sources, ids = pending_ids
+    keep = [(r, src) for r, src in zip(rows, sources) if use[r]]
     if not keep:
         return None
-    sel = torch.tensor(keep, dtype=torch.int64, device=ids.device)
-    return ids.index_select(0, sel).to(torch.int64) + torch.tensor(rows, dtype=torch.int64, device=ids.device)[sel] * vocab_size
+    rows_t, src_t = torch.tensor(keep, dtype=torch.int64, device=ids.device).unbind(1)
+    return ids.index_select(0, src_t).to(torch.int64) + rows_t * vocab_size
 
 
 def _flat_index(rows: list[list[list[int]]], vocab_size: int, device: torch.device,

@@ -304,6 +304,6 @@ def test_pending_ids_on_the_device_count_like_listed_ones():
     held = [o[:-1] + [-1] for o in outputs]
     pending = SamplingTensors.build(params=params, seeds=[1] * 4, steps=[len(o) for o in outputs],
                                     prompt_ids=prompts, output_ids=held, vocab_size=vocab, device="cpu",
-                                    pending_ids=([0, 1, 2, 3], torch.tensor(newest)))
+                                    pending_ids=([0, 1, 2, 3], [3, 2, 1, 0], torch.tensor(newest[::-1])))
     assert torch.equal(listed.output_counts, pending.output_counts)
     assert torch.equal(listed.seen_mask, pending.seen_mask)
