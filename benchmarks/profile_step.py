@@ -2,6 +2,8 @@
 
     python benchmarks/profile_step.py                # GPU: Llama-3.2-1B-shaped model, 256 sequences decoding
     python benchmarks/profile_step.py --tiny         # CPU smoke run
+    python benchmarks/profile_step.py --micro --stub-forward --batch 256 --extra async_scheduling=true
+        # CPU: the forward pass returns a constant, so a step is the engine's host work alone
 
 All requests are admitted and prefilled first; then --steps pure decode steps are measured:
 1. wall time per step (the engine as it runs);
@@ -22,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.throughput import LLAMA_1B, TINY, build_model  # noqa: E402
+from benchmarks.throughput import LLAMA_1B, MICRO, TINY, build_model  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.engine import LLMEngine  # noqa: E402
 from engine.sampler import SamplingTensors, sample  # noqa: E402
@@ -37,6 +39,9 @@ def sync(dev: str) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--micro", action="store_true", help="CPU: a model with next to nothing to compute")
+    ap.add_argument("--stub-forward", action="store_true",
+                    help="the model's forward returns zeros at once: time the engine's host work alone")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--batch", type=int, default=None)
     ap.add_argument("--ctx", type=int, default=None, help="prompt length of every sequence")
@@ -45,10 +50,10 @@ def main(argv=None) -> int:
     ap.add_argument("--cprofile", type=int, default=0, help="print the N functions with most Python time in step()")
     ap.add_argument("--extra", default="", help="EngineConfig overrides, k=v,k=v (ints/floats/bools)")
     args = ap.parse_args(argv)
-    big = not args.tiny
+    big = not (args.tiny or args.micro)
     batch = args.batch or (256 if big else 16)
     ctx = args.ctx or (400 if big else 32)
-    shape = LLAMA_1B if big else TINY
+    shape = LLAMA_1B if big else MICRO if args.micro else TINY
     extra = {}
     for kv in filter(None, args.extra.split(",")):
         k, v = kv.split("=")
@@ -62,6 +67,10 @@ def main(argv=None) -> int:
                    kv_cache_memory_bytes=None if big else (128 << 20))
         cfg.update(extra)
         eng = LLMEngine(EngineConfig(**cfg))
+        if args.stub_forward:
+            hidden = shape["hidden_size"]
+            dtype = next(eng.model.parameters()).dtype
+            eng.model.forward = lambda ids, pos, attn: torch.zeros(ids.shape[0], hidden, dtype=dtype, device=ids.device)
         rng = random.Random(0)
         sp = SamplingParams(max_tokens=eng.max_model_len - ctx, temperature=0, ignore_eos=True)
         for i in range(batch):

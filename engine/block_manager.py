@@ -167,6 +167,21 @@ class BlockManager:
             parent = h
         return result
 
+    def reset_prefix_cache(self) -> int:
+        """Forgets the cached content of every free block (blocks held by requests keep theirs),
+        e.g. so that a benchmark's repeat computes its prompts again. Returns the blocks dropped."""
+        dropped = 0
+        for block_id in self._free:
+            h = self._hashes[block_id]
+            if h is not None:
+                if self._cached.get(h) == block_id:
+                    del self._cached[h]
+                self._hashes[block_id] = None
+                self._keys[block_id] = None
+                dropped += 1
+        self.num_cached_free_blocks -= dropped
+        return dropped
+
     def cache_full_blocks(self, request: Request) -> None:
         """Hash the request's blocks that became full of computed tokens since the last call.
 
@@ -180,7 +195,10 @@ class BlockManager:
             return
         hashes = self._req_hashes.setdefault(request.request_id, [])
         bs = self.block_size
-        for i in range(len(hashes), request.num_computed_tokens // bs):
+        num_full = request.num_computed_tokens // bs
+        if num_full == len(hashes):
+            return  # no block filled up since the last call (most steps)
+        for i in range(len(hashes), num_full):
             parent = hashes[-1] if hashes else None
             tokens = tuple(request.token_slice(i * bs, (i + 1) * bs))
             h = hash_block(parent, tokens)
@@ -213,6 +231,9 @@ class BlockManager:
         Allocates only the missing blocks; returns False, changing nothing, when too few are free.
         """
         table = self._tables.get(request.request_id)
+        if (cached is None and table is not None
+                and request.num_computed_tokens + num_new_tokens <= len(table) * self.block_size):
+            return True  # the common decode step: the last block still has room
         have = 0 if table is None else len(table)
         num_hit = 0 if cached is None else cached.num_blocks
         assert num_hit == 0 or table is None, "a cached prefix is only taken on admission"

@@ -349,10 +349,9 @@ class LLMEngine:
             return self._fail(live, f"{type(e).__name__}: {e}",
                               out_of_memory=isinstance(e, torch.cuda.OutOfMemoryError))
         outputs = []
-        for req in pending.requests:
+        for req, tok in zip(pending.requests, sampled):
             if req.finished:  # aborted (or failed) while its step ran
                 continue
-            tok = sampled[req.request_id]
             req.output_token_ids[-1] = tok.token_id  # the PLACEHOLDER appended at launch
             outputs.append(self._emit(req, tok))
         return outputs
@@ -386,8 +385,9 @@ class LLMEngine:
     def _emit(self, req: Request, tok: SampledToken) -> RequestOutput:
         """The output of one new token (already in req.output_token_ids): text, stop checks, and
         the request's end when it stops here."""
+        # Runs once per token of every running request: kept to plain attribute reads.
         detok = self._detok[req.request_id]
-        text = detok.step([tok.token_id])
+        text = detok.step((tok.token_id,))
         status = None if detok.stopped else req.check_token_stop()
         if status is not None:
             # Ending for another reason: text held back (a possible stop string, a split
@@ -396,12 +396,13 @@ class LLMEngine:
         if detok.stopped:
             status = RequestStatus.FINISHED_STOPPED
             req.stop_reason = detok.stop_string
+        num_out = len(req.output_token_ids)
         o = RequestOutput(
             request_id=req.parent_id, new_token_ids=[tok.token_id], new_text=text,
-            new_logprobs=[tok] if req.sampling.logprobs or tok.top else [],
-            num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
+            new_logprobs=[tok] if tok.top or req.sampling.logprobs else [],
+            num_prompt_tokens=len(req.prompt_token_ids), num_output_tokens=num_out,
             num_cached_tokens=req.num_cached_tokens, index=req.index, all_finished=False)
-        if req.num_output_tokens == 1 and req.first_scheduled_time is not None:
+        if num_out == 1 and req.first_scheduled_time is not None:
             o.queue_time_s = req.first_scheduled_time - req.arrival_time
         if status is not None:
             o.all_finished = self._finish(req, status)

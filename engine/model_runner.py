@@ -55,16 +55,19 @@ class PendingSample:
         self._n_top = n_top
         self._done = done  # recorded after the device->host copy; None on the CPU
 
-    def result(self) -> dict[str, SampledToken]:
-        """Waits for the copy (the step's one host synchronization); request id -> its token."""
+    def result(self) -> list[SampledToken]:
+        """Waits for the copy (the step's one host synchronization); the token of each row."""
         if self._done is not None:
             self._done.synchronize()
         n_top = self._n_top
-        sampled: dict[str, SampledToken] = {}
-        for r, row in zip(self.requests, self._host.tolist()):
+        rows = self._host.tolist()
+        if not n_top:
+            return [SampledToken(int(row[0]), row[1], []) for row in rows]
+        sampled = []
+        for r, row in zip(self.requests, rows):
             n = min(r.sampling.logprobs, n_top)
             top = [(int(t), lp) for t, lp in zip(row[2:2 + n], row[2 + n_top:2 + n_top + n])]
-            sampled[r.request_id] = SampledToken(int(row[0]), row[1], top)
+            sampled.append(SampledToken(int(row[0]), row[1], top))
         return sampled
 
 
@@ -136,7 +139,9 @@ class ModelRunner:
         # Async scheduling: the last step's sampled ids stay on the device; a request whose newest
         # token is still PLACEHOLDER (sampled, not yet read back) takes its input id from there.
         self._last_ids: torch.Tensor | None = None  # (R,) int64 on the device
+        self._last_reqs: list[Request] = []  # the requests of its rows, in row order
         self._last_rows: dict[str, int] = {}  # request id -> row of _last_ids
+        self._last_tensors: SamplingTensors | None = None  # the sampling inputs of those rows
 
     # ---- inputs ---------------------------------------------------------------------------------
     def _stage(self, out: SchedulerOutput, graph_batch: int | None) -> _Step:
@@ -163,8 +168,8 @@ class ModelRunner:
         ids[:t] = np.fromiter(chain.from_iterable(_token_slice(s.request, s.start, s.num_new_tokens)
                                                   for s in scheduled), dtype=np.int32, count=t)
         tables[:] = 0
-        for i, s in enumerate(scheduled):
-            tables[i, :len(s.block_table)] = s.block_table
+        tables[np.arange(w) < widths[:, None]] = np.fromiter(  # row-major: each table in turn
+            chain.from_iterable(s.block_table for s in scheduled), dtype=np.int32, count=int(widths.sum()))
         qsl[0] = 0
         np.cumsum(q_lens, out=qsl[1:b + 1])
         seq_idx = np.repeat(np.arange(b), q_lens)  # (T,) sequence of each token
@@ -179,10 +184,20 @@ class ModelRunner:
         max_seq_len = int(lens[:b].max())
 
         n_ints = 3 * n_tok + 2 * rows + 1
-        # Newest tokens not read back yet: (token index in this step, row of the last step's ids).
-        pending = [(int(qsl[i + 1]) - 1, self._last_rows[s.request.request_id]) for i, s in enumerate(scheduled)
-                   if s.request.output_token_ids and s.request.output_token_ids[-1] == PLACEHOLDER
-                   and s.start + s.num_new_tokens == s.request.num_tokens]
+        # Newest tokens not read back yet (async scheduling): the input id of such a token is in
+        # the last step's sampled ids on the device. The steady decode state, the same requests in
+        # the same order as the rows the last step sampled, takes them in one copy; otherwise
+        # (token index in this step, row of the last step's ids) pairs go with the inputs.
+        pending, same_rows = [], False
+        if self._last_ids is not None:
+            reqs = [s.request for s in scheduled]
+            same_rows = (t == b and reqs == self._last_reqs
+                         and all(r.output_token_ids[-1] == PLACEHOLDER for r in reqs))
+            if not same_rows:
+                pending = [(int(qsl[i + 1]) - 1, self._last_rows[s.request.request_id])
+                           for i, s in enumerate(scheduled)
+                           if s.request.output_token_ids and s.request.output_token_ids[-1] == PLACEHOLDER
+                           and s.start + s.num_new_tokens == s.request.num_tokens]
         n_pend = len(pending)
         if n_pend:
             ints[n_ints:n_ints + 2 * n_pend] = np.asarray(pending, dtype=np.int32).T.reshape(-1)
@@ -204,7 +219,9 @@ class ModelRunner:
             max_query_len=max_query_len,
             max_seq_len=max_seq_len,
         )
-        if n_pend:
+        if same_rows:
+            dev[:b].copy_(self._last_ids[:b])
+        elif n_pend:
             idx = self._dev_ints[n_ints:n_copy].to(torch.int64)
             dev[:n_tok].index_copy_(0, idx[:n_pend], self._last_ids[idx[n_pend:]].to(torch.int32))
         return _Step(dev[:n_tok], dev[n_tok:2 * n_tok], md, b, graph_batch)
@@ -249,24 +266,32 @@ class ModelRunner:
         if logits is None:
             return None
         reqs = [out.scheduled[i].request for i in rows]
-        # Penalties count output ids: a newest id not read back yet is read from the device, and
-        # only for rows that use a penalty (the sampler selects them).
-        pend = [(i, self._last_rows[r.request_id]) for i, r in enumerate(reqs)
-                if r.output_token_ids and r.output_token_ids[-1] == PLACEHOLDER]
-        pending_ids = ([p[0] for p in pend], [p[1] for p in pend], self._last_ids) if pend else None
-        tensors = SamplingTensors.build(
-            params=[r.sampling for r in reqs],
-            seeds=[seeds[r.request_id] for r in reqs],
-            steps=[r.num_output_tokens for r in reqs],
-            prompt_ids=[r.prompt_token_ids for r in reqs],
-            output_ids=[r.output_token_ids for r in reqs],
-            vocab_size=logits.shape[-1],
-            device=logits.device,
-            pending_ids=pending_ids,
-        )
+        last = self._last_tensors
+        if last is not None and not last.any_penalties and reqs == self._last_reqs:
+            # The same rows as the last step's sample, each one token further: only the step
+            # counters (the random stream's position) change. The steady decode state.
+            tensors = last.next_step()
+        else:
+            # Penalties count output ids: a newest id not read back yet is read from the device,
+            # and only for rows that use a penalty (the sampler selects them).
+            pend = [(i, self._last_rows[r.request_id]) for i, r in enumerate(reqs)
+                    if r.output_token_ids and r.output_token_ids[-1] == PLACEHOLDER]
+            pending_ids = ([p[0] for p in pend], [p[1] for p in pend], self._last_ids) if pend else None
+            tensors = SamplingTensors.build(
+                params=[r.sampling for r in reqs],
+                seeds=[seeds[r.request_id] for r in reqs],
+                steps=[r.num_output_tokens for r in reqs],
+                prompt_ids=[r.prompt_token_ids for r in reqs],
+                output_ids=[r.output_token_ids for r in reqs],
+                vocab_size=logits.shape[-1],
+                device=logits.device,
+                pending_ids=pending_ids,
+            )
+            self._last_rows = {r.request_id: i for i, r in enumerate(reqs)}
         result = sample(logits, tensors)
         self._last_ids = result.token_ids
-        self._last_rows = {r.request_id: i for i, r in enumerate(reqs)}
+        self._last_reqs = reqs
+        self._last_tensors = tensors
         # Everything sampled comes back in one transfer, packed as float64 columns (token ids are
         # exact in float64): id, logprob, then n top ids, n top logprobs.
         cols = [result.token_ids.double()[:, None], result.logprobs.double()[:, None]]
@@ -286,9 +311,11 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput, seeds: dict[str, int]) -> dict[str, SampledToken]:
         """Runs the scheduled tokens and waits for the sample: the sampled token of every request
         that reached the end of its known tokens this step (prefill chunks in the middle of a
-        prompt sample nothing)."""
+        prompt sample nothing), by request id."""
         pending = self.launch(out, seeds)
-        return {} if pending is None else pending.result()
+        if pending is None:
+            return {}
+        return {r.request_id: tok for r, tok in zip(pending.requests, pending.result())}
 
     def profile(self, prompt_lens: list[int]) -> None:
         """One prefill step of sequences with these prompt lengths, sampled with every sampler

@@ -29,7 +29,8 @@ class RequestStatus(enum.IntEnum):
     def length_capped(self) -> bool:
         """No token may follow: max_tokens or the context length is reached. Known from the count
         alone, so async scheduling stops such a request before its newest id is read back."""
-        return self.num_output_tokens >= self.sampling.max_tokens or self.num_tokens >= self.max_model_len
+        n = len(self.output_token_ids)
+        return n >= self.sampling.max_tokens or n + len(self.prompt_token_ids) >= self.max_model_len
 
     @property
     def finished(self) -> bool:
@@ -112,7 +113,8 @@ class Request:
     def length_capped(self) -> bool:
         """No token may follow: max_tokens or the context length is reached. Known from the count
         alone, so async scheduling stops such a request before its newest id is read back."""
-        return self.num_output_tokens >= self.sampling.max_tokens or self.num_tokens >= self.max_model_len
+        n = len(self.output_token_ids)
+        return n >= self.sampling.max_tokens or n + len(self.prompt_token_ids) >= self.max_model_len
 
     @property
     def finished(self) -> bool:
@@ -124,14 +126,12 @@ class Request:
     def check_token_stop(self) -> RequestStatus | None:
         """Finish status implied by the last generated token, if any (stop strings are the
         detokenizer's job, since they are found in text)."""
-        last = self.output_token_ids[-1]
-        if not self.sampling.ignore_eos and last in self.eos_token_ids:
+        out, sp = self.output_token_ids, self.sampling
+        last = out[-1]
+        if (not sp.ignore_eos and last in self.eos_token_ids) or last in sp.stop_token_ids:
             self.stop_reason = last
             return RequestStatus.FINISHED_STOPPED
-        if last in self.sampling.stop_token_ids:
-            self.stop_reason = last
-            return RequestStatus.FINISHED_STOPPED
-        if self.num_output_tokens >= self.sampling.max_tokens or self.num_tokens >= self.max_model_len:
+        if len(out) >= sp.max_tokens or len(out) + len(self.prompt_token_ids) >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 

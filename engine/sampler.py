@@ -22,6 +22,7 @@ independent exponential clocks with rates p_v), as in gpt-fast `multinomial_samp
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from itertools import chain
 
@@ -110,6 +111,13 @@ class SamplingTensors:
     @property
     def any_penalties(self) -> bool:
         return self.output_counts is not None or self.seen_mask is not None
+
+    def next_step(self) -> SamplingTensors:
+        """The same rows one token later (only `step` moves; without penalties, nothing else
+        depends on the tokens). One device op instead of a rebuild from the requests."""
+        if self.any_penalties:
+            raise ValueError("penalty tables depend on the new tokens: build them again")
+        return dataclasses.replace(self, step=self.step + 1)
 
     @classmethod
     def build(

@@ -54,7 +54,9 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int  # tokens of the request run through the model this step (>= 1)
     start: int  # their first position: num_computed_tokens before the step
-    block_table: list[int]  # physical block ids covering positions 0 .. start + num_new_tokens - 1
+    # Physical block ids covering positions 0 .. start + num_new_tokens - 1: the block manager's
+    # own list (no copy per step), so read it before the next schedule() grows it.
+    block_table: list[int]
     sample: bool  # start + num_new_tokens == num_tokens: this step produces the next token
 
 
@@ -140,17 +142,22 @@ class Scheduler:
         # then prefills (their chunks take what is left of the budget), admission order within each.
         # When blocks run out, preempt the latest arrival until this one fits (or it is the latest).
         # (A length-capped request only waits for its last id to be read back: async scheduling.)
-        decodes = [r for r in self.running if r.num_remaining_tokens == 1 and not r.length_capped]
-        prefills = [r for r in self.running if r.num_remaining_tokens > 1]
-        for request in decodes + prefills:
+        # (This loop runs for every running request each step: counts are read inline.)
+        decodes, prefills = [], []
+        for r in self.running:
+            remaining = len(r.prompt_token_ids) + len(r.output_token_ids) - r.num_computed_tokens
+            if remaining > 1:
+                prefills.append(r)
+            elif remaining == 1 and not r.length_capped:
+                decodes.append(r)
+        allocate = self.block_manager.allocate_slots
+        for request in decodes + prefills if prefills else decodes:
             if budget <= 0:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
             num_new = min(request.num_remaining_tokens, budget)
-            if num_new <= 0:  # nothing to run until the engine appends its sampled token
-                continue
-            while not self.block_manager.allocate_slots(request, num_new):
+            while not allocate(request, num_new):
                 victim = self._pick_victim()
                 if victim is not request and victim.request_id in scheduled:
                     # Already given tokens this step: take them back.
@@ -219,7 +226,7 @@ class Scheduler:
             request=request,
             num_new_tokens=num_new,
             start=start,
-            block_table=list(self.block_manager.get_block_table(request.request_id)),
+            block_table=self.block_manager.get_block_table(request.request_id),
             sample=start + num_new == request.num_tokens,
         )
         out.scheduled.append(s)

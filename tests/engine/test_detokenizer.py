@@ -21,6 +21,7 @@ class Adapter:
 
     def __init__(self, tok: Tokenizer):
         self.tok = tok
+        self.backend = tok  # what DecodeStream runs on
         self.calls = 0
         self.longest = 0  # most ids decoded in one call
 
@@ -130,13 +131,13 @@ def test_split_multibyte_characters_never_yield_replacement(tok):
 
 
 def test_chunks_ending_inside_characters(tok):
-    # Every 3-token chunk of 4-byte characters ends mid-character: text before the split one
-    # still comes out, and the window catches up when a chunk ends on a boundary.
+    # 3-token chunks of 4-byte characters: a chunk that ends mid-character gives nothing yet (the
+    # text before the split character waits with it), one that ends on a boundary gives all of it.
     text = "ab🙂🚀🎉🙂🚀🎉"
-    ids = byte_token_ids(tok, text)
+    ids = byte_token_ids(tok, text)  # character boundaries after ids 2, 6, 10, ..., 26
     detok = IncrementalDetokenizer(tok, tok.encode("x"))
     deltas = run(detok, ids, [3] * len(ids), flush=False)
-    assert deltas[:4] == ["ab", "🙂", "", "🚀"] and "".join(deltas) == text
+    assert deltas[:6] == ["", "ab🙂", "", "", "", "🚀🎉🙂"] and "".join(deltas) == text
     assert not any("\ufffd" in d for d in deltas)
 
 
@@ -216,14 +217,40 @@ def test_earliest_stop_wins_and_hold_back_is_flushed(tok):
 
 
 def test_decode_cost_bounded_by_window(tok):
+    # The ids kept stay a short window however long the output, and well-formed text never needs
+    # a Python-side decode (the stream does it).
     rng = random.Random(4)
     prompt = tok.encode(random_text(rng, 200))
     output = tok.encode(" " + random_text(rng, 400))
-    tok.longest, tok.calls = 0, 0
+    tok.calls = 0
     detok = IncrementalDetokenizer(tok, prompt, stop=["never appears"])
-    text = "".join(run(detok, output))
-    assert tok.longest <= 12 and tok.calls <= 2 * len(output) + 2, (tok.longest, tok.calls)
-    assert text == tok.decode(output, True)
+    deltas, longest = [], 0
+    for i in output:
+        deltas.append(detok.step([i]))
+        longest = max(longest, len(detok._window))
+    deltas.append(detok.flush())
+    assert longest <= 20 and tok.calls <= 1, (longest, tok.calls)  # 1: the prompt context's check
+    assert "".join(deltas) == tok.decode(output, True)
+
+
+def test_endless_invalid_utf8_is_emitted_after_the_pending_limit(tok):
+    # Continuation bytes alone never complete a character: after 64 held ids they come out as
+    # U+FFFD (as a full decode gives them), and decoding goes on normally afterwards.
+    cont = byte_token_ids(tok, "é")[1]  # 0xA9, a lone continuation byte
+    ids = [cont] * 70 + tok.encode(" the cat")
+    detok = IncrementalDetokenizer(tok, tok.encode("x"))
+    deltas = run(detok, ids)
+    assert deltas[63] == "\ufffd" * 64 and not any(deltas[:63])
+    assert "".join(deltas) == tok.decode(ids, True)
+    assert len(detok._window) <= 20
+
+
+def test_prompt_ending_inside_a_character_is_not_emitted(tok):
+    # The prompt's last id is the first byte of "é": its text is the prompt's, never the output's.
+    first, cont = byte_token_ids(tok, "é")
+    detok = IncrementalDetokenizer(tok, tok.encode("x") + [first])
+    deltas = run(detok, [cont] + tok.encode(" the cat"))
+    assert "x" not in "".join(deltas) and "".join(deltas).endswith(" the cat")
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -182,3 +182,17 @@ def test_preempted_request_recomputes_from_its_cached_blocks() -> None:
     # the deepest one (freed first), so b recomputes from position 2.
     assert [(s.request.request_id, s.start, s.num_new_tokens) for s in out.scheduled] == [("b", 2, 3)]
     assert bm.prefix_cache_hits == 2
+
+
+def test_reset_prefix_cache_drops_free_blocks_only() -> None:
+    bm = BlockManager(8, 4)
+    a, b = req("a", list(range(10))), req("b", [50 + i for i in range(9)])
+    compute(bm, a)
+    compute(bm, b)
+    bm.free(a)  # a's two full blocks stay cached while free; b still holds its blocks
+    assert bm.num_cached_free_blocks == 2
+    assert bm.reset_prefix_cache() == 2
+    assert bm.num_cached_free_blocks == 0 and bm.num_free_blocks == 8 - 3
+    assert bm.find_cached_prefix(req("a2", list(range(10)))).block_ids == []
+    # b's blocks are in use: their content stays findable.
+    assert len(bm.find_cached_prefix(req("b2", [50 + i for i in range(9)])).block_ids) == 2
