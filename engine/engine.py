@@ -7,7 +7,7 @@ detokenize -> per-request outputs.
 
 from __future__ import annotations
 
-
+import gc
 import os
 import random
 from dataclasses import dataclass, field
@@ -162,6 +162,12 @@ class LLMEngine:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._requests: dict[str, Request] = {}  # internal (per-sample) id -> request
         self._groups: dict[str, list[str]] = {}  # caller's id -> internal ids of its unfinished samples
+        # Everything alive now (model, tokenizer, torch and library modules: ~10^5-10^6 objects)
+        # lives as long as the engine. Out of the cyclic collector's sight, a full collection
+        # under load scans only what requests create: 3 ms instead of ~190 ms measured in the
+        # middle of a 256-stream run (`gc.unfreeze()` undoes it, as the test suite does).
+        gc.collect()
+        gc.freeze()
         log.info("engine_ready", model=config.model, architecture=mc.architecture, device=str(self.device),
                  dtype=dtype_name, kv_cache_dtype=config.kv_cache_dtype, kv_blocks=num_blocks,
                  block_size=config.block_size, kv_cache_tokens=num_blocks * config.block_size,

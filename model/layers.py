@@ -11,15 +11,36 @@ from model.config import ModelConfig
 from model.rope import apply_rotary
 
 
+def _fused(x: torch.Tensor) -> bool:
+    """Inference on CUDA: the elementwise ops run as the Triton kernels of kernels.triton_fused
+    (one kernel each where eager torch launches 2-5; same roundings). Training (autograd) and the
+    CPU keep the torch ops."""
+    return x.is_cuda and not torch.is_grad_enabled()
+
+
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight over the last dim; the statistics in fp32, the result in x's dtype."""
+    """x / rms(x) * weight over the last dim; the statistics in fp32, the result in x's dtype.
+
+    With `residual`, the pre-norm block's residual add comes first: s = x + residual, and the call
+    returns (norm(s), s). On the fused path s is written into `residual` in place."""
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if _fused(x) and x.dim() == 2 and x.is_contiguous():
+            from kernels.triton_fused import rms_norm
+
+            out, s = rms_norm(x, self.weight, self.eps, residual)
+            return out if residual is None else (out, s)
+        if residual is None:
+            return self._norm(x)
+        s = x + residual
+        return self._norm(s), s
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # One fused kernel for the statistics and the scaling (F.rms_norm), in fp32 as transformers.
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
@@ -37,7 +58,12 @@ class SwiGLUMLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # (T, I) each
+        gate_up = self.gate_up_proj(x)
+        if _fused(gate_up):
+            from kernels.triton_fused import silu_mul
+
+            return self.down_proj(silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)  # (T, I) each
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -72,7 +98,12 @@ class SelfAttention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
         if self.q_norm is None:  # q and k rotate together: one pass over their heads
             qk = qkv[:, :self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
-            qk = apply_rotary(qk, cos, sin)
+            if _fused(qk):
+                from kernels.triton_fused import rotary_
+
+                rotary_(qk, cos, sin)  # in place, in the qkv output
+            else:
+                qk = apply_rotary(qk, cos, sin)
             q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]  # (T, Hq, D), (T, Hkv, D)
         else:
             q = self.q_norm(qkv[:, :self.q_size].view(t, self.num_heads, self.head_dim))

@@ -27,11 +27,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLUMLP(cfg)
 
-    def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                attn: AttentionBackend) -> torch.Tensor:
-        """h (T, hidden) -> (T, hidden); pre-norm residual blocks. rope: RotaryEmbedding.lookup."""
-        h = h + self.self_attn(self.input_layernorm(h), rope, attn)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
+                attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-norm residual blocks, with each residual add done by the norm that follows it:
+        (h, residual) -> (mlp output, residual stream before it), all (T, hidden); the stream is
+        residual + h (h alone in the first layer). rope: RotaryEmbedding.lookup."""
+        if residual is None:
+            x, residual = self.input_layernorm(h), h
+        else:
+            x, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(x, rope, attn)
+        x, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -52,9 +59,10 @@ class LlamaForCausalLM(nn.Module):
         """input_ids (T,) int64, positions (T,) int64 -> final-normed hidden states (T, hidden)."""
         h = self.embed_tokens(input_ids)  # (T, hidden)
         rope = self.rotary.lookup(positions, h.dtype)  # once for all layers
+        residual = None
         for layer in self.layers:
-            h = layer(h, rope, attn)
-        return self.norm(h)
+            h, residual = layer(h, residual, rope, attn)
+        return self.norm(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (N, hidden) -> logits (N, vocab_size) fp32."""

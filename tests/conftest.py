@@ -1,5 +1,6 @@
 """Test-wide set-up: offline hub, GPU tests skipped without CUDA."""
 
+import gc
 import os
 
 # Nothing is downloaded in tests: a hub id must fail at once instead of retrying DNS.
@@ -13,6 +14,14 @@ import torch  # noqa: E402
 # defined (i.e. before kernels.triton_* is imported). On a CUDA machine they compile for real.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(autouse=True)
+def _unfreeze_gc():
+    """LLMEngine freezes the objects alive at its start (gc.freeze); hand them back to the
+    collector after each test so that engines of finished tests are freed."""
+    yield
+    gc.unfreeze()
 
 
 def pytest_collection_modifyitems(config, items):
