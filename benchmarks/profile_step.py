@@ -40,6 +40,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--micro", action="store_true", help="CPU: a model with next to nothing to compute")
+    ap.add_argument("--unfreeze-gc", action="store_true", help="undo the engine's gc.freeze() (A/B)")
     ap.add_argument("--stub-forward", action="store_true",
                     help="the model's forward returns zeros at once: time the engine's host work alone")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -67,6 +68,10 @@ def main(argv=None) -> int:
                    kv_cache_memory_bytes=None if big else (128 << 20))
         cfg.update(extra)
         eng = LLMEngine(EngineConfig(**cfg))
+        if args.unfreeze_gc:
+            import gc
+
+            gc.unfreeze()
         if args.stub_forward:
             hidden = shape["hidden_size"]
             dtype = next(eng.model.parameters()).dtype

@@ -100,6 +100,8 @@ class IncrementalDetokenizer:
             self._num_held = 0
             if len(window) > 4 * _PROMPT_CONTEXT_TOKENS:
                 del window[:-_PROMPT_CONTEXT_TOKENS]
+            if not self._stop:  # nothing is held back for stop strings: the chunk goes out as is
+                return self._push(chunk)
         return self._emit(chunk, final=False)
 
     def flush(self) -> str:

@@ -142,6 +142,9 @@ class ModelRunner:
         self._last_reqs: list[Request] = []  # the requests of its rows, in row order
         self._last_rows: dict[str, int] = {}  # request id -> row of _last_ids
         self._last_tensors: SamplingTensors | None = None  # the sampling inputs of those rows
+        # The last pure decode step's staging: ((tokens, rows, table width), requests, starts,
+        # table widths); the next one over the same requests only rewrites what moved.
+        self._prev_stage: tuple | None = None
 
     # ---- inputs ---------------------------------------------------------------------------------
     def _stage(self, out: SchedulerOutput, graph_batch: int | None) -> _Step:
@@ -151,6 +154,7 @@ class ModelRunner:
         T = B = graph_batch and rows B.. are padding."""
         scheduled = out.scheduled
         b = len(scheduled)
+        reqs = [s.request for s in scheduled]
         q_lens = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=b)
         starts = np.fromiter((s.start for s in scheduled), dtype=np.int64, count=b)
         widths = np.fromiter((len(s.block_table) for s in scheduled), dtype=np.int64, count=b)
@@ -165,34 +169,50 @@ class ModelRunner:
         lens, qsl = ints[3 * n_tok:3 * n_tok + rows], ints[3 * n_tok + rows:3 * n_tok + 2 * rows + 1]
         tables = self._host_tables.numpy()[:b * w].reshape(b, w)
 
-        ids[:t] = np.fromiter(chain.from_iterable(_token_slice(s.request, s.start, s.num_new_tokens)
-                                                  for s in scheduled), dtype=np.int32, count=t)
-        tables[:] = 0
-        tables[np.arange(w) < widths[:, None]] = np.fromiter(  # row-major: each table in turn
-            chain.from_iterable(s.block_table for s in scheduled), dtype=np.int32, count=int(widths.sum()))
-        qsl[0] = 0
-        np.cumsum(q_lens, out=qsl[1:b + 1])
-        seq_idx = np.repeat(np.arange(b), q_lens)  # (T,) sequence of each token
-        p = starts[seq_idx] + (np.arange(t) - qsl[:b][seq_idx])  # (T,) position of each token
-        pos[:t] = p
-        slots[:t] = tables[seq_idx, p // self.block_size] * self.block_size + p % self.block_size
-        lens[:b] = starts + q_lens
-        if rows > b:  # graph padding: no token written, nothing attended
-            ids[t:], pos[t:], slots[t:], lens[b:] = 0, 0, -1, 0
-            qsl[b + 1:] = np.arange(t + 1, t + 1 + rows - b)
-        max_query_len = int(q_lens.max())
-        max_seq_len = int(lens[:b].max())
-
-        n_ints = 3 * n_tok + 2 * rows + 1
         # Newest tokens not read back yet (async scheduling): the input id of such a token is in
         # the last step's sampled ids on the device. The steady decode state, the same requests in
         # the same order as the rows the last step sampled, takes them in one copy; otherwise
         # (token index in this step, row of the last step's ids) pairs go with the inputs.
-        pending, same_rows = [], False
+        same_rows = (self._last_ids is not None and t == b and reqs == self._last_reqs
+                     and all(r.output_token_ids[-1] == PLACEHOLDER for r in reqs))
+        prev = self._prev_stage
+        if (prev is not None and t == b and prev[0] == (n_tok, rows, w) and reqs == prev[1]
+                and np.array_equal(starts, prev[2] + 1)):
+            # The same decode rows as the last step, each one token further, in the same staging
+            # layout: the buffers still hold that step's inputs, so only what moved is rewritten
+            # (positions, lengths, slots, and the last entry of tables that grew a block).
+            grew = np.flatnonzero(widths != prev[3])
+            for i in grew.tolist():
+                tables[i, widths[i] - 1] = scheduled[i].block_table[-1]
+        else:
+            tables[:] = 0
+            tables[np.arange(w) < widths[:, None]] = np.fromiter(  # row-major: each table in turn
+                chain.from_iterable(s.block_table for s in scheduled), dtype=np.int32, count=int(widths.sum()))
+            qsl[0] = 0
+            np.cumsum(q_lens, out=qsl[1:b + 1])
+            if rows > b:  # graph padding: no token written, nothing attended
+                ids[t:], pos[t:], slots[t:], lens[b:] = 0, 0, -1, 0
+                qsl[b + 1:] = np.arange(t + 1, t + 1 + rows - b)
+        self._prev_stage = ((n_tok, rows, w), reqs, starts, widths) if t == b else None
+        if not same_rows:
+            ids[:t] = np.fromiter(chain.from_iterable(_token_slice(s.request, s.start, s.num_new_tokens)
+                                                      for s in scheduled), dtype=np.int32, count=t)
+        if t == b:  # one token per sequence, at its start
+            p = starts
+            pos[:b] = p
+            slots[:b] = tables[np.arange(b), p // self.block_size] * self.block_size + p % self.block_size
+        else:
+            seq_idx = np.repeat(np.arange(b), q_lens)  # (T,) sequence of each token
+            p = starts[seq_idx] + (np.arange(t) - qsl[:b][seq_idx])  # (T,) position of each token
+            pos[:t] = p
+            slots[:t] = tables[seq_idx, p // self.block_size] * self.block_size + p % self.block_size
+        lens[:b] = starts + q_lens
+        max_query_len = int(q_lens.max())
+        max_seq_len = int(lens[:b].max())
+
+        n_ints = 3 * n_tok + 2 * rows + 1
+        pending = []
         if self._last_ids is not None:
-            reqs = [s.request for s in scheduled]
-            same_rows = (t == b and reqs == self._last_reqs
-                         and all(r.output_token_ids[-1] == PLACEHOLDER for r in reqs))
             if not same_rows:
                 pending = [(int(qsl[i + 1]) - 1, self._last_rows[s.request.request_id])
                            for i, s in enumerate(scheduled)

@@ -147,16 +147,16 @@ class Scheduler:
         for r in self.running:
             remaining = len(r.prompt_token_ids) + len(r.output_token_ids) - r.num_computed_tokens
             if remaining > 1:
-                prefills.append(r)
+                prefills.append((r, remaining))
             elif remaining == 1 and not r.length_capped:
-                decodes.append(r)
+                decodes.append((r, 1))
         allocate = self.block_manager.allocate_slots
-        for request in decodes + prefills if prefills else decodes:
+        for request, remaining in decodes + prefills if prefills else decodes:
             if budget <= 0:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
-            num_new = min(request.num_remaining_tokens, budget)
+            num_new = remaining if remaining < budget else budget
             while not allocate(request, num_new):
                 victim = self._pick_victim()
                 if victim is not request and victim.request_id in scheduled:
@@ -222,13 +222,8 @@ class Scheduler:
 
     def _schedule(self, out: SchedulerOutput, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
-        s = ScheduledRequest(
-            request=request,
-            num_new_tokens=num_new,
-            start=start,
-            block_table=self.block_manager.get_block_table(request.request_id),
-            sample=start + num_new == request.num_tokens,
-        )
+        s = ScheduledRequest(request, num_new, start, self.block_manager.get_block_table(request.request_id),
+                             start + num_new == len(request.prompt_token_ids) + len(request.output_token_ids))
         out.scheduled.append(s)
         out.num_batched_tokens += num_new
         return s

@@ -253,11 +253,14 @@ def _config(d: int, page: int, cache_dtype: torch.dtype, on_gpu: bool) -> Decode
     D 128, page 16). int8: BLOCK_N 128 / 3 stages beat 64 / 2-3 stages by 10-40 % (twice the bytes
     per tile for the same per-tile overhead; 255 registers, 2 programs per SM, and 512 programs
     fill two whole waves); 32 was 2x slower. 16-bit pages: BLOCK_N 64 / 2 stages (4.1 TB/s), 128
-    within 1 %. D=64 rows are half as long, so tiles are twice as many tokens (not measured)."""
+    within 1 %. D=64 int8: see below."""
     if not on_gpu:
         return DecodeConfig(block_n=max(16, min(page, 32)), num_stages=1)
     if cache_dtype == torch.int8:
-        return DecodeConfig(block_n=128, num_stages=3)
+        # D=64 (Llama-3.2-1B's heads), same H200, same script (--d64): 2 stages beat 3 by 12 %
+        # at B256 x ctx512 (0.0745 vs 0.0844 ms) and 33 % at B64 x ctx4096 (0.130 vs 0.194 ms),
+        # which puts int8 pages ahead of bf16 (0.080 / 0.138 ms); BLOCK_N 256 and 8 warps lost.
+        return DecodeConfig(block_n=128, num_stages=2 if d <= 64 else 3)
     if cache_dtype == torch.float32:
         return DecodeConfig(block_n=32 if d >= 128 else 64, num_stages=2)
     return DecodeConfig(block_n=64 if d >= 128 else 128, num_stages=2)

@@ -178,3 +178,34 @@ def test_a_stop_next_to_a_penalty_row_agrees(model_dir):
             ("b", prompts[1], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop_token_ids=[stop]))]
     res = _same(model_dir, reqs)
     assert res[("b", 0)]["status"] == RequestStatus.FINISHED_STOPPED
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_incremental_staging_equals_a_full_rebuild(model_dir, async_scheduling):
+    """Steady decode steps rewrite only what moved in the staging buffers; after every step they
+    must hold exactly what building the step from scratch writes (positions, slots, lengths,
+    query starts, block tables), through admissions, finishes, block growth and preemption."""
+    engine = _engine(model_dir, async_scheduling, num_kv_blocks=40, block_size=4)
+    runner = engine.runner
+    stage = runner._stage
+    incremental = 0
+
+    def checked(out, graph_batch):
+        nonlocal incremental
+        incremental += runner._prev_stage is not None
+        step = stage(out, graph_batch)
+        got_ints, got_tables = runner._host_ints.numpy().copy(), runner._host_tables.numpy().copy()
+        runner._prev_stage = None  # the full path, into the same buffers
+        full = stage(out, graph_batch)
+        b, w = step.metadata.block_tables.shape
+        n = int(step.metadata.query_start_loc[-1]) * 3 + 2 * b + 1
+        assert (got_ints[:n] == runner._host_ints.numpy()[:n]).all()
+        assert (got_tables[:b * w] == runner._host_tables.numpy()[:b * w]).all()
+        return full
+
+    runner._stage = checked
+    rng = random.Random()
+    reqs = [(f"g{i}", p, SamplingParams(max_tokens=rng.randint(5, 30), temperature=0, ignore_eos=True))
+            for i, p in enumerate(_prompts(10, rng))]
+    _run(engine, reqs)
+    assert incremental > 10  # the fast path really ran
