@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import structlog
 
 from engine.config import EngineConfig
-from engine.engine import EngineStats, LLMEngine, check_request
+from engine.engine import EngineStats, LLMEngine, RequestOutput, check_request
 from engine.engine_thread import AsyncEngine, StepTimeoutError, StepWatchdog, apply_commands
 from engine.sampling_params import SamplingParams
 from model import ModelConfig, Tokenizer
@@ -167,7 +167,7 @@ def _child_main(config: EngineConfig, conn, step_timeout_s: float | None,
                 return  # the parent was told; it fails the open requests and exits
             if outputs or commands:
                 with send_lock:
-                    conn.send(("out", outputs, engine.stats(), state.steps, received))
+                    conn.send(("out", [o.to_wire() for o in outputs], engine.stats(), state.steps, received))
     except (EOFError, BrokenPipeError, KeyboardInterrupt):
         return  # the parent is gone
     except BaseException as e:
@@ -274,7 +274,7 @@ class ProcessAsyncEngine(AsyncEngine):
                     self.engine.update(stats)
                     self.steps, self._received = steps, received
                     if outputs:
-                        self._loop.call_soon_threadsafe(self._deliver, outputs)
+                        self._loop.call_soon_threadsafe(self._deliver, [RequestOutput.from_wire(o) for o in outputs])
                 elif msg[0] == "hung":
                     self._fail(StepTimeoutError(msg[1]))
                     return

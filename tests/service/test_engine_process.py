@@ -115,3 +115,25 @@ def test_cli_default_is_by_device():
     assert cli._server_config(parser.parse_args(["serve", "--device", "cpu"])).engine_process is True
     assert cli._server_config(parser.parse_args(["serve", "--device", "cpu", "--no-engine-process"])).engine_process is False
     assert cli._server_config(parser.parse_args(["serve", "--engine-process"])).engine_process is True
+
+
+def test_outputs_cross_the_pipe_unchanged():
+    """What the child sends (RequestOutput.to_wire) rebuilds to an equal output in the parent,
+    every field set away from its default, logprobs included."""
+    import pickle
+
+    from engine.engine import RequestOutput
+    from engine.model_runner import SampledToken
+    from engine.request import RequestStatus
+
+    outs = [
+        RequestOutput("a", [5, 6], "hi", [SampledToken(5, -0.5, [(5, -0.5), (9, -1.25)]), SampledToken(6, -2.0, [])],
+                      finished=True, status=RequestStatus.FINISHED_STOPPED, stop_reason="\n", num_prompt_tokens=3,
+                      num_output_tokens=7, queue_time_s=0.25, num_cached_tokens=16, index=2, all_finished=False),
+        RequestOutput("b", [], "", finished=True, status=RequestStatus.FINISHED_ERROR, error="boom",
+                      out_of_memory=True),
+        RequestOutput("c", [1], " x", stop_reason=7),
+    ]
+    back = [RequestOutput.from_wire(t) for t in pickle.loads(pickle.dumps([o.to_wire() for o in outs]))]
+    assert back == outs
+    assert isinstance(back[0].status, RequestStatus) and isinstance(back[0].new_logprobs[0], SampledToken)
