@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import multiprocessing
+import queue
 import signal
 import threading
 import time
@@ -98,20 +99,59 @@ class EngineProxy:
 
 # ---- the child ------------------------------------------------------------------------------------
 
+class _Outbox:
+    """The child's messages to the parent, sent by a thread of their own: the engine loop only
+    queues them, so a parent that reads late (its loop busy writing hundreds of streams) never
+    blocks a step. Step outputs queued while a send is under way go out together, as one message
+    with the newest stats."""
+
+    def __init__(self, conn) -> None:
+        self._conn = conn
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="engine-outbox", daemon=True)
+        self._thread.start()
+
+    def put(self, msg: tuple) -> None:
+        self._queue.put(msg)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Sends what is queued, then stops the thread."""
+        self._queue.put(_CLOSE)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        q = self._queue
+        try:
+            msg = q.get()
+            while msg is not _CLOSE:
+                after = None  # a message taken off the queue that must go out after msg
+                while msg[0] == "out" and after is None and not q.empty():
+                    nxt = q.get()
+                    if nxt[0] == "out":  # merge the step outputs queued meanwhile
+                        msg = ("out", msg[1] + nxt[1], *nxt[2:])
+                    else:
+                        after = nxt
+                self._conn.send(msg)
+                msg = after if after is not None else q.get()
+        except (BrokenPipeError, OSError):
+            return  # the parent is gone; the engine loop sees the pipe closed
+
+
+_CLOSE = ("close",)  # the outbox's end marker (never sent)
+
+
 class _ChildState:
     """What the child's StepWatchdog watches; on a hang it tells the parent and stops watching."""
 
-    def __init__(self, conn, send_lock: threading.Lock) -> None:
+    def __init__(self, outbox: _Outbox) -> None:
         self.steps = 0
         self.step_started_at: float | None = None
         self.dead: BaseException | None = None
-        self._conn = conn
-        self._send_lock = send_lock
+        self._outbox = outbox
 
     def _declare_dead(self, error: BaseException) -> None:
         self.dead = error
-        with self._send_lock:
-            self._conn.send(("hung", str(error)))
+        self._outbox.put(("hung", str(error)))
 
 
 def _child_main(config: EngineConfig, conn, step_timeout_s: float | None,
@@ -136,8 +176,8 @@ def _child_main(config: EngineConfig, conn, step_timeout_s: float | None,
         model_config=engine.model_config, max_model_len=engine.max_model_len, vocab_size=engine.vocab_size,
         eos_token_ids=engine.eos_token_ids, device=str(engine.device), dtype_name=engine.dtype_name,
         num_kv_blocks=engine.block_manager.num_total_blocks, stats=engine.stats())))
-    send_lock = threading.Lock()
-    state = _ChildState(conn, send_lock)
+    outbox = _Outbox(conn)
+    state = _ChildState(outbox)
     watchdog = None
     if step_timeout_s is not None:
         watchdog = StepWatchdog(state, step_timeout_s, lambda err: None)
@@ -166,18 +206,17 @@ def _child_main(config: EngineConfig, conn, step_timeout_s: float | None,
             if state.dead is not None:
                 return  # the parent was told; it fails the open requests and exits
             if outputs or commands:
-                with send_lock:
-                    conn.send(("out", [o.to_wire() for o in outputs], engine.stats(), state.steps, received))
+                outbox.put(("out", [o.to_wire() for o in outputs], engine.stats(), state.steps, received))
     except (EOFError, BrokenPipeError, KeyboardInterrupt):
         return  # the parent is gone
     except BaseException as e:
         log.exception("engine_process_died")
-        with send_lock:
-            conn.send(("died", f"{type(e).__name__}: {e}"))
+        outbox.put(("died", f"{type(e).__name__}: {e}"))
     finally:
         if watchdog is not None:
             watchdog.stop()
         engine.abort_all()
+        outbox.close()
 
 
 # ---- the parent -----------------------------------------------------------------------------------
@@ -271,11 +310,22 @@ class ProcessAsyncEngine(AsyncEngine):
                 msg = self._conn.recv()
                 if msg[0] == "out":
                     _, outputs, stats, steps, received = msg
+                    other = None  # a message of another kind that came after these outputs
+                    while self._conn.poll():  # whatever else has arrived goes in the same hand-off
+                        nxt = self._conn.recv()
+                        if nxt[0] != "out":
+                            other = nxt
+                            break
+                        outputs = outputs + nxt[1]
+                        _, _, stats, steps, received = nxt
                     self.engine.update(stats)
                     self.steps, self._received = steps, received
                     if outputs:
                         self._loop.call_soon_threadsafe(self._deliver, [RequestOutput.from_wire(o) for o in outputs])
-                elif msg[0] == "hung":
+                    if other is None:
+                        continue
+                    msg = other
+                if msg[0] == "hung":
                     self._fail(StepTimeoutError(msg[1]))
                     return
                 elif msg[0] == "died":

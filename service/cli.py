@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 from engine.config import EngineConfig
-from engine.engine import resolve_device
 from service.logging import configure_logging
 from service.auth import read_token_file
 from service.server import PieServer, ServerConfig, TlsConfig
@@ -37,9 +36,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gpu-memory-fraction", type=float, default=d.gpu_memory_fraction,
                    help="share of the GPU's memory for weights, activations and the KV pool, which gets "
                         "what the weights and a profiling step leave")
-    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
-                   help="run the engine in its own process, apart from the gRPC loop (default: on for the CPU, "
-                        "where it serves faster; off on CUDA until it is measured there)")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the engine in its own process, apart from the gRPC loop (the default; "
+                        "--no-engine-process: on a thread of the server process)")
     p.add_argument("--stream-interval", type=int, default=1,
                    help="tokens per stream message after the first (or the end): larger values send fewer "
                         "messages when hundreds of streams are open")
@@ -151,15 +150,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _engine_process(args: argparse.Namespace) -> bool:
-    """--engine-process / --no-engine-process, or by device: on for the CPU (16 streams of the
-    bundled model: 1,092 against 845-915 tokens/s on a thread, benchmarks/RESULTS.md), off on CUDA
-    until it has been measured there."""
-    if args.engine_process is not None:
-        return args.engine_process
-    return resolve_device(args.device).type == "cpu"
-
-
 def _server_config(args: argparse.Namespace) -> ServerConfig:
     if (args.tls_cert is None) != (args.tls_key is None):
         raise ValueError("--tls-cert and --tls-key go together")
@@ -184,7 +174,7 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
         max_message_bytes=args.max_message_bytes, limits=Limits(max_prompt_chars=args.max_prompt_chars),
         max_concurrent_rpcs=args.max_concurrent_rpcs, step_timeout_s=args.step_timeout or None, tls=tls,
         auth_tokens=read_token_file(args.auth_token_file) if args.auth_token_file else (),
-        metrics_port=args.metrics_port, engine_process=_engine_process(args), stream_interval=args.stream_interval,
+        metrics_port=args.metrics_port, engine_process=args.engine_process, stream_interval=args.stream_interval,
         log_setup=functools.partial(configure_logging, json=None if args.log_format == "auto" else args.log_format == "json",
                                     level=args.log_level))
 

@@ -60,7 +60,8 @@ class ServerConfig:
     tls: TlsConfig | None = None  # None: plaintext (fine on loopback)
     auth_tokens: tuple[str, ...] = ()  # bearer tokens accepted; empty = no token needed
     # Run the engine in a child process (engine/engine_process.py) instead of a thread, so the
-    # gRPC loop and the engine do not share one GIL: for hundreds of concurrent streams.
+    # gRPC loop and the engine do not share one GIL (`pie serve` does by default; 256 streams on
+    # the H200: 44k tokens/s against 6.7k on a thread). Off here so that tests start fast.
     engine_process: bool = False
     stream_interval: int = 1  # after the first, a stream message carries at least this many tokens (or the end)
     log_setup: Callable[[], None] | None = None  # configures logging in that child (picklable)
