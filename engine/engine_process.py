@@ -309,22 +309,15 @@ class ProcessAsyncEngine(AsyncEngine):
             while True:
                 msg = self._conn.recv()
                 if msg[0] == "out":
+                    # One hand-off per message: the child already merges what piled up while a
+                    # send was under way. (Draining the pipe here first held outputs back for
+                    # seconds at 256 streams: under load something had always arrived meanwhile.)
                     _, outputs, stats, steps, received = msg
-                    other = None  # a message of another kind that came after these outputs
-                    while self._conn.poll():  # whatever else has arrived goes in the same hand-off
-                        nxt = self._conn.recv()
-                        if nxt[0] != "out":
-                            other = nxt
-                            break
-                        outputs = outputs + nxt[1]
-                        _, _, stats, steps, received = nxt
                     self.engine.update(stats)
                     self.steps, self._received = steps, received
                     if outputs:
                         self._loop.call_soon_threadsafe(self._deliver, [RequestOutput.from_wire(o) for o in outputs])
-                    if other is None:
-                        continue
-                    msg = other
+                    continue
                 if msg[0] == "hung":
                     self._fail(StepTimeoutError(msg[1]))
                     return
