@@ -170,17 +170,20 @@ class BlockManager:
     def reset_prefix_cache(self) -> int:
         """Forgets the cached content of every free block (blocks held by requests keep theirs),
         e.g. so that a benchmark's repeat computes its prompts again. Returns the blocks dropped."""
-        dropped = 0
-        for block_id in self._free:
-            h = self._hashes[block_id]
-            if h is not None:
-                if self._cached.get(h) == block_id:
-                    del self._cached[h]
-                self._hashes[block_id] = None
-                self._keys[block_id] = None
-                dropped += 1
+        dropped = sum(self._forget_content(block_id) for block_id in self._free)
         self.num_cached_free_blocks -= dropped
         return dropped
+
+    def _forget_content(self, block_id: int) -> bool:
+        """Unhashes a block (its content is no longer findable); True if it had a hash."""
+        h = self._hashes[block_id]
+        if h is None:
+            return False
+        if self._cached.get(h) == block_id:
+            del self._cached[h]
+        self._hashes[block_id] = None
+        self._keys[block_id] = None
+        return True
 
     def cache_full_blocks(self, request: Request) -> None:
         """Hash the request's blocks that became full of computed tokens since the last call.
@@ -212,12 +215,7 @@ class BlockManager:
     def _take_free(self) -> int:
         """Pop the head of the free queue (the least recently freed), evicting its cached content."""
         block_id = self._free.popleft()
-        h = self._hashes[block_id]
-        if h is not None:
-            if self._cached.get(h) == block_id:
-                del self._cached[h]
-            self._hashes[block_id] = None
-            self._keys[block_id] = None
+        if self._forget_content(block_id):
             self.num_cached_free_blocks -= 1
         return block_id
 
