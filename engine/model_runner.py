@@ -15,6 +15,11 @@ max_num_seqs) into one memory pool, each reading its inputs from the same device
 offsets of its bucket size. A batch of B rows runs the smallest bucket >= B; padding rows have
 slot -1 (the cache write skips them) and length 0 (attention reads nothing). Other steps (prefill
 chunks, mixed batches, batches beyond the largest bucket) run eagerly.
+
+Steady decode (the same requests as the last step, each one token further) costs the host little:
+the staging buffers still hold the last step's inputs, so only positions, slots, lengths and the
+tables that grew a block are rewritten; the input ids come from the last sample on the device in
+one copy; and the sampling tensors of the last step are reused with their step counters advanced.
 """
 
 from __future__ import annotations
@@ -169,10 +174,8 @@ class ModelRunner:
         lens, qsl = ints[3 * n_tok:3 * n_tok + rows], ints[3 * n_tok + rows:3 * n_tok + 2 * rows + 1]
         tables = self._host_tables.numpy()[:b * w].reshape(b, w)
 
-        # Newest tokens not read back yet (async scheduling): the input id of such a token is in
-        # the last step's sampled ids on the device. The steady decode state, the same requests in
-        # the same order as the rows the last step sampled, takes them in one copy; otherwise
-        # (token index in this step, row of the last step's ids) pairs go with the inputs.
+        # Async scheduling's steady state: every row's input is the id the last step sampled for
+        # the same row (still on the device; see `pending` below for the general case).
         same_rows = (self._last_ids is not None and t == b and reqs == self._last_reqs
                      and all(r.output_token_ids[-1] == PLACEHOLDER for r in reqs))
         prev = self._prev_stage
@@ -211,13 +214,15 @@ class ModelRunner:
         max_seq_len = int(lens[:b].max())
 
         n_ints = 3 * n_tok + 2 * rows + 1
+        # Newest tokens not read back yet (async scheduling): the input id of such a token is in
+        # the last step's sampled ids on the device. Unless all rows take theirs in one copy
+        # (same_rows), (token index in this step, row of the last step's ids) pairs go along.
         pending = []
-        if self._last_ids is not None:
-            if not same_rows:
-                pending = [(int(qsl[i + 1]) - 1, self._last_rows[s.request.request_id])
-                           for i, s in enumerate(scheduled)
-                           if s.request.output_token_ids and s.request.output_token_ids[-1] == PLACEHOLDER
-                           and s.start + s.num_new_tokens == s.request.num_tokens]
+        if self._last_ids is not None and not same_rows:
+            pending = [(int(qsl[i + 1]) - 1, self._last_rows[s.request.request_id])
+                       for i, s in enumerate(scheduled)
+                       if s.request.output_token_ids and s.request.output_token_ids[-1] == PLACEHOLDER
+                       and s.start + s.num_new_tokens == s.request.num_tokens]
         n_pend = len(pending)
         if n_pend:
             ints[n_ints:n_ints + 2 * n_pend] = np.asarray(pending, dtype=np.int32).T.reshape(-1)
