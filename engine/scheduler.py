@@ -156,7 +156,7 @@ class Scheduler:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
-            num_new = remaining if remaining < budget else budget
+            num_new = min(remaining, budget)
             while not allocate(request, num_new):
                 victim = self._pick_victim()
                 if victim is not request and victim.request_id in scheduled:
