@@ -141,9 +141,11 @@ def main(argv: list[str] | None = None) -> int:
             server_config = _server_config(args)
         except (ValueError, OSError) as e:
             parser.error(str(e))
-        code = asyncio.run(PieServer(server_config, engine_config).serve_forever())
-        if code:
-            # The engine thread may be stuck inside a device call: do not wait for it at exit.
+        server = PieServer(server_config, engine_config)
+        code = asyncio.run(server.serve_forever())
+        if code or server.load_interrupted:
+            # The engine thread may be stuck inside a device call, or still loading a model: do
+            # not wait for it at exit.
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(code)

@@ -40,7 +40,8 @@ class RequestSummary:
 
     rpc: str  # "Generate" or "GenerateStream"
     peer: str  # context.peer(), e.g. "ipv4:127.0.0.1:53422"
-    request_id: str | None = None  # from x-request-id metadata / the request, or generated
+    request_id: str | None = None  # the caller's: from the request or x-request-id metadata, or generated
+    engine_request_id: str | None = None  # the engine's own id for it (engine logs name this one)
     started: float = field(default_factory=time.monotonic)
     prompt_tokens: int | None = None  # known once the request passed validation
     generated_tokens: int = 0
@@ -69,7 +70,8 @@ class RequestSummary:
     def emit(self, log) -> None:
         """One line: info for OK, warning for the caller's own errors and cancellations, error otherwise."""
         fields = dict(
-            request_id=self.request_id, peer=self.peer, rpc=self.rpc, status=self.status,
+            request_id=self.request_id, engine_request_id=self.engine_request_id, peer=self.peer, rpc=self.rpc,
+            status=self.status,
             prompt_tokens=self.prompt_tokens, generated_tokens=self.generated_tokens,
             ttft_ms=None if self.ttft_s is None else round(1e3 * self.ttft_s, 2),
             queue_ms=None if self.queue_time_s is None else round(1e3 * self.queue_time_s, 2),

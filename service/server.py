@@ -19,8 +19,9 @@ from grpc_reflection.v1alpha import reflection
 
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
-from engine.engine_process import ProcessAsyncEngine
-from engine.engine_thread import AsyncEngine, StepTimeoutError
+from engine.engine_process import LaunchCancelled, ProcessEngine
+from engine.engine_thread import ThreadEngine
+from engine.handle import EngineHandle, StepTimeoutError
 from pie.v1 import generate_pb2, generate_pb2_grpc
 from service.auth import BearerTokenInterceptor
 from service.interceptors import UndecodableRequestInterceptor
@@ -31,7 +32,7 @@ from service.validation import Limits
 log = structlog.get_logger(__name__)
 
 
-EXIT_ENGINE_HUNG = 3  # process exit status after the step watchdog fired
+EXIT_ENGINE_DEAD = 3  # process exit status after the engine hung (step watchdog) or its process died
 
 
 @dataclass(slots=True, frozen=True)
@@ -71,7 +72,7 @@ class ServerConfig:
 
 
 class PieServer:
-    """Owns the gRPC server and the engine thread. `start()` binds and serves at once (NOT_SERVING
+    """Owns the gRPC server and the engine handle. `start()` binds and serves at once (NOT_SERVING
     on readiness); `load()` builds the engine off the loop and flips readiness to SERVING."""
 
     def __init__(self, server_config: ServerConfig, engine_config: EngineConfig) -> None:
@@ -85,16 +86,15 @@ class PieServer:
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.port: int | None = None
-        self.engine: AsyncEngine | None = None
-        self.fatal: asyncio.Event | None = None  # set when the engine hung; serve_forever then exits non-zero
+        self.engine: EngineHandle | None = None  # set when loading begins; serves once load() returns
+        self.fatal: asyncio.Event | None = None  # set when the engine died; serve_forever then exits non-zero
+        self.load_interrupted = False  # a signal came while loading; a loading thread may still run
 
     def _engine_stats(self):
         """For the metrics scrape (HTTP thread): None until loaded; waiting includes the hand-off queue."""
-        if self.engine is None:
+        if self.engine is None or self.engine.info is None:
             return None
-        stats = self.engine.engine.stats()
-        stats.requests_waiting += self.engine.num_queued
-        return stats
+        return self.engine.stats()
 
     async def start(self) -> int:
         opts = [("grpc.max_receive_message_length", self.config.max_message_bytes),
@@ -129,10 +129,12 @@ class PieServer:
         return self.port
 
     async def load(self) -> None:
+        """Builds the engine (in its process, or here for a thread) and starts serving. Raises
+        LaunchCancelled when stop() came first."""
         loop = asyncio.get_running_loop()
 
-        def on_hang(err):
-            loop.call_soon_threadsafe(self._engine_hung, err)
+        def on_dead(err: BaseException) -> None:
+            loop.call_soon_threadsafe(self._engine_dead, err)
 
         if self.config.engine_process:
             cfg = self.engine_config
@@ -141,24 +143,25 @@ class PieServer:
                 # model at 16 CPU streams served 1,111-1,247 tokens/s on 2 threads against
                 # 1,024-1,079 on 1 (benchmarks/RESULTS.md); on a thread it is the reverse.
                 cfg = dataclasses.replace(cfg, cpu_threads=os.cpu_count() or 1)
-            engine = ProcessAsyncEngine(cfg, step_timeout_s=self.config.step_timeout_s,
-                                        on_hang=on_hang, log_setup=self.config.log_setup,
-                                        engine_setup=self.config.engine_setup)
-            await asyncio.to_thread(engine.launch)
+            engine: EngineHandle = ProcessEngine(cfg, step_timeout_s=self.config.step_timeout_s, on_dead=on_dead,
+                                                 log_setup=self.config.log_setup,
+                                                 engine_setup=self.config.engine_setup)
         else:
-            core = await asyncio.to_thread(LLMEngine, self.engine_config)
-            if self.config.engine_setup is not None:
-                self.config.engine_setup(core)
-            engine = AsyncEngine(core, step_timeout_s=self.config.step_timeout_s, on_hang=on_hang)
+            engine = ThreadEngine(self.engine_config, step_timeout_s=self.config.step_timeout_s, on_dead=on_dead,
+                                  engine_setup=self.config.engine_setup)
         self.engine = engine
-        self.engine.start(loop)
-        self.servicer.engine = self.engine
+        # A daemon thread, not the loop's executor: a stop during a long load must not wait for it.
+        await _in_daemon_thread(engine.launch, name="engine-launch")
+        if self.servicer.draining:
+            raise LaunchCancelled("the server stopped while the engine was starting")
+        engine.start(loop)
+        self.servicer.engine = engine
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         log.info("server_ready", model=self.servicer.model_name)
 
-    def _engine_hung(self, err: StepTimeoutError) -> None:
-        """On the loop, after the watchdog failed every open RPC: readiness off, then exit."""
-        log.error("server_engine_hung", error=str(err))
+    def _engine_dead(self, err: BaseException) -> None:
+        """On the loop, as the engine is declared dead (its RPCs fail next): readiness off, then exit."""
+        log.error("server_engine_dead", error=str(err), hung=isinstance(err, StepTimeoutError))
         asyncio.ensure_future(self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING))
         self.fatal.set()
 
@@ -181,30 +184,65 @@ class PieServer:
             await self.server.stop(max(0.0, deadline - loop.time()))
         if self.engine is not None:
             await asyncio.to_thread(self.engine.stop)
+        self.servicer.close()
         self.metrics.stop_http()
         log.info("server_stopped")
 
     async def serve_forever(self) -> int:
-        """Serves until SIGTERM/SIGINT (returns 0 after draining) or a hung engine step (returns
-        EXIT_ENGINE_HUNG at once: the RPCs were failed already, a supervisor should restart us)."""
+        """Serves until SIGTERM/SIGINT (returns 0 after draining) or an engine that died (returns
+        EXIT_ENGINE_DEAD at once: the RPCs were failed already, a supervisor should restart us).
+        A signal during loading stops at once: the engine process is killed, and a model loading
+        on a thread is left to the process exit (`self.load_interrupted`)."""
         await self.start()
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         loader = asyncio.create_task(self.load())
-        await asyncio.wait([loader, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
-        if loader.done() and loader.exception() is not None:
+        stopped = asyncio.create_task(stop.wait())
+        await asyncio.wait([loader, stopped], return_when=asyncio.FIRST_COMPLETED)
+        if not loader.done():
+            log.info("server_stopping_while_loading")
+            self.load_interrupted = True
+            await self.stop(0)
+            loader.cancel()
+            return 0
+        if loader.exception() is not None:
             await self.stop(0)
             raise loader.exception()
-        await asyncio.wait([asyncio.create_task(stop.wait()), asyncio.create_task(self.fatal.wait())],
-                           return_when=asyncio.FIRST_COMPLETED)
-        loader.cancel()
+        await asyncio.wait([stopped, asyncio.create_task(self.fatal.wait())], return_when=asyncio.FIRST_COMPLETED)
         if self.fatal.is_set():
             await self.stop(0)
-            return EXIT_ENGINE_HUNG
+            return EXIT_ENGINE_DEAD
         await self.stop()
         return 0
+
+
+async def _in_daemon_thread(fn: Callable[[], None], *, name: str) -> None:
+    """Runs fn on a daemon thread of its own and waits for it without blocking the loop."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+
+    def settle(error: BaseException | None) -> None:
+        if done.done():
+            return
+        if error is None:
+            done.set_result(None)
+        else:
+            done.set_exception(error)
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as e:
+            error: BaseException | None = e
+        else:
+            error = None
+        if not loop.is_closed():
+            loop.call_soon_threadsafe(settle, error)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    await done
 
 
 class BackgroundServer:
@@ -241,4 +279,8 @@ class BackgroundServer:
 
     @property
     def engine(self) -> LLMEngine:
-        return self.pie.engine.engine
+        """The engine itself, when it runs on a thread of this process (tests reach in)."""
+        handle = self.pie.engine
+        if not isinstance(handle, ThreadEngine) or handle.core is None:
+            raise AttributeError("the engine runs in another process (or is not loaded)")
+        return handle.core

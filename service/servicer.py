@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+import os
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import structlog
 
 from engine.engine import PromptError, RequestOutput
-from engine.engine_thread import AsyncEngine, EngineDeadError, QueueFullError
+from engine.handle import EngineDeadError, EngineHandle, QueueFullError, RequestStream
 from engine.request import RequestStatus
-from engine.sampling_params import SamplingParamsError
+from engine.sampling_params import SamplingParams, SamplingParamsError
 from pie.v1 import generate_pb2 as pb
 from pie.v1 import generate_pb2_grpc
 from service.errors import ServiceError, invalid_argument
@@ -20,6 +23,16 @@ from service.metrics import ServiceMetrics
 from service.validation import FieldError, Limits, prompt_from_proto, qualify, request_id_from, sampling_from_proto
 
 log = structlog.get_logger(__name__)
+
+# Texts up to this many characters are tokenized on the event loop (~1 ms at most); longer ones on
+# a worker thread, with the GIL released (model.Tokenizer.encode), so the loop keeps serving.
+INLINE_TOKENIZE_CHARS = 2048
+# A unary answer with more logprob entries than this is assembled on a worker thread: building
+# the messages is Python work the loop would otherwise do in one piece.
+INLINE_LOGPROB_ENTRIES = 4096
+# A caller whose RPC ends within this many seconds of its deadline is counted as DEADLINE_EXCEEDED
+# (the client's own timer fires a little before the server's).
+DEADLINE_SLACK_S = 0.05
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerateService"].full_name
 
@@ -59,11 +72,17 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         self.stream_interval = stream_interval
         self.limits = limits or Limits()
         self.metrics = metrics or ServiceMetrics(model_name)
-        self.engine: AsyncEngine | None = None  # set once the model is loaded
+        self.engine: EngineHandle | None = None  # set once the model is loaded
         self.draining = False
+        self._workers = ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)),
+                                           thread_name_prefix="servicer-worker")
+
+    def close(self) -> None:
+        """Lets the worker threads go (after the server stopped)."""
+        self._workers.shutdown(wait=False, cancel_futures=True)
 
     # ---- helpers -------------------------------------------------------------------------
-    def _ready_engine(self) -> AsyncEngine:
+    def _ready_engine(self) -> EngineHandle:
         if self.draining:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
         if self.engine is None:
@@ -77,13 +96,25 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         metadata = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
         return request_id_from(request, metadata, lambda: uuid.uuid4().hex)
 
-    def _submit(self, request, rid: str):
+    async def _off_loop(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._workers, fn, *args)
+
+    async def _encode(self, engine: EngineHandle, text: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) <= INLINE_TOKENIZE_CHARS:
+            return engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return await self._off_loop(engine.tokenizer.encode, text, add_special_tokens)
+
+    async def _submit(self, request, rid: str) -> tuple[list[int], SamplingParams, RequestStream]:
         engine = self._ready_engine()
-        core = engine.engine
-        prompt = prompt_from_proto(request, core.tokenizer, self.limits)
-        sampling = sampling_from_proto(request.sampling, max_model_len=core.max_model_len)
+        prompt = prompt_from_proto(request, self.limits)
+        sampling = sampling_from_proto(request.sampling, max_model_len=engine.info.max_model_len)
+        if isinstance(prompt, str):
+            prompt = await self._encode(engine, prompt)
+            if not prompt:
+                raise FieldError("prompt", "tokenizes to no tokens")
+            engine = self._ready_engine()  # it may have stopped while the text was tokenized
         try:
-            stream = engine.submit(rid, prompt, sampling)
+            stream = engine.submit(prompt, sampling, caller_id=rid)
         except (PromptError, SamplingParamsError) as e:
             raise invalid_argument(qualify(e.field), e.message) from e
         except QueueFullError as e:
@@ -97,15 +128,23 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         await context.abort(err.code, err.message, trailing_metadata=err.trailing_metadata(rid))
 
     def _logprobs(self, outputs: list[RequestOutput]) -> list[pb.TokenLogprob]:
-        tok = self.engine.engine.tokenizer
-        result = []
-        for o in outputs:
-            for s in o.new_logprobs:
-                result.append(pb.TokenLogprob(
-                    token_id=s.token_id, logprob=s.logprob, token=tok.decode([s.token_id], skip_special_tokens=False),
-                    top_logprobs=[pb.TopLogprob(token_id=t, logprob=lp, token=tok.decode([t], skip_special_tokens=False))
-                                  for t, lp in s.top]))
-        return result
+        text = self.engine.tokenizer.token_text
+        return [pb.TokenLogprob(token_id=s.token_id, logprob=s.logprob, token=text(s.token_id),
+                                top_logprobs=[pb.TopLogprob(token_id=t, logprob=lp, token=text(t)) for t, lp in s.top])
+                for o in outputs for s in o.new_logprobs]
+
+    @staticmethod
+    def _gone_code(context) -> grpc.StatusCode:
+        """Why an RPC ended before its answer: its deadline, or the caller cancelling it."""
+        remaining = context.time_remaining()
+        if remaining is not None and remaining <= DEADLINE_SLACK_S:
+            return grpc.StatusCode.DEADLINE_EXCEEDED
+        return grpc.StatusCode.CANCELLED
+
+    def _gone(self, context, s: RequestSummary) -> None:
+        code = self._gone_code(context)
+        self._end(s, code, "the deadline passed" if code == grpc.StatusCode.DEADLINE_EXCEEDED
+                  else "cancelled by the caller")
 
     def _observe(self, s: RequestSummary, batch: list[RequestOutput]) -> None:
         """Times one hand-off of outputs: TTFT, inter-token gaps (split over its tokens), queue time."""
@@ -151,12 +190,13 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         s = RequestSummary("Generate", context.peer())
         try:
             s.request_id = rid = self._request_id(request, context)
-            prompt, sampling, stream = self._submit(request, rid)
+            prompt, sampling, stream = await self._submit(request, rid)
         except FieldError as e:
             return await self._reject(context, s, invalid_argument(e.field, e.description))
         except ServiceError as e:
             return await self._reject(context, s, e)
         s.prompt_tokens = len(prompt)
+        s.engine_request_id = stream.engine_id
         outputs: list[RequestOutput] = []
         finished = False
         try:  # from here on the engine holds the request: every way out must abort it
@@ -168,13 +208,17 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                 finished = batch[-1].all_finished
         finally:
             if not finished:  # the caller went away (cancel or deadline)
-                self.engine.abort(rid)
-                self._end(s, grpc.StatusCode.CANCELLED, "cancelled by the caller or its deadline")
+                self.engine.abort(stream)
+                self._gone(context, s)
         failed = next((o for o in outputs if o.status == RequestStatus.FINISHED_ERROR), None)
         if failed is not None:
-            log.error("request_failed", request_id=rid, error=failed.error)
+            log.error("request_failed", request_id=rid, engine_request_id=stream.engine_id, error=failed.error)
             return await self._reject(context, s, self._final_error(failed, rid))
-        choices = [self._choice(i, outs, sampling.logprobs > 0) for i, outs in sorted(_by_index(outputs).items())]
+        groups = sorted(_by_index(outputs).items())
+        if sampling.logprobs and len(outputs) * (1 + sampling.logprobs) > INLINE_LOGPROB_ENTRIES:
+            choices = await self._off_loop(self._choices, groups, True)
+        else:
+            choices = self._choices(groups, sampling.logprobs > 0)
         first = choices[0]
         completion = sum(len(c.token_ids) for c in choices)
         s.finish_reason = _FINISH_LABEL.get(_by_index(outputs)[0][-1].status)
@@ -186,6 +230,9 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                            total_tokens=len(prompt) + completion, cached_prompt_tokens=_cached(outputs)),
             choices=choices if sampling.n > 1 else [],
         )
+
+    def _choices(self, groups: list[tuple[int, list[RequestOutput]]], logprobs: bool) -> list[pb.Choice]:
+        return [self._choice(i, outs, logprobs) for i, outs in groups]
 
     def _choice(self, index: int, outputs: list[RequestOutput], logprobs: bool) -> pb.Choice:
         """One sample's whole answer from its outputs (in order; the last one finished it)."""
@@ -201,7 +248,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         s = RequestSummary("GenerateStream", context.peer())
         try:
             s.request_id = rid = self._request_id(request, context)
-            prompt, sampling, stream = self._submit(request, rid)
+            prompt, sampling, stream = await self._submit(request, rid)
         except FieldError as e:
             await self._reject(context, s, invalid_argument(e.field, e.description))
             return
@@ -209,6 +256,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             await self._reject(context, s, e)
             return
         s.prompt_tokens = len(prompt)
+        s.engine_request_id = stream.engine_id
         finished = False
         cached = 0
         try:  # from here on the engine holds the request: every way out must abort it
@@ -223,7 +271,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                 finished = batch[-1].all_finished
                 failed = next((o for o in batch if o.status == RequestStatus.FINISHED_ERROR), None)
                 if failed is not None:
-                    log.error("request_failed", request_id=rid, error=failed.error)
+                    log.error("request_failed", request_id=rid, engine_request_id=stream.engine_id,
+                              error=failed.error)
                     await self._reject(context, s, self._final_error(failed, rid))
                     return
                 self._observe(s, batch)
@@ -250,9 +299,9 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             self._end(s, grpc.StatusCode.OK)
         finally:
             if not finished:
-                self.engine.abort(rid)
+                self.engine.abort(stream)
             if not s.ended:  # the caller went away (cancel or deadline) before the last message
-                self._end(s, grpc.StatusCode.CANCELLED, "cancelled by the caller or its deadline")
+                self._gone(context, s)
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
         try:
@@ -262,9 +311,9 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         if len(request.text) > self.limits.max_prompt_chars:
             return await self._abort(context, invalid_argument(
                 "text", f"is longer than {self.limits.max_prompt_chars} characters"), None)
-        tok = engine.engine.tokenizer
         add = request.add_special_tokens if request.HasField("add_special_tokens") else True
-        ids = tok.encode(request.text, add_special_tokens=add)
+        ids = await self._encode(engine, request.text, add)
+        tok = engine.tokenizer
         return pb.TokenizeResponse(token_ids=ids, tokens=[tok.id_to_token(i) or "" for i in ids], count=len(ids))
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.GetModelInfoResponse:
@@ -272,19 +321,18 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             engine = self._ready_engine()
         except ServiceError as e:
             return await self._abort(context, e, None)
-        core = engine.engine
-        mc = core.model_config
-        stats = core.stats()
+        info = engine.info
+        mc, cfg = info.model_config, info.config
+        stats = engine.stats()
         resp = pb.GetModelInfoResponse(
             model_name=self.model_name, architecture=mc.architecture, model_type=mc.model_type,
-            max_model_len=core.max_model_len, vocab_size=core.vocab_size, eos_token_ids=list(core.eos_token_ids),
-            kv_cache_dtype=core.config.kv_cache_dtype, block_size=core.config.block_size,
-            device=str(core.device), dtype=core.dtype_name,
+            max_model_len=info.max_model_len, vocab_size=info.vocab_size, eos_token_ids=list(info.eos_token_ids),
+            kv_cache_dtype=cfg.kv_cache_dtype, block_size=cfg.block_size, device=info.device,
+            dtype=info.dtype_name,
             load=pb.ModelLoad(
                 kv_blocks_total=stats.kv_blocks_total, kv_blocks_free=stats.kv_blocks_free,
-                requests_running=stats.requests_running,
-                requests_waiting=stats.requests_waiting + engine.num_queued,
-                max_num_seqs=core.config.max_num_seqs, max_waiting=core.config.max_waiting))
-        if core.tokenizer.bos_token_id is not None:
-            resp.bos_token_id = core.tokenizer.bos_token_id
+                requests_running=stats.requests_running, requests_waiting=stats.requests_waiting,
+                max_num_seqs=cfg.max_num_seqs, max_waiting=cfg.max_waiting))
+        if engine.tokenizer.bos_token_id is not None:
+            resp.bos_token_id = engine.tokenizer.bos_token_id
         return resp

@@ -63,8 +63,10 @@ def qualify(field: str) -> str:
     return f"sampling.{field}"
 
 
-def prompt_from_proto(request, tokenizer, limits: Limits) -> list[int]:
-    """Token ids of the request's prompt (text is tokenized with the model's special tokens)."""
+def prompt_from_proto(request, limits: Limits) -> str | list[int]:
+    """The request's prompt as given: text (to be tokenized with the model's special tokens) or
+    token ids. Checks what needs no tokenizer; tokenizing is the caller's, off the event loop
+    when the text is long."""
     which = request.WhichOneof("prompt_input")
     if which is None:
         raise FieldError("prompt", "set either prompt (text) or prompt_token_ids")
@@ -73,10 +75,7 @@ def prompt_from_proto(request, tokenizer, limits: Limits) -> list[int]:
             raise FieldError("prompt", "must not be empty")
         if len(request.prompt) > limits.max_prompt_chars:
             raise FieldError("prompt", f"is longer than {limits.max_prompt_chars} characters")
-        ids = tokenizer.encode(request.prompt, add_special_tokens=True)
-        if not ids:
-            raise FieldError("prompt", "tokenizes to no tokens")
-        return ids
+        return request.prompt
     ids = list(request.prompt_token_ids.ids)
     if not ids:
         raise FieldError("prompt_token_ids", "must not be empty")

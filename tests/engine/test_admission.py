@@ -8,7 +8,8 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
-from engine.engine_thread import AsyncEngine, QueueFullError
+from engine.engine_thread import ThreadEngine
+from engine.handle import QueueFullError
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from tests.helpers import make_hf_model_dir
 
@@ -21,13 +22,18 @@ def test_queue_bound_counts_samples(tmp_path):
     assert err.value.field == "n"
 
     async def scenario():
-        async_engine = AsyncEngine(engine)  # not started: submissions stay queued, so counts are exact
-        async_engine._loop = asyncio.get_running_loop()
-        async_engine._idle = asyncio.Event()
-        async_engine.submit("a", [5, 6, 7], SamplingParams(n=2, max_tokens=4))  # 2 of the 3 places
-        with pytest.raises(QueueFullError):
-            async_engine.submit("b", [5, 6, 7], SamplingParams(n=2, max_tokens=4))  # would need 4
-        async_engine.submit("c", [5, 6, 7], SamplingParams(n=1, max_tokens=4))  # the last place
-        assert async_engine.num_queued == 3
+        handle = ThreadEngine.around(engine)
+        handle.start(asyncio.get_running_loop())
+        try:
+            # No await in between: what the engine thread takes in reaches these counts only
+            # through the event loop, so they are exact here.
+            handle.submit([5, 6, 7], SamplingParams(n=2, max_tokens=4), caller_id="a")  # 2 of the 3 places
+            with pytest.raises(QueueFullError):
+                handle.submit([5, 6, 7], SamplingParams(n=2, max_tokens=4), caller_id="b")  # would need 4
+            handle.submit([5, 6, 7], SamplingParams(n=1, max_tokens=4), caller_id="c")  # the last place
+            assert handle.num_queued == 3
+            assert handle.stats().requests_waiting == 3
+        finally:
+            handle.stop()
 
     asyncio.run(scenario())

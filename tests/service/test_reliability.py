@@ -22,7 +22,7 @@ from pie.v1 import generate_pb2 as pb
 from pie.v1 import generate_pb2_grpc as pb_grpc
 from pie_client import Client, InternalError, ResourceExhausted, Unavailable
 from pie_client.errors import from_rpc_error
-from service.server import EXIT_ENGINE_HUNG, BackgroundServer, ServerConfig
+from service.server import EXIT_ENGINE_DEAD, BackgroundServer, ServerConfig
 from service.servicer import SERVICE_NAME
 from tests.helpers import make_hf_model_dir, wait_until
 
@@ -94,12 +94,14 @@ class StepRecorder:
 
 def test_cancel_stops_compute_within_one_step(server):
     rec = StepRecorder(server)
-    aborted_at: dict[str, int] = {}
+    aborted_at: dict[str, int] = {}  # caller's id -> engine step when the servicer aborted it
+    engine_ids: dict[str, str] = {}  # caller's id -> the engine's id for it
     original_abort = server.pie.engine.abort
 
-    def abort(rid):
-        aborted_at.setdefault(rid, server.pie.engine.steps)
-        original_abort(rid)
+    def abort(stream):
+        aborted_at.setdefault(stream.caller_id, server.pie.engine.steps)
+        engine_ids[stream.caller_id] = stream.engine_id
+        original_abort(stream)
 
     server.pie.engine.abort = abort
     try:
@@ -111,13 +113,13 @@ def test_cancel_stops_compute_within_one_step(server):
                 next(victim)
             victim.close()
             wait_until(lambda: "victim" in aborted_at, what="the servicer to abort the victim")
-            k = aborted_at["victim"]
+            k, vid = aborted_at["victim"], engine_ids["victim"]
             wait_until(lambda: rec.steps and rec.steps[-1][0] >= k + 3, what="three more steps")
             keep_busy.close()
-        assert any("victim" in ids for _, ids in rec.steps), "the victim was never scheduled"
+        assert any(vid in ids for _, ids in rec.steps), "the victim was never scheduled"
         # Step k may be in flight when the abort lands, and step k+1 may have drained the inbox just
         # before it: from step k+2 on the victim must be gone.
-        late = [i for i, ids in rec.steps if i >= k + 2 and "victim" in ids]
+        late = [i for i, ids in rec.steps if i >= k + 2 and vid in ids]
         assert not late, f"victim scheduled at steps {late} after its abort at step {k}"
     finally:
         server.pie.engine.abort = original_abort
@@ -200,8 +202,8 @@ def test_overload_sheds_with_retry_info_and_serves_the_accepted(model_dir):
         peak = [0]
         original_submit = aeng.submit
 
-        def submit(*args):
-            stream = original_submit(*args)
+        def submit(*args, **kwargs):
+            stream = original_submit(*args, **kwargs)
             peak[0] = max(peak[0], aeng.num_in_flight)
             return stream
 
@@ -294,7 +296,7 @@ def test_hung_step_trips_watchdog(model_dir):
 
 @pytest.mark.slow
 def test_hung_step_exits_process_nonzero(model_dir, tmp_path):
-    """As a real process: the injected hang makes `pie serve` exit with EXIT_ENGINE_HUNG."""
+    """As a real process: the injected hang makes `pie serve` exit with EXIT_ENGINE_DEAD."""
     script = Path(__file__).with_name("hang_server.py")
     root = Path(__file__).resolve().parents[2]
     proc = subprocess.Popen(
@@ -319,7 +321,7 @@ def test_hung_step_exits_process_nonzero(model_dir, tmp_path):
         with Client(address, timeout=30) as c:
             with pytest.raises(Unavailable):
                 c.generate("hello", max_tokens=20, ignore_eos=True)
-        assert proc.wait(timeout=30) == EXIT_ENGINE_HUNG
+        assert proc.wait(timeout=30) == EXIT_ENGINE_DEAD
         reader.join(10)
         assert any('"engine_step_hung"' in line for line in lines)
     finally:

@@ -39,8 +39,7 @@ class ServerProcess:
 
 
 def _engine_children(pid: int) -> list[int]:
-    """Ids of pid's spawned engine processes (Linux /proc; multiprocessing's resource tracker is
-    not one of them)."""
+    """Ids of pid's engine processes (Linux /proc)."""
     out = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -51,7 +50,7 @@ def _engine_children(pid: int) -> list[int]:
                     cmd = f.read().decode(errors="replace")
             except (OSError, ValueError, IndexError):
                 continue
-            if parent == pid and "spawn_main" in cmd and "resource_tracker" not in cmd:
+            if parent == pid and "engine.engine_child" in cmd:
                 out.append(int(entry))
     return out
 

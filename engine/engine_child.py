@@ -1,0 +1,167 @@
+"""The engine process: started by `engine_process.ProcessEngine` as
+
+    python -c "<BOOT>" PARENT_PID FD [SYS_PATH...]
+
+Its life is bound to its parent's from its first lines, before anything slow (importing torch,
+loading weights, sizing the KV pool, capturing CUDA graphs) begins:
+
+- on Linux, `prctl(PR_SET_PDEATHSIG, SIGKILL)`: the kernel kills this process when the parent
+  thread that started it ends, however the parent dies (SIGKILL included); then a check that the
+  parent is still the one that started us closes the race with a parent that died before prctl;
+- everywhere, a watcher thread that exits when the parent pid changes (re-parented), and a reader
+  thread on the pipe that exits at end-of-file unless the parent said "stop" first.
+
+This module imports only the standard library at the top; the engine comes in after that.
+SIGINT and SIGTERM are ignored: a signal sent to the whole process group must not cut the
+parent's drain short. The parent ends this process with "stop" (after draining), or kills it.
+
+Messages (pickled over one socket pair):
+    parent -> child: ("init", config, step_timeout_s, log_setup, engine_setup), then
+                     ("add", id, prompt, sampling) / ("abort", id) / ("stop",)
+    child -> parent: ("ready", EngineInfo, EngineStats) or ("failed", message), then
+                     ("out", wire outputs, stats, steps, taken) once per step with news,
+                     ("hung", message) when the watchdog fires, ("died", message) on a crash
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection
+
+# What the parent runs with `python -c`; argv: parent pid, the socket's fd, then sys.path entries.
+BOOT = ("import sys; sys.path[:0] = sys.argv[3:]; "
+        "from engine.engine_child import main; main(int(sys.argv[1]), int(sys.argv[2]))")
+
+EXIT_ORPHANED = 70  # the parent went away before this process was told to stop
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+PARENT_POLL_S = 0.2
+
+
+def bind_to_parent(parent_pid: int) -> None:
+    """Makes this process end when the parent does, in every phase from here on."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(EXIT_ORPHANED)
+    threading.Thread(target=_watch_parent, args=(parent_pid,), name="parent-watch", daemon=True).start()
+
+
+def _watch_parent(parent_pid: int) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(PARENT_POLL_S)
+    os._exit(EXIT_ORPHANED)
+
+
+class Outbox:
+    """The child's messages to the parent, sent by a thread of their own: the engine loop only
+    queues them, so a parent that reads late (its loop busy writing hundreds of streams) never
+    blocks a step. Step outputs queued while a send is under way go out together, as one message
+    with the newest stats."""
+
+    _CLOSE = ("close",)  # the end marker (never sent)
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self._queue: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="engine-outbox", daemon=True)
+        self._thread.start()
+
+    def put(self, msg: tuple) -> None:
+        self._queue.put(msg)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Sends what is queued, then stops the thread."""
+        self._queue.put(self._CLOSE)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        q = self._queue
+        try:
+            msg = q.get()
+            while msg is not self._CLOSE:
+                after = None  # a message taken off the queue that must go out after msg
+                while msg[0] == "out" and after is None and not q.empty():
+                    nxt = q.get()
+                    if nxt[0] == "out":  # merge the step outputs queued meanwhile
+                        msg = ("out", msg[1] + nxt[1], *nxt[2:])
+                    else:
+                        after = nxt
+                self._conn.send(msg)
+                msg = after if after is not None else q.get()
+        except (BrokenPipeError, OSError):
+            return  # the parent is gone; the reader thread ends this process
+
+
+def _read_commands(conn: Connection, inbox) -> None:
+    """Reader thread: the parent's commands into the inbox, from before the engine is built. The
+    pipe's end without a "stop" means the parent died: nothing is left to serve."""
+    try:
+        while True:
+            cmd = conn.recv()
+            if cmd[0] == "stop":
+                inbox.close()
+                return
+            inbox.put(cmd)
+    except (EOFError, OSError):
+        os._exit(EXIT_ORPHANED)
+
+
+def main(parent_pid: int, fd: int) -> None:
+    bind_to_parent(parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    conn = Connection(fd)
+    try:
+        kind, config, step_timeout_s, log_setup, engine_setup = conn.recv()
+    except (EOFError, OSError):
+        os._exit(EXIT_ORPHANED)
+    assert kind == "init", kind
+    if log_setup is not None:
+        log_setup()
+    # The engine's imports come only now: everything above is the standard library.
+    import structlog
+
+    from engine.engine import LLMEngine
+    from engine.handle import EngineInfo
+    from engine.loop import Inbox, StepClock, StepWatchdog, run_engine_loop
+
+    log = structlog.get_logger("engine.engine_child")
+    inbox = Inbox()
+    threading.Thread(target=_read_commands, args=(conn, inbox), name="engine-inbox", daemon=True).start()
+    outbox = Outbox(conn)
+    try:
+        engine = LLMEngine(config)
+        if engine_setup is not None:
+            engine_setup(engine)
+    except BaseException as e:
+        log.exception("engine_process_failed_to_start")
+        outbox.put(("failed", f"{type(e).__name__}: {e}"))
+        outbox.close()
+        return
+    outbox.put(("ready", EngineInfo.of(engine), engine.stats()))
+    clock = StepClock()
+    watchdog = None
+    if step_timeout_s is not None:
+        watchdog = StepWatchdog(clock, step_timeout_s, lambda err: outbox.put(("hung", str(err))))
+        watchdog.start()
+
+    def emit(outputs, stats, steps, taken) -> None:
+        outbox.put(("out", [o.to_wire() for o in outputs], stats, steps, taken))
+
+    try:
+        run_engine_loop(engine, inbox, clock, emit)
+    except BaseException as e:
+        log.exception("engine_process_died")
+        outbox.put(("died", f"{type(e).__name__}: {e}"))
+    finally:
+        if watchdog is not None:
+            watchdog.stop()
+        outbox.close()

@@ -1,0 +1,263 @@
+"""The seam between the service and the engine loop: `EngineHandle`, what the service may use.
+
+Two implementations stand behind it: the engine on a thread of the server process
+(`engine_thread.ThreadEngine`) and the engine in a child process (`engine_process.ProcessEngine`).
+Both share `HandleBase`, the asyncio side of the seam:
+
+    service (asyncio loop)                        engine loop (engine/loop.py)
+      submit(prompt, sampling, caller_id=...)
+        mints the engine's own id ("r17") ------>   ("add", "r17", prompt, sampling)
+        returns a RequestStream keyed by it
+      abort(stream) --------------------------->   ("abort", "r17")
+      RequestStream.next_batch() <-- _on_step <--   outputs of one step, a stats snapshot
+
+Ids: the engine, the commands and the stream table know only ids this handle minted, never the
+caller's. So a caller may reuse an id at once after a cancel (outputs of the cancelled request,
+still on their way, find no stream and are dropped) and two callers may send the same id at the
+same time; each stream gets exactly its own request's outputs. The caller's id is data carried
+along (`RequestStream.caller_id`) for the response, headers, logs and metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Protocol
+
+import structlog
+
+from engine.config import EngineConfig
+from engine.engine import EngineStats, RequestOutput, check_request
+from engine.request import RequestStatus
+from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.engine import LLMEngine
+    from model import ModelConfig, Tokenizer
+
+log = structlog.get_logger(__name__)
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at its bound; the caller should retry later."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped; no request can be served."""
+
+
+class StepTimeoutError(RuntimeError):
+    """One engine step ran past the watchdog's limit; the engine is presumed hung."""
+
+
+@dataclass(slots=True, frozen=True)
+class EngineInfo:
+    """What the service reads about a loaded engine; fixed once it is built."""
+
+    config: EngineConfig
+    model_config: ModelConfig
+    max_model_len: int  # context served (the model's, or less when configured)
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    device: str  # e.g. "cpu", "cuda:0"
+    dtype_name: str  # weights/activations: "fp32", "bf16", "fp16"
+    num_kv_blocks: int  # size of the KV pool
+
+    @classmethod
+    def of(cls, engine: LLMEngine) -> EngineInfo:
+        return cls(config=engine.config, model_config=engine.model_config, max_model_len=engine.max_model_len,
+                   vocab_size=engine.vocab_size, eos_token_ids=engine.eos_token_ids, device=str(engine.device),
+                   dtype_name=engine.dtype_name, num_kv_blocks=engine.block_manager.num_total_blocks)
+
+
+class RequestStream:
+    """The asyncio end of one request: outputs pushed by the engine loop, read by the RPC."""
+
+    __slots__ = ("engine_id", "caller_id", "_pending", "_event", "finished")
+
+    def __init__(self, engine_id: str, caller_id: str) -> None:
+        self.engine_id = engine_id  # minted by the handle; what the engine and the pipe know
+        self.caller_id = caller_id  # the caller's id (response, x-request-id, logs, metrics)
+        self._pending: list[RequestOutput] = []
+        self._event = asyncio.Event()
+        self.finished = False
+
+    def _put(self, output: RequestOutput) -> None:
+        self._pending.append(output)
+        self.finished = self.finished or bool(output.all_finished)
+        self._event.set()
+
+    async def next_batch(self) -> list[RequestOutput]:
+        """Waits for at least one output and returns every output delivered so far (coalesced:
+        a slow reader gets fewer, larger batches instead of a growing backlog)."""
+        await self._event.wait()
+        batch, self._pending = self._pending, []
+        self._event.clear()
+        return batch
+
+
+class EngineHandle(Protocol):
+    """What the service may use of an engine, wherever its loop runs. `launch()` builds the
+    engine (blocking: call it off the event loop), `start(loop)` begins serving; every other
+    method is called on that loop."""
+
+    info: EngineInfo | None  # None until launch() returns
+    tokenizer: Tokenizer | None  # the parent's own copy: the service tokenizes without a round trip
+    dead: BaseException | None  # why the engine stopped serving for good; None while it serves
+
+    def launch(self) -> None: ...
+    def start(self, loop: asyncio.AbstractEventLoop) -> None: ...
+    def stop(self, timeout: float | None = 10.0) -> None: ...
+    def declare_dead(self, error: BaseException) -> None: ...
+
+    @property
+    def steps(self) -> int: ...
+    @property
+    def num_in_flight(self) -> int: ...
+    @property
+    def num_queued(self) -> int: ...
+    def stats(self) -> EngineStats: ...
+    def check_request(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None: ...
+    def submit(self, prompt_token_ids: list[int], sampling: SamplingParams, *, caller_id: str) -> RequestStream: ...
+    def abort(self, stream: RequestStream) -> None: ...
+    async def wait_idle(self) -> None: ...
+
+
+Command = tuple  # ("add", engine_id, prompt_token_ids, sampling) | ("abort", engine_id)
+
+
+class HandleBase:
+    """The asyncio side both handles share: id minting, the stream table, admission against the
+    waiting-queue bound, delivery of outputs and failing what is open when the engine dies.
+    Subclasses build the engine (`launch`), run its loop (`start`/`stop`) and carry commands to it
+    (`_send`); they hand each step's result to `_on_step` on the event loop."""
+
+    def __init__(self, *, on_dead: Callable[[BaseException], None] | None = None) -> None:
+        self.info: EngineInfo | None = None
+        self.tokenizer: Tokenizer | None = None
+        self.dead: BaseException | None = None
+        self._steps = 0  # as of the engine loop's latest message
+        self._on_dead = on_dead or (lambda error: None)
+        self._ids = itertools.count()
+        self._streams: dict[str, RequestStream] = {}  # engine id -> stream
+        self._stats: EngineStats | None = None  # the engine's snapshot after its latest step
+        self._sent = 0  # samples in add commands sent to the engine loop
+        self._taken = 0  # of those, taken in by the loop (as of its latest step)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._idle = asyncio.Event()  # set while no request is in flight (drain waits on it)
+        self._idle.set()
+        self._stopping = False
+
+    # ---- what the service reads ------------------------------------------------------------
+    @property
+    def steps(self) -> int:
+        """Engine steps begun so far."""
+        return self._steps
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    @property
+    def num_queued(self) -> int:
+        """Samples (a request of n > 1 counts n) sent to the engine loop and not taken in yet."""
+        return self._sent - self._taken
+
+    def stats(self) -> EngineStats:
+        """The engine's counts after its latest step; waiting includes what is on its way to it."""
+        if self._stats is None:
+            raise RuntimeError("the engine is not loaded")
+        return replace(self._stats, requests_waiting=self._stats.requests_waiting + self.num_queued)
+
+    def check_request(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
+        """Raises PromptError / SamplingParamsError for a request this engine could never serve."""
+        info = self._require_info()
+        check_request(prompt_token_ids, sampling, config=info.config, vocab_size=info.vocab_size,
+                      max_model_len=info.max_model_len, num_kv_blocks=info.num_kv_blocks)
+
+    async def wait_idle(self) -> None:
+        """Returns once no request is in flight (used to drain before shutting down)."""
+        await self._idle.wait()
+
+    # ---- requests in and out ----------------------------------------------------------------
+    def submit(self, prompt_token_ids: list[int], sampling: SamplingParams, *, caller_id: str) -> RequestStream:
+        """Queues a request under an id of the engine's own. Raises PromptError /
+        SamplingParamsError for a request that can never be served, QueueFullError when the
+        waiting queue is full, EngineDeadError when the engine is not running."""
+        if self.dead is not None or self._stopping or self._loop is None:
+            raise EngineDeadError("the engine is not running")
+        self.check_request(prompt_token_ids, sampling)
+        # Requests the engine has not taken in yet may fill free batch slots at once, so a burst
+        # into an idle engine is not shed early; in flight stays <= max_num_seqs + max_waiting.
+        # Counted in samples, as the scheduler counts them: a request of n > 1 takes n places.
+        cfg, stats = self._require_info().config, self._stats
+        waiting = stats.requests_waiting + self.num_queued
+        headroom = max(0, cfg.max_num_seqs - stats.requests_running)
+        if waiting + sampling.n > cfg.max_waiting + headroom:
+            raise QueueFullError(f"{waiting} requests are waiting (bound {cfg.max_waiting})")
+        engine_id = f"r{next(self._ids)}"
+        stream = RequestStream(engine_id, caller_id)
+        self._streams[engine_id] = stream
+        self._idle.clear()
+        self._sent += sampling.n
+        self._send(("add", engine_id, prompt_token_ids, sampling))
+        return stream
+
+    def abort(self, stream: RequestStream) -> None:
+        """Stops the request within one step and frees its blocks; its stream gets nothing more.
+        Idempotent; a request that already finished is left alone."""
+        if self._forget(stream.engine_id) is None:
+            return
+        self._send(("abort", stream.engine_id))
+
+    def _send(self, command: Command) -> None:
+        raise NotImplementedError
+
+    def _forget(self, engine_id: str) -> RequestStream | None:
+        stream = self._streams.pop(engine_id, None)
+        if not self._streams:
+            self._idle.set()
+        return stream
+
+    def _on_step(self, outputs: list[RequestOutput], stats: EngineStats, steps: int, taken: int) -> None:
+        """On the event loop: one step's outputs (or the acknowledgement of commands) arrived."""
+        self._stats, self._steps, self._taken = stats, steps, taken
+        self._deliver(outputs)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for o in outputs:
+            stream = self._streams.get(o.request_id)
+            if stream is None:
+                continue  # aborted by its caller after the step began
+            stream._put(o)
+            if o.all_finished:  # with n > 1, `finished` only ends one sample
+                self._forget(o.request_id)
+
+    # ---- when the engine stops ------------------------------------------------------------
+    def declare_dead(self, error: BaseException) -> None:
+        """The engine cannot serve again (a hung step, a crashed loop, a lost process). From any
+        thread: the owner hears first (readiness off, exit flagged), then every open stream fails
+        on the loop, so a caller that sees its RPC fail finds the server already marked."""
+        if self.dead is not None:
+            return
+        self.dead = error
+        log.error("engine_dead", error=str(error))
+        self._on_dead(error)
+        self._fail_open_streams_soon()
+
+    def _fail_open_streams_soon(self) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._fail_open_streams)
+
+    def _fail_open_streams(self) -> None:
+        status = RequestStatus.FINISHED_ERROR if self.dead is not None else RequestStatus.FINISHED_ABORTED
+        error = str(self.dead) if self.dead is not None else None
+        self._deliver([RequestOutput(engine_id, [], "", finished=True, status=status, error=error)
+                       for engine_id in list(self._streams)])
+
+    def _require_info(self) -> EngineInfo:
+        if self.info is None:
+            raise RuntimeError("the engine is not loaded")
+        return self.info

@@ -1,0 +1,155 @@
+"""The engine loop, the same function on a thread of the server and in the engine process:
+
+    while True:
+        commands = inbox.take(block=engine idle)     # every command that arrived, at once
+        apply them (add / abort)                     # before the step, in arrival order
+        step, timed (the watchdog reads the clock)   # schedule -> forward -> sample -> outputs
+        emit(outputs, stats, steps, taken)           # to the asyncio loop, or into the pipe
+
+Commands are never read in the middle of a step: an abort takes effect before the next one, so a
+cancelled request's blocks are free within one step.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+import structlog
+
+from engine.engine import EngineStats, LLMEngine, RequestOutput
+from engine.handle import Command, StepTimeoutError
+from engine.request import RequestStatus
+
+log = structlog.get_logger(__name__)
+
+# emit(outputs, stats, steps, taken): a step's outputs, the engine's counts after it, the steps
+# begun so far, and the samples of add commands taken in so far.
+Emit = Callable[[list[RequestOutput], EngineStats, int, int], None]
+
+
+class Inbox:
+    """Commands for the engine loop, put from any thread, taken all at once between steps."""
+
+    def __init__(self) -> None:
+        self._commands: deque[Command] = deque()
+        self._cond = threading.Condition()
+        self._closed = False
+
+    def put(self, command: Command) -> None:
+        with self._cond:
+            self._commands.append(command)
+            self._cond.notify()
+
+    def close(self) -> None:
+        """The loop stops before its next step (what is left unapplied is dropped)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+
+    def take(self, block: bool) -> list[Command] | None:
+        """Every command queued so far (waiting for one when `block`); None once closed."""
+        with self._cond:
+            while block and not self._commands and not self._closed:
+                self._cond.wait()
+            if self._closed:
+                return None
+            commands = list(self._commands)
+            self._commands.clear()
+            return commands
+
+
+class StepClock:
+    """What the watchdog reads: steps begun, and when the step in progress began."""
+
+    __slots__ = ("steps", "step_started_at", "dead")
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.step_started_at: float | None = None  # monotonic start of the step in progress, else None
+        self.dead: BaseException | None = None  # set by the watchdog: the loop ends after this step
+
+
+class StepWatchdog:
+    """Watches the engine loop from a thread of its own: when one step has run longer than
+    `timeout_s`, it marks the clock dead, calls `on_hang(error)` once and stops watching. A hung
+    step cannot be interrupted from Python (it may be stuck inside a CUDA call); the owner fails
+    the waiting RPCs, turns readiness off and lets the process exit for a supervisor to restart."""
+
+    def __init__(self, clock: StepClock, timeout_s: float, on_hang: Callable[[StepTimeoutError], None]) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"step timeout must be > 0, got {timeout_s}")
+        self.clock = clock
+        self.timeout_s = timeout_s
+        self.on_hang = on_hang
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="step-watchdog", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _watch(self) -> None:
+        interval = min(1.0, self.timeout_s / 4)
+        while not self._stop.wait(interval):
+            started = self.clock.step_started_at
+            if started is None or time.monotonic() - started <= self.timeout_s:
+                continue
+            err = StepTimeoutError(f"engine step {self.clock.steps} has run for more than {self.timeout_s} s")
+            log.error("engine_step_hung", step=self.clock.steps, timeout_s=self.timeout_s)
+            self.clock.dead = err
+            self.on_hang(err)
+            return
+
+
+def apply_commands(engine: LLMEngine, commands: list[Command]) -> tuple[list[RequestOutput], int]:
+    """Applies ("add", id, prompt, sampling) / ("abort", id) in order. Returns an error output for
+    each add the engine refused (validated up front: a last line of defence) and the samples the
+    adds brought in."""
+    refused: list[RequestOutput] = []
+    taken = 0
+    for cmd in commands:
+        if cmd[0] == "add":
+            _, rid, prompt, sampling = cmd
+            taken += sampling.n
+            try:
+                engine.add_request(rid, prompt, sampling)
+            except Exception as e:
+                refused.append(RequestOutput(rid, [], "", finished=True, status=RequestStatus.FINISHED_ERROR,
+                                             error=str(e)))
+        elif cmd[0] == "abort":
+            engine.abort(cmd[1])
+        else:
+            raise ValueError(f"unknown engine command {cmd[0]!r}")
+    return refused, taken
+
+
+def run_engine_loop(engine: LLMEngine, inbox: Inbox, clock: StepClock, emit: Emit) -> None:
+    """Steps the engine while it has work, applying commands between steps, until the inbox is
+    closed or the watchdog gives up on a step. Exceptions of the loop itself propagate; either
+    way every request left in the engine is aborted on the way out."""
+    taken = 0
+    try:
+        while True:
+            commands = inbox.take(block=not engine.has_unfinished())
+            if commands is None:
+                return
+            outputs, n = apply_commands(engine, commands)
+            taken += n
+            if engine.has_unfinished():
+                clock.steps += 1
+                clock.step_started_at = time.monotonic()
+                try:
+                    outputs += engine.step()
+                finally:
+                    clock.step_started_at = None
+            if clock.dead is not None:
+                return  # the watchdog gave up on this step; the owner failed its requests
+            if outputs or commands:
+                emit(outputs, engine.stats(), clock.steps, taken)
+    finally:
+        engine.abort_all()
