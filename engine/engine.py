@@ -93,24 +93,28 @@ class EngineStats:
     kv_blocks_cached: int = 0  # free blocks still holding reusable cached content (part of kv_blocks_free)
 
 
+def prompt_too_long(num_tokens: int, max_model_len: int) -> PromptError:
+    return PromptError("prompt", f"prompt has {num_tokens} tokens; the context length is {max_model_len} "
+                                 "and at least one token must be generated")
+
+
 def check_request(prompt_token_ids: list[int], sampling: SamplingParams, *, config: EngineConfig,
                   vocab_size: int, max_model_len: int, num_kv_blocks: int) -> None:
     """Raises PromptError / SamplingParamsError for a request that could never be served by an
     engine of this configuration (also used where the engine runs in another process)."""
     if not prompt_token_ids:
         raise PromptError("prompt", "must not be empty")
-    bad = next((t for t in prompt_token_ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
+    n = len(prompt_token_ids)
+    if n >= max_model_len:  # before any pass over the ids: a prompt may hold a million of them
+        raise prompt_too_long(n, max_model_len)
+    if not (0 <= min(prompt_token_ids) and max(prompt_token_ids) < vocab_size):
+        bad = next(t for t in prompt_token_ids if not 0 <= t < vocab_size)
         raise PromptError("prompt_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab_size})")
     sampling.validate(vocab_size)
     if sampling.n > config.max_num_seqs + config.max_waiting:
         raise SamplingParamsError(
             "n", f"{sampling.n} samples can never be admitted: max_num_seqs + max_waiting is "
                  f"{config.max_num_seqs + config.max_waiting}")
-    n = len(prompt_token_ids)
-    if n >= max_model_len:
-        raise PromptError("prompt", f"prompt has {n} tokens; the context length is {max_model_len} "
-                                    "and at least one token must be generated")
     if n + sampling.max_tokens > max_model_len:
         raise SamplingParamsError(
             "sampling.max_tokens",
@@ -335,7 +339,21 @@ class LLMEngine:
         GPU. Each sampled token is appended as PLACEHOLDER at once (the scheduler only needs the
         count; the next step takes the id from the device), and becomes the real id one call later.
         A request that ends on a token (EOS, stop token, stop string) may so run one step too many,
-        whose token is dropped; length limits are known without the ids and stop at once."""
+        whose token is dropped; length limits are known without the ids and stop at once.
+
+        Invariants of async scheduling (tests/engine/invariants.py checks them after every step):
+        - At most one step is pending (`_pending`). A request holds at most one PLACEHOLDER, as its
+          newest token, and only while it is a row of the pending step; with nothing pending, no
+          request holds one.
+        - Blocks freed while the pending step may still write them (its request aborted, finished
+          or preempted meanwhile) go back to the pool at once and may serve another request in
+          the next step. That is safe only because every step's copies, kernels and sampling are
+          queued on one CUDA stream, in order: the pending step's writes land before anything a
+          later step does to those blocks. The runner asserts that each step launches on the
+          stream it was built on.
+        - `update_after_step` publishes the hashes of blocks that became full (prefix caching)
+          while their K/V are still being written by the queued step; a request that hits them
+          reads them in a later step, queued behind those writes on the same stream."""
         if not self._async:
             return self._step_sync()
         out = self.scheduler.schedule()

@@ -141,6 +141,9 @@ class ModelRunner:
             self._dev_tables = None
             self._copied = None
         self._graphs: dict[int, _Graph] = {}
+        # Every step runs on this stream: async scheduling frees and reuses blocks that a queued
+        # step may still write, which is safe only in stream order (see LLMEngine.step).
+        self._stream = torch.cuda.current_stream(device) if on_cuda else None
         # Async scheduling: the last step's sampled ids stay on the device; a request whose newest
         # token is still PLACEHOLDER (sampled, not yet read back) takes its input id from there.
         self._last_ids: torch.Tensor | None = None  # (R,) int64 on the device
@@ -287,6 +290,8 @@ class ModelRunner:
         sampled back to the host; returns without waiting (None when no row samples). The sampled
         ids also stay on the device, as the next step's input ids of requests whose newest token is
         still PLACEHOLDER."""
+        assert self._stream is None or torch.cuda.current_stream(self.device) == self._stream, \
+            "every step must run on the runner's CUDA stream (async scheduling relies on stream order)"
         rows, logits = self.forward_logits(out)
         if logits is None:
             return None

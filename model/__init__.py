@@ -7,7 +7,7 @@ from model.attention import AttentionBackend, BatchedCausalAttention, DenseCausa
 from model.config import ModelConfig, as_token_ids
 from model.llama import LlamaForCausalLM
 from model.loader import load_model, read_generation_config
-from model.tokenizer import Tokenizer
+from model.tokenizer import Tokenizer, TooManyTokens
 
 __all__ = [
     "AttentionBackend",
@@ -16,6 +16,7 @@ __all__ = [
     "LlamaForCausalLM",
     "ModelConfig",
     "Tokenizer",
+    "TooManyTokens",
     "as_token_ids",
     "load_model",
     "read_generation_config",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import random
 import secrets
 import tempfile
@@ -201,3 +202,15 @@ def hang_steps_after(engine, n: int, seconds: float) -> None:
     import time as _time
 
     _after_steps(engine, n, lambda: _time.sleep(seconds))
+
+
+def slow_steps(engine, seconds: float) -> None:
+    """Every step sleeps `seconds` first (long generations, for deadlines and cancels)."""
+    _after_steps(engine, 0, lambda: time.sleep(seconds))
+
+
+def stall_start(engine, marker: str, seconds: float) -> None:
+    """Used as engine_setup: the engine is built but its start stalls, as a slow load would:
+    writes the file `marker` (the stalled process's pid), then sleeps `seconds`."""
+    Path(marker).write_text(str(os.getpid()))
+    time.sleep(seconds)

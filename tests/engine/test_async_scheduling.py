@@ -13,6 +13,7 @@ from engine.engine import LLMEngine
 from engine.model_runner import PLACEHOLDER
 from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
+from tests.engine.invariants import assert_engine_invariants
 from tests.helpers import make_hf_model_dir
 
 
@@ -44,10 +45,12 @@ def _run(engine: LLMEngine, requests: list[tuple[str, list[int], SamplingParams]
                 r["status"], r["reason"] = o.status, o.stop_reason
             assert PLACEHOLDER not in o.new_token_ids
         steps += 1
+        assert_engine_invariants(engine)
         pending_seen = pending_seen or engine._pending is not None
         for rid, at in (abort_after or {}).items():
             if steps == at:
                 engine.abort(rid)
+                assert_engine_invariants(engine)
         assert steps < 10_000
     bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_total_blocks, "KV blocks leaked"

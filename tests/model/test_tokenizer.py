@@ -99,3 +99,37 @@ def test_missing_tokenizer_json_is_a_clear_error(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(FileNotFoundError, match="no tokenizer.json in"):
         Tokenizer.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("prepend_bos", [False, True])
+def test_long_texts_and_the_token_limit(tmp_path, prepend_bos):
+    """Texts past the GIL-free threshold take another tokenizers call: the same ids either way,
+    BOS handling included; `max_tokens` refuses a longer text with its exact count."""
+    import random
+
+    from model import TooManyTokens
+    from model.tokenizer import GIL_FREE_ENCODE_CHARS
+
+    path = write_tokenizer(tmp_path / "tok")
+    if prepend_bos:
+        _without_post_processor(path, add_bos_token=True)
+    tok = Tokenizer.from_pretrained(path)
+    raw = RawTokenizer.from_file(str(path / "tokenizer.json"))
+    rng = random.Random()
+    sentences = sample_sentences(200, seed=rng.randrange(2**31))
+    text = " ".join(sentences)
+    while len(text) <= GIL_FREE_ENCODE_CHARS:
+        text += " " + text
+    for add in (True, False):
+        want = raw.encode(text, add_special_tokens=add).ids
+        if add and prepend_bos:
+            want = [BOS_ID, *want]
+        assert tok.encode(text, add) == want
+        assert tok.encode(text, add, max_tokens=len(want)) == want
+        with pytest.raises(TooManyTokens) as err:
+            tok.encode(text, add, max_tokens=len(want) - 1)
+        assert err.value.count == len(want)
+        short = sentences[0]
+        assert len(short) <= GIL_FREE_ENCODE_CHARS
+        with pytest.raises(TooManyTokens):
+            tok.encode(short, add, max_tokens=0)

@@ -176,10 +176,20 @@ async def _storm(address: str, n: int, concurrency: int, seed: int) -> collectio
 
 
 @pytest.mark.slow
-def test_cancellation_storm_leaks_nothing(server):
-    """1,000 streams, 48 at a time, cut by cancel, deadline or a dropped connection at random points."""
+@pytest.mark.parametrize("engine", ["thread", "process"])
+def test_cancellation_storm_leaks_nothing(server, model_dir, engine):
+    """1,000 streams, 48 at a time, cut by cancel, deadline or a dropped connection at random points,
+    with the engine on a thread and in its own process."""
     seed = random.randrange(2**31)
     print(f"storm seed={seed}")
+    if engine == "process":
+        with BackgroundServer(ServerConfig(port=0, grace_s=5, engine_process=True), engine_config(model_dir)) as s:
+            _storm_leaks_nothing(s, seed)
+    else:
+        _storm_leaks_nothing(server, seed)
+
+
+def _storm_leaks_nothing(server: BackgroundServer, seed: int) -> None:
     started = time.monotonic()
     outcomes = asyncio.run(_storm(server.address, n=1000, concurrency=48, seed=seed))
     print(f"storm: {dict(outcomes)} in {time.monotonic() - started:.1f} s")

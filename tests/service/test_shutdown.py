@@ -2,66 +2,15 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
-import sys
-import threading
-import time
 
-import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from pie_client import Client, Unavailable
-from service.servicer import SERVICE_NAME
 from tests.helpers import make_hf_model_dir, wait_until
-
-
-class ServerProcess:
-    def __init__(self, args: list[str]):
-        self.proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", *args, "--log-format", "json"],
-                                     stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        self.events: list[dict] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self):
-        for line in self.proc.stderr:
-            try:
-                self.events.append(json.loads(line))
-            except json.JSONDecodeError:
-                self.events.append({"event": "raw", "line": line})
-
-    def event(self, name: str) -> dict | None:
-        return next((e for e in self.events if e.get("event") == name), None)
-
-
-def _engine_children(pid: int) -> list[int]:
-    """Ids of pid's engine processes (Linux /proc)."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    cmd = f.read().decode(errors="replace")
-            except (OSError, ValueError, IndexError):
-                continue
-            if parent == pid and "engine.engine_child" in cmd:
-                out.append(int(entry))
-    return out
-
-
-def readiness(address: str) -> int:
-    with grpc.insecure_channel(address) as ch:
-        try:
-            return health_pb2_grpc.HealthStub(ch).Check(
-                health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=5).status
-        except grpc.RpcError:
-            return -1
+from tests.service.processes import ServerProcess, engine_children, readiness
 
 
 @pytest.mark.slow
@@ -82,7 +31,7 @@ def test_sigterm_drains_in_flight_then_exits(tmp_path, engine):
             for s in streams:
                 next(s)  # every stream is in flight
             if engine == "process":
-                children = _engine_children(server.proc.pid)
+                children = engine_children(server.proc.pid)
                 assert len(children) == 1, children
                 os.kill(children[0], signal.SIGTERM)  # the engine process ignores it: the server drains
             server.proc.send_signal(signal.SIGTERM)

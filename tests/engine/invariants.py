@@ -1,0 +1,35 @@
+"""Checks of the engine's bookkeeping invariants, run by tests after every step (LLMEngine.step's
+docstring states the async-scheduling ones)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from engine.engine import LLMEngine
+from engine.model_runner import PLACEHOLDER
+
+
+def assert_engine_invariants(engine: LLMEngine) -> None:
+    sched, bm = engine.scheduler, engine.block_manager
+    pending = engine._pending
+    pending_rows = {id(r) for r in pending.requests} if pending is not None else set()
+    # Placeholders: at most one, the newest token, only in a row of the one pending step.
+    for req in sched.requests.values():
+        n = req.output_token_ids.count(PLACEHOLDER)
+        assert n <= 1, f"{req} holds {n} placeholders"
+        if n:
+            assert req.output_token_ids[-1] == PLACEHOLDER, f"{req}: the placeholder is not its newest token"
+            assert id(req) in pending_rows, f"{req} holds a placeholder but is not in the pending step"
+    # Every unfinished request is waiting or running, once; finished ones hold no blocks.
+    running, waiting = list(sched.running), list(sched.waiting)
+    assert len(set(map(id, running + waiting))) == len(running) + len(waiting) == len(sched.requests)
+    # Blocks: a block's reference count is the number of block tables holding it; the free queue
+    # holds exactly the blocks nobody references; running requests' tables cover their K/V.
+    held = Counter(b for table in bm._tables.values() for b in table)
+    for block_id in range(bm.num_total_blocks):
+        assert bm.ref_count(block_id) == held[block_id], f"block {block_id}: ref count {bm.ref_count(block_id)}, " \
+                                                         f"held by {held[block_id]} tables"
+        assert (block_id in bm._free) == (held[block_id] == 0), f"block {block_id} free-queue state is wrong"
+    assert set(bm._tables) <= set(sched.requests), "a finished request still holds blocks"
+    for req in running:
+        assert len(bm.get_block_table(req.request_id)) >= bm.blocks_needed(req.num_computed_tokens)
