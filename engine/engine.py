@@ -1,8 +1,9 @@
 """LLMEngine: loads the model, sizes the KV pool, and advances every request by one step.
 
-Synchronous and single-threaded on purpose; `engine.engine_thread` runs it on a background thread
-and bridges it to asyncio. One `step()` = schedule -> one forward pass -> one batched sample ->
-detokenize -> per-request outputs.
+Synchronous and single-threaded on purpose; `engine.loop.run_engine_loop` steps it on a thread of
+the server (`engine_thread`) or in a process of its own (`engine_process`), behind the handle the
+service uses (`engine.handle`). One `step()` = schedule -> one forward pass -> one batched sample
+-> detokenize -> per-request outputs.
 """
 
 from __future__ import annotations
