@@ -16,7 +16,9 @@ SIGINT and SIGTERM are ignored: a signal sent to the whole process group must no
 parent's drain short. The parent ends this process with "stop" (after draining), or kills it.
 
 Messages (pickled over one socket pair):
-    parent -> child: ("init", config, step_timeout_s, log_setup, engine_setup), then
+    parent -> child: ("prepare", multiprocessing's spawn preparation data: the parent's main
+                     module, working directory and sys.path),
+                     ("init", config, step_timeout_s, log_setup, engine_setup), then
                      ("add", id, prompt, sampling) / ("abort", id) / ("stop",)
     child -> parent: ("ready", EngineInfo, EngineStats) or ("failed", message), then
                      ("out", wire outputs, stats, steps, taken) once per step with news,
@@ -25,6 +27,7 @@ Messages (pickled over one socket pair):
 
 from __future__ import annotations
 
+import multiprocessing.spawn
 import os
 import queue
 import signal
@@ -120,6 +123,11 @@ def main(parent_pid: int, fd: int) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     conn = Connection(fd)
     try:
+        kind, preparation = conn.recv()
+        assert kind == "prepare", kind
+        # As multiprocessing's spawn does: the parent's __main__ is loaded as __mp_main__ (and
+        # its working directory taken), so functions it defined can be unpickled here.
+        multiprocessing.spawn.prepare(preparation)
         kind, config, step_timeout_s, log_setup, engine_setup = conn.recv()
     except (EOFError, OSError):
         os._exit(EXIT_ORPHANED)

@@ -25,6 +25,7 @@ starts it; when the link thread gives up on a hung or failed child, the kernel k
 from __future__ import annotations
 
 import asyncio
+import multiprocessing.spawn
 import os
 import queue
 import socket
@@ -166,6 +167,7 @@ class ProcessEngine(HandleBase):
         self.pid = self._process.pid
         self._conn = Connection(parent_end.detach())
         log.info("engine_process_started", pid=self.pid)
+        self._conn.send(("prepare", _preparation_data()))
         self._conn.send(self._init)
 
     def _relay(self) -> None:
@@ -189,3 +191,11 @@ class ProcessEngine(HandleBase):
             if not self._stopping:
                 code = self._exit_code()
                 self.declare_dead(RuntimeError(f"the engine process exited unexpectedly (exit code {code})"))
+
+
+def _preparation_data() -> dict:
+    """What multiprocessing's spawn tells a child about the parent (its main module, working
+    directory, sys.path), without the process's authentication key, which we do not use."""
+    data = multiprocessing.spawn.get_preparation_data("pie-engine")
+    return {k: v for k, v in data.items() if k in (
+        "name", "sys_path", "sys_argv", "dir", "orig_dir", "init_main_from_name", "init_main_from_path")}

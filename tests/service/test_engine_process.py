@@ -137,3 +137,33 @@ def test_outputs_cross_the_pipe_unchanged():
     back = [RequestOutput.from_wire(t) for t in pickle.loads(pickle.dumps([o.to_wire() for o in outs]))]
     assert back == outs
     assert isinstance(back[0].status, RequestStatus) and isinstance(back[0].new_logprobs[0], SampledToken)
+
+
+def test_a_setup_function_of_the_main_script_reaches_the_engine_process(model_dir, tmp_path):
+    """As with multiprocessing: functions defined in the parent's __main__ (a benchmark or a user's
+    script) unpickle in the engine process, whose start loads that script as __mp_main__."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    script = tmp_path / "serve_script.py"
+    script.write_text(f'''
+import sys
+sys.path[:0] = [{str(root)!r}, {str(root / "clients")!r}]
+from engine.config import EngineConfig
+from pie_client import Client
+from service.server import BackgroundServer, ServerConfig
+
+def fixed_seed(engine):  # defined in __main__: pickled by reference
+    engine.config.seed = 1234
+
+if __name__ == "__main__":
+    cfg = EngineConfig(model={str(model_dir)!r}, device="cpu", kv_cache_dtype="fp32", num_kv_blocks=16)
+    with BackgroundServer(ServerConfig(port=0, engine_process=True, engine_setup=fixed_seed), cfg) as s:
+        with Client(s.address, timeout=60) as c:
+            print("tokens", c.generate("the cat", max_tokens=3, ignore_eos=True).completion_tokens)
+''')
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "tokens 3" in done.stdout
