@@ -167,3 +167,56 @@ if __name__ == "__main__":
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "tokens 3" in done.stdout
+
+
+@pytest.mark.skipif(not hasattr(__import__("signal"), "SIGSTOP"), reason="needs SIGSTOP")
+def test_a_stalled_engine_process_never_blocks_the_event_loop(model_dir):
+    """Stop the engine process outright (as a device call that holds its interpreter would) and
+    send more commands than the pipe holds: they queue in the parent's sender thread, health
+    checks keep answering at once, and once the process runs again every request is served."""
+    import asyncio
+    import os
+    import signal
+    import time
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from pie.v1 import generate_pb2 as pb
+    from pie.v1 import generate_pb2_grpc as pb_grpc
+    from service.servicer import SERVICE_NAME
+
+    cfg = _config(model_dir)
+    cfg.max_waiting, cfg.num_kv_blocks = 512, 512
+    with BackgroundServer(ServerConfig(port=0, grace_s=5, engine_process=True), cfg) as s:
+        child = s.pie.engine.pid
+        rng = random.Random()
+        n, prompt_len = 300, 480  # ~300 x 2 KB of pickled commands: more than a socket buffer holds
+        os.kill(child, signal.SIGSTOP)
+        try:
+            async def scenario():
+                async with grpc.aio.insecure_channel(s.address) as ch:
+                    stub = pb_grpc.GenerateServiceStub(ch)
+                    health = health_pb2_grpc.HealthStub(ch)
+                    calls = [stub.Generate(pb.GenerateRequest(
+                        prompt_token_ids=pb.TokenIds(ids=[rng.randrange(3, 500) for _ in range(prompt_len)]),
+                        sampling=pb.SamplingParams(max_tokens=1, ignore_eos=True)), timeout=300) for _ in range(n)]
+                    tasks = [asyncio.ensure_future(c) for c in calls]
+                    deadline = time.monotonic() + 60
+                    while s.pie.engine.num_in_flight < n:  # every request accepted, none served
+                        assert time.monotonic() < deadline, f"{s.pie.engine.num_in_flight} of {n} accepted"
+                        await asyncio.sleep(0.05)
+                    worst = 0.0
+                    for _ in range(20):
+                        t = time.perf_counter()
+                        await health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=5)
+                        worst = max(worst, time.perf_counter() - t)
+                    os.kill(child, signal.SIGCONT)
+                    results = await asyncio.gather(*tasks)
+                    return worst, results
+
+            worst, results = asyncio.run(scenario())
+        finally:
+            os.kill(child, signal.SIGCONT)
+        assert worst < 0.5, f"a health check took {worst:.2f} s while the engine process was stopped"
+        assert all(r.usage.completion_tokens == 1 for r in results)
