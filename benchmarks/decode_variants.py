@@ -4,7 +4,7 @@ then timings of (BLOCK_N, num_stages, num_splits) variants against SDPA on conti
     PYTHONPATH=. python3 benchmarks/decode_variants.py [--quick]
 
 Median of triton.testing.do_bench (it zeroes a 256 MB buffer before every rep: L2 flushed).
-Bandwidth counts the K/V bytes (int8 plus fp32 scales, or bf16) once. Writes the table and the
+Bandwidth counts the K/V bytes (int8 plus fp16 scales, or bf16) once. Writes the table and the
 stage-1 PTX of the gate config to $OUT (or /tmp).
 """
 
@@ -45,9 +45,9 @@ def make(b, ctx, hkv, group, d, page, int8):
     if int8:
         k = torch.randint(-127, 128, shape, dtype=torch.int8, device="cuda")
         v = torch.randint(-127, 128, shape, dtype=torch.int8, device="cuda")
-        ks = torch.rand(nb, hkv, page, device="cuda") * 0.02 + 0.001
-        vs = torch.rand(nb, hkv, page, device="cuda") * 0.02 + 0.001
-        nbytes = 2 * k.numel() + 2 * ks.numel() * 4
+        ks = (torch.rand(nb, hkv, page, device="cuda") * 0.02 + 0.001).half()
+        vs = (torch.rand(nb, hkv, page, device="cuda") * 0.02 + 0.001).half()
+        nbytes = 2 * k.numel() + 2 * ks.numel() * ks.element_size()
     else:
         k = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
         v = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
@@ -221,7 +221,62 @@ def main_d64() -> None:
         f.write("\n".join(LINES) + "\n")
 
 
+def bench_graph(fn, calls: int = 50) -> float:
+    """ms per call replayed from one CUDA graph of `calls` calls (how the engine runs decode)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(calls):
+                fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return sorted(times)[len(times) // 2]
+
+
+def main_engine() -> None:
+    """The engine's decode shapes after issue 14's kernel changes (fp16 scales, padded head dims,
+    shared tile code): Llama-3.2-1B (D 64, B 256, ctx 400) and Qwen3-4B (D 128); one long
+    sequence timed from a CUDA graph, as the engine replays decode."""
+    log(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
+    correctness(int8_only=False)
+    d64_int8 = [(None, None, None, None), (64, 2, 1, 4), (64, 3, 1, 4), (32, 3, 1, 4), (64, 2, 1, 2),
+                (128, 2, 1, 2), (32, 2, 1, 2), (128, 3, 1, 4)]
+    d64_bf16 = [(None, None, None, None), (64, 2, 1, 4), (32, 3, 1, 4), (64, 2, 1, 2), (128, 2, 1, 4)]
+    sdpa = sdpa_ms(256, 400, 8, 4, 64)
+    sweep("L1B B256 ctx400 int8", 256, 400, 8, 4, 64, 16, True, d64_int8, sdpa)
+    sweep("L1B B256 ctx400 bf16", 256, 400, 8, 4, 64, 16, False, d64_bf16, sdpa)
+    sdpa = sdpa_ms(64, 4096, 8, 4, 128)
+    sweep("Q4B B64 ctx4096 int8", 64, 4096, 8, 4, 128, 16, True,
+          [(None, None, None, None), (64, 3, 1, 4), (128, 2, 1, 8), (64, 2, 1, 4)], sdpa)
+    sweep("Q4B B64 ctx4096 bf16", 64, 4096, 8, 4, 128, 16, False, [(None, None, None, None)], sdpa)
+    sdpa = sdpa_ms(256, 512, 8, 4, 128)
+    sweep("Q4B B256 ctx512 int8", 256, 512, 8, 4, 128, 16, True,
+          [(None, None, None, None), (64, 2, 1, 4), (64, 3, 1, 4), (32, 3, 1, 4)], sdpa)
+    sweep("Q4B B256 ctx512 bf16", 256, 512, 8, 4, 128, 16, False, [(None, None, None, None)], sdpa)
+    args, nbytes = make(1, 32768, 8, 4, 128, 16, True)
+    out = torch.empty_like(args[0])
+    for bn, st, sp in ((None, None, None), (128, 3, 64), (64, 3, 64), (64, 2, 128), (128, 3, 128)):
+        cfg = None if bn is None else td.DecodeConfig(bn, 4, st)
+        splits = sp or td.default_num_splits(1, 8, 32768, td._sm_count(0))
+        ms = bench_graph(lambda: td.paged_decode(*args, 0.1, num_splits=splits, out=out, config=cfg))
+        log(f"B1 ctx32768 int8 graph BN={bn} st={st} splits={splits}: {ms:.4f} ms {nbytes / ms / 1e9:.2f} TB/s")
+    with open(os.path.join(OUT, "decode_variants_engine.txt"), "w") as f:
+        f.write("\n".join(LINES) + "\n")
+
+
 def main() -> None:
+    if "--engine" in sys.argv:
+        return main_engine()
     if "--d64" in sys.argv:
         return main_d64()
     if "--v3" in sys.argv:

@@ -48,8 +48,8 @@ def paged(k: torch.Tensor, v: torch.Tensor, seq_lens: list[int], dtype: torch.dt
     vc = torch.zeros(shape, dtype=dtype, device="cuda")
     ks = vs = None
     if dtype == torch.int8:
-        ks = torch.zeros(num_blocks, HKV, PAGE, device="cuda")
-        vs = torch.zeros(num_blocks, HKV, PAGE, device="cuda")
+        ks = torch.zeros(num_blocks, HKV, PAGE, dtype=torch.float16, device="cuda")
+        vs = torch.zeros(num_blocks, HKV, PAGE, dtype=torch.float16, device="cuda")
     for i, s in enumerate(seq_lens):
         pos = torch.arange(s, device="cuda")
         slots = tables[i, pos // PAGE].long() * PAGE + pos % PAGE

@@ -5,8 +5,8 @@ same random-initialized model and the same requests, in one run.
     python benchmarks/throughput.py            # GPU: Llama-3.2-1B-shaped, 256 requests x 256 tokens
     python benchmarks/throughput.py --tiny     # CPU-sized smoke run of the same code path
 
-Each engine runs the workload --repeats times (the fastest counts: the first also pays for GEMM
-shapes and allocations met for the first time). With a small --kv-gib the pool, not the batch cap,
+Each engine runs the workload --repeats times after a short warm-up; the median run is reported,
+with the spread of all runs. With a small --kv-gib the pool, not the batch cap,
 limits the batch and requests are preempted: the capacity run of issue 5.
 
 Workload: random prompt ids of length uniform in [--min-prompt, --max-prompt], --max-tokens
@@ -88,8 +88,8 @@ def run_ours(folder: Path, prompts, args, kv: str) -> dict:
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     eng.generate(prompts[:4], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
     steps = _record_steps(eng)
-    best = None
-    for _ in range(args.repeats):  # later repeats find every GEMM shape and allocation warm
+    runs = []
+    for _ in range(args.repeats):
         preempted = eng.stats().num_preemptions
         eng.block_manager.reset_prefix_cache()  # every repeat computes its prompts (no cache hits)
         steps.clear()
@@ -98,13 +98,14 @@ def run_ours(folder: Path, prompts, args, kv: str) -> dict:
         outs = eng.generate(prompts, sp)
         sync(args.device)
         wall = time.perf_counter() - t0
-        if best is None or wall < best[0]:
-            best = (wall, sum(len(o) for o in outs), eng.stats().num_preemptions - preempted, list(steps))
-    wall, tokens, preemptions, timeline = best
+        runs.append((wall, sum(len(o) for o in outs), eng.stats().num_preemptions - preempted, list(steps)))
+    runs.sort(key=lambda r: r[0])
+    wall, tokens, preemptions, timeline = runs[len(runs) // 2]  # the median run
     del eng.step, eng.scheduler.schedule  # the timing wrappers hold the engine: let it go
     mode = " (eager)" if args.enforce_eager else ""
     return dict(name=f"pie, {kv} KV cache{mode}", wall_s=wall, tokens=tokens, tok_per_s=tokens / wall,
-                preemptions=preemptions, kv_blocks=eng.block_manager.num_total_blocks,
+                all_tok_per_s=[r[1] / r[0] for r in runs], preemptions=preemptions,
+                kv_blocks=eng.block_manager.num_total_blocks,
                 kv_tokens=eng.block_manager.num_total_blocks * eng.config.block_size,
                 timeline=_summarize(timeline, wall))
 
@@ -193,7 +194,7 @@ def main(argv=None) -> int:
                     help="KV pool in GiB (default on CUDA: what --gpu-memory-fraction leaves)")
     ap.add_argument("--gpu-memory-fraction", type=float, default=0.9)
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    ap.add_argument("--repeats", type=int, default=2, help="timed runs per engine; the fastest is reported")
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per engine; the median is reported")
     ap.add_argument("--kv", default="int8,bf16", help="KV cache dtypes to run, comma-separated")
     ap.add_argument("--skip-hf", action="store_true", help="only our engine")
     ap.add_argument("--out", help="JSON with every figure")
@@ -221,13 +222,15 @@ def main(argv=None) -> int:
             r["roofline_frac"] = r["tok_per_s"] / roofline_tok_per_s(params, shape, prompts, args, kv, copy_bw)
             rows.append(r)
     base = rows[0]["tok_per_s"] if not args.skip_hf else None
-    print("| engine | tokens/s | x transformers | memory roofline | wall s | KV pool tokens | preemptions |")
-    print("|---|---|---|---|---|---|---|")
+    print("| engine | tokens/s (median) | spread | x transformers | memory roofline | wall s | KV pool tokens | preemptions |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         ratio = f"{r['tok_per_s'] / base:.1f}x" if base else "-"
         frac = f"{100 * r['roofline_frac']:.0f}%" if "roofline_frac" in r else "-"
         pool = f"{r['kv_tokens']:,}" if "kv_tokens" in r else "-"
-        print(f"| {r['name']} | {r['tok_per_s']:,.0f} | {ratio} | {frac} | {r['wall_s']:.1f} | {pool} | "
+        spread = (f"{min(r['all_tok_per_s']):,.0f}-{max(r['all_tok_per_s']):,.0f}"
+                  if "all_tok_per_s" in r else "-")
+        print(f"| {r['name']} | {r['tok_per_s']:,.0f} | {spread} | {ratio} | {frac} | {r['wall_s']:.1f} | {pool} | "
               f"{r.get('preemptions', '-')} |")
     for r in rows:
         if "timeline" in r:

@@ -40,6 +40,9 @@ class EngineConfig:
     # with its engine in a process of its own (--engine-process) gives it every core instead.
     cpu_threads: int | None = None
     enable_prefix_caching: bool = True  # reuse K/V of full blocks shared by prompts (and n > 1 samples)
+    # int8 caches: even out K/V channel magnitudes (a calibration pass at load, folded into the
+    # weights; model/smoothing.py), so a few massive channels do not spend every token's int8 range.
+    kv_smoothing: bool = True
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

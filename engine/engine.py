@@ -24,7 +24,7 @@ from engine.model_runner import PLACEHOLDER, ModelRunner, PendingSample, Sampled
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.scheduler import RequestTooLargeError, Scheduler
-from model import ModelConfig, Tokenizer, load_model
+from model import ModelConfig, Tokenizer, load_model, smoothing
 
 log = structlog.get_logger(__name__)
 
@@ -147,6 +147,8 @@ class LLMEngine:
         self.model.eval()
         self.tokenizer = Tokenizer.from_pretrained(config.model, self.model_config)
         mc: ModelConfig = self.model_config
+        if config.kv_cache_dtype == "int8" and config.kv_smoothing:
+            self._smooth_kv()
         self.vocab_size = mc.vocab_size
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
         self.max_model_len = mc.max_model_len if config.max_model_len is None else min(config.max_model_len, mc.max_model_len)
@@ -191,6 +193,15 @@ class LLMEngine:
                  block_size=config.block_size, kv_cache_tokens=num_blocks * config.block_size,
                  max_model_len=self.max_model_len)
 
+    def _smooth_kv(self) -> None:
+        """Evens out K/V channel magnitudes before anything is quantized (model/smoothing.py)."""
+        mc = self.model_config
+        ids = smoothing.calibration_tokens(self.tokenizer.encode, mc.vocab_size, min(256, mc.max_model_len))
+        factors = smoothing.calibrate(self.model, ids)
+        smoothing.fold(self.model, factors)
+        low, high = factors.log2_range()
+        log.info("kv_smoothing", calibration_tokens=len(ids), factor_min=2.0 ** low, factor_max=2.0 ** high)
+
     def _make_kv_cache(self, num_blocks: int) -> KVCache:
         mc = self.model_config
         return KVCache(num_layers=mc.num_hidden_layers, num_blocks=num_blocks, block_size=self.config.block_size,
@@ -201,7 +212,8 @@ class LLMEngine:
         c, mc = self.config, self.model_config
         return ModelRunner(self.model, kv_cache, vocab_size=mc.vocab_size, softmax_scale=mc.attn_scale,
                            device=self.device, attention_backend=c.attention_backend, max_num_seqs=c.max_num_seqs,
-                           max_num_batched_tokens=c.max_num_batched_tokens, max_model_len=self.max_model_len)
+                           max_num_batched_tokens=c.max_num_batched_tokens, max_model_len=self.max_model_len,
+                           windows=[mc.layer_window(i) for i in range(mc.num_hidden_layers)])
 
     def _blocks_from_free_memory(self, block_bytes: int) -> int:
         """KV blocks that fit in gpu_memory_fraction of the device once the weights and the peak of

@@ -2,7 +2,7 @@
 
 Layout (one tensor for all layers, so capacity is one number):
     k, v:             (num_layers, num_blocks, block_size, num_kv_heads, head_dim)  int8 | bf16 | fp16 | fp32
-    k_scale, v_scale: (num_layers, num_blocks, num_kv_heads, block_size)  fp32, int8 caches only
+    k_scale, v_scale: (num_layers, num_blocks, num_kv_heads, block_size)  fp16, int8 caches only
 A token's slot is block_id * block_size + offset; its K/V are quantized once, when written.
 
 Per step the runner fills `AttentionMetadata` for the packed batch. For sequence i:
@@ -45,15 +45,16 @@ class KVCache:
         self.v_scale: torch.Tensor | None = None
         if kv_cache_dtype == "int8":
             scale_shape = (num_layers, num_blocks, num_kv_heads, block_size)  # head-major per page
-            self.k_scale = torch.zeros(scale_shape, dtype=torch.float32, device=device)
-            self.v_scale = torch.zeros(scale_shape, dtype=torch.float32, device=device)
+            self.k_scale = torch.zeros(scale_shape, dtype=reference.SCALE_DTYPE, device=device)
+            self.v_scale = torch.zeros(scale_shape, dtype=reference.SCALE_DTYPE, device=device)
 
     @staticmethod
     def bytes_per_block(*, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                         kv_cache_dtype: str) -> int:
         """Bytes one block costs across all layers, K and V, scales included."""
         elem = torch.empty((), dtype=TORCH_KV_DTYPES[kv_cache_dtype]).element_size()
-        per_token_head = head_dim * elem + (4 if kv_cache_dtype == "int8" else 0)
+        scale = torch.empty((), dtype=reference.SCALE_DTYPE).element_size() if kv_cache_dtype == "int8" else 0
+        per_token_head = head_dim * elem + scale
         return 2 * num_layers * block_size * num_kv_heads * per_token_head
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -83,9 +84,14 @@ class PagedAttention:
     reference ops in kernels.reference; the CPU path), "auto" = triton on CUDA, torch elsewhere.
     "triton" on CPU tensors works only under Triton's interpreter (TRITON_INTERPRET=1, tests).
     Triton is imported only when chosen, so the CPU path never needs it.
+
+    Steps that carry prefill work attend to the new tokens' K/V as computed (the cache's copy is
+    for later steps: an int8 cache's rounding then touches only earlier steps' tokens); pure decode
+    steps read everything from the cache. `windows[i]`: layer i's sliding window (None: all keys).
     """
 
-    def __init__(self, kv_cache: KVCache, softmax_scale: float, impl: str = "auto") -> None:
+    def __init__(self, kv_cache: KVCache, softmax_scale: float, impl: str = "auto",
+                 windows: list[int | None] | None = None) -> None:
         if impl not in ATTENTION_BACKENDS:
             raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {impl!r}")
         if impl == "auto":
@@ -93,10 +99,18 @@ class PagedAttention:
         self.impl = impl
         self.kv_cache = kv_cache
         self.softmax_scale = softmax_scale
+        self.windows = list(windows) if windows is not None else [None] * kv_cache.num_layers
+        if len(self.windows) != kv_cache.num_layers:
+            raise ValueError(f"{len(self.windows)} windows for {kv_cache.num_layers} layers")
         self.metadata: AttentionMetadata | None = None
         if impl == "triton":
             from kernels import triton_cache_write, triton_decode, triton_extend
 
+            head_dim = kv_cache.k.shape[-1]
+            if head_dim > triton_decode.MAX_HEAD_DIM or head_dim % 2:
+                raise ValueError(
+                    f"head dim {head_dim}: the Triton attention kernels serve even head dims up to "
+                    f"{triton_decode.MAX_HEAD_DIM}; use --attention-backend torch (the reference path) for this model")
             self._write = triton_cache_write.write_kv_cache
             self._decode = triton_decode.paged_decode
             self._extend = triton_extend.paged_extend
@@ -108,13 +122,17 @@ class PagedAttention:
         md = self.metadata
         assert md is not None, "attention metadata must be set before the forward pass"
         k_cache, v_cache, k_scale, v_scale = self.kv_cache.layer(layer_idx)
+        window = self.windows[layer_idx]
         self._write(k, v, k_cache, v_cache, k_scale, v_scale, md.slot_mapping)
+        decode = md.max_query_len == 1  # one query per sequence: everything from the cache
         if self.impl == "torch":
             return reference.paged_attention(
                 q, k_cache, v_cache, k_scale, v_scale, md.block_tables, md.seq_lens,
-                md.query_start_loc, self.softmax_scale, max_query_len=md.max_query_len)
-        if md.max_query_len == 1:  # pure decode: one query per sequence, split-K over the context
+                md.query_start_loc, self.softmax_scale, max_query_len=md.max_query_len,
+                k_new=None if decode else k, v_new=None if decode else v, window=window)
+        if decode:  # split-K over the context
             return self._decode(q, k_cache, v_cache, k_scale, v_scale, md.block_tables, md.seq_lens,
-                                self.softmax_scale, max_seq_len=md.max_seq_len)
+                                self.softmax_scale, max_seq_len=md.max_seq_len, window=window)
         return self._extend(q, k_cache, v_cache, k_scale, v_scale, md.block_tables, md.seq_lens,
-                            md.query_start_loc, self.softmax_scale, max_query_len=md.max_query_len)
+                            md.query_start_loc, self.softmax_scale, max_query_len=md.max_query_len,
+                            k_new=k, v_new=v, window=window)

@@ -34,7 +34,7 @@ import torch
 from engine.request import Request
 from engine.kv_cache import AttentionMetadata, KVCache, PagedAttention
 from engine.sampler import SamplingTensors, sample
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 
 log = structlog.get_logger(__name__)
@@ -115,14 +115,15 @@ class _Graph:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, *, vocab_size: int, softmax_scale: float,
                  device: torch.device, attention_backend: str = "auto", max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 2048, max_model_len: int = 2048) -> None:
+                 max_num_batched_tokens: int = 2048, max_model_len: int = 2048,
+                 windows: list[int | None] | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.vocab_size = vocab_size
         self.device = device
         self.max_model_len = max_model_len
-        self.attention = PagedAttention(kv_cache, softmax_scale, attention_backend)
+        self.attention = PagedAttention(kv_cache, softmax_scale, attention_backend, windows)
         self.max_num_seqs = max_num_seqs
         self.max_tokens = max(max_num_batched_tokens, max_num_seqs)
         self.max_blocks = -(-max_model_len // self.block_size)
@@ -136,6 +137,12 @@ class ModelRunner:
             self._dev_ints = torch.zeros(ints, dtype=torch.int32, device=device)
             self._dev_tables = torch.zeros(max_num_seqs, self.max_blocks, dtype=torch.int32, device=device)
             self._copied = torch.cuda.Event()  # staging may be rewritten once the last copy is done
+            # Sampled ids, logprobs and top logprobs of a step, on their way to the host (launch()).
+            sample_cols = 2 + 2 * MAX_LOGPROBS
+            self._host_samples = [torch.empty(max_num_seqs * sample_cols, dtype=torch.float64, pin_memory=True)
+                                  for _ in range(2)]
+            self._sample_events = [torch.cuda.Event(), torch.cuda.Event()]
+            self._parity = 0
         else:
             self._dev_ints = self._host_ints
             self._dev_tables = None
@@ -331,9 +338,14 @@ class ModelRunner:
             cols += [result.top_ids.double(), result.top_logprobs.double()]
         packed = torch.cat(cols, dim=1)
         if packed.is_cuda:
-            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            # Two pinned buffers, taken in turn: at most one step is pending, and its buffer is read
+            # before the step after next writes into it. (A fresh pinned tensor per step cost a
+            # cudaHostAlloc whenever the caching host allocator had no block of that size yet:
+            # every new batch size in an engine's first minutes.)
+            self._parity ^= 1
+            host = self._host_samples[self._parity][:packed.numel()].view(packed.shape)
             host.copy_(packed, non_blocking=True)
-            done = torch.cuda.Event()
+            done = self._sample_events[self._parity]
             done.record()
             return PendingSample(reqs, host, n_top, done)
         return PendingSample(reqs, packed, n_top, None)

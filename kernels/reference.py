@@ -3,7 +3,7 @@ tested against.
 
 Shapes (one layer):
     k_cache, v_cache   (num_blocks, block_size, Hkv, D)  int8 | bfloat16 | float16 | float32
-    k_scale, v_scale   (num_blocks, Hkv, block_size)     float32, only for int8 caches, else None
+    k_scale, v_scale   (num_blocks, Hkv, block_size)     float16, only for int8 caches, else None
                        (head-major: a kernel reads one page's scales of one kv head contiguously)
     slot               block_id * block_size + offset; -1 marks a padding token (skipped)
 
@@ -23,7 +23,13 @@ import torch
 import torch.nn.functional as F
 
 INT8_MAX = 127.0
-SCALE_EPS = 1e-8  # floor of absmax, so an all-zero vector gets a finite scale and dequantizes to 0
+# Scales are stored in fp16 (2 bytes per (token, kv head): 1.97x the tokens of a bf16 cache at
+# head dim 128, against 1.94x with fp32 scales). The scale is rounded to fp16 before the values are
+# quantized against it, so the stored pair is exact; its floor is fp16's smallest normal number,
+# where the rounding is still relative (2^-11): vectors below 127 * 2^-14 = 0.0078 in absmax
+# are quantized in steps of 2^-14.
+SCALE_DTYPE = torch.float16
+SCALE_MIN = 2.0 ** -14
 
 CACHE_DTYPES = (torch.int8, torch.bfloat16, torch.float16, torch.float32)
 
@@ -31,17 +37,17 @@ CACHE_DTYPES = (torch.int8, torch.bfloat16, torch.float16, torch.float32)
 def quantize_per_token_head(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 quantization with one scale per (token, head).
 
-    x (T, H, D) float -> (q int8 (T, H, D), scale float32 (T, H)), with
-    scale = max(absmax over D, eps) / 127 and q = clamp(round(x / scale), -127, 127), rounding
-    half away from zero.
+    x (T, H, D) float -> (q int8 (T, H, D), scale fp16 (T, H)), with
+    scale = fp16(max(absmax over D / 127, SCALE_MIN)) and q = clamp(round(x / scale), -127, 127),
+    rounding half away from zero.
     """
     assert x.dim() == 3, f"expected (T, H, D), got {tuple(x.shape)}"
     xf = x.float()
-    absmax = xf.abs().amax(dim=-1).clamp_min(SCALE_EPS)  # (T, H)
+    absmax = xf.abs().amax(dim=-1)  # (T, H)
     # A tensor divisor: CUDA torch multiplies by the reciprocal of a Python scalar divisor, which
     # is not the IEEE quotient the kernels compute (tl.div_rn) and the CPU gives.
-    scale = absmax / torch.full_like(absmax, INT8_MAX)
-    y = xf / scale.unsqueeze(-1)
+    scale = (absmax / torch.full_like(absmax, INT8_MAX)).clamp_min(SCALE_MIN).to(SCALE_DTYPE)
+    y = xf / scale.float().unsqueeze(-1)
     # Round half away from zero (not torch.round's half-to-even): what a kernel gets from
     # floor(|y| + 0.5) without libdevice, so the Triton cache write matches this bit for bit.
     q = (torch.sign(y) * torch.floor(y.abs() + 0.5)).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
@@ -63,7 +69,7 @@ def _check_cache(cache: torch.Tensor, scale: torch.Tensor | None) -> None:
     assert cache.dtype in CACHE_DTYPES, f"unsupported cache dtype {cache.dtype}"
     assert cache.is_contiguous(), "cache must be contiguous"
     if cache.dtype == torch.int8:
-        assert scale is not None and scale.dtype == torch.float32, "int8 cache needs float32 scales"
+        assert scale is not None and scale.dtype == SCALE_DTYPE, "int8 cache needs fp16 scales"
         want = (cache.shape[0], cache.shape[2], cache.shape[1])  # (num_blocks, Hkv, block_size)
         assert tuple(scale.shape) == want and scale.is_contiguous(), (
             f"scale must be contiguous {want}, got {tuple(scale.shape)}")
@@ -145,23 +151,33 @@ def _attend_sequence(
     block_table: torch.Tensor,
     seq_len: int,
     softmax_scale: float,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of one sequence's last q_len tokens over its cached K/V.
 
-    q (q_len, Hq, D); block_table (max_blocks,) -> (q_len, Hq, D) float32.
+    q (q_len, Hq, D); block_table (max_blocks,) -> (q_len, Hq, D) float32. k_new, v_new
+    (q_len, Hkv, D): the new tokens' own K/V, used as they are instead of the cache's copies.
     """
     q_len, hq, _ = q.shape
     block_size, hkv = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
     assert 1 <= q_len <= seq_len, f"q_len {q_len} must be in [1, seq_len {seq_len}]"
-    blocks = block_table[: (seq_len + block_size - 1) // block_size].long()
-    k = _gather_kv(k_cache, k_scale, blocks)[:seq_len]  # (S, Hkv, D)
-    v = _gather_kv(v_cache, v_scale, blocks)[:seq_len]  # (S, Hkv, D)
+    cached = seq_len - q_len if k_new is not None else seq_len  # tokens read from the cache
+    blocks = block_table[: (cached + block_size - 1) // block_size].long()
+    k = _gather_kv(k_cache, k_scale, blocks)[:cached]  # (S, Hkv, D)
+    v = _gather_kv(v_cache, v_scale, blocks)[:cached]  # (S, Hkv, D)
+    if k_new is not None:
+        k, v = torch.cat((k, k_new.float())), torch.cat((v, v_new.float()))
 
     # SDPA's fused CPU kernel never materializes the (Hq, L, S) scores; with enable_gqa query
     # head h reads kv head h // group.
     query_pos = torch.arange(seq_len - q_len, seq_len, device=q.device).unsqueeze(1)  # (L, 1)
-    visible = torch.arange(seq_len, device=q.device).unsqueeze(0) <= query_pos  # (L, S)
+    key_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)  # (1, S)
+    visible = key_pos <= query_pos  # (L, S)
+    if window is not None:
+        visible &= key_pos > query_pos - window
     out = F.scaled_dot_product_attention(
         q.float().transpose(0, 1).unsqueeze(0),  # (1, Hq, L, D)
         k.transpose(0, 1).unsqueeze(0),  # (1, Hkv, S, D)
@@ -180,9 +196,14 @@ def paged_attention_decode(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     softmax_scale: float,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """One query per sequence (decode), batched: q (B, Hq, D); block_tables (B, max_blocks);
-    seq_lens (B,) -> (B, Hq, D) in q.dtype.
+    seq_lens (B,) -> (B, Hq, D) in q.dtype. k_new, v_new (B, Hkv, D): the K/V of the query's own
+    token (position seq_len - 1), used as they are instead of the cache's copy. window: the query
+    sees only its last `window` keys (sliding-window attention), None = all.
 
     Gathers every sequence's blocks padded to the longest one, masks positions >= seq_len.
     """
@@ -212,16 +233,25 @@ def paged_attention_decode(
         vals = vals.permute(0, 2, 1, 3).to(torch.float32, memory_format=torch.contiguous_format)
         if scale is None:
             return vals, None
-        s = scale.view(scale.shape[0], -1).index_select(0, flat_blocks).view(b, n, hkv, block_size)
+        s = scale.view(scale.shape[0], -1).index_select(0, flat_blocks).view(b, n, hkv, block_size).float()
         return vals, s.permute(0, 2, 1, 3).reshape(b, hkv, 1, s_len)
 
     k, k_s = gather(k_cache, k_scale)  # (B, Hkv, S, D)
     v, v_s = gather(v_cache, v_scale)
+    if k_new is not None:  # the own token: exact values, scale 1
+        rows, last = torch.arange(b, device=q.device), seq_lens.long() - 1
+        k[rows, :, last] = k_new.float()
+        v[rows, :, last] = v_new.float()
+        if k_s is not None:
+            k_s[rows, :, 0, last] = 1.0
+            v_s[rows, :, 0, last] = 1.0
     qf = q.float().view(b, hkv, group, d)  # (B, Hkv, G, D)
     scores = torch.matmul(qf, k.transpose(-1, -2))  # (B, Hkv, G, S)
     scores *= softmax_scale if k_s is None else k_s * softmax_scale
     positions = torch.arange(s_len, device=q.device)  # (S,)
     pad = positions.unsqueeze(0) >= seq_lens.long().unsqueeze(1)  # (B, S), True = masked
+    if window is not None:
+        pad |= positions.unsqueeze(0) < (seq_lens.long() - window).unsqueeze(1)
     scores.masked_fill_(pad[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     if v_s is not None:
@@ -242,13 +272,19 @@ def paged_attention(
     softmax_scale: float,
     *,
     max_query_len: int | None = None,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed queries over the paged cache (see the module docstring).
 
     q (T, Hq, D); block_tables (B, max_blocks) int32, padded with anything past the used blocks;
     seq_lens (B,) int32, cached tokens including the new ones; query_start_loc (B+1,) int32,
     cumulative. GQA: query head h reads kv head h // (Hq // Hkv). Returns (T, Hq, D) in q.dtype,
-    computed in float32.
+    computed in float32. k_new, v_new (T, Hkv, D): the new tokens' K/V (what was just written);
+    when given, the new tokens attend to these exact values and only to the cache for the tokens
+    before them (an int8 cache's rounding then touches only earlier steps' tokens). window:
+    sliding-window attention, each query seeing only its last `window` keys; None = all.
 
     Sequences with one query (decode) go through the batched `paged_attention_decode`; the others
     loop, one gather per sequence.
@@ -267,17 +303,21 @@ def paged_attention(
         max_query_len = int(q_lens.max()) if b else 0
     if max_query_len == 1 and t == b:
         return paged_attention_decode(q, k_cache, v_cache, k_scale, v_scale, block_tables,
-                                      seq_lens, softmax_scale)
+                                      seq_lens, softmax_scale, k_new, v_new, window)
 
     out = torch.empty(t, hq, d, dtype=q.dtype, device=q.device)
     decode = (q_lens == 1).nonzero().squeeze(1)  # (B_decode,)
     if decode.numel():
         rows = query_start_loc[decode].long()
         out[rows] = paged_attention_decode(q[rows], k_cache, v_cache, k_scale, v_scale,
-                                           block_tables[decode], seq_lens[decode], softmax_scale)
+                                           block_tables[decode], seq_lens[decode], softmax_scale,
+                                           None if k_new is None else k_new[rows],
+                                           None if v_new is None else v_new[rows], window)
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     for i in (q_lens > 1).nonzero().squeeze(1).tolist():
         lo, hi = starts[i], starts[i + 1]
         out[lo:hi] = _attend_sequence(q[lo:hi], k_cache, v_cache, k_scale, v_scale,
-                                      block_tables[i], lens[i], softmax_scale)
+                                      block_tables[i], lens[i], softmax_scale,
+                                      None if k_new is None else k_new[lo:hi],
+                                      None if v_new is None else v_new[lo:hi], window)
     return out

@@ -1,8 +1,9 @@
 """Triton cache write: store the K/V of T new tokens at their slots of the paged cache.
 
 The twin of `kernels.reference.write_kv_cache`, with the same contract and, for int8 caches, the
-same bits: the scale is max(absmax, eps) / 127 and the value round-half-away-from-zero(x / scale)
-clamped to +-127, both divisions IEEE-rounded (`tl.div_rn`), so kernel and reference agree exactly.
+same bits: the scale is fp16(max(absmax / 127, SCALE_MIN)) and the value
+round-half-away-from-zero(x / scale) clamped to +-127, both divisions IEEE-rounded (`tl.div_rn`),
+so kernel and reference agree exactly.
 
 One program per token writes K and V of all its kv heads as one [Hkv, D] tile each (Hkv and D
 padded to powers of two); padding tokens (slot -1) return at once, so a CUDA graph can carry them.
@@ -14,13 +15,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.reference import CACHE_DTYPES, INT8_MAX, SCALE_EPS, _check_cache
+from kernels.reference import CACHE_DTYPES, INT8_MAX, SCALE_MIN, _check_cache
 
 
 @triton.jit
 def _store_tile(src_ptr, stride_t, stride_h, cache_ptr, scale_ptr, token, slot,
                 HKV: tl.constexpr, HKV_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-                BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr, EPS: tl.constexpr,
+                BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr, SCALE_MIN: tl.constexpr,
                 QMAX: tl.constexpr):
     """Copy (or quantize) the [Hkv, D] vectors of one token into its cache slot."""
     heads = tl.arange(0, HKV_PAD)
@@ -34,7 +35,8 @@ def _store_tile(src_ptr, stride_t, stride_h, cache_ptr, scale_ptr, token, slot,
     if QUANT:
         xf = x.to(tl.float32)
         absmax = tl.max(tl.abs(xf), axis=1)  # (HKV_PAD,)
-        scale = tl.div_rn(tl.maximum(absmax, EPS), QMAX)
+        scale16 = tl.maximum(tl.div_rn(absmax, QMAX), SCALE_MIN).to(tl.float16)  # round to nearest
+        scale = scale16.to(tl.float32)  # the values are quantized against the stored scale
         y = tl.div_rn(xf, scale[:, None])
         r = tl.minimum(tl.floor(tl.abs(y) + 0.5), QMAX)  # half away from zero, then clamp
         qv = tl.where(y < 0, -r, r).to(tl.int8)
@@ -42,7 +44,7 @@ def _store_tile(src_ptr, stride_t, stride_h, cache_ptr, scale_ptr, token, slot,
         # Scales are head-major per page: (num_blocks, Hkv, block_size).
         block = slot // BLOCK_SIZE
         offset = slot % BLOCK_SIZE
-        tl.store(scale_ptr + block * (HKV * BLOCK_SIZE) + heads * BLOCK_SIZE + offset, scale,
+        tl.store(scale_ptr + block * (HKV * BLOCK_SIZE) + heads * BLOCK_SIZE + offset, scale16,
                  mask=head_ok)
     else:
         tl.store(dst, x.to(cache_ptr.dtype.element_ty), mask=mask)
@@ -53,15 +55,15 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scal
                      stride_kt, stride_kh, stride_vt, stride_vh,
                      HKV: tl.constexpr, HKV_PAD: tl.constexpr, D: tl.constexpr,
                      D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr,
-                     EPS: tl.constexpr, QMAX: tl.constexpr):
+                     SCALE_MIN: tl.constexpr, QMAX: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot < 0:  # padding token
         return
     _store_tile(k_ptr, stride_kt, stride_kh, k_cache_ptr, k_scale_ptr, token, slot,
-                HKV, HKV_PAD, D, D_PAD, BLOCK_SIZE, QUANT, EPS, QMAX)
+                HKV, HKV_PAD, D, D_PAD, BLOCK_SIZE, QUANT, SCALE_MIN, QMAX)
     _store_tile(v_ptr, stride_vt, stride_vh, v_cache_ptr, v_scale_ptr, token, slot,
-                HKV, HKV_PAD, D, D_PAD, BLOCK_SIZE, QUANT, EPS, QMAX)
+                HKV, HKV_PAD, D, D_PAD, BLOCK_SIZE, QUANT, SCALE_MIN, QMAX)
 
 
 def write_kv_cache(
@@ -103,6 +105,6 @@ def write_kv_cache(
         slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         HKV=hkv, HKV_PAD=hkv_pad, D=d, D_PAD=d_pad, BLOCK_SIZE=block_size, QUANT=quant,
-        EPS=SCALE_EPS, QMAX=INT8_MAX,
+        SCALE_MIN=SCALE_MIN, QMAX=INT8_MAX,
         num_warps=4 if hkv_pad * d_pad >= 1024 else 2,
     )

@@ -1,8 +1,16 @@
 """Triton paged extend (prefill / chunked prefill) attention over the paged KV cache.
 
 The twin of `kernels.reference.paged_attention`: packed queries of B sequences, each the last
-q_len_i tokens of its sequence, attending causally to everything in the cache (its prefix and its
-own new tokens, whose K/V the cache write stored first).
+q_len_i tokens of its sequence, attending causally to everything before them and to each other.
+
+Where the keys come from (`k_new`/`v_new` given, as the engine does):
+
+    sequence i:  |<---- ctx: cached, read from the pages ---->|<-- q_len_i new: from k_new/v_new -->|
+
+The new tokens' K/V were written to the cache too (later steps read them there), but this step
+uses them as computed: an int8 cache's rounding touches only what earlier steps stored, a prompt
+prefilled in one chunk attends exactly as an unquantized model would, and a prefill without a cached
+prefix reads no page at all. Without k_new every key comes from the cache.
 
 Grid: one program per (q-block, kv head), flattened to 1-D. A q-block is BLOCK_Q consecutive
 query tokens of one sequence; sequence i owns the block indices
@@ -17,14 +25,10 @@ GQA packed into M: the BLOCK_M rows of a program are BLOCK_Q tokens x G_PAD quer
 head (row r = token r // G_PAD, head r % G_PAD), so each K/V tile is read once per kv head and
 q-block, and BLOCK_M = 64/128 puts the dots on wgmma on Hopper.
 
-Two phases over the keys: keys below ctx + first_token + 1 are visible to every row of the block,
-so whole tiles there run without masks (the cached prefix and the part of the new tokens before
-the block); the remaining tiles up to the block's diagonal apply the causal mask and the seq_len
-bound. The loop stops at the diagonal.
-
-int8 caches use the scale trick: int8 K/V cast straight to the dot dtype (exact: |q| <= 127),
-k_scale folded into the score columns, v_scale into P before the PV dot, the softmax denominator
-from unscaled P. Online softmax in fp32 with exp2 (log2 e folded into the score scale).
+Keys visible to every row of the block run in unmasked whole tiles (the cached prefix; the new
+keys before the block's first token); the rest, up to the block's diagonal, apply the causal mask
+and the bounds. A sliding window W (the query sees its last W keys) masks every tile from the
+block's first visible key on. The tile update is `triton_tile.softmax_update`, shared with decode.
 """
 
 from __future__ import annotations
@@ -36,8 +40,10 @@ import triton
 import triton.language as tl
 
 from kernels.reference import _check_cache
+from kernels.triton_tile import dot_types, load, pad_head_dim, paged_slots, softmax_update
 
 _LOG2E = 1.4426950408889634
+MAX_HEAD_DIM = 256
 
 
 @triton.jit
@@ -56,70 +62,67 @@ def _find_sequence(qsl_ptr, block_idx, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
-def _attend_tile(acc, m_i, l_i, q, start, pos, kv_end, bt_row, k_cache_ptr, v_cache_ptr,
-                 k_scale_ptr, v_scale_ptr, kv_head_off, scale_head_off, qk_scale,
-                 stride_cb, stride_ct,
-                 HKV: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                 BLOCK_N: tl.constexpr, QUANT: tl.constexpr, MASKED: tl.constexpr,
-                 DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
-    """One BLOCK_N tile of keys starting at `start`; returns the updated (acc, m, l)."""
+def _visible(key_pos, key_ok, pos, WINDOW: tl.constexpr):
+    """(BLOCK_M, BLOCK_N): key at key_pos is in range, not after the row's query, in its window."""
+    vis = (key_pos[None, :] <= pos[:, None]) & key_ok[None, :]
+    if WINDOW > 0:
+        vis = vis & (key_pos[None, :] > pos[:, None] - WINDOW)
+    return vis
+
+
+@triton.jit
+def _cache_tile(acc, m_i, l_i, q, pos, start, key_end, bt_row, k_cache_ptr, v_cache_ptr, k_scale_ptr,
+                v_scale_ptr, kv_head_off, scale_head_off, stride_cb, stride_ct, offs_d, d_ok,
+                HKV: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr,
+                WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+                MASKED: tl.constexpr, EVEN_D: tl.constexpr):
+    """Cached keys [start, start + BLOCK_N) (those < key_end), read through the block table."""
     offs_n = start + tl.arange(0, BLOCK_N)
-    dims = tl.arange(0, D)
-    if MASKED:
-        n_ok = offs_n < kv_end
-        page = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
-    else:
-        page = tl.load(bt_row + offs_n // BLOCK_SIZE).to(tl.int64)
-    in_page = offs_n % BLOCK_SIZE
-    row = page * stride_cb + in_page * stride_ct + kv_head_off  # (BLOCK_N,) int64
-    kv_ptrs = row[:, None] + dims[None, :]
-    if MASKED:
-        k = tl.load(k_cache_ptr + kv_ptrs, mask=n_ok[:, None], other=0)
-    else:
-        k = tl.load(k_cache_ptr + kv_ptrs)
-    s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=PRECISION)  # (BLOCK_M, BLOCK_N)
+    key_ok = offs_n < key_end
+    page, slot = paged_slots(bt_row, offs_n, key_ok, BLOCK_SIZE, MASKED)
+    row = page * stride_cb + slot * stride_ct + kv_head_off  # (BLOCK_N,) int64
+    use_mask: tl.constexpr = MASKED or not EVEN_D
+    kv_mask = key_ok[:, None] & d_ok[None, :]
+    k = load(k_cache_ptr + row[:, None] + offs_d[None, :], kv_mask, 0.0, use_mask)
+    v = load(v_cache_ptr + row[:, None] + offs_d[None, :], kv_mask, 0.0, use_mask)
+    k_s = 0.0
+    v_s = 0.0
     if QUANT:
-        scale_off = page * (HKV * BLOCK_SIZE) + scale_head_off + in_page
-        if MASKED:
-            k_s = tl.load(k_scale_ptr + scale_off, mask=n_ok, other=0.0)
-        else:
-            k_s = tl.load(k_scale_ptr + scale_off)
-        s = s * (k_s * qk_scale)[None, :]
-    else:
-        s = s * qk_scale
-    if MASKED:
-        visible = (offs_n[None, :] <= pos[:, None]) & n_ok[None, :]
-        s = tl.where(visible, s, float("-inf"))
-    # Every row sees key 0 in its first tile, so m_new is finite: no exp2(-inf + inf).
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    if MASKED:
-        v = tl.load(v_cache_ptr + kv_ptrs, mask=n_ok[:, None], other=0)
-    else:
-        v = tl.load(v_cache_ptr + kv_ptrs)
-    if QUANT:
-        if MASKED:
-            v_s = tl.load(v_scale_ptr + scale_off, mask=n_ok, other=0.0)
-        else:
-            v_s = tl.load(v_scale_ptr + scale_off)
-        p = p * v_s[None, :]
-    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE),
-                                        input_precision=PRECISION)
-    return acc, m_new, l_i
+        scale_off = page * (HKV * BLOCK_SIZE) + scale_head_off + slot
+        k_s = load(k_scale_ptr + scale_off, key_ok, 0.0, MASKED).to(tl.float32)
+        v_s = load(v_scale_ptr + scale_off, key_ok, 0.0, MASKED).to(tl.float32)
+    return softmax_update(acc, m_i, l_i, q, k, v, k_s, v_s, _visible(offs_n, key_ok, pos, WINDOW),
+                          False, QUANT, False, MASKED, DOT_DTYPE, PRECISION)
+
+
+@triton.jit
+def _new_tile(acc, m_i, l_i, q, pos, j_start, j_end, ctx, q_start, kn_base, vn_base, stride_kt, stride_vt,
+              offs_d, d_ok,
+              BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+              MASKED: tl.constexpr, EVEN_D: tl.constexpr):
+    """New keys j_start .. j_start + BLOCK_N - 1 of the chunk (those < j_end), from k_new/v_new."""
+    offs_j = j_start + tl.arange(0, BLOCK_N)
+    key_ok = offs_j < j_end
+    tok = (q_start + offs_j).to(tl.int64)
+    use_mask: tl.constexpr = MASKED or not EVEN_D
+    kv_mask = key_ok[:, None] & d_ok[None, :]
+    k = load(kn_base + (tok * stride_kt)[:, None] + offs_d[None, :], kv_mask, 0.0, use_mask)
+    v = load(vn_base + (tok * stride_vt)[:, None] + offs_d[None, :], kv_mask, 0.0, use_mask)
+    return softmax_update(acc, m_i, l_i, q, k, v, 0.0, 0.0, _visible(ctx + offs_j, key_ok, pos, WINDOW),
+                          False, False, False, MASKED, DOT_DTYPE, PRECISION)
 
 
 # Counts that change every step are not specialized on (== 1, divisible by 16): each new
 # combination would be a fresh compile (~1 s) in the middle of serving.
 @triton.jit(do_not_specialize=["num_seqs", "num_q_blocks"])
-def _extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, bt_ptr,
+def _extend_kernel(q_ptr, kn_ptr, vn_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, bt_ptr,
                    seq_lens_ptr, qsl_ptr, out_ptr, qk_scale, num_seqs, num_q_blocks,
-                   stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_cb, stride_ct,
-                   HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
+                   stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_bt,
+                   stride_cb, stride_ct,
+                   HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, QUANT: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                   PRECISION: tl.constexpr):
+                   BLOCK_N: tl.constexpr, QUANT: tl.constexpr, NEW_KV: tl.constexpr, WINDOW: tl.constexpr,
+                   DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
     pid = tl.program_id(0)
     kv_head = pid % HKV
     block_idx = num_q_blocks - 1 - pid // HKV  # longest q-blocks first
@@ -132,58 +135,109 @@ def _extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, bt
     seq_len = tl.load(seq_lens_ptr + seq)
     ctx = seq_len - q_len  # tokens cached before this chunk
 
+    EVEN_D: tl.constexpr = D == D_PAD
     rows = tl.arange(0, BLOCK_M)
     tok = first_tok + rows // G_PAD  # (BLOCK_M,) local token of each row
     head = rows % G_PAD
     row_ok = (tok < q_len) & (head < G)
     q_head = kv_head * G + head
-    dims = tl.arange(0, D)
+    offs_d = tl.arange(0, D_PAD)
+    d_ok = offs_d < D
     q_rows = (q_start + tok).to(tl.int64) * stride_qt + q_head.to(tl.int64) * stride_qh
-    q = tl.load(q_ptr + q_rows[:, None] + dims[None, :], mask=row_ok[:, None], other=0.0)
-    q = q.to(DOT_DTYPE)
+    q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q = (q.to(tl.float32) * qk_scale).to(DOT_DTYPE)  # log2(e) folded in: exp2 below
     pos = ctx + tok  # position of each row's query; a padding row's is past its block's keys
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
     kv_head_off = kv_head.to(tl.int64) * D
     scale_head_off = kv_head * BLOCK_SIZE
-    # Keys < ctx + first_tok + 1 are visible to every row: whole tiles there need no mask.
-    free_end = (ctx + first_tok + 1) // BLOCK_N * BLOCK_N
-    kv_end = tl.minimum(seq_len, ctx + first_tok + BLOCK_Q)  # past the block's last key
-    for start in range(0, free_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, start, pos, kv_end, bt_row,
-                                     k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
-                                     kv_head_off, scale_head_off, qk_scale, stride_cb, stride_ct,
-                                     HKV, D, BLOCK_SIZE, BLOCK_N, QUANT, False, DOT_DTYPE,
-                                     PRECISION)
-    for start in range(free_end, kv_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, start, pos, kv_end, bt_row,
-                                     k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
-                                     kv_head_off, scale_head_off, qk_scale, stride_cb, stride_ct,
-                                     HKV, D, BLOCK_SIZE, BLOCK_N, QUANT, True, DOT_DTYPE,
-                                     PRECISION)
-    out = acc / l_i[:, None]
+    key_lo = 0  # the block's first visible key
+    if WINDOW > 0:
+        key_lo = tl.maximum(ctx + first_tok - WINDOW + 1, 0)
+    tile_lo = key_lo // BLOCK_N * BLOCK_N
+    last_key = tl.minimum(seq_len, ctx + first_tok + BLOCK_Q)  # past the block's last visible key
+
+    if NEW_KV:
+        # Cached keys [key_lo, ctx): before every row's query.
+        if WINDOW > 0:
+            for start in range(tile_lo, ctx, BLOCK_N):
+                acc, m_i, l_i = _cache_tile(acc, m_i, l_i, q, pos, start, ctx, bt_row, k_cache_ptr, v_cache_ptr,
+                                            k_scale_ptr, v_scale_ptr, kv_head_off, scale_head_off, stride_cb,
+                                            stride_ct, offs_d, d_ok, HKV, BLOCK_SIZE, BLOCK_N, QUANT, WINDOW,
+                                            DOT_DTYPE, PRECISION, True, EVEN_D)
+        else:
+            full = ctx // BLOCK_N * BLOCK_N
+            for start in range(0, full, BLOCK_N):
+                acc, m_i, l_i = _cache_tile(acc, m_i, l_i, q, pos, start, ctx, bt_row, k_cache_ptr, v_cache_ptr,
+                                            k_scale_ptr, v_scale_ptr, kv_head_off, scale_head_off, stride_cb,
+                                            stride_ct, offs_d, d_ok, HKV, BLOCK_SIZE, BLOCK_N, QUANT, WINDOW,
+                                            DOT_DTYPE, PRECISION, False, EVEN_D)
+            if full < ctx:
+                acc, m_i, l_i = _cache_tile(acc, m_i, l_i, q, pos, full, ctx, bt_row, k_cache_ptr, v_cache_ptr,
+                                            k_scale_ptr, v_scale_ptr, kv_head_off, scale_head_off, stride_cb,
+                                            stride_ct, offs_d, d_ok, HKV, BLOCK_SIZE, BLOCK_N, QUANT, WINDOW,
+                                            DOT_DTYPE, PRECISION, True, EVEN_D)
+        # New keys j in [0, j_end): key j sits at position ctx + j.
+        kn_base = kn_ptr + kv_head.to(tl.int64) * stride_kh
+        vn_base = vn_ptr + kv_head.to(tl.int64) * stride_vh
+        j_end = last_key - ctx
+        if WINDOW > 0:
+            for j in range(tl.maximum(key_lo - ctx, 0) // BLOCK_N * BLOCK_N, j_end, BLOCK_N):
+                acc, m_i, l_i = _new_tile(acc, m_i, l_i, q, pos, j, j_end, ctx, q_start, kn_base, vn_base,
+                                          stride_kt, stride_vt, offs_d, d_ok, BLOCK_N, WINDOW, DOT_DTYPE, PRECISION,
+                                          True, EVEN_D)
+        else:
+            j_free = (first_tok + 1) // BLOCK_N * BLOCK_N  # keys j <= first_tok: visible to every row
+            for j in range(0, j_free, BLOCK_N):
+                acc, m_i, l_i = _new_tile(acc, m_i, l_i, q, pos, j, j_end, ctx, q_start, kn_base, vn_base,
+                                          stride_kt, stride_vt, offs_d, d_ok, BLOCK_N, WINDOW, DOT_DTYPE, PRECISION,
+                                          False, EVEN_D)
+            for j in range(j_free, j_end, BLOCK_N):
+                acc, m_i, l_i = _new_tile(acc, m_i, l_i, q, pos, j, j_end, ctx, q_start, kn_base, vn_base,
+                                          stride_kt, stride_vt, offs_d, d_ok, BLOCK_N, WINDOW, DOT_DTYPE, PRECISION,
+                                          True, EVEN_D)
+    else:
+        # Every key from the cache: those < ctx + first_tok + 1 are visible to every row.
+        free_end = tile_lo  # with a window every tile is masked
+        if WINDOW == 0:
+            free_end = (ctx + first_tok + 1) // BLOCK_N * BLOCK_N
+            for start in range(0, free_end, BLOCK_N):
+                acc, m_i, l_i = _cache_tile(acc, m_i, l_i, q, pos, start, last_key, bt_row, k_cache_ptr,
+                                            v_cache_ptr, k_scale_ptr, v_scale_ptr, kv_head_off, scale_head_off,
+                                            stride_cb, stride_ct, offs_d, d_ok, HKV, BLOCK_SIZE, BLOCK_N, QUANT,
+                                            WINDOW, DOT_DTYPE, PRECISION, False, EVEN_D)
+        for start in range(free_end, last_key, BLOCK_N):
+            acc, m_i, l_i = _cache_tile(acc, m_i, l_i, q, pos, start, last_key, bt_row, k_cache_ptr, v_cache_ptr,
+                                        k_scale_ptr, v_scale_ptr, kv_head_off, scale_head_off, stride_cb,
+                                        stride_ct, offs_d, d_ok, HKV, BLOCK_SIZE, BLOCK_N, QUANT, WINDOW,
+                                        DOT_DTYPE, PRECISION, True, EVEN_D)
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     o_rows = (q_start + tok).to(tl.int64) * stride_ot + q_head.to(tl.int64) * stride_oh
-    tl.store(out_ptr + o_rows[:, None] + dims[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None])
+    tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & d_ok[None, :])
 
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _default_config(d: int, quant: bool, interpret: bool) -> tuple[int, int, int, int]:
+def _default_config(d_pad: int, quant: bool, new_kv: bool, interpret: bool) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages). BLOCK_M 128 puts the dots on wgmma (M % 64 == 0,
     warps a multiple of 4). Measured on an H200 at D=128, 4k-token prompts (benchmarks/
-    extend_check.py): 16-bit caches best at (128, 32, 4, 3); int8 caches at (128, 128, 8, 2),
-    whose wider tile spreads the int8 -> bf16 conversion (not pipelined into shared memory like
-    a 16-bit tile) over more keys. D=64 reuses them unmeasured."""
+    extend_check.py), every key from the cache: 16-bit caches best at (128, 32, 4, 3); int8 caches
+    at (128, 128, 8, 2), whose wider tile spreads the int8 -> bf16 conversion (not pipelined into
+    shared memory like a 16-bit tile) over more keys. With the new keys read as computed (new_kv),
+    a prefill without a cached prefix is 16-bit work: the 16-bit tiles. Head dims past 128 halve
+    BLOCK_M so the accumulator keeps its register budget."""
     if interpret:
         return 64, 32, 4, 1  # fewer, larger programs: the interpreter pays per op, not per flop
-    if quant:
-        return (128, 128, 8, 2) if d > 64 else (128, 128, 4, 2)
+    if d_pad > 128:
+        return 64, 32, 8, 2
+    if quant and not new_kv:
+        return (128, 128, 8, 2) if d_pad > 64 else (128, 128, 4, 2)
     return 128, 32, 4, 3
 
 
@@ -199,6 +253,9 @@ def paged_extend(
     softmax_scale: float,
     *,
     max_query_len: int,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
+    window: int | None = None,
     out: torch.Tensor | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
@@ -208,12 +265,15 @@ def paged_extend(
     """Causal attention of packed queries over the paged cache; contract of
     `kernels.reference.paged_attention`.
 
-    q (T, Hq, D) fp32/fp16/bf16 with unit stride along D; caches (num_blocks, block_size, Hkv, D)
-    int8 (with fp32 scales (num_blocks, Hkv, block_size)) or float; block_tables (B, max_blocks)
-    int32; seq_lens (B,) int32 tokens in the cache incl. the new ones; query_start_loc (B+1,)
-    int32; max_query_len: the largest q_len (a host int: it only sizes BLOCK_M, no sync here).
-    Returns `out` (T, Hq, D) in q.dtype (written into `out` when given).
-    block_m/block_n/num_warps/num_stages override the tile configuration (tests, benchmarks).
+    q (T, Hq, D) fp32/fp16/bf16 with unit stride along D, D even and <= 256; caches (num_blocks,
+    block_size, Hkv, D) int8 (with fp16 scales (num_blocks, Hkv, block_size)) or float;
+    block_tables (B, max_blocks) int32; seq_lens (B,) int32 tokens in the cache incl. the new
+    ones; query_start_loc (B+1,) int32; max_query_len: the largest q_len (a host int: it only sizes
+    BLOCK_M, no sync here). k_new, v_new (T, Hkv, D), unit stride along D: the new
+    tokens' K/V as computed, read instead of their cached copies. window: sliding-window width
+    (each query sees its last `window` keys), None = all. Returns `out` (T, Hq, D) in q.dtype
+    (written into `out` when given). block_m/block_n/num_warps/num_stages override the tile
+    configuration (tests, benchmarks).
     """
     _check_cache(k_cache, k_scale)
     _check_cache(v_cache, v_scale)
@@ -223,7 +283,7 @@ def paged_extend(
     _, block_size, hkv, d_cache = k_cache.shape
     assert v_cache.shape == k_cache.shape and v_cache.dtype == k_cache.dtype
     assert d_cache == d and hq % hkv == 0, f"q {tuple(q.shape)} vs cache {tuple(k_cache.shape)}"
-    assert d >= 16 and d & (d - 1) == 0, f"head dim {d} must be a power of two >= 16"
+    assert d % 2 == 0 and d <= MAX_HEAD_DIM, f"head dim {d} must be even and <= {MAX_HEAD_DIM}"
     num_seqs = seq_lens.shape[0]
     assert block_tables.dim() == 2 and block_tables.shape[0] == num_seqs
     assert block_tables.stride(1) == 1 and block_tables.dtype in (torch.int32, torch.int64)
@@ -231,6 +291,13 @@ def paged_extend(
     assert query_start_loc.shape == (num_seqs + 1,) and query_start_loc.dtype == torch.int32
     assert query_start_loc.is_contiguous()
     assert max_query_len >= 1, "max_query_len must be positive"
+    assert window is None or window >= 1, f"window {window} must be >= 1"
+    new_kv = k_new is not None
+    if new_kv:
+        assert v_new is not None and k_new.shape == v_new.shape == (num_tokens, hkv, d), (
+            f"k_new/v_new must be ({num_tokens}, {hkv}, {d})")
+        assert k_new.stride(2) == 1 and v_new.stride(2) == 1, "k_new/v_new need a unit stride along D"
+        assert k_new.dtype == v_new.dtype and k_new.dtype.is_floating_point
     devices = {t.device for t in (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)}
     assert len(devices) == 1, f"all tensors must be on one device, got {devices}"
     if out is None:
@@ -241,7 +308,8 @@ def paged_extend(
 
     interpret = _interpreting()
     quant = k_cache.dtype == torch.int8
-    cfg_m, cfg_n, cfg_warps, cfg_stages = _default_config(d, quant, interpret)
+    d_pad = pad_head_dim(d)
+    cfg_m, cfg_n, cfg_warps, cfg_stages = _default_config(d_pad, quant, new_kv, interpret)
     group = hq // hkv
     g_pad = triton.next_power_of_2(group)
     block_m = block_m or cfg_m
@@ -249,24 +317,20 @@ def paged_extend(
     block_m = max(g_pad, 16, min(block_m, g_pad * triton.next_power_of_2(max_query_len)))
     block_q = block_m // g_pad
     block_n = block_n or cfg_n
-    if interpret:
-        dot_dtype, precision = tl.float32, "ieee"  # interpreter bf16 math is wrong; fp32 exact
-    elif q.dtype == torch.float32:
-        dot_dtype, precision = tl.float32, "ieee"
-    else:
-        dot_dtype = tl.bfloat16 if q.dtype == torch.bfloat16 else tl.float16
-        precision = None  # only matters for fp32 operands
+    dot_dtype, precision = dot_types(q.dtype, on_gpu=not interpret and q.is_cuda)
     num_q_blocks = num_tokens // block_q + num_seqs
     grid = (num_q_blocks * hkv,)
+    kn, vn = (k_new, v_new) if new_kv else (q, q)  # unused unless new_kv
     _extend_kernel[grid](
-        q, k_cache, v_cache,
+        q, kn, vn, k_cache, v_cache,
         k_scale if quant else k_cache, v_scale if quant else v_cache,  # unused unless int8
         block_tables, seq_lens, query_start_loc, out,
         softmax_scale * _LOG2E, num_seqs, num_q_blocks,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        k_cache.stride(0), k_cache.stride(1),
-        HKV=hkv, G=group, G_PAD=g_pad, D=d, BLOCK_SIZE=block_size, BLOCK_Q=block_q,
-        BLOCK_M=block_m, BLOCK_N=block_n, QUANT=quant, DOT_DTYPE=dot_dtype, PRECISION=precision,
+        q.stride(0), q.stride(1), kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1), out.stride(0), out.stride(1),
+        block_tables.stride(0), k_cache.stride(0), k_cache.stride(1),
+        HKV=hkv, G=group, G_PAD=g_pad, D=d, D_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_Q=block_q,
+        BLOCK_M=block_m, BLOCK_N=block_n, QUANT=quant, NEW_KV=new_kv, WINDOW=window or 0,
+        DOT_DTYPE=dot_dtype, PRECISION=precision,
         num_warps=num_warps or cfg_warps, num_stages=num_stages or cfg_stages,
     )
     return out

@@ -58,12 +58,15 @@ class ModelConfig:
     mlp_bias: bool  # bias on gate/up/down projections (Llama's mlp_bias; false elsewhere)
     qk_norm: bool  # Qwen3: RMSNorm over head_dim on each q and k head, before RoPE
     # Width of sliding-window attention where the checkpoint uses it (Mistral v0.1, Qwen2 with
-    # use_sliding_window), else None. Sliding windows are not implemented: max_model_len stops at it.
+    # use_sliding_window), else None: a query then sees only its last `sliding_window` keys.
     sliding_window: int | None
     dtype: str | None = None  # dtype the weights were saved in ("bfloat16", ...), informational
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)  # from config.json only
     hidden_act: str = "silu"  # the MLP's activation; only SiLU (SwiGLU) is implemented
+    # Layers that use the sliding window, when not all do (Qwen2's layer_types / max_window_layers);
+    # None = every layer (when sliding_window is set).
+    sliding_window_layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -96,15 +99,16 @@ class ModelConfig:
 
     @property
     def max_model_len(self) -> int:
-        """Longest sequence (prompt + output) this implementation serves correctly.
-
-        Sliding-window attention is not implemented (every layer attends to the whole context), which
-        equals the checkpoint's behaviour only while the context fits in the window: so the length is
-        capped at the window where one applies.
-        """
-        if self.sliding_window is not None:
-            return min(self.max_position_embeddings, self.sliding_window)
+        """Longest sequence (prompt + output) served: the checkpoint's context."""
         return self.max_position_embeddings
+
+    def layer_window(self, layer_idx: int) -> int | None:
+        """The sliding window of layer `layer_idx`, None where it attends to the whole context."""
+        if self.sliding_window is None:
+            return None
+        if self.sliding_window_layers is not None and layer_idx not in self.sliding_window_layers:
+            return None
+        return self.sliding_window
 
     @property
     def attn_scale(self) -> float:
@@ -147,6 +151,7 @@ class ModelConfig:
             # Qwen2 always has q/k/v biases and never an o_proj bias; its config has no flag for it.
             attention_bias, o_proj_bias = True, False
 
+        window, window_layers = _read_sliding_window(c, model_type)
         return cls(
             model_type=model_type,
             architecture=(c.get("architectures") or ["?"])[0],
@@ -166,7 +171,8 @@ class ModelConfig:
             o_proj_bias=o_proj_bias,
             mlp_bias=bool(c.get("mlp_bias", False)),
             qk_norm=model_type == "qwen3",
-            sliding_window=_read_sliding_window(c, model_type),
+            sliding_window=window,
+            sliding_window_layers=window_layers,
             dtype=c.get("dtype") or c.get("torch_dtype"),
             bos_token_id=c.get("bos_token_id"),
             eos_token_ids=as_token_ids(c.get("eos_token_id")),
@@ -195,18 +201,23 @@ def _read_rope(c: dict[str, Any], max_pos: int) -> tuple[float, dict[str, Any] |
     return theta, scaling
 
 
-def _read_sliding_window(c: dict[str, Any], model_type: str) -> int | None:
+def _read_sliding_window(c: dict[str, Any], model_type: str) -> tuple[int | None, tuple[int, ...] | None]:
+    """(window, the layers that use it or None for all), as transformers applies them."""
     window = c.get("sliding_window")
     if window is None:
-        return None
+        return None, None
     if model_type == "mistral":
-        return int(window)  # Mistral applies its window on every layer whenever it is set
+        return int(window), None  # Mistral applies its window on every layer whenever it is set
     if model_type in ("qwen2", "qwen3"):
         if not c.get("use_sliding_window", False):
-            return None
+            return None, None
+        layers = int(c["num_hidden_layers"])
         layer_types = c.get("layer_types")
         if layer_types is not None:
-            return int(window) if "sliding_attention" in layer_types else None
-        # Older configs: layers from max_window_layers on use the window.
-        return int(window) if c.get("max_window_layers", 0) < c["num_hidden_layers"] else None
-    return None  # Llama has no sliding window
+            used = tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
+        else:  # older configs: layers from max_window_layers on use the window
+            used = tuple(range(int(c.get("max_window_layers", 0)), layers))
+        if not used:
+            return None, None
+        return int(window), None if len(used) == layers else used
+    return None, None  # Llama has no sliding window

@@ -109,9 +109,37 @@ def _config_class(arch: str):
     return classes[arch]
 
 
+def add_massive_k_channels(model, scale: float, pairs: list[int]) -> None:
+    """Gives K a few massive channels, as real checkpoints have, without changing the function:
+    K channels c and c + D/2 (a RoPE pair, so the rotation commutes with the scaling) of every kv
+    head are multiplied by `scale`, and the same channels of every query head divided by it, so
+    q . k is unchanged and transformers' output stays the oracle. Where a per-head q/k norm
+    (Qwen3) would undo a projection's scaling, the norms' weights of those channels are scaled
+    instead. `pairs`: the channels c, each < D/2."""
+    import torch
+
+    cfg = model.config
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    chans = [c + off for c in pairs for off in (0, d // 2)]
+    assert all(0 <= c < d // 2 for c in pairs), f"pair channels must be < D/2 = {d // 2}: {pairs}"
+    with torch.no_grad():
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            if hasattr(attn, "k_norm"):
+                attn.k_norm.weight[chans] *= scale
+                attn.q_norm.weight[chans] /= scale
+                continue
+            for proj, factor, heads in ((attn.k_proj, scale, cfg.num_key_value_heads),
+                                        (attn.q_proj, 1.0 / scale, cfg.num_attention_heads)):
+                rows = [h * d + c for h in range(heads) for c in chans]
+                proj.weight[rows] *= factor
+                if proj.bias is not None:
+                    proj.bias[rows] *= factor
+
+
 def make_hf_model_dir(tmp_path: Path, arch: str, *, seed: int | None = None, weight_scale: float = 1.0,
                       max_shard_size: str | None = None, generation_eos: int | list[int] | None = None,
-                      **overrides: Any) -> Path:
+                      massive_k: tuple[float, list[int]] | None = None, **overrides: Any) -> Path:
     """A tiny random `arch` model folder under tmp_path, loadable by transformers and by model/.
 
     arch: "llama" | "mistral" | "qwen2" | "qwen3". overrides: config fields over TINY_CONFIG (e.g.
@@ -121,6 +149,7 @@ def make_hf_model_dir(tmp_path: Path, arch: str, *, seed: int | None = None, wei
     biases are also randomized (transformers initializes them to 1 and 0), so that a swapped norm or
     a dropped bias shows. max_shard_size (e.g. "20KB") forces a sharded checkpoint.
     generation_eos: eos_token_id written to generation_config.json (default: the config's).
+    massive_k: (scale, pair channels): see `add_massive_k_channels`.
     """
     import torch
     import transformers
@@ -128,7 +157,8 @@ def make_hf_model_dir(tmp_path: Path, arch: str, *, seed: int | None = None, wei
     transformers.utils.logging.disable_progress_bar()  # save/load bars would flood test output
     if seed is None:
         seed = secrets.randbelow(2**31)
-    print(f"make_hf_model_dir: arch={arch} seed={seed} weight_scale={weight_scale} overrides={overrides}")
+    print(f"make_hf_model_dir: arch={arch} seed={seed} weight_scale={weight_scale} massive_k={massive_k} "
+          f"overrides={overrides}")
     cfg_kwargs = {**TINY_CONFIG, "dtype": "float32", **overrides}
     config = _config_class(arch)(**cfg_kwargs)
     torch.manual_seed(seed)
@@ -141,6 +171,8 @@ def make_hf_model_dir(tmp_path: Path, arch: str, *, seed: int | None = None, wei
                 p.copy_(0.1 * weight_scale * torch.randn_like(p))
             else:
                 p.mul_(weight_scale)
+    if massive_k is not None:
+        add_massive_k_channels(model, *massive_k)
 
     path = Path(tempfile.mkdtemp(dir=tmp_path, prefix=f"{arch}-seed{seed}-"))
     save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
@@ -212,5 +244,7 @@ def slow_steps(engine, seconds: float) -> None:
 def stall_start(engine, marker: str, seconds: float) -> None:
     """Used as engine_setup: the engine is built but its start stalls, as a slow load would:
     writes the file `marker` (the stalled process's pid), then sleeps `seconds`."""
-    Path(marker).write_text(str(os.getpid()))
+    tmp = Path(f"{marker}.tmp")
+    tmp.write_text(str(os.getpid()))
+    tmp.rename(marker)  # atomic: a reader never sees it half written
     time.sleep(seconds)

@@ -31,22 +31,28 @@ def make_cache(num_blocks: int, block_size: int, hkv: int, dtype: torch.dtype,
         k = torch.full(shape, fill, dtype=dtype)
         v = torch.full(shape, fill, dtype=dtype)
         scale_shape = (num_blocks, hkv, block_size)  # head-major per page
-        ks = torch.full(scale_shape, math.nan if poison else 0.0)
-        vs = torch.full(scale_shape, math.nan if poison else 0.0)
+        ks = torch.full(scale_shape, math.nan if poison else 0.0, dtype=ref.SCALE_DTYPE)
+        vs = torch.full(scale_shape, math.nan if poison else 0.0, dtype=ref.SCALE_DTYPE)
         return k, v, ks, vs
     fill = math.nan if poison else 0.0
     return torch.full(shape, fill, dtype=dtype), torch.full(shape, fill, dtype=dtype), None, None
 
 
-def dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """q (L, Hq, D) the last L of S tokens; k, v (S, Hkv, D) -> (L, Hq, D), float64 throughout."""
+def dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                 window: int | None = None) -> torch.Tensor:
+    """q (L, Hq, D) the last L of S tokens; k, v (S, Hkv, D) -> (L, Hq, D), float64 throughout.
+    window: each query sees only its last `window` keys (itself included)."""
     q_len, hq, _ = q.shape
     seq_len, hkv, _ = k.shape
     k = k.double().repeat_interleave(hq // hkv, dim=1)  # (S, Hq, D)
     v = v.double().repeat_interleave(hq // hkv, dim=1)
     scores = torch.einsum("lhd,shd->hls", q.double(), k) * scale  # (Hq, L, S)
     pos = torch.arange(seq_len - q_len, seq_len)[:, None]
-    scores = scores.masked_fill(torch.arange(seq_len)[None, :] > pos, -math.inf)
+    keys = torch.arange(seq_len)[None, :]
+    hidden = keys > pos
+    if window is not None:
+        hidden |= keys <= pos - window
+    scores = scores.masked_fill(hidden, -math.inf)
     return torch.einsum("hls,shd->lhd", scores.softmax(-1), v)
 
 
@@ -84,19 +90,29 @@ class Case:
                                self.block_tables, self.seq_lens_t, self.query_start_loc,
                                self.scale, **kw)
 
-    def expected(self, from_cache: bool) -> torch.Tensor:
-        """Dense attention over the original K/V, or (from_cache) over what the cache holds."""
+    def new_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The new tokens' own K/V, packed like q (T, Hkv, D): what the caller just wrote."""
+        k = torch.cat([k[s - lq:] for k, s, lq in zip(self.k, self.seq_lens, self.q_lens)])
+        v = torch.cat([v[s - lq:] for v, s, lq in zip(self.v, self.seq_lens, self.q_lens)])
+        return k, v
+
+    def expected(self, from_cache: bool, *, new_exact: bool = False, window: int | None = None) -> torch.Tensor:
+        """Dense attention over the original K/V, or (from_cache) over what the cache holds; with
+        new_exact, the new tokens' own K/V are the original ones even then."""
         outs = []
         for i, (s, lq) in enumerate(zip(self.seq_lens, self.q_lens)):
             k, v = self.k[i], self.v[i]
             if from_cache:
                 if self.k_cache.dtype == torch.int8:
-                    k = dequantize(*quantize_per_token_head(k))
-                    v = dequantize(*quantize_per_token_head(v))
+                    kc = dequantize(*quantize_per_token_head(k))
+                    vc = dequantize(*quantize_per_token_head(v))
                 else:
-                    k, v = k.to(self.k_cache.dtype).float(), v.to(self.v_cache.dtype).float()
+                    kc, vc = k.to(self.k_cache.dtype).float(), v.to(self.v_cache.dtype).float()
+                if new_exact:
+                    kc, vc = torch.cat((kc[:s - lq], k[s - lq:])), torch.cat((vc[:s - lq], v[s - lq:]))
+                k, v = kc, vc
             lo = int(self.query_start_loc[i])
-            outs.append(dense_causal(self.q[lo:lo + lq], k, v, self.scale))
+            outs.append(dense_causal(self.q[lo:lo + lq], k, v, self.scale, window))
         return torch.cat(outs)
 
 
@@ -134,6 +150,29 @@ def test_paged_attention_int8(shape: str, group: int) -> None:
     # ... and close to the unquantized attention: each K/V element is off by at most absmax/254.
     # Worst seen over 2,400 draws: 0.032.
     assert float((out.double() - case.expected(from_cache=False)).abs().max()) <= 0.06
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.int8, torch.bfloat16])
+def test_paged_attention_new_kv_exact(shape: str, dtype: torch.dtype) -> None:
+    """With the new tokens' K/V given, they are used as computed; earlier tokens come from the
+    cache (as it rounded them)."""
+    case = Case(*SHAPES[shape], block_size=8, hkv=2, group=2, dtype=dtype)
+    k_new, v_new = case.new_kv()
+    out = case.run(k_new=k_new, v_new=v_new)
+    assert rel_err(out, case.expected(from_cache=True, new_exact=True)) <= 1e-5
+    if shape == "prefill":  # nothing came from the cache: exact
+        assert rel_err(out, case.expected(from_cache=False)) <= 1e-5
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("window", [1, 3, 8, 100])
+@pytest.mark.parametrize("new_kv", [False, True])
+def test_paged_attention_sliding_window(shape: str, window: int, new_kv: bool) -> None:
+    case = Case(*SHAPES[shape], block_size=4, hkv=2, group=2, dtype=torch.float32)
+    kw = dict(zip(("k_new", "v_new"), case.new_kv())) if new_kv else {}
+    out = case.run(window=window, **kw)
+    assert rel_err(out, case.expected(from_cache=False, window=window)) <= 1e-5
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -206,12 +245,16 @@ def test_quantize_error_bound() -> None:
     x = torch.randn(64, 4, D) * torch.logspace(-3, 3, 64)[:, None, None]
     x[5, 2] = 0.0
     q, scale = quantize_per_token_head(x)
-    assert q.dtype == torch.int8 and scale.dtype == torch.float32 and scale.shape == (64, 4)
+    assert q.dtype == torch.int8 and scale.dtype == torch.float16 and scale.shape == (64, 4)
     assert int(q.abs().max()) <= 127
-    # The largest element of each vector maps to +-127.
-    assert bool((q.abs().amax(-1)[scale > ref.SCALE_EPS] == 127).all())
+    # The largest element of each vector maps to +-127 (above the scale's floor).
+    assert bool((q.abs().amax(-1)[scale > ref.SCALE_MIN] == 127).all())
+    # The scale is the fp16 nearest to absmax / 127 (or the floor), and values are within half a
+    # step of it, but where fp16's rounding put the scale below absmax / 127 and clamped the max.
+    absmax = x.abs().amax(-1)
+    assert torch.equal(scale, (absmax / 127).clamp_min(ref.SCALE_MIN).half())
     deq = dequantize(q, scale)
-    bound = scale[..., None] / 2 * (1 + 1e-5)
+    bound = scale.float()[..., None] / 2 * (1 + 1e-5) + (absmax - 127 * scale.float()).clamp_min(0)[..., None]
     assert bool(((x - deq).abs() <= bound).all())
     assert bool((deq[5, 2] == 0).all())
 

@@ -29,8 +29,8 @@ def poisoned_cache(num_blocks: int, block_size: int, hkv: int, d: int, dtype: to
         scale_shape = (num_blocks, hkv, block_size)
         return (torch.full(shape, 99, dtype=dtype, device=DEVICE),
                 torch.full(shape, 99, dtype=dtype, device=DEVICE),
-                torch.full(scale_shape, float("nan"), device=DEVICE),
-                torch.full(scale_shape, float("nan"), device=DEVICE))
+                torch.full(scale_shape, float("nan"), dtype=torch.float16, device=DEVICE),
+                torch.full(scale_shape, float("nan"), dtype=torch.float16, device=DEVICE))
     return (torch.full(shape, float("nan"), dtype=dtype, device=DEVICE),
             torch.full(shape, float("nan"), dtype=dtype, device=DEVICE), None, None)
 

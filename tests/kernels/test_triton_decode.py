@@ -89,13 +89,13 @@ def make_case(lens: list[int], hkv: int, group: int, d: int, page: int, cache_dt
     return kernel_args, ref_args
 
 
-def check(kernel_args, ref_args, num_splits, **kw):
+def check(kernel_args, ref_args, num_splits, window=None, **kw):
     q = kernel_args[0]
     scale = q.shape[-1] ** -0.5
     out = torch.full_like(q, float("nan"))
-    res = paged_decode(*kernel_args, scale, num_splits=num_splits, out=out, **kw)
+    res = paged_decode(*kernel_args, scale, num_splits=num_splits, out=out, window=window, **kw)
     assert res is out
-    ref = paged_attention_decode(*ref_args, scale)
+    ref = paged_attention_decode(*ref_args, scale, window=window)
     assert torch.isfinite(out).all(), "unwritten or NaN output"
     err = (out.float() - ref).abs().max().item() / ref.abs().max().item()
     assert err < TOL[q.dtype], f"relative max error {err:.2e}"
@@ -123,6 +123,26 @@ def test_matches_reference(case, num_splits, q_dtype):
     kernel_args, ref_args = make_case(lens, hkv, group, d, page, cache_dtype, q_dtype,
                                       outliers=cache_dtype == torch.int8)
     check(kernel_args, ref_args, num_splits)
+
+
+@pytest.mark.parametrize("d", [48, 80, 96, 112, 256])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_head_dims_not_a_power_of_two(d, num_splits):
+    """Head dims of real checkpoints that are not powers of two, up to 256: padded tiles."""
+    kernel_args, ref_args = make_case([1, 37, 70], 2, 4, d, 16, torch.int8, Q_DTYPES[0], outliers=True)
+    check(kernel_args, ref_args, num_splits)
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 40])
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float16], ids=str)
+def test_sliding_window(window, num_splits, cache_dtype):
+    """Each query sees its last `window` keys: windows inside one tile, across tiles and past
+    the whole sequence."""
+    if cache_dtype == torch.float16 and Q_DTYPES[0] == torch.bfloat16:
+        cache_dtype = torch.bfloat16
+    kernel_args, ref_args = make_case([1, 37, 70, 16], 2, 2, 64, 16, cache_dtype, Q_DTYPES[0])
+    check(kernel_args, ref_args, num_splits, window=window)
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float32] if not HAS_CUDA
@@ -179,7 +199,8 @@ def test_default_num_splits():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cache_dtype", [torch.int8, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("group,d,page", [(4, 128, 16), (8, 64, 32), (16, 128, 16), (1, 128, 16)])
+@pytest.mark.parametrize("group,d,page", [(4, 128, 16), (8, 64, 32), (16, 128, 16), (1, 128, 16),
+                                          (4, 96, 16), (2, 256, 16), (4, 80, 16)])
 def test_gpu_long_contexts(cache_dtype, group, d, page):
     """Ragged long contexts with the default split count and forced splits on the GPU."""
     import random
@@ -189,3 +210,14 @@ def test_gpu_long_contexts(cache_dtype, group, d, page):
                                       outliers=cache_dtype == torch.int8)
     for splits in (None, 1, 7, 32):
         check(kernel_args, ref_args, splits)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [64, 1000, 4096])
+def test_gpu_sliding_window(window):
+    import random
+
+    lens = [random.randint(1, 6000) for _ in range(5)] + [1, 4096]
+    kernel_args, ref_args = make_case(lens, 8, 4, 128, 16, torch.int8, torch.bfloat16)
+    for splits in (None, 1, 7):
+        check(kernel_args, ref_args, splits, window=window)

@@ -30,7 +30,7 @@ class Batch:
 
     def __init__(self, seq_lens: list[int], q_lens: list[int], *, block_size: int, hkv: int,
                  group: int, d: int, cache_dtype: torch.dtype,
-                 q_dtype: torch.dtype = torch.float32):
+                 q_dtype: torch.dtype = torch.float32, new_kv: bool = False, window: int | None = None):
         assert all(1 <= lq <= s for s, lq in zip(seq_lens, q_lens))
         self.seq_lens, self.q_lens, self.hq, self.d = seq_lens, q_lens, hkv * group, d
         pages = [-(-s // block_size) for s in seq_lens]
@@ -40,17 +40,19 @@ class Batch:
         self.v_cache = torch.zeros(shape, dtype=cache_dtype, device=DEVICE)
         self.k_scale = self.v_scale = None
         if cache_dtype == torch.int8:
-            self.k_scale = torch.zeros(num_blocks, hkv, block_size, device=DEVICE)
-            self.v_scale = torch.zeros(num_blocks, hkv, block_size, device=DEVICE)
+            self.k_scale = torch.zeros(num_blocks, hkv, block_size, dtype=torch.float16, device=DEVICE)
+            self.v_scale = torch.zeros(num_blocks, hkv, block_size, dtype=torch.float16, device=DEVICE)
         perm = torch.randperm(num_blocks).tolist()
         self.block_tables = torch.full((len(seq_lens), max(pages) + 2), -1, dtype=torch.int32)
         written = torch.zeros(num_blocks * block_size, dtype=torch.bool)
+        new_slots = []  # cache slots of the new tokens
         for i, (s, n) in enumerate(zip(seq_lens, pages)):
             table = torch.tensor([perm.pop() for _ in range(n)], dtype=torch.int32)
             self.block_tables[i, :n] = table
             pos = torch.arange(s)
             slots = table[pos // block_size].long() * block_size + pos % block_size
             written[slots] = True
+            new_slots.append(slots[s - q_lens[i]:])
             k, v = (torch.randn(s, hkv, d, device=DEVICE) for _ in range(2))
             ref.write_kv_cache(k, v, self.k_cache, self.v_cache, self.k_scale, self.v_scale,
                                slots.to(DEVICE))
@@ -58,6 +60,16 @@ class Batch:
         self.poisoned = [t.clone() if t is not None else None
                          for t in (self.k_cache, self.v_cache, self.k_scale, self.v_scale)]
         unused = ~written.to(DEVICE)
+        self.k_new = self.v_new = None
+        self.window = window
+        if new_kv:
+            # The new tokens' own K/V, other values than their cached copies, which the kernel
+            # must not read (poisoned below); K a slice of a fused buffer, as a qkv output gives.
+            t = sum(q_lens)
+            kv = torch.randn(t, 3, hkv, d, device=DEVICE).to(q_dtype)
+            self.k_new = kv[:, 0]  # a slice of a fused buffer
+            self.v_new = torch.randn(t, hkv, d, device=DEVICE).to(q_dtype)  # contiguous: other strides
+            unused[torch.cat(new_slots).to(DEVICE)] = True
         for cache in self.poisoned[:2]:
             flat = cache.view(num_blocks * block_size, hkv, d)
             flat[unused] = 99 if cache_dtype == torch.int8 else float("nan")
@@ -72,14 +84,16 @@ class Batch:
     def expected(self) -> torch.Tensor:
         return ref.paged_attention(self.q.float(), self.k_cache, self.v_cache, self.k_scale,
                                    self.v_scale, self.block_tables, self.seq_lens_t,
-                                   self.query_start_loc, self.scale)
+                                   self.query_start_loc, self.scale, window=self.window,
+                                   k_new=None if self.k_new is None else self.k_new.float(),
+                                   v_new=None if self.v_new is None else self.v_new.float())
 
     def run(self, q: torch.Tensor | None = None, **kw) -> torch.Tensor:
         q = self.q if q is None else q
         out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=DEVICE)
         got = paged_extend(q, *self.poisoned, self.block_tables, self.seq_lens_t,
                            self.query_start_loc, self.scale, max_query_len=max(self.q_lens),
-                           out=out, **kw)
+                           k_new=self.k_new, v_new=self.v_new, window=self.window, out=out, **kw)
         assert got is out
         assert not bool(out.isnan().any()), "output not fully written (or NaN)"
         return out
@@ -117,6 +131,33 @@ def test_extend_matches_reference(shape: str, config) -> None:
     assert rel_err(out, batch.expected()) <= 2e-5
 
 
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("config", CONFIGS[:3], ids=lambda c: f"g{c[0]}-d{c[1]}-bs{c[2]}-{c[3]}")
+def test_extend_new_kv_matches_reference(shape: str, config) -> None:
+    """The new tokens' K/V read as computed (k_new/v_new), their cached copies poisoned."""
+    group, d, block_size, cache_dtype, hkv = config
+    batch = Batch(*SHAPES[shape], block_size=block_size, hkv=hkv, group=group, d=d,
+                  cache_dtype=cache_dtype, new_kv=True)
+    assert rel_err(batch.run(), batch.expected()) <= 2e-5
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 40])
+@pytest.mark.parametrize("new_kv", [False, True])
+def test_extend_sliding_window(window: int, new_kv: bool) -> None:
+    batch = Batch([70, 45, 9, 30], [19, 45, 1, 7], block_size=16, hkv=2, group=2, d=32,
+                  cache_dtype=torch.int8, new_kv=new_kv, window=window)
+    assert rel_err(batch.run(), batch.expected()) <= 2e-5
+
+
+@pytest.mark.parametrize("d", [48, 80, 96, 112, 256])
+@pytest.mark.parametrize("new_kv", [False, True])
+def test_extend_head_dims_not_a_power_of_two(d: int, new_kv: bool) -> None:
+    """Head dims of real checkpoints that are not powers of two, up to 256: padded tiles."""
+    batch = Batch([37, 20], [9, 20], block_size=16, hkv=1, group=2, d=d, cache_dtype=torch.int8,
+                  new_kv=new_kv)
+    assert rel_err(batch.run(), batch.expected()) <= 2e-5
+
+
 @pytest.mark.parametrize("block_m,block_n", [(16, 16), (32, 64), (128, 32)])
 def test_extend_tile_shapes(block_m: int, block_n: int) -> None:
     """Tiles smaller and larger than a page, one token per q-block (block_m 16 at G 16)."""
@@ -152,10 +193,19 @@ def test_extend_rejects_bad_inputs() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cache_dtype", [torch.int8, torch.bfloat16])
-@pytest.mark.parametrize("d", [64, 128])
-def test_extend_gpu_bf16(cache_dtype: torch.dtype, d: int) -> None:
+@pytest.mark.parametrize("d", [64, 128, 96, 256])
+@pytest.mark.parametrize("new_kv", [False, True])
+def test_extend_gpu_bf16(cache_dtype: torch.dtype, d: int, new_kv: bool) -> None:
     """bf16 queries on the GPU (bf16 dots) against the fp32 reference: bf16-level error."""
     batch = Batch([1000, 517, 300, 77, 1], [1000, 130, 1, 77, 1], block_size=16, hkv=8,
-                  group=4, d=d, cache_dtype=cache_dtype, q_dtype=torch.bfloat16)
+                  group=4, d=d, cache_dtype=cache_dtype, q_dtype=torch.bfloat16, new_kv=new_kv)
     out = batch.run()
     assert rel_err(out, batch.expected()) <= 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("new_kv", [False, True])
+def test_extend_gpu_sliding_window(new_kv: bool) -> None:
+    batch = Batch([1000, 517, 300, 1], [1000, 130, 1, 1], block_size=16, hkv=8, group=4, d=128,
+                  cache_dtype=torch.int8, q_dtype=torch.bfloat16, new_kv=new_kv, window=256)
+    assert rel_err(batch.run(), batch.expected()) <= 2e-2

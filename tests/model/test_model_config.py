@@ -80,18 +80,23 @@ def test_refuses_what_is_not_implemented(bad, match):
         ModelConfig.from_hf({**BASE, **bad})
 
 
-@pytest.mark.parametrize("extra, window, max_len", [
-    ({"model_type": "mistral", "sliding_window": 1024}, 1024, 1024),
-    ({"model_type": "mistral", "sliding_window": None}, None, 4096),
-    ({"model_type": "qwen2", "sliding_window": 1024, "use_sliding_window": False}, None, 4096),
+@pytest.mark.parametrize("extra, windows", [
+    ({"model_type": "mistral", "sliding_window": 1024}, [1024, 1024]),
+    ({"model_type": "mistral", "sliding_window": None}, [None, None]),
+    ({"model_type": "qwen2", "sliding_window": 1024, "use_sliding_window": False}, [None, None]),
     ({"model_type": "qwen2", "sliding_window": 1024, "use_sliding_window": True,
-      "layer_types": ["full_attention", "sliding_attention"]}, 1024, 1024),
-    ({"model_type": "qwen2", "sliding_window": 1024, "use_sliding_window": True, "max_window_layers": 28}, None, 4096),
-    ({"model_type": "llama", "sliding_window": 1024}, None, 4096),
+      "layer_types": ["full_attention", "sliding_attention"]}, [None, 1024]),
+    ({"model_type": "qwen2", "sliding_window": 1024, "use_sliding_window": True, "max_window_layers": 1},
+     [None, 1024]),
+    ({"model_type": "qwen2", "sliding_window": 1024, "use_sliding_window": True, "max_window_layers": 28},
+     [None, None]),
+    ({"model_type": "llama", "sliding_window": 1024}, [None, None]),
 ])
-def test_sliding_window_caps_max_model_len(extra, window, max_len):
-    cfg = ModelConfig.from_hf({**BASE, **extra})
-    assert (cfg.sliding_window, cfg.max_model_len) == (window, max_len)
+def test_sliding_window_per_layer(extra, windows):
+    """Windows are served (not capped at): the context stays the checkpoint's."""
+    cfg = ModelConfig.from_hf({**BASE, "num_hidden_layers": 2, **extra})
+    assert [cfg.layer_window(i) for i in range(2)] == windows
+    assert cfg.max_model_len == 4096
 
 
 @pytest.mark.parametrize("rope", [

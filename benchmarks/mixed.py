@@ -1,0 +1,252 @@
+"""Mixed, realistic work offline: log-normal prompt lengths, a shared prefix, varied output lengths,
+on a Qwen3-4B-shaped (or Llama-3.2-1B-shaped) random model; the engine with int8 and bf16 pages in
+one run, each repeated, the median reported with the spread.
+
+    python benchmarks/mixed.py [--shape qwen3-4b|llama-1b] [--requests 384] [--repeats 3]
+    python benchmarks/mixed.py --tiny           # CPU-sized smoke run of the same code path
+
+Workload (fixed seed): prompt lengths log-normal with median --prompt-median (sigma 0.8), clipped
+to [16, --prompt-max]; a quarter of the prompts start with one shared --prefix-len-token prefix;
+output lengths uniform in [32, 400]; greedy, EOS ignored. All requests are queued at once.
+
+Beside the achieved time: an ideal time from the work itself, (a) prefill FLOPs (2 x params x
+prompt tokens not served from the prefix cache, plus causal attention) at --tflops, and (b) for
+each decode step actually run, the weights once plus every scheduled sequence's K/V once at the
+copy bandwidth measured in the same run. Where the time went: steps that carried prompt tokens,
+full decode steps (at least half of --max-num-seqs rows), the low-batch tail, and host time
+outside steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from engine.config import DEFAULT_MODEL, EngineConfig  # noqa: E402
+from engine.engine import LLMEngine  # noqa: E402
+from engine.kv_cache import KVCache  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+
+SHAPES = {
+    # Qwen3-4B: head dim 128, GQA 4:1, q/k norms, tied embeddings.
+    "qwen3-4b": ("qwen3", dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=32,
+                               num_key_value_heads=8, head_dim=128, intermediate_size=9728,
+                               vocab_size=151936, tie_word_embeddings=True)),
+    "llama-1b": ("llama", dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+                               num_key_value_heads=8, intermediate_size=8192, vocab_size=32000,
+                               tie_word_embeddings=True)),
+    "tiny": ("qwen3", dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=64, intermediate_size=512, vocab_size=4096, tie_word_embeddings=True)),
+}
+
+
+def build_model(folder: Path, arch: str, shape: dict, dtype: torch.dtype) -> int:
+    """A random-initialized model saved by transformers, with the bundled tokenizer."""
+    import shutil
+
+    import transformers
+
+    cls = {"qwen3": transformers.Qwen3Config, "llama": transformers.LlamaConfig}[arch]
+    cfg = cls(**shape, max_position_embeddings=4096, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
+              pad_token_id=0)
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # initializing 4B weights on a CPU takes minutes
+        model = transformers.AutoModelForCausalLM.from_config(cfg).to(dtype)
+    model.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(DEFAULT_MODEL) / name, folder / name)
+    return sum(p.numel() for p in model.parameters())
+
+
+def workload(n: int, vocab: int, prompt_median: int, prompt_max: int, prefix_len: int,
+             out_range: tuple[int, int], seed: int = 0) -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(seed)
+    prefix = [rng.randrange(3, vocab) for _ in range(prefix_len)]
+    prompts, outs = [], []
+    for i in range(n):
+        length = min(prompt_max, max(16, round(rng.lognormvariate(math.log(prompt_median), 0.8))))
+        body = [rng.randrange(3, vocab) for _ in range(length)]
+        prompts.append(prefix + body if i % 4 == 0 else body)
+        outs.append(rng.randint(*out_range))
+    return prompts, outs
+
+
+def copy_bandwidth(device: str) -> float:
+    src = torch.empty(1 << 30 if device == "cuda" else 1 << 26, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(20):
+        dst.copy_(src)
+    _sync(device)
+    return 2 * src.numel() * 20 / (time.perf_counter() - t0)
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+class Timeline:
+    """Wraps an engine's schedule() and step(): per step, its wall time and what it carried."""
+
+    def __init__(self, eng: LLMEngine) -> None:
+        self.steps: list[dict] = []
+        self._schedule, self._step = eng.scheduler.schedule, eng.step
+        self._last: dict = {}
+        eng.scheduler.schedule, eng.step = self._counting_schedule, self._timed_step
+        self.eng = eng
+
+    def _counting_schedule(self):
+        out = self._schedule()
+        decode_rows = [s for s in out.scheduled if s.num_new_tokens == 1 and s.start >= s.request.num_prompt_tokens]
+        self._last = dict(prompt_tokens=out.num_batched_tokens - len(decode_rows), rows=len(out.scheduled),
+                          kv_tokens=sum(s.start + s.num_new_tokens for s in out.scheduled))
+        return out
+
+    def _timed_step(self):
+        self._last = dict(prompt_tokens=0, rows=0, kv_tokens=0)
+        t = time.perf_counter()
+        outs = self._step()
+        self.steps.append(dict(seconds=time.perf_counter() - t, **self._last))
+        return outs
+
+    def detach(self) -> None:
+        del self.eng.scheduler.schedule, self.eng.step
+
+
+def ideal_seconds(steps: list[dict], params: int, layers: int, q_size: int, kv_bytes_per_token: int,
+                  prompt_tokens_computed: int, attn_flops: float, copy_bw: float, tflops: float,
+                  weight_bytes: int) -> float:
+    prefill = (2 * params * prompt_tokens_computed + attn_flops) / (tflops * 1e12)
+    decode = sum((weight_bytes + s["kv_tokens"] * kv_bytes_per_token) / (copy_bw / 2)
+                 for s in steps if s["prompt_tokens"] == 0 and s["rows"] > 0)
+    return prefill + decode
+
+
+def run_engine(folder: Path, kv: str, prompts, outs, args) -> dict:
+    eng = LLMEngine(EngineConfig(model=str(folder), device=args.device,
+                                 dtype="bf16" if args.device == "cuda" else "fp32", kv_cache_dtype=kv,
+                                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,
+                                 kv_cache_memory_bytes=None if args.kv_gib is None else int(args.kv_gib * 2**30)))
+    eng.generate([p[:32] for p in prompts[:4]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    timeline = Timeline(eng)
+    runs = []
+    for _ in range(args.repeats):
+        eng.block_manager.reset_prefix_cache()
+        hits_before = eng.stats().prefix_cache_hits
+        timeline.steps.clear()
+        ids = [f"m{i}-{len(runs)}" for i in range(len(prompts))]
+        _sync(args.device)
+        t0 = time.perf_counter()
+        for rid, p, n in zip(ids, prompts, outs):
+            eng.add_request(rid, p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+        generated = 0
+        while eng.has_unfinished():
+            for o in eng.step():
+                generated += len(o.new_token_ids)
+        _sync(args.device)
+        wall = time.perf_counter() - t0
+        runs.append(dict(wall_s=wall, tokens=generated, tok_per_s=generated / wall, steps=list(timeline.steps),
+                         cached_prompt_tokens=eng.stats().prefix_cache_hits - hits_before))
+    timeline.detach()
+    kv_per_token = KVCache.bytes_per_block(num_layers=eng.model_config.num_hidden_layers, block_size=1,
+                                           num_kv_heads=eng.model_config.num_key_value_heads,
+                                           head_dim=eng.model_config.head_dim, kv_cache_dtype=kv)
+    info = dict(kv_blocks=eng.block_manager.num_total_blocks, kv_per_token=kv_per_token,
+                mc=eng.model_config)
+    del eng
+    gc.unfreeze()
+    gc.collect()
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    return dict(runs=runs, **info)
+
+
+def breakdown(steps: list[dict], wall: float, full_rows: int) -> str:
+    prefill = [s for s in steps if s["prompt_tokens"] > 0]
+    full = [s for s in steps if s["prompt_tokens"] == 0 and s["rows"] >= full_rows]
+    tail = [s for s in steps if s["prompt_tokens"] == 0 and 0 < s["rows"] < full_rows]
+    inside = sum(s["seconds"] for s in steps)
+    return (f"prefill-carrying steps {len(prefill)}: {sum(s['seconds'] for s in prefill):.2f} s; "
+            f"full decode steps (>= {full_rows} rows) {len(full)}: {sum(s['seconds'] for s in full):.2f} s; "
+            f"low-batch tail {len(tail)}: {sum(s['seconds'] for s in tail):.2f} s; "
+            f"host outside steps {wall - inside:.2f} s")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args, _ = ap.parse_known_args(argv)
+    big = not args.tiny
+    ap.add_argument("--shape", default="qwen3-4b" if big else "tiny", choices=sorted(SHAPES))
+    ap.add_argument("--requests", type=int, default=384 if big else 24)
+    ap.add_argument("--prompt-median", type=int, default=250 if big else 40)
+    ap.add_argument("--prompt-max", type=int, default=2000 if big else 200)
+    ap.add_argument("--prefix-len", type=int, default=400 if big else 48)
+    ap.add_argument("--out-min", type=int, default=32 if big else 4)
+    ap.add_argument("--out-max", type=int, default=400 if big else 24)
+    ap.add_argument("--max-num-seqs", type=int, default=256 if big else 16)
+    ap.add_argument("--max-batched-tokens", type=int, default=8192 if big else 512)
+    ap.add_argument("--kv-gib", type=float, default=None if big else 0.1)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--kv", default="int8,bf16")
+    ap.add_argument("--tflops", type=float, default=790.0, help="dense bf16 rate for the ideal prefill time")
+    ap.add_argument("--out", help="JSON with every figure")
+    args = ap.parse_args(argv)
+    arch, shape = SHAPES[args.shape]
+    prompts, outs = workload(args.requests, shape["vocab_size"], args.prompt_median, args.prompt_max,
+                             args.prefix_len, (args.out_min, args.out_max))
+    copy_bw = copy_bandwidth(args.device)
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        params = build_model(Path(tmp), arch, shape, torch.bfloat16 if args.device == "cuda" else torch.float32)
+        print(f"# {args.device}: {args.shape}-shaped random {arch} ({params / 1e9:.2f}B params); {args.requests} "
+              f"requests, prompts median {statistics.median(map(len, prompts)):.0f} (max {max(map(len, prompts))}) "
+              f"tokens, {sum(map(len, prompts)):,} prompt tokens, outputs {args.out_min}-{args.out_max} "
+              f"({sum(outs):,} tokens); copy bandwidth {copy_bw / 1e12:.2f} TB/s")
+        for kv in args.kv.split(","):
+            results[kv] = run_engine(Path(tmp), kv, prompts, outs, args)
+    weight_bytes = params * (2 if args.device == "cuda" else 4)
+    print("| KV cache | tokens/s (median) | spread | wall s | ideal s | achieved / ideal |")
+    print("|---|---|---|---|---|---|")
+    summary = {}
+    for kv, r in results.items():
+        mc = r["mc"]
+        rates = sorted(x["tok_per_s"] for x in r["runs"])
+        med = statistics.median(rates)
+        run = min(r["runs"], key=lambda x: abs(x["tok_per_s"] - med))
+        computed = sum(map(len, prompts)) - run["cached_prompt_tokens"]
+        attn = sum(4 * len(p) ** 2 / 2 * mc.num_attention_heads * mc.head_dim * mc.num_hidden_layers for p in prompts)
+        ideal = ideal_seconds(run["steps"], params, mc.num_hidden_layers, mc.q_size, r["kv_per_token"], computed,
+                              attn, copy_bw, args.tflops, weight_bytes)
+        print(f"| {kv} | {med:,.0f} | {rates[0]:,.0f}-{rates[-1]:,.0f} | {run['wall_s']:.2f} | {ideal:.2f} | "
+              f"{100 * ideal / run['wall_s']:.0f}% |")
+        summary[kv] = dict(tok_per_s_median=med, tok_per_s_all=rates, wall_s=run["wall_s"], ideal_s=ideal,
+                           breakdown=breakdown(run["steps"], run["wall_s"], args.max_num_seqs // 2),
+                           kv_blocks=r["kv_blocks"])
+    for kv, s in summary.items():
+        print(f"{kv}: {s['breakdown']}")
+    if "int8" in summary and "bf16" in summary:
+        print(f"int8 / bf16 tokens/s (medians): {summary['int8']['tok_per_s_median'] / summary['bf16']['tok_per_s_median']:.2f}x")
+    if args.out:
+        Path(args.out).write_text(json.dumps(dict(shape=args.shape, copy_tbs=copy_bw / 1e12, results=summary), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""The tile code the decode and extend kernels share: where a tile of paged keys lives, masked
+loads, and the online-softmax update of one tile of keys.
+
+Both kernels hold a block of BLOCK_M query rows (decode: the G query heads of one kv head; extend:
+BLOCK_Q tokens x G heads) and walk the keys in tiles of BLOCK_N:
+
+    s = q' K^T                      q' = q * softmax_scale * log2(e), so exp2 is the softmax's exp
+    int8 pages:  s *= k_scale[n]    (K cast to the dot dtype as is: |x| <= 127 is exact in bf16/fp16)
+    m' = max(m, rowmax(s)); p = 2^(s - m'); l = l 2^(m - m') + rowsum(p)
+    acc = acc 2^(m - m') + p V      int8 pages: p * v_scale[n] feeds the dot, l sums the unscaled p
+
+Head dims that are not a power of two run padded to D_PAD (the padding lanes load 0: they add
+nothing to any dot). Scales are fp16, one per (token, kv head).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def int8_to_f16(x):
+    """int8 -> fp16 with integer ops, 4 values per 32-bit register: byte b + 128 (xor 0x80) under
+    the fp16 exponent of 1024 (high byte 0x64) reads as 1152 + b; subtracting 1152 gives b exactly.
+
+    Not pure on purpose: Triton would otherwise move this conversion past the shared-memory copy
+    that feeds tl.dot, where int8 V (D-contiguous, reduced over tokens) is read byte by byte; here
+    V goes to shared memory as fp16 and comes back with ldmatrix.trans."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 u, m;
+        xor.b32 u, $2, 0x80808080;
+        mov.b32 m, 0x64806480;
+        prmt.b32 $0, u, 0x64646464, 0x4140;
+        prmt.b32 $1, u, 0x64646464, 0x4342;
+        sub.f16x2 $0, $0, m;
+        sub.f16x2 $1, $1, m;
+        }""",
+        constraints="=r,=r,r", args=[x], dtype=tl.float16, is_pure=False, pack=4)
+
+
+@triton.jit
+def load(ptrs, mask, other, USE_MASK: tl.constexpr):
+    """tl.load, masked only when USE_MASK (unmasked loads vectorize best)."""
+    if USE_MASK:
+        return tl.load(ptrs, mask=mask, other=other)
+    else:
+        return tl.load(ptrs)
+
+
+@triton.jit
+def paged_slots(bt_row, offs_n, key_ok, PAGE: tl.constexpr, MASKED: tl.constexpr):
+    """Pages and in-page slots of the keys offs_n (BLOCK_N,) of one sequence: page ids from its
+    block-table row (int64, 0 for masked keys) and offs_n % PAGE."""
+    page = load(bt_row + offs_n // PAGE, key_ok, 0, MASKED).to(tl.int64)
+    return page, offs_n % PAGE
+
+
+@triton.jit
+def softmax_update(acc, m_i, l_i, q, k, v, k_s, v_s, visible,
+                   K_TRANSPOSED: tl.constexpr, QUANT: tl.constexpr, V_ASM: tl.constexpr,
+                   MASKED: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+    """One tile's online-softmax update of (acc (BLOCK_M, D_PAD), m_i, l_i (BLOCK_M,)) fp32.
+
+    q (BLOCK_M, D_PAD) pre-scaled by softmax_scale * log2(e), in DOT_DTYPE; k (D_PAD, BLOCK_N)
+    when K_TRANSPOSED else (BLOCK_N, D_PAD); v (BLOCK_N, D_PAD); k_s, v_s (BLOCK_N,) fp32 when
+    QUANT (else unused); visible: a mask broadcastable to (BLOCK_M, BLOCK_N), used when MASKED.
+    A row that sees no key of the tile keeps m = -inf only if it saw none before either: callers
+    put a visible key in every real row's first tile, and padding rows have q = 0 (finite s).
+    V_ASM (int8 V, GPU only): V goes int8 -> fp16 by `int8_to_f16` and P @ V runs in fp16, with
+    p * v_s / max(v_s) in [0, 1] (no fp16 underflow for small scales) and max(v_s) put back after.
+    """
+    if K_TRANSPOSED:
+        s = tl.dot(q, k.to(DOT_DTYPE), input_precision=PRECISION)
+    else:
+        s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=PRECISION)
+    if QUANT:
+        s = s * k_s[None, :]
+    if MASKED:
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None]
+    if QUANT:
+        if V_ASM:
+            vs_max = tl.maximum(tl.max(v_s, axis=0), 1e-30)
+            p = p * (v_s / vs_max)[None, :]
+            acc += tl.dot(p.to(tl.float16), int8_to_f16(v)) * vs_max
+        else:
+            p = p * v_s[None, :]
+            acc += tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=PRECISION)
+    else:
+        acc += tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=PRECISION)
+    return acc, m_new, l_i
+
+
+def dot_types(q_dtype, on_gpu: bool):
+    """(DOT_DTYPE, PRECISION) for a query dtype: 16-bit dots on the GPU; fp32 on the CPU
+    interpreter (its bf16 arithmetic is wrong) and for fp32 queries, with IEEE precision."""
+    import torch
+
+    if on_gpu and q_dtype == torch.bfloat16:
+        return tl.bfloat16, None
+    if q_dtype == torch.float16:
+        return tl.float16, None
+    return tl.float32, "ieee"
+
+
+def pad_head_dim(d: int) -> int:
+    """The padded tile width of head dim d (a power of two >= 16)."""
+    return max(16, triton.next_power_of_2(d))

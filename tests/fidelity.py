@@ -1,0 +1,96 @@
+"""How closely the engine's greedy output follows transformers', per KV cache dtype: the measure
+behind tests/engine/test_kv_fidelity.py and benchmarks/kv_fidelity.py (not a test itself).
+
+Two figures per (model, cache dtype), both against transformers in fp32 on the same weights:
+- agreement: the common prefix of the engine's greedy continuation and transformers', over the
+  continuation's length, averaged over prompts (compounds: one near-tie flip ends the prefix);
+- teacher-forced top-1: at every position of the engine's own continuation, whether its token is
+  transformers' argmax given the same context (does not compound);
+- first token: whether the first generated token is transformers' (the prefill alone decides it).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from tests.helpers import make_hf_model_dir
+
+# Head dim 64, GQA 2:1: the shape class of Llama-3.2-1B's attention, at toy width.
+HEAD_DIM_64 = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=64, num_hidden_layers=2, vocab_size=512, max_position_embeddings=512)
+MASSIVE_K = (16.0, [3, 17])  # K channel pairs (3, 35) and (17, 49) x16, matching Q channels / 16
+
+
+@dataclass(slots=True)
+class Fidelity:
+    agreement: float  # mean common-prefix fraction with transformers' greedy continuation
+    teacher_forced: float  # fraction of positions where the engine's token is transformers' argmax
+    first_token: float  # fraction of prompts whose first generated token is transformers'
+
+
+def reference_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy continuation (fp32, EOS ignored)."""
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                          attention_mask=torch.ones_like(ids), pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def teacher_forced(hf, prompt: list[int], continuation: list[int]) -> list[bool]:
+    """For each token of `continuation`: is it transformers' argmax after what precedes it?"""
+    ids = torch.tensor([prompt + continuation])
+    with torch.inference_mode():
+        logits = hf(ids).logits[0]
+    best = logits[len(prompt) - 1:-1].argmax(-1).tolist()
+    return [b == t for b, t in zip(best, continuation)]
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def measure(model_dir: Path, kv_dtypes: tuple[str, ...], *, prompts: int, tokens: int, seed: int,
+            device: str = "cpu", **engine_kwargs) -> dict[str, Fidelity]:
+    """Fidelity of the engine with each KV cache dtype on the model in `model_dir` (fp32 weights)."""
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    rng = random.Random(seed)
+    vocab = hf.config.vocab_size
+    ps = [[rng.randrange(3, vocab) for _ in range(rng.randrange(8, 64))] for _ in range(prompts)]
+    want = [reference_greedy(hf, p, tokens) for p in ps]
+    out = {}
+    for kv in kv_dtypes:
+        engine = LLMEngine(EngineConfig(model=str(model_dir), device=device, dtype="fp32", kv_cache_dtype=kv,
+                                        num_kv_blocks=256, max_num_seqs=32, **engine_kwargs))
+        got = engine.generate(ps, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
+        agree = sum(common_prefix(g, w) / tokens for g, w in zip(got, want)) / len(ps)
+        forced = [ok for p, g in zip(ps, got) for ok in teacher_forced(hf, p, g)]
+        first = sum(g[0] == w[0] for g, w in zip(got, want)) / len(ps)
+        out[kv] = Fidelity(agree, sum(forced) / len(forced), first)
+    return out
+
+
+def family_fidelity(tmp: Path, archs, kv_dtypes, *, prompts: int, tokens: int, seed: int, weight_scale: float,
+                    massive_k: tuple[float, list[int]] | None, **engine_kwargs) -> dict[str, dict[str, Fidelity]]:
+    """`measure` on one fresh head-dim-64 model per family; arch -> kv dtype -> Fidelity."""
+    rng = random.Random(seed)
+    res = {}
+    for arch in archs:
+        model_dir = make_hf_model_dir(tmp, arch, seed=rng.randrange(2**31), weight_scale=weight_scale,
+                                      massive_k=massive_k, **HEAD_DIM_64)
+        res[arch] = measure(model_dir, kv_dtypes, prompts=prompts, tokens=tokens, seed=rng.randrange(2**31),
+                            **engine_kwargs)
+    return res
+
+
+def mean(res: dict[str, dict[str, Fidelity]], kv: str, field: str) -> float:
+    return sum(getattr(r[kv], field) for r in res.values()) / len(res)
