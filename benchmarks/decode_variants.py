@@ -249,20 +249,22 @@ def main_engine() -> None:
     sequence timed from a CUDA graph, as the engine replays decode."""
     log(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
     correctness(int8_only=False)
-    d64_int8 = [(None, None, None, None), (64, 2, 1, 4), (64, 3, 1, 4), (32, 3, 1, 4), (64, 2, 1, 2),
-                (128, 2, 1, 2), (32, 2, 1, 2), (128, 3, 1, 4)]
-    d64_bf16 = [(None, None, None, None), (64, 2, 1, 4), (32, 3, 1, 4), (64, 2, 1, 2), (128, 2, 1, 4)]
+    d64_int8 = [(None, None, None, None), (32, 2, 1, 2), (64, 2, 1, 2), (128, 2, 1, 2), (64, 3, 1, 2),
+                (64, 2, 1, 4), (32, 2, 1, 4)]
+    d64_bf16 = [(None, None, None, None), (64, 2, 1, 2), (32, 2, 1, 2), (128, 2, 1, 2), (64, 2, 1, 4)]
     sdpa = sdpa_ms(256, 400, 8, 4, 64)
     sweep("L1B B256 ctx400 int8", 256, 400, 8, 4, 64, 16, True, d64_int8, sdpa)
     sweep("L1B B256 ctx400 bf16", 256, 400, 8, 4, 64, 16, False, d64_bf16, sdpa)
     sdpa = sdpa_ms(64, 4096, 8, 4, 128)
     sweep("Q4B B64 ctx4096 int8", 64, 4096, 8, 4, 128, 16, True,
-          [(None, None, None, None), (64, 3, 1, 4), (128, 2, 1, 8), (64, 2, 1, 4)], sdpa)
-    sweep("Q4B B64 ctx4096 bf16", 64, 4096, 8, 4, 128, 16, False, [(None, None, None, None)], sdpa)
+          [(None, None, None, None), (128, 2, 1, 4), (64, 2, 1, 2), (128, 3, 1, 8), (64, 3, 1, 4)], sdpa)
+    sweep("Q4B B64 ctx4096 bf16", 64, 4096, 8, 4, 128, 16, False,
+          [(None, None, None, None), (64, 2, 1, 2), (32, 2, 1, 2)], sdpa)
     sdpa = sdpa_ms(256, 512, 8, 4, 128)
     sweep("Q4B B256 ctx512 int8", 256, 512, 8, 4, 128, 16, True,
-          [(None, None, None, None), (64, 2, 1, 4), (64, 3, 1, 4), (32, 3, 1, 4)], sdpa)
-    sweep("Q4B B256 ctx512 bf16", 256, 512, 8, 4, 128, 16, False, [(None, None, None, None)], sdpa)
+          [(None, None, None, None), (64, 2, 1, 4), (64, 2, 1, 2), (32, 2, 1, 2)], sdpa)
+    sweep("Q4B B256 ctx512 bf16", 256, 512, 8, 4, 128, 16, False,
+          [(None, None, None, None), (64, 2, 1, 2), (32, 2, 1, 2)], sdpa)
     args, nbytes = make(1, 32768, 8, 4, 128, 16, True)
     out = torch.empty_like(args[0])
     for bn, st, sp in ((None, None, None), (128, 3, 64), (64, 3, 64), (64, 2, 128), (128, 3, 128)):

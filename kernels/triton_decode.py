@@ -16,7 +16,7 @@ tile runs without masks. With one split the program writes `out` directly; other
 normalized partial output and its base-2 log-sum-exp to an fp32 workspace, and stage 2 (one program
 per (sequence, query head)) merges the splits, weighting each by 2^(lse - max lse); an empty split
 has lse = -inf and weight 0. With a sliding window W the keys start at seq_len - W (every tile
-masked then). The tile update is `triton_tile.softmax_update`, shared with the extend kernel; K is
+masked then). The tile update is triton_tile's, shared with the extend kernel; K is
 loaded transposed, (D, BLOCK_N), and V goes int8 -> fp16 in inline PTX on the GPU (V_ASM).
 """
 
@@ -29,7 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_tile import dot_types, load, pad_head_dim, paged_slots, softmax_update
+from kernels.triton_tile import (accumulate_pv, dot_types, load, online_softmax, pad_head_dim, paged_slots,
+                                 tile_scores)
 
 LOG2E = 1.4426950408889634
 BLOCK_M = 16  # tl.dot needs M >= 16 on the GPU; G query heads are padded up to this
@@ -56,15 +57,18 @@ def _decode_tile(acc, m_i, l_i, q, k_base, v_base, ks_base, vs_base, bt_row, til
     row = page * stride_kp + slot * stride_kt  # (BLOCK_N,) int64 element offset of each key
     use_mask: tl.constexpr = MASKED or not EVEN_D
     kt = load(k_base + row[None, :] + offs_d[:, None], key_ok[None, :] & d_ok[:, None], 0.0, use_mask)  # (D, N)
-    v = load(v_base + row[:, None] + offs_d[None, :], key_ok[:, None] & d_ok[None, :], 0.0, use_mask)  # (N, D)
     k_s = 0.0
     v_s = 0.0
     if IS_INT8:
         srow = page * stride_sp + slot  # (BLOCK_N,) offset into this kv head's scale pages
         k_s = load(ks_base + srow, key_ok, 0.0, MASKED).to(tl.float32)
+    s = tile_scores(q, kt, k_s, key_ok[None, :], True, IS_INT8, MASKED, DOT_DTYPE, PRECISION)
+    p, alpha, m_i, l_i = online_softmax(s, m_i, l_i)
+    v = load(v_base + row[:, None] + offs_d[None, :], key_ok[:, None] & d_ok[None, :], 0.0, use_mask)  # (N, D)
+    if IS_INT8:
         v_s = load(vs_base + srow, key_ok, 0.0, MASKED).to(tl.float32)
-    return softmax_update(acc, m_i, l_i, q, kt, v, k_s, v_s, key_ok[None, :],
-                          True, IS_INT8, V_ASM, MASKED, DOT_DTYPE, PRECISION)
+    acc = accumulate_pv(acc, alpha, p, v, v_s, IS_INT8, V_ASM, DOT_DTYPE, PRECISION)
+    return acc, m_i, l_i
 
 
 @triton.jit(do_not_specialize=["num_splits"])  # one compile whatever the split count

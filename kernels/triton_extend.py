@@ -28,7 +28,7 @@ q-block, and BLOCK_M = 64/128 puts the dots on wgmma on Hopper.
 Keys visible to every row of the block run in unmasked whole tiles (the cached prefix; the new
 keys before the block's first token); the rest, up to the block's diagonal, apply the causal mask
 and the bounds. A sliding window W (the query sees its last W keys) masks every tile from the
-block's first visible key on. The tile update is `triton_tile.softmax_update`, shared with decode.
+block's first visible key on. The tile update is triton_tile's, shared with decode.
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ import triton
 import triton.language as tl
 
 from kernels.reference import _check_cache
-from kernels.triton_tile import dot_types, load, pad_head_dim, paged_slots, softmax_update
+from kernels.triton_tile import (accumulate_pv, dot_types, load, online_softmax, pad_head_dim, paged_slots,
+                                 tile_scores)
 
 _LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256
@@ -84,15 +85,17 @@ def _cache_tile(acc, m_i, l_i, q, pos, start, key_end, bt_row, k_cache_ptr, v_ca
     use_mask: tl.constexpr = MASKED or not EVEN_D
     kv_mask = key_ok[:, None] & d_ok[None, :]
     k = load(k_cache_ptr + row[:, None] + offs_d[None, :], kv_mask, 0.0, use_mask)
-    v = load(v_cache_ptr + row[:, None] + offs_d[None, :], kv_mask, 0.0, use_mask)
     k_s = 0.0
     v_s = 0.0
     if QUANT:
         scale_off = page * (HKV * BLOCK_SIZE) + scale_head_off + slot
         k_s = load(k_scale_ptr + scale_off, key_ok, 0.0, MASKED).to(tl.float32)
+    s = tile_scores(q, k, k_s, _visible(offs_n, key_ok, pos, WINDOW), False, QUANT, MASKED, DOT_DTYPE, PRECISION)
+    p, alpha, m_i, l_i = online_softmax(s, m_i, l_i)
+    v = load(v_cache_ptr + row[:, None] + offs_d[None, :], kv_mask, 0.0, use_mask)
+    if QUANT:
         v_s = load(v_scale_ptr + scale_off, key_ok, 0.0, MASKED).to(tl.float32)
-    return softmax_update(acc, m_i, l_i, q, k, v, k_s, v_s, _visible(offs_n, key_ok, pos, WINDOW),
-                          False, QUANT, False, MASKED, DOT_DTYPE, PRECISION)
+    return accumulate_pv(acc, alpha, p, v, v_s, QUANT, False, DOT_DTYPE, PRECISION), m_i, l_i
 
 
 @triton.jit
@@ -107,9 +110,11 @@ def _new_tile(acc, m_i, l_i, q, pos, j_start, j_end, ctx, q_start, kn_base, vn_b
     use_mask: tl.constexpr = MASKED or not EVEN_D
     kv_mask = key_ok[:, None] & d_ok[None, :]
     k = load(kn_base + (tok * stride_kt)[:, None] + offs_d[None, :], kv_mask, 0.0, use_mask)
+    s = tile_scores(q, k, 0.0, _visible(ctx + offs_j, key_ok, pos, WINDOW), False, False, MASKED, DOT_DTYPE,
+                    PRECISION)
+    p, alpha, m_i, l_i = online_softmax(s, m_i, l_i)
     v = load(vn_base + (tok * stride_vt)[:, None] + offs_d[None, :], kv_mask, 0.0, use_mask)
-    return softmax_update(acc, m_i, l_i, q, k, v, 0.0, 0.0, _visible(ctx + offs_j, key_ok, pos, WINDOW),
-                          False, False, False, MASKED, DOT_DTYPE, PRECISION)
+    return accumulate_pv(acc, alpha, p, v, 0.0, False, False, DOT_DTYPE, PRECISION), m_i, l_i
 
 
 # Counts that change every step are not specialized on (== 1, divisible by 16): each new

@@ -1,5 +1,6 @@
 """The tile code the decode and extend kernels share: where a tile of paged keys lives, masked
-loads, and the online-softmax update of one tile of keys.
+loads, and the online-softmax update of one tile of keys, in three steps so that a kernel loads V
+only after the scores (V held in registers across the softmax cost 20-26% at D 128 on the H200).
 
 Both kernels hold a block of BLOCK_M query rows (decode: the G query heads of one kv head; extend:
 BLOCK_Q tokens x G heads) and walk the keys in tiles of BLOCK_N:
@@ -58,19 +59,12 @@ def paged_slots(bt_row, offs_n, key_ok, PAGE: tl.constexpr, MASKED: tl.constexpr
 
 
 @triton.jit
-def softmax_update(acc, m_i, l_i, q, k, v, k_s, v_s, visible,
-                   K_TRANSPOSED: tl.constexpr, QUANT: tl.constexpr, V_ASM: tl.constexpr,
-                   MASKED: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
-    """One tile's online-softmax update of (acc (BLOCK_M, D_PAD), m_i, l_i (BLOCK_M,)) fp32.
-
-    q (BLOCK_M, D_PAD) pre-scaled by softmax_scale * log2(e), in DOT_DTYPE; k (D_PAD, BLOCK_N)
-    when K_TRANSPOSED else (BLOCK_N, D_PAD); v (BLOCK_N, D_PAD); k_s, v_s (BLOCK_N,) fp32 when
-    QUANT (else unused); visible: a mask broadcastable to (BLOCK_M, BLOCK_N), used when MASKED.
-    A row that sees no key of the tile keeps m = -inf only if it saw none before either: callers
-    put a visible key in every real row's first tile, and padding rows have q = 0 (finite s).
-    V_ASM (int8 V, GPU only): V goes int8 -> fp16 by `int8_to_f16` and P @ V runs in fp16, with
-    p * v_s / max(v_s) in [0, 1] (no fp16 underflow for small scales) and max(v_s) put back after.
-    """
+def tile_scores(q, k, k_s, visible, K_TRANSPOSED: tl.constexpr, QUANT: tl.constexpr, MASKED: tl.constexpr,
+                DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+    """Scores of one tile, (BLOCK_M, BLOCK_N) fp32 in log2 units: q (BLOCK_M, D_PAD) pre-scaled by
+    softmax_scale * log2(e), in DOT_DTYPE; k (D_PAD, BLOCK_N) when K_TRANSPOSED else
+    (BLOCK_N, D_PAD); k_s (BLOCK_N,) fp32 when QUANT; keys not `visible` (a mask broadcastable to
+    the tile, used when MASKED) get -inf."""
     if K_TRANSPOSED:
         s = tl.dot(q, k.to(DOT_DTYPE), input_precision=PRECISION)
     else:
@@ -79,11 +73,28 @@ def softmax_update(acc, m_i, l_i, q, k, v, k_s, v_s, visible,
         s = s * k_s[None, :]
     if MASKED:
         s = tl.where(visible, s, float("-inf"))
+    return s
+
+
+@triton.jit
+def online_softmax(s, m_i, l_i):
+    """The running max and sum after tile scores s: returns (p, alpha, m_new, l_new), p = 2^(s - m_new)
+    and alpha = 2^(m_i - m_new) the factor for what was accumulated before. A row that has seen no
+    visible key yet (m = -inf, possible under a sliding window or in padding rows) gets p = 0."""
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
+def accumulate_pv(acc, alpha, p, v, v_s, QUANT: tl.constexpr, V_ASM: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                  PRECISION: tl.constexpr):
+    """acc * alpha + P V for one tile: v (BLOCK_N, D_PAD); int8 pages scale P by v_s (BLOCK_N,) fp32
+    (the softmax sum keeps the unscaled P). V_ASM (int8 V, GPU only): V goes int8 -> fp16 by
+    `int8_to_f16` and P @ V runs in fp16, with p * v_s / max(v_s) in [0, 1] (no fp16 underflow for
+    small scales) and max(v_s) put back after."""
     acc = acc * alpha[:, None]
     if QUANT:
         if V_ASM:
@@ -95,7 +106,7 @@ def softmax_update(acc, m_i, l_i, q, k, v, k_s, v_s, visible,
             acc += tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=PRECISION)
     else:
         acc += tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=PRECISION)
-    return acc, m_new, l_i
+    return acc
 
 
 def dot_types(q_dtype, on_gpu: bool):
