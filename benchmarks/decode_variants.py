@@ -249,29 +249,26 @@ def main_engine() -> None:
     sequence timed from a CUDA graph, as the engine replays decode."""
     log(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
     correctness(int8_only=False)
-    d64_int8 = [(None, None, None, None), (32, 2, 1, 2), (64, 2, 1, 2), (128, 2, 1, 2), (64, 3, 1, 2),
-                (64, 2, 1, 4), (32, 2, 1, 4)]
-    d64_bf16 = [(None, None, None, None), (64, 2, 1, 2), (32, 2, 1, 2), (128, 2, 1, 2), (64, 2, 1, 4)]
-    sdpa = sdpa_ms(256, 400, 8, 4, 64)
-    sweep("L1B B256 ctx400 int8", 256, 400, 8, 4, 64, 16, True, d64_int8, sdpa)
-    sweep("L1B B256 ctx400 bf16", 256, 400, 8, 4, 64, 16, False, d64_bf16, sdpa)
-    sdpa = sdpa_ms(64, 4096, 8, 4, 128)
-    sweep("Q4B B64 ctx4096 int8", 64, 4096, 8, 4, 128, 16, True,
-          [(None, None, None, None), (128, 2, 1, 4), (64, 2, 1, 2), (128, 3, 1, 8), (64, 3, 1, 4)], sdpa)
-    sweep("Q4B B64 ctx4096 bf16", 64, 4096, 8, 4, 128, 16, False,
-          [(None, None, None, None), (64, 2, 1, 2), (32, 2, 1, 2)], sdpa)
-    sdpa = sdpa_ms(256, 512, 8, 4, 128)
-    sweep("Q4B B256 ctx512 int8", 256, 512, 8, 4, 128, 16, True,
-          [(None, None, None, None), (64, 2, 1, 4), (64, 2, 1, 2), (32, 2, 1, 2)], sdpa)
-    sweep("Q4B B256 ctx512 bf16", 256, 512, 8, 4, 128, 16, False,
-          [(None, None, None, None), (64, 2, 1, 2), (32, 2, 1, 2)], sdpa)
+    d64_int8 = [(None, None, None, None), (32, 2, 1, 2), (64, 2, 1, 2), (128, 2, 1, 2), (128, 3, 1, 2)]
+    d64_bf16 = [(None, None, None, None), (64, 2, 1, 2), (128, 2, 1, 2), (32, 2, 1, 2)]
+    for b, ctx in ((256, 400), (64, 4096)):
+        sdpa = sdpa_ms(b, ctx, 8, 4, 64)
+        sweep(f"L1B B{b} ctx{ctx} int8", b, ctx, 8, 4, 64, 16, True, d64_int8, sdpa)
+        sweep(f"L1B B{b} ctx{ctx} bf16", b, ctx, 8, 4, 64, 16, False, d64_bf16, sdpa)
+    d128_int8 = [(None, None, None, None), (32, 2, 1, 2), (64, 2, 1, 2), (128, 2, 1, 2), (64, 3, 1, 2)]
+    for b, ctx in ((64, 4096), (256, 512)):
+        sdpa = sdpa_ms(b, ctx, 8, 4, 128)
+        sweep(f"Q4B B{b} ctx{ctx} int8", b, ctx, 8, 4, 128, 16, True, d128_int8, sdpa)
+        sweep(f"Q4B B{b} ctx{ctx} bf16", b, ctx, 8, 4, 128, 16, False,
+              [(None, None, None, None), (64, 2, 1, 2)], sdpa)
     args, nbytes = make(1, 32768, 8, 4, 128, 16, True)
     out = torch.empty_like(args[0])
-    for bn, st, sp in ((None, None, None), (128, 3, 64), (64, 3, 64), (64, 2, 128), (128, 3, 128)):
-        cfg = None if bn is None else td.DecodeConfig(bn, 4, st)
+    for bn, st, sp, nw in ((None, None, None, None), (64, 2, 64, 2), (64, 2, 128, 2), (128, 2, 64, 2),
+                           (32, 2, 128, 2)):
+        cfg = None if bn is None else td.DecodeConfig(bn, nw, st)
         splits = sp or td.default_num_splits(1, 8, 32768, td._sm_count(0))
         ms = bench_graph(lambda: td.paged_decode(*args, 0.1, num_splits=splits, out=out, config=cfg))
-        log(f"B1 ctx32768 int8 graph BN={bn} st={st} splits={splits}: {ms:.4f} ms {nbytes / ms / 1e9:.2f} TB/s")
+        log(f"B1 ctx32768 int8 graph BN={bn} st={st} w={nw} splits={splits}: {ms:.4f} ms {nbytes / ms / 1e9:.2f} TB/s")
     with open(os.path.join(OUT, "decode_variants_engine.txt"), "w") as f:
         f.write("\n".join(LINES) + "\n")
 

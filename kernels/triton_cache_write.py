@@ -50,7 +50,7 @@ def _store_tile(src_ptr, stride_t, stride_h, cache_ptr, scale_ptr, token, slot,
         tl.store(dst, x.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["slot_ptr"])  # a staging-buffer slice: its alignment moves
 def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_ptr,
                      stride_kt, stride_kh, stride_vt, stride_vh,
                      HKV: tl.constexpr, HKV_PAD: tl.constexpr, D: tl.constexpr,

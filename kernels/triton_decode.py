@@ -57,21 +57,20 @@ def _decode_tile(acc, m_i, l_i, q, k_base, v_base, ks_base, vs_base, bt_row, til
     row = page * stride_kp + slot * stride_kt  # (BLOCK_N,) int64 element offset of each key
     use_mask: tl.constexpr = MASKED or not EVEN_D
     kt = load(k_base + row[None, :] + offs_d[:, None], key_ok[None, :] & d_ok[:, None], 0.0, use_mask)  # (D, N)
-    k_s = 0.0
-    v_s = 0.0
-    if IS_INT8:
-        srow = page * stride_sp + slot  # (BLOCK_N,) offset into this kv head's scale pages
-        k_s = load(ks_base + srow, key_ok, 0.0, MASKED).to(tl.float32)
-    s = tile_scores(q, kt, k_s, key_ok[None, :], True, IS_INT8, MASKED, DOT_DTYPE, PRECISION)
+    srow = page * stride_sp + slot  # (BLOCK_N,) offset into this kv head's scale pages (int8 only)
+    s = tile_scores(q, kt, ks_base + srow, key_ok, key_ok[None, :], True, IS_INT8, MASKED, DOT_DTYPE, PRECISION)
     p, alpha, m_i, l_i = online_softmax(s, m_i, l_i)
     v = load(v_base + row[:, None] + offs_d[None, :], key_ok[:, None] & d_ok[None, :], 0.0, use_mask)  # (N, D)
+    v_s = 0.0
     if IS_INT8:
         v_s = load(vs_base + srow, key_ok, 0.0, MASKED).to(tl.float32)
     acc = accumulate_pv(acc, alpha, p, v, v_s, IS_INT8, V_ASM, DOT_DTYPE, PRECISION)
     return acc, m_i, l_i
 
 
-@triton.jit(do_not_specialize=["num_splits"])  # one compile whatever the split count
+# One compile whatever the split count, and whatever the alignment of seq_lens, a slice of the
+# runner's staging buffer at an offset that moves with the step's token count.
+@triton.jit(do_not_specialize=["num_splits"], do_not_specialize_on_alignment=["lens_ptr"])
 def _decode_stage1(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, lse_ptr,
     qk_scale,

@@ -85,14 +85,12 @@ def _cache_tile(acc, m_i, l_i, q, pos, start, key_end, bt_row, k_cache_ptr, v_ca
     use_mask: tl.constexpr = MASKED or not EVEN_D
     kv_mask = key_ok[:, None] & d_ok[None, :]
     k = load(k_cache_ptr + row[:, None] + offs_d[None, :], kv_mask, 0.0, use_mask)
-    k_s = 0.0
-    v_s = 0.0
-    if QUANT:
-        scale_off = page * (HKV * BLOCK_SIZE) + scale_head_off + slot
-        k_s = load(k_scale_ptr + scale_off, key_ok, 0.0, MASKED).to(tl.float32)
-    s = tile_scores(q, k, k_s, _visible(offs_n, key_ok, pos, WINDOW), False, QUANT, MASKED, DOT_DTYPE, PRECISION)
+    scale_off = page * (HKV * BLOCK_SIZE) + scale_head_off + slot  # int8 only
+    s = tile_scores(q, k, k_scale_ptr + scale_off, key_ok, _visible(offs_n, key_ok, pos, WINDOW), False, QUANT,
+                    MASKED, DOT_DTYPE, PRECISION)
     p, alpha, m_i, l_i = online_softmax(s, m_i, l_i)
     v = load(v_cache_ptr + row[:, None] + offs_d[None, :], kv_mask, 0.0, use_mask)
+    v_s = 0.0
     if QUANT:
         v_s = load(v_scale_ptr + scale_off, key_ok, 0.0, MASKED).to(tl.float32)
     return accumulate_pv(acc, alpha, p, v, v_s, QUANT, False, DOT_DTYPE, PRECISION), m_i, l_i
@@ -110,16 +108,19 @@ def _new_tile(acc, m_i, l_i, q, pos, j_start, j_end, ctx, q_start, kn_base, vn_b
     use_mask: tl.constexpr = MASKED or not EVEN_D
     kv_mask = key_ok[:, None] & d_ok[None, :]
     k = load(kn_base + (tok * stride_kt)[:, None] + offs_d[None, :], kv_mask, 0.0, use_mask)
-    s = tile_scores(q, k, 0.0, _visible(ctx + offs_j, key_ok, pos, WINDOW), False, False, MASKED, DOT_DTYPE,
-                    PRECISION)
+    s = tile_scores(q, k, kn_base, key_ok, _visible(ctx + offs_j, key_ok, pos, WINDOW), False, False, MASKED,
+                    DOT_DTYPE, PRECISION)
     p, alpha, m_i, l_i = online_softmax(s, m_i, l_i)
     v = load(vn_base + (tok * stride_vt)[:, None] + offs_d[None, :], kv_mask, 0.0, use_mask)
     return accumulate_pv(acc, alpha, p, v, 0.0, False, False, DOT_DTYPE, PRECISION), m_i, l_i
 
 
-# Counts that change every step are not specialized on (== 1, divisible by 16): each new
-# combination would be a fresh compile (~1 s) in the middle of serving.
-@triton.jit(do_not_specialize=["num_seqs", "num_q_blocks"])
+# Counts that change every step are not specialized on (== 1, divisible by 16), nor the alignment
+# of seq_lens and query_start_loc (slices of the runner's staging buffer at offsets that move with
+# the step's token count): each new combination was a fresh compile (~1 s) in the middle of
+# serving, several of them in an engine's first minutes.
+@triton.jit(do_not_specialize=["num_seqs", "num_q_blocks"],
+            do_not_specialize_on_alignment=["seq_lens_ptr", "qsl_ptr"])
 def _extend_kernel(q_ptr, kn_ptr, vn_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, bt_ptr,
                    seq_lens_ptr, qsl_ptr, out_ptr, qk_scale, num_seqs, num_q_blocks,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_bt,

@@ -59,18 +59,19 @@ def paged_slots(bt_row, offs_n, key_ok, PAGE: tl.constexpr, MASKED: tl.constexpr
 
 
 @triton.jit
-def tile_scores(q, k, k_s, visible, K_TRANSPOSED: tl.constexpr, QUANT: tl.constexpr, MASKED: tl.constexpr,
-                DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+def tile_scores(q, k, ks_ptrs, key_ok, visible, K_TRANSPOSED: tl.constexpr, QUANT: tl.constexpr,
+                MASKED: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
     """Scores of one tile, (BLOCK_M, BLOCK_N) fp32 in log2 units: q (BLOCK_M, D_PAD) pre-scaled by
     softmax_scale * log2(e), in DOT_DTYPE; k (D_PAD, BLOCK_N) when K_TRANSPOSED else
-    (BLOCK_N, D_PAD); k_s (BLOCK_N,) fp32 when QUANT; keys not `visible` (a mask broadcastable to
-    the tile, used when MASKED) get -inf."""
+    (BLOCK_N, D_PAD); int8 pages (QUANT): the keys' fp16 scales at ks_ptrs (BLOCK_N,), loaded
+    after the dot (before it, they stayed live across it: register pressure at 255 registers);
+    keys not `visible` (a mask broadcastable to the tile, used when MASKED) get -inf."""
     if K_TRANSPOSED:
         s = tl.dot(q, k.to(DOT_DTYPE), input_precision=PRECISION)
     else:
         s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=PRECISION)
     if QUANT:
-        s = s * k_s[None, :]
+        s = s * load(ks_ptrs, key_ok, 0.0, MASKED).to(tl.float32)[None, :]
     if MASKED:
         s = tl.where(visible, s, float("-inf"))
     return s
