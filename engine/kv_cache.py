@@ -71,6 +71,13 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # (B + 1,) int32: sequence i owns queries [qsl[i], qsl[i+1])
     max_query_len: int  # longest query run in the batch (1 = pure decode)
     max_seq_len: int  # longest seq_lens entry (host copy, so kernels size their grids without a sync)
+    # The first num_decodes sequences have one query each and attend like a pure decode step (the
+    # scheduler puts running decodes first); B in a pure decode step.
+    num_decodes: int = 0
+    decode_max_seq_len: int = 0  # longest seq_lens entry among those (host copy)
+    # (B - num_decodes + 1,) int32: query_start_loc of the other sequences, rebased to 0; set when
+    # a step mixes the two, else None.
+    prefill_query_start_loc: torch.Tensor | None = None
 
 
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
@@ -85,9 +92,10 @@ class PagedAttention:
     "triton" on CPU tensors works only under Triton's interpreter (TRITON_INTERPRET=1, tests).
     Triton is imported only when chosen, so the CPU path never needs it.
 
-    Steps that carry prefill work attend to the new tokens' K/V as computed (the cache's copy is
-    for later steps: an int8 cache's rounding then touches only earlier steps' tokens); pure decode
-    steps read everything from the cache. `windows[i]`: layer i's sliding window (None: all keys).
+    Prefill work attends to the new tokens' K/V as computed (the cache's copy is for later steps:
+    an int8 cache's rounding then touches only earlier steps' tokens); decodes (a pure decode step,
+    or the running decodes a mixed step begins with) read everything from the cache through the
+    decode kernel. `windows[i]`: layer i's sliding window (None: all keys).
     """
 
     def __init__(self, kv_cache: KVCache, softmax_scale: float, impl: str = "auto",
@@ -124,15 +132,37 @@ class PagedAttention:
         k_cache, v_cache, k_scale, v_scale = self.kv_cache.layer(layer_idx)
         window = self.windows[layer_idx]
         self._write(k, v, k_cache, v_cache, k_scale, v_scale, md.slot_mapping)
-        decode = md.max_query_len == 1  # one query per sequence: everything from the cache
+        cache = (k_cache, v_cache, k_scale, v_scale)
+        if md.max_query_len == 1:  # one query per sequence: everything from the cache
+            return self._attend_decode(q, cache, md.block_tables, md.seq_lens, md.max_seq_len, window)
+        nd = md.num_decodes
+        if md.prefill_query_start_loc is None:
+            return self._attend_prefill(q, k, v, cache, md.block_tables, md.seq_lens, md.query_start_loc,
+                                        md.max_query_len, window)
+        # A mixed step: its running decodes (first) as in a decode step, the rest as a prefill.
+        out = torch.empty_like(q)
+        self._attend_decode(q[:nd], cache, md.block_tables[:nd], md.seq_lens[:nd], md.decode_max_seq_len,
+                            window, out=out[:nd])
+        self._attend_prefill(q[nd:], k[nd:], v[nd:], cache, md.block_tables[nd:], md.seq_lens[nd:],
+                             md.prefill_query_start_loc, md.max_query_len, window, out=out[nd:])
+        return out
+
+    def _attend_decode(self, q, cache, block_tables, seq_lens, max_seq_len: int, window: int | None,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+        """One query per sequence, every key from the cache (split-K over the context)."""
         if self.impl == "torch":
-            return reference.paged_attention(
-                q, k_cache, v_cache, k_scale, v_scale, md.block_tables, md.seq_lens,
-                md.query_start_loc, self.softmax_scale, max_query_len=md.max_query_len,
-                k_new=None if decode else k, v_new=None if decode else v, window=window)
-        if decode:  # split-K over the context
-            return self._decode(q, k_cache, v_cache, k_scale, v_scale, md.block_tables, md.seq_lens,
-                                self.softmax_scale, max_seq_len=md.max_seq_len, window=window)
-        return self._extend(q, k_cache, v_cache, k_scale, v_scale, md.block_tables, md.seq_lens,
-                            md.query_start_loc, self.softmax_scale, max_query_len=md.max_query_len,
-                            k_new=k, v_new=v, window=window)
+            res = reference.paged_attention_decode(q, *cache, block_tables, seq_lens, self.softmax_scale,
+                                                   window=window)
+            return res if out is None else out.copy_(res)
+        return self._decode(q, *cache, block_tables, seq_lens, self.softmax_scale, max_seq_len=max_seq_len,
+                            window=window, out=out)
+
+    def _attend_prefill(self, q, k, v, cache, block_tables, seq_lens, query_start_loc, max_query_len: int,
+                        window: int | None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Packed queries; the new tokens' K/V as computed, earlier ones from the cache."""
+        if self.impl == "torch":
+            res = reference.paged_attention(q, *cache, block_tables, seq_lens, query_start_loc, self.softmax_scale,
+                                            max_query_len=max_query_len, k_new=k, v_new=v, window=window)
+            return res if out is None else out.copy_(res)
+        return self._extend(q, *cache, block_tables, seq_lens, query_start_loc, self.softmax_scale,
+                            max_query_len=max_query_len, k_new=k, v_new=v, window=window, out=out)

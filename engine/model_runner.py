@@ -8,6 +8,10 @@ reading the sampled ids back.
 Packed int32 layout, for T tokens and B sequences (decode: T = B):
 
     | input ids (T) | positions (T) | slots (T) | seq lens (B) | query start loc (B + 1) |
+    | query start loc of a mixed step's prefill part (B - nd + 1, rebased to 0; mixed steps only) |
+
+A mixed step's first nd sequences are running decodes (the scheduler orders them first): they
+attend through the decode kernel, the rest through the extend kernel.
 
 Pure decode steps (one new token per sequence) replay a CUDA graph when the device is CUDA: graphs
 are captured at start for bucketed batch sizes (1, 2, 4, 8, then multiples of 16 up to
@@ -127,7 +131,8 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.max_tokens = max(max_num_batched_tokens, max_num_seqs)
         self.max_blocks = -(-max_model_len // self.block_size)
-        ints = 3 * self.max_tokens + 4 * max_num_seqs + 1  # + (dst, src) of up to B placeholder ids
+        # + the query starts of a mixed step's prefill part (B + 1) + (dst, src) of up to B placeholder ids
+        ints = 3 * self.max_tokens + 5 * max_num_seqs + 2
         on_cuda = device.type == "cuda"
         # Host staging (pinned on CUDA, so the copies are asynchronous) and the device buffers the
         # kernels and the captured graphs read. On the CPU the staging buffers are used directly.
@@ -222,8 +227,17 @@ class ModelRunner:
         lens[:b] = starts + q_lens
         max_query_len = int(q_lens.max())
         max_seq_len = int(lens[:b].max())
-
         n_ints = 3 * n_tok + 2 * rows + 1
+        # A mixed step's running decodes (the scheduler puts them first) attend through the decode
+        # kernel; the rest, from `nd` on, through the extend kernel with its own query starts.
+        nd = b if max_query_len == 1 else int(np.argmax(q_lens != 1))
+        if 0 < nd < b:
+            ints[n_ints:n_ints + b - nd + 1] = qsl[nd:b + 1] - qsl[nd]
+            n_prefill_ints = b - nd + 1
+        else:
+            n_prefill_ints = 0
+        decode_max_seq_len = int(lens[:nd].max()) if nd else 0
+        n_ints += n_prefill_ints
         # Newest tokens not read back yet (async scheduling): the input id of such a token is in
         # the last step's sampled ids on the device. Unless all rows take theirs in one copy
         # (same_rows), (token index in this step, row of the last step's ids) pairs go along.
@@ -246,13 +260,17 @@ class ModelRunner:
         else:
             dev = self._host_ints[:n_ints]
             dev_tables = self._host_tables[:b * w].view(b, w)
+        qsl_end = 3 * n_tok + 2 * rows + 1
         md = AttentionMetadata(
             slot_mapping=dev[2 * n_tok:3 * n_tok],
             block_tables=dev_tables,
             seq_lens=dev[3 * n_tok:3 * n_tok + rows],
-            query_start_loc=dev[3 * n_tok + rows:n_ints],
+            query_start_loc=dev[3 * n_tok + rows:qsl_end],
             max_query_len=max_query_len,
             max_seq_len=max_seq_len,
+            num_decodes=nd,
+            decode_max_seq_len=decode_max_seq_len,
+            prefill_query_start_loc=dev[qsl_end:n_ints] if n_prefill_ints else None,
         )
         if same_rows:
             dev[:b].copy_(self._last_ids[:b])

@@ -59,7 +59,7 @@ def _decode_tile(acc, m_i, l_i, q, k_base, v_base, ks_base, vs_base, bt_row, til
     kt = load(k_base + row[None, :] + offs_d[:, None], key_ok[None, :] & d_ok[:, None], 0.0, use_mask)  # (D, N)
     srow = page * stride_sp + slot  # (BLOCK_N,) offset into this kv head's scale pages (int8 only)
     s = tile_scores(q, kt, ks_base + srow, key_ok, key_ok[None, :], True, IS_INT8, MASKED, DOT_DTYPE, PRECISION)
-    p, alpha, m_i, l_i = online_softmax(s, m_i, l_i)
+    p, alpha, m_i, l_i = online_softmax(s, m_i, l_i, False)  # every split's first tile shows a key
     v = load(v_base + row[:, None] + offs_d[None, :], key_ok[:, None] & d_ok[None, :], 0.0, use_mask)  # (N, D)
     v_s = 0.0
     if IS_INT8:
@@ -213,10 +213,10 @@ def _config(d_pad: int, page: int, cache_dtype: torch.dtype, on_gpu: bool) -> De
         return DecodeConfig(block_n=max(16, min(page, 32)), num_stages=1)
     wide = d_pad > 128
     if cache_dtype == torch.int8:
-        # D=64 (Llama-3.2-1B's heads), same H200, same script (--d64): 2 stages beat 3 by 12 %
-        # at B256 x ctx512 (0.0745 vs 0.0844 ms) and 33 % at B64 x ctx4096 (0.130 vs 0.194 ms),
-        # which puts int8 pages ahead of bf16 (0.080 / 0.138 ms); BLOCK_N 256 and 8 warps lost.
-        return DecodeConfig(block_n=64 if wide else 128, num_stages=2 if d_pad <= 64 or wide else 3)
+        # 2 warps (2026-12-01, same H200, decode_variants.py --engine, fp16 scales): at D 128
+        # 0.248 ms (B64 ctx4096) and 0.122 ms (B256 ctx512) against 0.287 / 0.154 with 4 warps;
+        # at D 64 0.089 (B256 ctx400) and 0.123 (B64 ctx4096) against 0.095 / 0.146.
+        return DecodeConfig(block_n=64 if wide else 128, num_warps=2, num_stages=2)
     if cache_dtype == torch.float32:
         return DecodeConfig(block_n=16 if wide else 32 if d_pad >= 128 else 64, num_stages=2)
     return DecodeConfig(block_n=32 if wide else 64 if d_pad >= 128 else 128, num_stages=2)

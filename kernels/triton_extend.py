@@ -88,7 +88,7 @@ def _cache_tile(acc, m_i, l_i, q, pos, start, key_end, bt_row, k_cache_ptr, v_ca
     scale_off = page * (HKV * BLOCK_SIZE) + scale_head_off + slot  # int8 only
     s = tile_scores(q, k, k_scale_ptr + scale_off, key_ok, _visible(offs_n, key_ok, pos, WINDOW), False, QUANT,
                     MASKED, DOT_DTYPE, PRECISION)
-    p, alpha, m_i, l_i = online_softmax(s, m_i, l_i)
+    p, alpha, m_i, l_i = online_softmax(s, m_i, l_i, WINDOW > 0)
     v = load(v_cache_ptr + row[:, None] + offs_d[None, :], kv_mask, 0.0, use_mask)
     v_s = 0.0
     if QUANT:
@@ -110,7 +110,7 @@ def _new_tile(acc, m_i, l_i, q, pos, j_start, j_end, ctx, q_start, kn_base, vn_b
     k = load(kn_base + (tok * stride_kt)[:, None] + offs_d[None, :], kv_mask, 0.0, use_mask)
     s = tile_scores(q, k, kn_base, key_ok, _visible(ctx + offs_j, key_ok, pos, WINDOW), False, False, MASKED,
                     DOT_DTYPE, PRECISION)
-    p, alpha, m_i, l_i = online_softmax(s, m_i, l_i)
+    p, alpha, m_i, l_i = online_softmax(s, m_i, l_i, WINDOW > 0)
     v = load(vn_base + (tok * stride_vt)[:, None] + offs_d[None, :], kv_mask, 0.0, use_mask)
     return accumulate_pv(acc, alpha, p, v, 0.0, False, False, DOT_DTYPE, PRECISION), m_i, l_i
 

@@ -78,14 +78,18 @@ def tile_scores(q, k, ks_ptrs, key_ok, visible, K_TRANSPOSED: tl.constexpr, QUAN
 
 
 @triton.jit
-def online_softmax(s, m_i, l_i):
+def online_softmax(s, m_i, l_i, GUARD: tl.constexpr):
     """The running max and sum after tile scores s: returns (p, alpha, m_new, l_new), p = 2^(s - m_new)
-    and alpha = 2^(m_i - m_new) the factor for what was accumulated before. A row that has seen no
-    visible key yet (m = -inf, possible under a sliding window or in padding rows) gets p = 0."""
+    and alpha = 2^(m_i - m_new) the factor for what was accumulated before. GUARD: a row may have
+    seen no visible key yet (m = -inf: a sliding window's first tile), which then gets p = 0
+    instead of 2^(-inf + inf) = NaN; without a window every row sees a key in its first tile."""
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
+    if GUARD:
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_sub = m_new
+    alpha = tl.exp2(m_i - m_sub)
+    p = tl.exp2(s - m_sub[:, None])
     return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
 
 
