@@ -12,9 +12,17 @@ output lengths uniform in [32, 400]; greedy, EOS ignored. All requests are queue
 Beside the achieved time: an ideal time from the work itself, (a) prefill FLOPs (2 x params x
 prompt tokens not served from the prefix cache, plus causal attention) at --tflops, and (b) for
 each decode step actually run, the weights once plus every scheduled sequence's K/V once at the
-copy bandwidth measured in the same run. Where the time went: steps that carried prompt tokens,
-full decode steps (at least half of --max-num-seqs rows), the low-batch tail, and host time
-outside steps.
+copy bandwidth measured in the same run (bytes / copy bandwidth). Where the time went: steps that
+carried prompt tokens, full decode steps (at least half of --max-num-seqs rows), the low-batch
+tail, and host time outside steps.
+
+Optional parts, in the same run on the same model:
+  --serve 64,256   the same requests through `pie serve` (int8) over gRPC, closed loop at each
+                   concurrency: tokens/s, TTFT and inter-token latency p50/p99
+  --hf 128         transformers `generate_batch` on the first N requests x 256 tokens, and the
+                   engine (int8) on the same subset
+  --single         one user: decode tokens/s (128-token prompt, 512 out) and the TTFT of a
+                   2,000-token prompt, against the weight-bandwidth bound (weights / copy bw)
 """
 
 from __future__ import annotations
@@ -132,17 +140,53 @@ def ideal_seconds(steps: list[dict], params: int, layers: int, q_size: int, kv_b
                   prompt_tokens_computed: int, attn_flops: float, copy_bw: float, tflops: float,
                   weight_bytes: int) -> float:
     prefill = (2 * params * prompt_tokens_computed + attn_flops) / (tflops * 1e12)
-    decode = sum((weight_bytes + s["kv_tokens"] * kv_bytes_per_token) / (copy_bw / 2)
+    decode = sum((weight_bytes + s["kv_tokens"] * kv_bytes_per_token) / copy_bw
                  for s in steps if s["prompt_tokens"] == 0 and s["rows"] > 0)
     return prefill + decode
 
 
-def run_engine(folder: Path, kv: str, prompts, outs, args) -> dict:
+def single_user(eng: LLMEngine, vocab: int, device: str, repeats: int = 3) -> dict:
+    """One request alone: decode tokens/s of a 128-token prompt generating 512 (from its first
+    token to its last), and the time to the first token of a 2,000-token prompt; medians."""
+    rng = random.Random(7)
+
+    def one(prompt_len: int, n: int) -> tuple[float, float]:
+        rid = f"single-{rng.getrandbits(32)}"
+        eng.add_request(rid, [rng.randrange(3, vocab) for _ in range(prompt_len)],
+                        SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+        _sync(device)
+        t0 = time.perf_counter()
+        first = None
+        while eng.has_unfinished():
+            if eng.step() and first is None:
+                first = time.perf_counter()
+        return first - t0, time.perf_counter() - first
+
+    decode = statistics.median((512 - 1) / one(128, 512)[1] for _ in range(repeats))
+    long_prompt = min(2000, eng.max_model_len - 2)
+    ttft = statistics.median(one(long_prompt, 1)[0] for _ in range(repeats))
+    return dict(decode_tok_per_s=decode, ttft_2k_ms=1e3 * ttft, ttft_prompt_tokens=long_prompt)
+
+
+def run_engine(folder: Path, kv: str, prompts, outs, args, extra: bool = False) -> dict:
+    """The workload --repeats times on a fresh engine; with `extra`, also the --single and --hf
+    subset measurements on the same engine."""
     eng = LLMEngine(EngineConfig(model=str(folder), device=args.device,
                                  dtype="bf16" if args.device == "cuda" else "fp32", kv_cache_dtype=kv,
                                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,
                                  kv_cache_memory_bytes=None if args.kv_gib is None else int(args.kv_gib * 2**30)))
     eng.generate([p[:32] for p in prompts[:4]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    more = {}
+    if extra and args.single:
+        more["single"] = single_user(eng, eng.model_config.vocab_size, args.device)
+    if extra and args.hf:
+        subset = prompts[:args.hf]
+        eng.block_manager.reset_prefix_cache()
+        _sync(args.device)
+        t0 = time.perf_counter()
+        got = eng.generate(subset, SamplingParams(max_tokens=256, temperature=0, ignore_eos=True))
+        _sync(args.device)
+        more["hf_subset_tok_per_s"] = sum(map(len, got)) / (time.perf_counter() - t0)
     timeline = Timeline(eng)
     runs = []
     for _ in range(args.repeats):
@@ -167,13 +211,69 @@ def run_engine(folder: Path, kv: str, prompts, outs, args) -> dict:
                                            num_kv_heads=eng.model_config.num_key_value_heads,
                                            head_dim=eng.model_config.head_dim, kv_cache_dtype=kv)
     info = dict(kv_blocks=eng.block_manager.num_total_blocks, kv_per_token=kv_per_token,
-                mc=eng.model_config)
+                mc=eng.model_config, **more)
     del eng
     gc.unfreeze()
     gc.collect()
     if args.device == "cuda":
         torch.cuda.empty_cache()
     return dict(runs=runs, **info)
+
+
+def run_hf(folder: Path, prompts, device: str) -> float:
+    """transformers' continuous batching (generate_batch, paged|sdpa) on `prompts` x 256 tokens."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="paged|sdpa").to(device)
+    gen = GenerationConfig(max_new_tokens=256, do_sample=False, eos_token_id=None, pad_token_id=0, use_cuda_graph=False)
+    model.generate_batch(inputs=[p[:32] for p in prompts[:4]], generation_config=gen)  # warm-up
+    _sync(device)
+    t0 = time.perf_counter()
+    out = model.generate_batch(inputs=prompts, generation_config=gen)
+    _sync(device)
+    tok_per_s = sum(len(r.generated_tokens) for r in out.values()) / (time.perf_counter() - t0)
+    del model
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return tok_per_s
+
+
+def serve(folder: Path, prompts, outs, args) -> list[dict]:
+    """The workload through `pie serve` (int8, the engine in its own process), closed loop at each
+    concurrency in --serve."""
+    import asyncio
+
+    from benchmarks.serving import RequestStats, free_port, one_request, start_server, summarize  # noqa: F401
+    from pie_client import AsyncClient
+
+    extra = ["--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_batched_tokens),
+             "--max-waiting", str(4 * len(prompts)), "--device", args.device]
+    if args.kv_gib is not None:
+        extra += ["--kv-cache-memory", str(args.kv_gib)]
+    proc, address = start_server(str(folder), extra)
+    rows = []
+    try:
+        for level in [int(x) for x in args.serve.split(",") if x]:
+            async def run() -> dict:
+                async with AsyncClient(address, timeout=900) as client:
+                    order = list(range(len(prompts)))
+                    stats: list = []
+
+                    async def worker():
+                        while order:
+                            i = order.pop(0)
+                            stats.append(await one_request(client, prompts[i], outs[i], temperature=0.0))
+
+                    t0 = time.perf_counter()
+                    await asyncio.gather(*(worker() for _ in range(level)))
+                    return summarize("closed", level, stats, time.perf_counter() - t0)
+            rows.append(asyncio.run(run()))
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    return rows
 
 
 def breakdown(steps: list[dict], wall: float, full_rows: int) -> str:
@@ -206,6 +306,9 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--kv", default="int8,bf16")
     ap.add_argument("--tflops", type=float, default=790.0, help="dense bf16 rate for the ideal prefill time")
+    ap.add_argument("--serve", default="", help="closed-loop gRPC concurrencies, e.g. 64,256 (int8 server)")
+    ap.add_argument("--hf", type=int, default=0, help="transformers generate_batch on this many requests x 256")
+    ap.add_argument("--single", action="store_true", help="one-user decode tokens/s and TTFT of a 2k prompt")
     ap.add_argument("--out", help="JSON with every figure")
     args = ap.parse_args(argv)
     arch, shape = SHAPES[args.shape]
@@ -219,8 +322,11 @@ def main(argv=None) -> int:
               f"requests, prompts median {statistics.median(map(len, prompts)):.0f} (max {max(map(len, prompts))}) "
               f"tokens, {sum(map(len, prompts)):,} prompt tokens, outputs {args.out_min}-{args.out_max} "
               f"({sum(outs):,} tokens); copy bandwidth {copy_bw / 1e12:.2f} TB/s")
-        for kv in args.kv.split(","):
-            results[kv] = run_engine(Path(tmp), kv, prompts, outs, args)
+        kvs = args.kv.split(",")
+        for kv in kvs:
+            results[kv] = run_engine(Path(tmp), kv, prompts, outs, args, extra=kv == kvs[0])
+        hf = run_hf(Path(tmp), prompts[:args.hf], args.device) if args.hf else None
+        served = serve(Path(tmp), prompts, outs, args) if args.serve else []
     weight_bytes = params * (2 if args.device == "cuda" else 4)
     print("| KV cache | tokens/s (median) | spread | wall s | ideal s | achieved / ideal |")
     print("|---|---|---|---|---|---|")
@@ -243,8 +349,29 @@ def main(argv=None) -> int:
         print(f"{kv}: {s['breakdown']}")
     if "int8" in summary and "bf16" in summary:
         print(f"int8 / bf16 tokens/s (medians): {summary['int8']['tok_per_s_median'] / summary['bf16']['tok_per_s_median']:.2f}x")
+    first = results[kvs[0]]
+    extras: dict = {}
+    if "single" in first:
+        sg = first["single"]
+        bound = copy_bw / weight_bytes
+        print(f"one user ({kvs[0]}): decode {sg['decode_tok_per_s']:,.0f} tok/s = {100 * sg['decode_tok_per_s'] / bound:.0f}% "
+              f"of the weight-bandwidth bound {bound:,.0f} tok/s; TTFT of a {sg['ttft_prompt_tokens']}-token prompt "
+              f"{sg['ttft_2k_ms']:.1f} ms")
+        extras["single"] = dict(**sg, bound_tok_per_s=bound)
+    if hf is not None:
+        ours = first["hf_subset_tok_per_s"]
+        print(f"first {args.hf} requests x 256 tokens: transformers generate_batch {hf:,.0f} tok/s, "
+              f"pie ({kvs[0]}) {ours:,.0f} tok/s: {ours / hf:.1f}x")
+        extras["hf"] = dict(requests=args.hf, transformers_tok_per_s=hf, pie_tok_per_s=ours)
+    for r in served:
+        offline = summary[kvs[0]]["tok_per_s_median"]
+        print(f"gRPC, {r['load']} streams: {r['tok_per_s']:,.0f} tok/s ({100 * r['tok_per_s'] / offline:.0f}% of "
+              f"offline), {r['errors']} errors; TTFT p50/p99 {r['ttft_p50_ms']:.0f}/{r['ttft_p99_ms']:.0f} ms; "
+              f"ITL p50/p99 {r['itl_p50_ms']:.1f}/{r['itl_p99_ms']:.1f} ms (p99/p50 {r['itl_p99_ms'] / r['itl_p50_ms']:.1f})")
+    extras["served"] = served
     if args.out:
-        Path(args.out).write_text(json.dumps(dict(shape=args.shape, copy_tbs=copy_bw / 1e12, results=summary), indent=2))
+        Path(args.out).write_text(json.dumps(dict(shape=args.shape, copy_tbs=copy_bw / 1e12, results=summary,
+                                                  **extras), indent=2))
     return 0
 
 

@@ -54,11 +54,12 @@ def percentile(values: list[float], p: float) -> float:
     return s[k]
 
 
-async def one_request(client: AsyncClient, prompt: list[int], max_tokens: int) -> RequestStats:
+async def one_request(client: AsyncClient, prompt: list[int], max_tokens: int,
+                      temperature: float = 0.8) -> RequestStats:
     st = RequestStats()
     t0 = last = time.perf_counter()
     try:
-        async for delta in client.stream(prompt, max_tokens=max_tokens, ignore_eos=True, temperature=0.8,
+        async for delta in client.stream(prompt, max_tokens=max_tokens, ignore_eos=True, temperature=temperature,
                                          seed=random.randrange(2**31)):
             now = time.perf_counter()
             n = len(delta.token_ids)
