@@ -245,7 +245,7 @@ def serve(folder: Path, prompts, outs, args) -> list[dict]:
     concurrency in --serve."""
     import asyncio
 
-    from benchmarks.serving import RequestStats, free_port, one_request, start_server, summarize  # noqa: F401
+    from benchmarks.serving import one_request, start_server, summarize
     from pie_client import AsyncClient
 
     extra = ["--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_batched_tokens),
@@ -254,8 +254,14 @@ def serve(folder: Path, prompts, outs, args) -> list[dict]:
         extra += ["--kv-cache-memory", str(args.kv_gib)]
     proc, address = start_server(str(folder), extra)
     rows = []
+    arch, shape = SHAPES[args.shape]
     try:
         for level in [int(x) for x in args.serve.split(",") if x]:
+            # A fresh draw of the workload per level (same distribution): the server's prefix cache
+            # still holds the previous level's prompts, which would skip their prefill.
+            prompts, outs = workload(len(prompts), shape["vocab_size"], args.prompt_median, args.prompt_max,
+                                     args.prefix_len, (args.out_min, args.out_max), seed=level)
+
             async def run() -> dict:
                 async with AsyncClient(address, timeout=900) as client:
                     order = list(range(len(prompts)))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +18,9 @@ MODEL_DTYPES = ("auto", "fp32", "bf16", "fp16")
 class EngineConfig:
     model: str = DEFAULT_MODEL  # Hugging Face-layout folder: config.json, *.safetensors, tokenizer.json
     device: str = "auto"  # auto (cuda when available, else cpu), cpu, cuda, cuda:N
-    dtype: str = "auto"  # weights/activations: auto = bf16 on cuda, fp32 on cpu (cpu bf16 is slow)
+    # weights/activations: auto = bf16 on cuda; on the cpu bf16 for a bf16 checkpoint where the CPU
+    # has native bf16 (AVX512-BF16, AMX), else fp32 (engine.auto_dtype)
+    dtype: str = "auto"
     kv_cache_dtype: str = "int8"  # int8: K/V quantized per (token, kv head); bf16/fp16/fp32 baselines
     block_size: int = 16  # tokens per KV block (page)
     # KV pool budget when num_kv_blocks is not given. None: on CUDA, what gpu_memory_fraction of the
@@ -35,9 +38,11 @@ class EngineConfig:
     max_waiting: int = 256  # waiting queue bound; beyond it the service answers RESOURCE_EXHAUSTED
     seed: int = 0  # seeds the stream that draws seeds for requests that bring none
     attention_backend: str = "auto"  # auto (triton on cuda, torch on cpu), triton, torch (reference)
-    # torch intra-op threads when the model runs on the CPU; None = all cores but one, which the
-    # asyncio gRPC loop needs (on 2 cores: 1 thread served 728 tok/s against 596 with 2). A server
-    # with its engine in a process of its own (--engine-process) gives it every core instead.
+    # torch intra-op threads when the model runs on the CPU; None = the cores this process may use
+    # but one, which the gRPC loop needs. Measured on 2 cores with the engine in its own process
+    # (2026-12-01): 1 thread served 16 streams as fast as 2 (~1,300 tok/s), and with another busy
+    # process on the machine 1,162 tok/s against 398 (a single 64-token stream: 153 tok/s
+    # against 55): OpenMP threads that wait on a descheduled peer are what degrades.
     cpu_threads: int | None = None
     enable_prefix_caching: bool = True  # reuse K/V of full blocks shared by prompts (and n > 1 samples)
     # int8 caches: even out K/V channel magnitudes (a calibration pass at load, folded into the
@@ -68,3 +73,11 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be auto, triton or torch, got {self.attention_backend!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
+
+
+def usable_cores() -> int:
+    """CPUs this process may run on (its affinity mask where the OS has one, else all)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1

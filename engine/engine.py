@@ -9,7 +9,6 @@ service uses (`engine.handle`). One `step()` = schedule -> one forward pass -> o
 from __future__ import annotations
 
 import gc
-import os
 import random
 from dataclasses import dataclass, field
 
@@ -17,7 +16,7 @@ import structlog
 import torch
 
 from engine.block_manager import BlockManager
-from engine.config import EngineConfig
+from engine.config import EngineConfig, usable_cores
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import KVCache
 from engine.model_runner import PLACEHOLDER, ModelRunner, PendingSample, SampledToken
@@ -126,6 +125,27 @@ def check_request(prompt_token_ids: list[int], sampling: SamplingParams, *, conf
         raise PromptError("prompt", f"needs {needed} KV blocks but the pool holds {num_kv_blocks}")
 
 
+def cpu_has_native_bf16() -> bool:
+    """The CPU multiplies bf16 in hardware (AVX512-BF16 or AMX), as read from /proc/cpuinfo."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return False
+    return bool({"avx512_bf16", "amx_bf16"} & set(flags.split()))
+
+
+def auto_dtype(device: torch.device, model_config: ModelConfig) -> str:
+    """`--dtype auto`: bf16 on CUDA. On the CPU, a checkpoint stored in bf16 runs in bf16 where the
+    CPU computes bf16 natively (a bf16 matmul of the bundled model took 33 against 80 us in fp32
+    on such a 2-core machine; see benchmarks/RESULTS.md for serving); otherwise fp32, which plain
+    AVX2 computes faster than emulated bf16."""
+    if device.type == "cuda":
+        return "bf16"
+    stored = (model_config.dtype or "").replace("torch.", "")
+    return "bf16" if stored in ("bfloat16", "bf16") and cpu_has_native_bf16() else "fp32"
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -140,8 +160,8 @@ class LLMEngine:
         self.config = config
         self.device = resolve_device(config.device)
         if self.device.type == "cpu":
-            torch.set_num_threads(config.cpu_threads or max(1, (os.cpu_count() or 2) - 1))
-        dtype_name = config.dtype if config.dtype != "auto" else ("bf16" if self.device.type == "cuda" else "fp32")
+            torch.set_num_threads(config.cpu_threads or max(1, usable_cores() - 1))
+        dtype_name = config.dtype if config.dtype != "auto" else auto_dtype(self.device, ModelConfig.from_hf(config.model))
         self.dtype_name = dtype_name
         self.model, self.model_config = load_model(config.model, device=self.device, dtype=_TORCH_DTYPES[dtype_name])
         self.model.eval()

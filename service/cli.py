@@ -28,7 +28,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=50051, help="port to bind (0 = any free port)")
     p.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N")
     p.add_argument("--dtype", default=d.dtype, choices=("auto", "fp32", "bf16", "fp16"),
-                   help="weights/activations dtype (auto: bf16 on cuda, fp32 on cpu)")
+                   help="weights/activations dtype (auto: bf16 on cuda; on the cpu bf16 for a bf16 checkpoint "
+                        "where the CPU has AVX512-BF16 or AMX, else fp32)")
     p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=("int8", "bf16", "fp16", "fp32"))
     p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
     p.add_argument("--kv-cache-memory", type=float, default=None,
@@ -54,7 +55,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--attention-backend", default=d.attention_backend, choices=("auto", "triton", "torch"),
                    help="attention kernels: triton on cuda, torch reference on cpu (auto)")
     p.add_argument("--cpu-threads", type=int, default=None,
-                   help="torch threads when the model runs on the CPU (default: all cores but one)")
+                   help="torch threads when the model runs on the CPU (default: the usable cores but one)")
     p.add_argument("--seed", type=int, default=d.seed, help="seeds the seeds of requests that bring none")
     p.add_argument("--grace", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM")
     p.add_argument("--model-name", default=None, help="name reported by GetModelInfo")

@@ -4,8 +4,6 @@ reflection, model loading off the event loop, and graceful drain on SIGTERM/SIGI
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import os
 import signal
 import threading
 from collections.abc import Callable
@@ -22,7 +20,7 @@ from engine.engine import LLMEngine
 from engine.engine_process import LaunchCancelled, ProcessEngine
 from engine.engine_thread import ThreadEngine
 from engine.handle import EngineHandle, StepTimeoutError
-from pie.v1 import generate_pb2, generate_pb2_grpc
+from pie.v1 import generate_pb2_grpc
 from service.auth import BearerTokenInterceptor
 from service.interceptors import UndecodableRequestInterceptor
 from service.metrics import ServiceMetrics
@@ -137,13 +135,8 @@ class PieServer:
             loop.call_soon_threadsafe(self._engine_dead, err)
 
         if self.config.engine_process:
-            cfg = self.engine_config
-            if cfg.cpu_threads is None:
-                # The engine has an interpreter of its own, so it may take every core: the bundled
-                # model at 16 CPU streams served 1,111-1,247 tokens/s on 2 threads against
-                # 1,024-1,079 on 1 (benchmarks/RESULTS.md); on a thread it is the reverse.
-                cfg = dataclasses.replace(cfg, cpu_threads=os.cpu_count() or 1)
-            engine: EngineHandle = ProcessEngine(cfg, step_timeout_s=self.config.step_timeout_s, on_dead=on_dead,
+            engine: EngineHandle = ProcessEngine(self.engine_config, step_timeout_s=self.config.step_timeout_s,
+                                                 on_dead=on_dead,
                                                  log_setup=self.config.log_setup,
                                                  engine_setup=self.config.engine_setup)
         else:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import os
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -12,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import structlog
 
+from engine.config import usable_cores
 from engine.engine import PromptError, RequestOutput, prompt_too_long
 from engine.handle import EngineDeadError, EngineHandle, QueueFullError, RequestStream
 from engine.request import RequestStatus
@@ -80,7 +80,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         # Long tokenizations and large answers run here. One core is left to the event loop: with
         # every core busy tokenizing, the loop waited for a CPU (health checks' p99 38-47 ms with
         # 2 workers on 2 cores while 24 prompts of 1M characters arrived).
-        self._workers = ThreadPoolExecutor(max_workers=max(1, min(4, (os.cpu_count() or 2) - 1)),
+        self._workers = ThreadPoolExecutor(max_workers=max(1, min(4, usable_cores() - 1)),
                                            thread_name_prefix="servicer-worker")
 
     def close(self) -> None:
