@@ -82,6 +82,17 @@ def make_paged(batch: int, ctx: int, kv_dtype: str, k: torch.Tensor, v: torch.Te
     return k_cache, v_cache, ks, vs, tables
 
 
+def sdpa_decode(q, k, v, scale: float, graphs: bool) -> tuple[float, float | None, torch.Tensor]:
+    """SDPA on contiguous bf16 K/V (B, H, L, D) with GQA: (ms, ms replayed from a graph, output).
+    Its contiguous copies of K and V are gone when this returns (the paged ones need the room)."""
+    kt, vt = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
+
+    def sdpa():
+        return torch.nn.functional.scaled_dot_product_attention(q[:, :, None], kt, vt, scale=scale, enable_gqa=True)
+
+    return bench(sdpa), bench_graph(sdpa) if graphs else None, sdpa()[:, :, 0].float()
+
+
 def decode_rows(quick: bool, copy_bw: float, graphs: bool = False) -> list[dict]:
     rows = []
     batches = (1, 64) if quick else (1, 8, 64, 256)
@@ -95,18 +106,12 @@ def decode_rows(quick: bool, copy_bw: float, graphs: bool = False) -> list[dict]
             v = torch.randn_like(k)
             q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16)
             seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
-            # SDPA on contiguous bf16: (B, H, L, D) with GQA.
-            kt, vt = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
-            sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
-                q[:, :, None], kt, vt, scale=scale, enable_gqa=True)
-            t_sdpa = bench(sdpa)
-            ref_out = sdpa()[:, :, 0].float()
+            t_sdpa, t_sdpa_graph, ref_out = sdpa_decode(q, k, v, scale, graphs)
             qo_bytes = 2 * q.numel() * q.element_size()
             row = dict(batch=batch, ctx=ctx, sdpa_ms=t_sdpa,
                        sdpa_tbs=(2 * k.numel() * 2 + qo_bytes) / t_sdpa / 1e9)
             if graphs:
-                row["sdpa_graph_ms"] = bench_graph(sdpa)
-            del kt, vt, sdpa  # the paged copies below need the room
+                row["sdpa_graph_ms"] = t_sdpa_graph
             for kv_dtype in ("int8", "bf16"):
                 kc, vc, ks, vs, tables = make_paged(batch, ctx, kv_dtype, k, v)
                 fn = lambda: paged_decode(q, kc, vc, ks, vs, tables, seq_lens, scale, max_seq_len=ctx)  # noqa: E731
@@ -122,7 +127,7 @@ def decode_rows(quick: bool, copy_bw: float, graphs: bool = False) -> list[dict]
                     row |= {f"{kv_dtype}_graph_ms": tg,
                             f"{kv_dtype}_graph_copy_frac": (kv_bytes + qo_bytes) / tg / 1e9 * 1e12 / copy_bw,
                             f"{kv_dtype}_graph_vs_sdpa": row["sdpa_graph_ms"] / tg}
-                del kc, vc, ks, vs
+                del fn  # the paged copies go with it
             rows.append(row)
             del k, v
             torch.cuda.empty_cache()

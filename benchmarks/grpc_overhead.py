@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "clients"))
 from engine.config import EngineConfig  # noqa: E402
-from engine.model_runner import SampledToken  # noqa: E402
+from engine.outputs import SampledToken  # noqa: E402
 from service.server import BackgroundServer, ServerConfig  # noqa: E402
 
 

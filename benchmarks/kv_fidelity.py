@@ -34,7 +34,7 @@ def main(argv=None) -> int:
     ap.add_argument("--weight-scale", type=float, default=2.5)
     args = ap.parse_args(argv)
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
-    print(f"| models | cache | smoothing | greedy agreement | teacher-forced top-1 | first token |")
+    print("| models | cache | smoothing | greedy agreement | teacher-forced top-1 | first token |")
     print("|---|---|---|---|---|---|")
     for massive in (None, MASSIVE_K):
         for kvs, smooth in ((("int8", "bf16", "fp32"), True), (("int8",), False)):

@@ -10,8 +10,10 @@ from pathlib import Path
 # offline story corpus; `pie serve` serves it when no --model is given.
 DEFAULT_MODEL = str(Path(__file__).resolve().parents[1] / "model" / "bundled" / "stories-7m")
 
+# The one list of each choice (the CLI offers these, the engine checks them).
 KV_CACHE_DTYPES = ("int8", "bf16", "fp16", "fp32")
 MODEL_DTYPES = ("auto", "fp32", "bf16", "fp16")
+ATTENTION_BACKENDS = ("auto", "triton", "torch")  # auto: triton on cuda, the torch reference elsewhere
 
 
 @dataclass(slots=True)
@@ -69,8 +71,8 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError("cpu_threads must be >= 1")
-        if self.attention_backend not in ("auto", "triton", "torch"):
-            raise ValueError(f"attention_backend must be auto, triton or torch, got {self.attention_backend!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
 

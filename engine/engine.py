@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import gc
 import random
-from dataclasses import dataclass, field
 
 import structlog
 import torch
@@ -18,141 +17,18 @@ import torch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, usable_cores
 from engine.detokenizer import IncrementalDetokenizer
+from engine.device import TORCH_DTYPES, auto_dtype, resolve_device
 from engine.kv_cache import KVCache
-from engine.model_runner import PLACEHOLDER, ModelRunner, PendingSample, SampledToken
+from engine.kv_sizing import num_kv_blocks
+from engine.model_runner import PLACEHOLDER, ModelRunner, PendingSample
+from engine.outputs import EngineStats, RequestOutput, SampledToken
 from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams, SamplingParamsError
-from engine.scheduler import RequestTooLargeError, Scheduler
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.validation import check_request
 from model import ModelConfig, Tokenizer, load_model, smoothing
 
 log = structlog.get_logger(__name__)
-
-CPU_KV_CACHE_BYTES = 1 << 30  # the KV pool on the CPU when no size is given
-
-_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-class PromptError(ValueError):
-    """The prompt cannot be served; `field` names the offending request field."""
-
-    def __init__(self, field_name: str, message: str):
-        super().__init__(f"{field_name}: {message}")
-        self.field = field_name
-        self.message = message
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    """What one step produced for one request (only requests that changed appear)."""
-
-    request_id: str
-    new_token_ids: list[int]  # tokens sampled this step (0 or 1 today)
-    new_text: str  # text now safe to emit (may be empty while a multi-byte char or stop string is pending)
-    new_logprobs: list[SampledToken] = field(default_factory=list)  # per new token, when asked
-    finished: bool = False
-    status: RequestStatus = RequestStatus.RUNNING
-    stop_reason: int | str | None = None  # stop token id or stop string that ended it
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    error: str | None = None  # set when status is FINISHED_ERROR
-    out_of_memory: bool = False  # the failure was device memory: retryable, unlike an engine fault
-    queue_time_s: float | None = None  # first_scheduled_time - arrival_time; on the first output only
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (their prefill skipped)
-    index: int = 0  # which of the request's n samples this output belongs to (0 when n == 1)
-    # Every sample of the request is done: the caller's stream ends here. None (the default) means
-    # "same as finished", right for n == 1 and for outputs made outside the engine.
-    all_finished: bool | None = None
-
-    def __post_init__(self) -> None:
-        if self.all_finished is None:
-            self.all_finished = self.finished
-
-    def to_wire(self) -> tuple:
-        """Plain tuples, what the engine process sends: 5x cheaper to pickle than the dataclass
-        (measured: 88 against 462 us for a 256-row step), on the engine's side of the pipe."""
-        lp = [(t.token_id, t.logprob, t.top) for t in self.new_logprobs] if self.new_logprobs else None
-        return (self.request_id, self.new_token_ids, self.new_text, lp, self.finished, int(self.status),
-                self.stop_reason, self.num_prompt_tokens, self.num_output_tokens, self.error,
-                self.out_of_memory, self.queue_time_s, self.num_cached_tokens, self.index, self.all_finished)
-
-    @classmethod
-    def from_wire(cls, t: tuple) -> RequestOutput:
-        lp = [SampledToken(*x) for x in t[3]] if t[3] else []
-        return cls(t[0], t[1], t[2], lp, t[4], RequestStatus(t[5]), *t[6:])
-
-
-@dataclass(slots=True)
-class EngineStats:
-    kv_blocks_total: int
-    kv_blocks_free: int  # free blocks, counting cached ones that no request holds (evictable at once)
-    requests_running: int
-    requests_waiting: int
-    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (cumulative)
-    prefix_cache_hits: int = 0  # of those, tokens found cached (cumulative)
-    num_preemptions: int = 0  # requests preempted (cumulative)
-    kv_blocks_cached: int = 0  # free blocks still holding reusable cached content (part of kv_blocks_free)
-
-
-def prompt_too_long(num_tokens: int, max_model_len: int) -> PromptError:
-    return PromptError("prompt", f"prompt has {num_tokens} tokens; the context length is {max_model_len} "
-                                 "and at least one token must be generated")
-
-
-def check_request(prompt_token_ids: list[int], sampling: SamplingParams, *, config: EngineConfig,
-                  vocab_size: int, max_model_len: int, num_kv_blocks: int) -> None:
-    """Raises PromptError / SamplingParamsError for a request that could never be served by an
-    engine of this configuration (also used where the engine runs in another process)."""
-    if not prompt_token_ids:
-        raise PromptError("prompt", "must not be empty")
-    n = len(prompt_token_ids)
-    if n >= max_model_len:  # before any pass over the ids: a prompt may hold a million of them
-        raise prompt_too_long(n, max_model_len)
-    if not (0 <= min(prompt_token_ids) and max(prompt_token_ids) < vocab_size):
-        bad = next(t for t in prompt_token_ids if not 0 <= t < vocab_size)
-        raise PromptError("prompt_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab_size})")
-    sampling.validate(vocab_size)
-    if sampling.n > config.max_num_seqs + config.max_waiting:
-        raise SamplingParamsError(
-            "n", f"{sampling.n} samples can never be admitted: max_num_seqs + max_waiting is "
-                 f"{config.max_num_seqs + config.max_waiting}")
-    if n + sampling.max_tokens > max_model_len:
-        raise SamplingParamsError(
-            "sampling.max_tokens",
-            f"prompt ({n} tokens) + max_tokens ({sampling.max_tokens}) exceeds the context length "
-            f"{max_model_len}")
-    needed = -(-(n + sampling.max_tokens) // config.block_size)
-    if needed > num_kv_blocks:
-        raise PromptError("prompt", f"needs {needed} KV blocks but the pool holds {num_kv_blocks}")
-
-
-def cpu_has_native_bf16() -> bool:
-    """The CPU multiplies bf16 in hardware (AVX512-BF16 or AMX), as read from /proc/cpuinfo."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return False
-    return bool({"avx512_bf16", "amx_bf16"} & set(flags.split()))
-
-
-def auto_dtype(device: torch.device, model_config: ModelConfig) -> str:
-    """`--dtype auto`: bf16 on CUDA. On the CPU, a checkpoint stored in bf16 runs in bf16 where the
-    CPU computes bf16 natively (a bf16 matmul of the bundled model took 33 against 80 us in fp32
-    on such a 2-core machine; see benchmarks/RESULTS.md for serving); otherwise fp32, which plain
-    AVX2 computes faster than emulated bf16."""
-    if device.type == "cuda":
-        return "bf16"
-    stored = (model_config.dtype or "").replace("torch.", "")
-    return "bf16" if stored in ("bfloat16", "bf16") and cpu_has_native_bf16() else "fp32"
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device cuda was asked for but CUDA is not available")
-    return device
 
 
 class LLMEngine:
@@ -163,7 +39,7 @@ class LLMEngine:
             torch.set_num_threads(config.cpu_threads or max(1, usable_cores() - 1))
         dtype_name = config.dtype if config.dtype != "auto" else auto_dtype(self.device, ModelConfig.from_hf(config.model))
         self.dtype_name = dtype_name
-        self.model, self.model_config = load_model(config.model, device=self.device, dtype=_TORCH_DTYPES[dtype_name])
+        self.model, self.model_config = load_model(config.model, device=self.device, dtype=TORCH_DTYPES[dtype_name])
         self.model.eval()
         self.tokenizer = Tokenizer.from_pretrained(config.model, self.model_config)
         mc: ModelConfig = self.model_config
@@ -176,14 +52,8 @@ class LLMEngine:
         block_bytes = KVCache.bytes_per_block(
             num_layers=mc.num_hidden_layers, block_size=config.block_size,
             num_kv_heads=mc.num_key_value_heads, head_dim=mc.head_dim, kv_cache_dtype=config.kv_cache_dtype)
-        if config.num_kv_blocks:
-            num_blocks = config.num_kv_blocks
-        elif config.kv_cache_memory_bytes is not None:
-            num_blocks = max(1, config.kv_cache_memory_bytes // block_bytes)
-        elif self.device.type == "cuda":
-            num_blocks = self._blocks_from_free_memory(block_bytes)
-        else:
-            num_blocks = max(1, CPU_KV_CACHE_BYTES // block_bytes)
+        num_blocks = num_kv_blocks(config, self.device, block_bytes, self.max_model_len,
+                                   lambda n: self._make_runner(self._make_kv_cache(n)))
         self.kv_cache = self._make_kv_cache(num_blocks)
         self.block_manager = BlockManager(num_blocks, config.block_size,
                                           enable_caching=config.enable_prefix_caching)
@@ -235,39 +105,6 @@ class LLMEngine:
                            max_num_batched_tokens=c.max_num_batched_tokens, max_model_len=self.max_model_len,
                            windows=[mc.layer_window(i) for i in range(mc.num_hidden_layers)])
 
-    def _blocks_from_free_memory(self, block_bytes: int) -> int:
-        """KV blocks that fit in gpu_memory_fraction of the device once the weights and the peak of
-        a profiling step are counted: one prefill of max_num_batched_tokens tokens (the largest
-        activations a step makes) plus logits and sampling for max_num_seqs rows."""
-        c = self.config
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(self.device)
-        used_before = total - free  # CUDA context, weights, anything else on the device
-        n_tok = min(c.max_num_batched_tokens, self.max_model_len - 1)
-        rows = min(c.max_num_seqs, n_tok)
-        tmp_cache = self._make_kv_cache(-(-n_tok // c.block_size) + rows)
-        base = torch.cuda.memory_allocated(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        runner = self._make_runner(tmp_cache)
-        lens = [n_tok // rows] * rows
-        lens[-1] += n_tok - sum(lens)
-        runner.profile(lens)
-        torch.cuda.synchronize(self.device)
-        activation_peak = torch.cuda.max_memory_allocated(self.device) - base
-        del runner, tmp_cache
-        torch.cuda.empty_cache()
-        budget = int(total * c.gpu_memory_fraction) - used_before - activation_peak
-        if budget < block_bytes:
-            raise ValueError(
-                f"gpu_memory_fraction {c.gpu_memory_fraction} of {total / 2**30:.1f} GiB leaves no room for the "
-                f"KV cache: {used_before / 2**30:.1f} GiB are in use and a step peaks at "
-                f"{activation_peak / 2**30:.2f} GiB more")
-        log.info("kv_cache_sized", gpu_memory_fraction=c.gpu_memory_fraction, total_gib=round(total / 2**30, 2),
-                 in_use_gib=round(used_before / 2**30, 2), step_peak_gib=round(activation_peak / 2**30, 2),
-                 kv_cache_gib=round(budget / 2**30, 2))
-        return budget // block_bytes
-
     # ---- requests in and out -------------------------------------------------------------
     def check_request(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
         """Raises PromptError / SamplingParamsError for a request that could never be served."""
@@ -286,18 +123,13 @@ class LLMEngine:
         if any(i in self._requests for i in ids):
             raise ValueError(f"request id {request_id!r} is already in use")
         reqs: list[Request] = []
-        try:
-            for i, rid in enumerate(ids):
-                req = Request(rid, prompt_token_ids, sampling, eos_token_ids=self.eos_token_ids,
-                              max_model_len=self.max_model_len, parent_id=request_id, index=i,
-                              wait_for=reqs[0] if i else None,
-                              arrival_time=reqs[0].arrival_time if i else None)
-                self.scheduler.add_request(req)
-                reqs.append(req)
-        except RequestTooLargeError as e:
-            for req in reqs:
-                self.scheduler.abort(req.request_id)
-            raise PromptError("prompt", str(e)) from e
+        for i, rid in enumerate(ids):
+            req = Request(rid, prompt_token_ids, sampling, eos_token_ids=self.eos_token_ids,
+                          max_model_len=self.max_model_len, parent_id=request_id, index=i,
+                          wait_for=reqs[0] if i else None,
+                          arrival_time=reqs[0].arrival_time if i else None)
+            self.scheduler.add_request(req)
+            reqs.append(req)
         for i, req in enumerate(reqs):
             rid = req.request_id
             self._requests[rid] = req

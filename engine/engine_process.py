@@ -38,9 +38,11 @@ from multiprocessing.connection import Connection
 import structlog
 
 from engine.config import EngineConfig
-from engine.engine import LLMEngine, RequestOutput
+from engine.engine import LLMEngine
 from engine.engine_child import BOOT
-from engine.handle import Command, HandleBase, StepTimeoutError
+from engine.errors import StepTimeoutError
+from engine.handle import Command, HandleBase
+from engine.outputs import RequestOutput
 from model import Tokenizer
 
 log = structlog.get_logger(__name__)
@@ -85,11 +87,11 @@ class ProcessEngine(HandleBase):
             raise RuntimeError(f"the engine process did not start within {READY_TIMEOUT_S:.0f} s")
         if self._launch_error is not None:
             raise self._launch_error
-        self.tokenizer = Tokenizer.from_pretrained(self.config.model, self.info.model_config)
+        self._tokenizer = Tokenizer.from_pretrained(self.config.model, self.info.model_config)
         log.info("engine_process_ready", pid=self.pid)
 
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
-        if self.info is None:
+        if not self.loaded:
             raise RuntimeError("launch() the engine process before start()")
         self._loop = loop or asyncio.get_running_loop()
         self._sender = threading.Thread(target=self._run_sender, name="engine-sender", daemon=True)
@@ -99,7 +101,7 @@ class ProcessEngine(HandleBase):
         """Asks the child to stop after its current step (it aborts what is left) and waits for
         it; kills it when it does not end in time, is hung, or is still starting."""
         self._stopping = True
-        if self.info is None or self.dead is not None or self._sender is None:
+        if not self.loaded or self.dead is not None or self._sender is None:
             self._kill()  # starting or never started (nothing to drain), or given up on
         else:
             self._outgoing.put(("stop",))
@@ -132,20 +134,22 @@ class ProcessEngine(HandleBase):
         self._outgoing.put(command)  # the sender thread writes the pipe: a full pipe never blocks the loop
 
     def _run_sender(self) -> None:
+        conn = self._conn
+        assert conn is not None, "the child was started before the sender"
         try:
             while (cmd := self._outgoing.get()) is not None:
-                self._conn.send(cmd)
+                conn.send(cmd)
         except OSError:
             return  # the child is gone; the link thread reports it
 
     # ---- the link thread: start the child, then relay what it says --------------------------
     def _run_link(self) -> None:
         try:
-            self._spawn()
-            kind, *payload = self._conn.recv()
+            conn = self._spawn()
+            kind, *payload = conn.recv()
             if kind == "failed":
                 raise RuntimeError(f"the engine process failed to start: {payload[0]}")
-            self.info, self._stats = payload
+            self._info, self._stats = payload
         except BaseException as e:
             if isinstance(e, (EOFError, OSError)):
                 code = self._exit_code()
@@ -155,9 +159,9 @@ class ProcessEngine(HandleBase):
             self._launched.set()
             return
         self._launched.set()
-        self._relay()
+        self._relay(conn)
 
-    def _spawn(self) -> None:
+    def _spawn(self) -> Connection:
         parent_end, child_end = socket.socketpair()
         fd = child_end.fileno()
         self._process = subprocess.Popen(
@@ -165,22 +169,24 @@ class ProcessEngine(HandleBase):
             pass_fds=(fd,), close_fds=True)
         child_end.close()
         self.pid = self._process.pid
-        self._conn = Connection(parent_end.detach())
+        self._conn = conn = Connection(parent_end.detach())
         log.info("engine_process_started", pid=self.pid)
-        self._conn.send(("prepare", _preparation_data()))
-        self._conn.send(self._init)
+        conn.send(("prepare", _preparation_data()))
+        conn.send(self._init)
+        return conn
 
-    def _relay(self) -> None:
+    def _relay(self, conn: Connection) -> None:
         try:
             while True:
-                kind, *payload = self._conn.recv()
+                kind, *payload = conn.recv()
                 if kind == "out":
                     # One hand-off per message: the child already merges what piled up while a
                     # send was under way. (Draining the pipe here first held outputs back for
                     # seconds at 256 streams: under load something had always arrived meanwhile.)
                     wire, stats, steps, taken = payload
-                    self._loop.call_soon_threadsafe(self._on_step, [RequestOutput.from_wire(o) for o in wire],
-                                                    stats, steps, taken)
+                    # (Outputs come only after a submit, so start() has given the loop by then.)
+                    self._event_loop().call_soon_threadsafe(
+                        self._on_step, [RequestOutput.from_wire(o) for o in wire], stats, steps, taken)
                 elif kind == "hung":
                     self.declare_dead(StepTimeoutError(payload[0]))
                     return

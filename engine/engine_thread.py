@@ -17,9 +17,10 @@ from collections.abc import Callable
 import structlog
 
 from engine.config import EngineConfig
-from engine.engine import EngineStats, LLMEngine, RequestOutput
+from engine.engine import LLMEngine
 from engine.handle import Command, EngineInfo, HandleBase
 from engine.loop import Inbox, StepClock, StepWatchdog, run_engine_loop
+from engine.outputs import EngineStats, RequestOutput
 
 log = structlog.get_logger(__name__)
 
@@ -62,8 +63,8 @@ class ThreadEngine(HandleBase):
 
     def _adopt(self, engine: LLMEngine) -> None:
         self.core = engine
-        self.info = EngineInfo.of(engine)
-        self.tokenizer = engine.tokenizer
+        self._info = EngineInfo.of(engine)
+        self._tokenizer = engine.tokenizer
         self._stats = engine.stats()
 
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
@@ -91,9 +92,10 @@ class ThreadEngine(HandleBase):
         self._inbox.put(command)
 
     def _emit(self, outputs: list[RequestOutput], stats: EngineStats, steps: int, taken: int) -> None:
-        self._loop.call_soon_threadsafe(self._on_step, outputs, stats, steps, taken)
+        self._event_loop().call_soon_threadsafe(self._on_step, outputs, stats, steps, taken)
 
     def _run(self) -> None:
+        assert self.core is not None, "launch() first"
         try:
             run_engine_loop(self.core, self._inbox, self._clock, self._emit)
         except BaseException as e:  # the loop itself broke: fail everyone rather than hang them

@@ -29,27 +29,17 @@ from typing import TYPE_CHECKING, Protocol
 import structlog
 
 from engine.config import EngineConfig
-from engine.engine import EngineStats, RequestOutput, check_request
+from engine.errors import EngineDeadError, QueueFullError
+from engine.outputs import EngineStats, RequestOutput
 from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
+from engine.validation import check_request
 
 if TYPE_CHECKING:
     from engine.engine import LLMEngine
     from model import ModelConfig, Tokenizer
 
 log = structlog.get_logger(__name__)
-
-
-class QueueFullError(RuntimeError):
-    """The waiting queue is at its bound; the caller should retry later."""
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop has stopped; no request can be served."""
-
-
-class StepTimeoutError(RuntimeError):
-    """One engine step ran past the watchdog's limit; the engine is presumed hung."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -103,9 +93,14 @@ class EngineHandle(Protocol):
     engine (blocking: call it off the event loop), `start(loop)` begins serving; every other
     method is called on that loop."""
 
-    info: EngineInfo | None  # None until launch() returns
-    tokenizer: Tokenizer | None  # the parent's own copy: the service tokenizes without a round trip
     dead: BaseException | None  # why the engine stopped serving for good; None while it serves
+
+    @property
+    def loaded(self) -> bool: ...
+    @property
+    def info(self) -> EngineInfo: ...
+    @property
+    def tokenizer(self) -> Tokenizer: ...
 
     def launch(self) -> None: ...
     def start(self, loop: asyncio.AbstractEventLoop) -> None: ...
@@ -135,8 +130,8 @@ class HandleBase:
     (`_send`); they hand each step's result to `_on_step` on the event loop."""
 
     def __init__(self, *, on_dead: Callable[[BaseException], None] | None = None) -> None:
-        self.info: EngineInfo | None = None
-        self.tokenizer: Tokenizer | None = None
+        self._info: EngineInfo | None = None  # set by launch()
+        self._tokenizer: Tokenizer | None = None  # the parent's own copy: tokenizing needs no round trip
         self.dead: BaseException | None = None
         self._steps = 0  # as of the engine loop's latest message
         self._on_dead = on_dead or (lambda error: None)
@@ -151,6 +146,23 @@ class HandleBase:
         self._stopping = False
 
     # ---- what the service reads ------------------------------------------------------------
+    @property
+    def loaded(self) -> bool:
+        """launch() has built the engine: info, tokenizer and stats are there."""
+        return self._info is not None
+
+    @property
+    def info(self) -> EngineInfo:
+        if self._info is None:
+            raise RuntimeError("the engine is not loaded")
+        return self._info
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        if self._tokenizer is None:
+            raise RuntimeError("the engine is not loaded")
+        return self._tokenizer
+
     @property
     def steps(self) -> int:
         """Engine steps begun so far."""
@@ -167,13 +179,12 @@ class HandleBase:
 
     def stats(self) -> EngineStats:
         """The engine's counts after its latest step; waiting includes what is on its way to it."""
-        if self._stats is None:
-            raise RuntimeError("the engine is not loaded")
-        return replace(self._stats, requests_waiting=self._stats.requests_waiting + self.num_queued)
+        stats = self._loaded_stats()
+        return replace(stats, requests_waiting=stats.requests_waiting + self.num_queued)
 
     def check_request(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
         """Raises PromptError / SamplingParamsError for a request this engine could never serve."""
-        info = self._require_info()
+        info = self.info
         check_request(prompt_token_ids, sampling, config=info.config, vocab_size=info.vocab_size,
                       max_model_len=info.max_model_len, num_kv_blocks=info.num_kv_blocks)
 
@@ -192,7 +203,7 @@ class HandleBase:
         # Requests the engine has not taken in yet may fill free batch slots at once, so a burst
         # into an idle engine is not shed early; in flight stays <= max_num_seqs + max_waiting.
         # Counted in samples, as the scheduler counts them: a request of n > 1 takes n places.
-        cfg, stats = self._require_info().config, self._stats
+        cfg, stats = self.info.config, self._loaded_stats()
         waiting = stats.requests_waiting + self.num_queued
         headroom = max(0, cfg.max_num_seqs - stats.requests_running)
         if waiting + sampling.n > cfg.max_waiting + headroom:
@@ -254,10 +265,15 @@ class HandleBase:
     def _fail_open_streams(self) -> None:
         status = RequestStatus.FINISHED_ERROR if self.dead is not None else RequestStatus.FINISHED_ABORTED
         error = str(self.dead) if self.dead is not None else None
-        self._deliver([RequestOutput(engine_id, [], "", finished=True, status=status, error=error)
+        self._deliver([RequestOutput(engine_id, [], "", finished=True, status=status, error=error, all_finished=True)
                        for engine_id in list(self._streams)])
 
-    def _require_info(self) -> EngineInfo:
-        if self.info is None:
+    def _event_loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            raise RuntimeError("start() the engine first")
+        return self._loop
+
+    def _loaded_stats(self) -> EngineStats:
+        if self._stats is None:
             raise RuntimeError("the engine is not loaded")
-        return self.info
+        return self._stats

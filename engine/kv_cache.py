@@ -16,18 +16,16 @@ The new tokens' K/V are written to their slots first, then their queries attend 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from engine.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES
 from kernels import reference
 
-TORCH_KV_DTYPES = {
-    "int8": torch.int8,
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-    "fp32": torch.float32,
-}
+TORCH_KV_DTYPES = {"int8": torch.int8, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+assert tuple(TORCH_KV_DTYPES) == KV_CACHE_DTYPES
 
 
 class KVCache:
@@ -80,7 +78,8 @@ class AttentionMetadata:
     prefill_query_start_loc: torch.Tensor | None = None
 
 
-ATTENTION_BACKENDS = ("auto", "triton", "torch")
+# One layer's (k_cache, v_cache, k_scale, v_scale); the scales only for int8 caches.
+_Cache = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 
 
 class PagedAttention:
@@ -111,6 +110,9 @@ class PagedAttention:
         if len(self.windows) != kv_cache.num_layers:
             raise ValueError(f"{len(self.windows)} windows for {kv_cache.num_layers} layers")
         self.metadata: AttentionMetadata | None = None
+        self._write: Callable[..., None] = reference.write_kv_cache
+        self._decode: Callable[..., torch.Tensor] = reference.paged_attention_decode
+        self._extend: Callable[..., torch.Tensor] = reference.paged_attention
         if impl == "triton":
             from kernels import triton_cache_write, triton_decode, triton_extend
 
@@ -122,8 +124,6 @@ class PagedAttention:
             self._write = triton_cache_write.write_kv_cache
             self._decode = triton_decode.paged_decode
             self._extend = triton_extend.paged_extend
-        else:
-            self._write = reference.write_kv_cache
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: (T, Hq, D); k, v: (T, Hkv, D) -> (T, Hq, D)
@@ -147,8 +147,8 @@ class PagedAttention:
                              md.prefill_query_start_loc, md.max_query_len, window, out=out[nd:])
         return out
 
-    def _attend_decode(self, q, cache, block_tables, seq_lens, max_seq_len: int, window: int | None,
-                       out: torch.Tensor | None = None) -> torch.Tensor:
+    def _attend_decode(self, q: torch.Tensor, cache: _Cache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                       max_seq_len: int, window: int | None, out: torch.Tensor | None = None) -> torch.Tensor:
         """One query per sequence, every key from the cache (split-K over the context)."""
         if self.impl == "torch":
             res = reference.paged_attention_decode(q, *cache, block_tables, seq_lens, self.softmax_scale,
@@ -157,8 +157,9 @@ class PagedAttention:
         return self._decode(q, *cache, block_tables, seq_lens, self.softmax_scale, max_seq_len=max_seq_len,
                             window=window, out=out)
 
-    def _attend_prefill(self, q, k, v, cache, block_tables, seq_lens, query_start_loc, max_query_len: int,
-                        window: int | None, out: torch.Tensor | None = None) -> torch.Tensor:
+    def _attend_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: _Cache,
+                        block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                        max_query_len: int, window: int | None, out: torch.Tensor | None = None) -> torch.Tensor:
         """Packed queries; the new tokens' K/V as computed, earlier ones from the cache."""
         if self.impl == "torch":
             res = reference.paged_attention(q, *cache, block_tables, seq_lens, query_start_loc, self.softmax_scale,

@@ -19,8 +19,10 @@ from collections.abc import Callable
 
 import structlog
 
-from engine.engine import EngineStats, LLMEngine, RequestOutput
-from engine.handle import Command, StepTimeoutError
+from engine.engine import LLMEngine
+from engine.errors import StepTimeoutError
+from engine.handle import Command
+from engine.outputs import EngineStats, RequestOutput
 from engine.request import RequestStatus
 
 log = structlog.get_logger(__name__)
@@ -120,7 +122,7 @@ def apply_commands(engine: LLMEngine, commands: list[Command]) -> tuple[list[Req
                 engine.add_request(rid, prompt, sampling)
             except Exception as e:
                 refused.append(RequestOutput(rid, [], "", finished=True, status=RequestStatus.FINISHED_ERROR,
-                                             error=str(e)))
+                                             error=str(e), all_finished=True))
         elif cmd[0] == "abort":
             engine.abort(cmd[1])
         else:

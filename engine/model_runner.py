@@ -35,20 +35,15 @@ import numpy as np
 import structlog
 import torch
 
-from engine.request import Request
 from engine.kv_cache import AttentionMetadata, KVCache, PagedAttention
+from engine.outputs import SampledToken
+from engine.request import Request
 from engine.sampler import SamplingTensors, sample
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from engine.scheduler import ScheduledRequest, SchedulerOutput
+from model import LlamaForCausalLM
 
 log = structlog.get_logger(__name__)
-
-
-@dataclass(slots=True)
-class SampledToken:
-    token_id: int
-    logprob: float  # log-probability of token_id under the raw model distribution
-    top: list[tuple[int, float]]  # top-n (token id, logprob), best first; empty unless asked
 
 
 PLACEHOLDER = -1  # an output token sampled on the device and not read back yet (async scheduling)
@@ -117,7 +112,7 @@ class _Graph:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, *, vocab_size: int, softmax_scale: float,
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, *, vocab_size: int, softmax_scale: float,
                  device: torch.device, attention_backend: str = "auto", max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, max_model_len: int = 2048,
                  windows: list[int | None] | None = None) -> None:
@@ -138,6 +133,8 @@ class ModelRunner:
         # kernels and the captured graphs read. On the CPU the staging buffers are used directly.
         self._host_ints = torch.empty(ints, dtype=torch.int32, pin_memory=on_cuda)
         self._host_tables = torch.empty(max_num_seqs * self.max_blocks, dtype=torch.int32, pin_memory=on_cuda)
+        self._dev_tables: torch.Tensor | None = None  # CUDA only, as the two below
+        self._copied: torch.cuda.Event | None = None
         if on_cuda:
             self._dev_ints = torch.zeros(ints, dtype=torch.int32, device=device)
             self._dev_tables = torch.zeros(max_num_seqs, self.max_blocks, dtype=torch.int32, device=device)
@@ -150,8 +147,6 @@ class ModelRunner:
             self._parity = 0
         else:
             self._dev_ints = self._host_ints
-            self._dev_tables = None
-            self._copied = None
         self._graphs: dict[int, _Graph] = {}
         # Every step runs on this stream: async scheduling frees and reuses blocks that a queued
         # step may still write, which is safe only in stream order (see LLMEngine.step).
@@ -251,7 +246,7 @@ class ModelRunner:
         if n_pend:
             ints[n_ints:n_ints + 2 * n_pend] = np.asarray(pending, dtype=np.int32).T.reshape(-1)
         n_copy = n_ints + 2 * n_pend
-        if self._dev_tables is not None:
+        if self._dev_tables is not None and self._copied is not None:
             dev = self._dev_ints[:n_ints]
             self._dev_ints[:n_copy].copy_(self._host_ints[:n_copy], non_blocking=True)
             dev_tables = self._dev_tables[:rows] if graph_batch else self._dev_tables[:b, :w]
@@ -272,11 +267,12 @@ class ModelRunner:
             decode_max_seq_len=decode_max_seq_len,
             prefill_query_start_loc=dev[qsl_end:n_ints] if n_prefill_ints else None,
         )
-        if same_rows:
-            dev[:b].copy_(self._last_ids[:b])
-        elif n_pend:
+        last_ids = self._last_ids
+        if same_rows and last_ids is not None:
+            dev[:b].copy_(last_ids[:b])
+        elif n_pend and last_ids is not None:
             idx = self._dev_ints[n_ints:n_copy].to(torch.int64)
-            dev[:n_tok].index_copy_(0, idx[:n_pend], self._last_ids[idx[n_pend:]].to(torch.int32))
+            dev[:n_tok].index_copy_(0, idx[:n_pend], last_ids[idx[n_pend:]].to(torch.int32))
         return _Step(dev[:n_tok], dev[n_tok:2 * n_tok], md, b, graph_batch)
 
     def _graph_batch(self, out: SchedulerOutput) -> int | None:
@@ -331,7 +327,10 @@ class ModelRunner:
             # and only for rows that use a penalty (the sampler selects them).
             pend = [(i, self._last_rows[r.request_id]) for i, r in enumerate(reqs)
                     if r.output_token_ids and r.output_token_ids[-1] == PLACEHOLDER]
-            pending_ids = ([p[0] for p in pend], [p[1] for p in pend], self._last_ids) if pend else None
+            pending_ids = None
+            if pend:
+                assert self._last_ids is not None, "a pending id without a last step"
+                pending_ids = ([p[0] for p in pend], [p[1] for p in pend], self._last_ids)
             tensors = SamplingTensors.build(
                 params=[r.sampling for r in reqs],
                 seeds=[seeds[r.request_id] for r in reqs],
@@ -351,7 +350,7 @@ class ModelRunner:
         # exact in float64): id, logprob, then n top ids, n top logprobs.
         cols = [result.token_ids.double()[:, None], result.logprobs.double()[:, None]]
         n_top = 0
-        if result.top_ids is not None:
+        if result.top_ids is not None and result.top_logprobs is not None:
             n_top = result.top_ids.shape[1]
             cols += [result.top_ids.double(), result.top_logprobs.double()]
         packed = torch.cat(cols, dim=1)
@@ -408,7 +407,7 @@ class ModelRunner:
     def capture_cuda_graphs(self) -> None:
         """Captures the decode forward (and the logits) for every bucket, largest first, into one
         memory pool. Each bucket first runs once eagerly, which also compiles its Triton kernels."""
-        if self.device.type != "cuda":
+        if self._dev_tables is None:
             raise RuntimeError("CUDA graphs need a CUDA device")
         pool = torch.cuda.graph_pool_handle()
         buckets = graph_buckets(self.max_num_seqs)

@@ -26,13 +26,6 @@ class RequestStatus(enum.IntEnum):
     FINISHED_ERROR = 6  # an engine fault failed this request
 
     @property
-    def length_capped(self) -> bool:
-        """No token may follow: max_tokens or the context length is reached. Known from the count
-        alone, so async scheduling stops such a request before its newest id is read back."""
-        n = len(self.output_token_ids)
-        return n >= self.sampling.max_tokens or n + len(self.prompt_token_ids) >= self.max_model_len
-
-    @property
     def finished(self) -> bool:
         return self >= RequestStatus.FINISHED_STOPPED
 

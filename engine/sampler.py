@@ -299,7 +299,7 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
         logits = apply_penalties(logits, t)
 
     greedy_ids = logits.argmax(dim=-1) if t.any_greedy else None
-    if t.all_greedy:
+    if greedy_ids is not None and t.all_greedy:
         token_ids = greedy_ids
     else:
         logits = logits / t.temperature[:, None]

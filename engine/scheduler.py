@@ -43,12 +43,6 @@ from engine.request import Request, RequestStatus
 log = structlog.get_logger(__name__)
 
 
-class RequestTooLargeError(ValueError):
-    """The request could never run: its longest possible sequence does not fit in the whole KV
-    pool, or its prompt leaves no room under max_model_len. Raised by `add_request`, which the
-    service calls up front to answer at once instead of letting the request wait forever."""
-
-
 @dataclass(slots=True)
 class ScheduledRequest:
     request: Request
@@ -106,30 +100,12 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def check_fits(self, request: Request) -> None:
-        """Raise RequestTooLargeError if the request could never be scheduled.
-
-        Its longest sequence is prompt + max_tokens capped at max_model_len (one token
-        conservative: the last sampled token never enters the cache).
-        """
-        max_len = min(request.max_model_len, self.max_model_len)
-        if request.num_prompt_tokens >= max_len:
-            raise RequestTooLargeError(
-                f"prompt has {request.num_prompt_tokens} tokens; max_model_len {max_len} leaves "
-                "no room to generate")
-        longest = min(request.num_prompt_tokens + request.sampling.max_tokens, max_len)
-        needed = self.block_manager.blocks_needed(longest)
-        if needed > self.block_manager.num_total_blocks:
-            raise RequestTooLargeError(
-                f"{longest} tokens need {needed} KV blocks; the cache has "
-                f"{self.block_manager.num_total_blocks}")
-
     def add_request(self, request: Request) -> None:
-        """Queue a new request; raises RequestTooLargeError (see `check_fits`) or ValueError for a
-        duplicate id."""
+        """Queue a new request (ValueError for a duplicate id). Whether it can ever fit is the
+        engine's check before this (engine.validation.check_request): prompt + max_tokens within
+        max_model_len and within the whole pool."""
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
-        self.check_fits(request)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 

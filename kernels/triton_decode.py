@@ -29,8 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_tile import (accumulate_pv, dot_types, load, online_softmax, pad_head_dim, paged_slots,
-                                 tile_scores)
+from kernels.triton_tile import accumulate_pv, dot_types, load, online_softmax, pad_head_dim, paged_slots, tile_scores
 
 LOG2E = 1.4426950408889634
 BLOCK_M = 16  # tl.dot needs M >= 16 on the GPU; G query heads are padded up to this

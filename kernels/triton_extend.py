@@ -40,8 +40,7 @@ import triton
 import triton.language as tl
 
 from kernels.reference import _check_cache
-from kernels.triton_tile import (accumulate_pv, dot_types, load, online_softmax, pad_head_dim, paged_slots,
-                                 tile_scores)
+from kernels.triton_tile import accumulate_pv, dot_types, load, online_softmax, pad_head_dim, paged_slots, tile_scores
 
 _LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256

@@ -3,10 +3,10 @@
 Never imports triton, engine, kernels or service: attention is delegated to an AttentionBackend.
 """
 
+from model import smoothing
 from model.attention import AttentionBackend, BatchedCausalAttention, DenseCausalAttention
 from model.config import ModelConfig, as_token_ids
 from model.llama import LlamaForCausalLM
-from model import smoothing
 from model.loader import load_model, read_generation_config
 from model.tokenizer import Tokenizer, TooManyTokens
 

@@ -111,8 +111,7 @@ def fold(model: LlamaForCausalLM, smoothing: KVSmoothing) -> None:
     o_proj input columns by them, in place: the model computes the same function (exactly: the
     factors are powers of two), with K and V channels of even magnitude."""
     cfg = model.config
-    hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    group = hq // hkv
+    group = cfg.num_attention_heads // cfg.num_key_value_heads
     for layer, s_k, s_v in zip(model.layers, smoothing.k, smoothing.v):
         attn = layer.self_attn
         w, b = attn.qkv_proj.weight, attn.qkv_proj.bias

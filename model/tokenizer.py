@@ -22,7 +22,6 @@ import tokenizers
 
 from model.config import ModelConfig, as_token_ids
 
-
 GIL_FREE_ENCODE_CHARS = 2048  # longer texts are encoded with the GIL released (see Tokenizer.encode)
 
 

@@ -11,9 +11,9 @@ import runpy
 import sys
 from pathlib import Path
 
-from engine.config import EngineConfig
-from service.logging import configure_logging
+from engine.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, MODEL_DTYPES, EngineConfig
 from service.auth import read_token_file
+from service.logging import configure_logging
 from service.server import PieServer, ServerConfig, TlsConfig
 from service.validation import Limits
 
@@ -27,10 +27,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (loopback unless told otherwise)")
     p.add_argument("--port", type=int, default=50051, help="port to bind (0 = any free port)")
     p.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N")
-    p.add_argument("--dtype", default=d.dtype, choices=("auto", "fp32", "bf16", "fp16"),
+    p.add_argument("--dtype", default=d.dtype, choices=MODEL_DTYPES,
                    help="weights/activations dtype (auto: bf16 on cuda; on the cpu bf16 for a bf16 checkpoint "
                         "where the CPU has AVX512-BF16 or AMX, else fp32)")
-    p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=("int8", "bf16", "fp16", "fp32"))
+    p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=KV_CACHE_DTYPES)
     p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
     p.add_argument("--kv-cache-memory", type=float, default=None,
                    help="KV pool budget in GiB (default: from --gpu-memory-fraction on CUDA, 1 GiB on the CPU)")
@@ -52,7 +52,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--max-waiting", type=int, default=d.max_waiting,
                    help="waiting-queue bound; beyond it requests get RESOURCE_EXHAUSTED")
-    p.add_argument("--attention-backend", default=d.attention_backend, choices=("auto", "triton", "torch"),
+    p.add_argument("--attention-backend", default=d.attention_backend, choices=ATTENTION_BACKENDS,
                    help="attention kernels: triton on cuda, torch reference on cpu (auto)")
     p.add_argument("--cpu-threads", type=int, default=None,
                    help="torch threads when the model runs on the CPU (default: the usable cores but one)")

@@ -19,7 +19,8 @@ from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.engine_process import LaunchCancelled, ProcessEngine
 from engine.engine_thread import ThreadEngine
-from engine.handle import EngineHandle, StepTimeoutError
+from engine.errors import StepTimeoutError
+from engine.handle import EngineHandle
 from pie.v1 import generate_pb2_grpc
 from service.auth import BearerTokenInterceptor
 from service.interceptors import UndecodableRequestInterceptor
@@ -85,12 +86,12 @@ class PieServer:
         self.server: grpc.aio.Server | None = None
         self.port: int | None = None
         self.engine: EngineHandle | None = None  # set when loading begins; serves once load() returns
-        self.fatal: asyncio.Event | None = None  # set when the engine died; serve_forever then exits non-zero
+        self.fatal = asyncio.Event()  # set when the engine died; serve_forever then exits non-zero
         self.load_interrupted = False  # a signal came while loading; a loading thread may still run
 
     def _engine_stats(self):
         """For the metrics scrape (HTTP thread): None until loaded; waiting includes the hand-off queue."""
-        if self.engine is None or self.engine.info is None:
+        if self.engine is None or not self.engine.loaded:
             return None
         return self.engine.stats()
 
@@ -103,7 +104,6 @@ class PieServer:
             interceptors.insert(0, BearerTokenInterceptor(self.config.auth_tokens))
         self.server = grpc.aio.server(options=opts, interceptors=interceptors,
                                       maximum_concurrent_rpcs=self.config.max_concurrent_rpcs)
-        self.fatal = asyncio.Event()
         generate_pb2_grpc.add_GenerateServiceServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
@@ -200,9 +200,10 @@ class PieServer:
             await self.stop(0)
             loader.cancel()
             return 0
-        if loader.exception() is not None:
+        error = loader.exception()
+        if error is not None:
             await self.stop(0)
-            raise loader.exception()
+            raise error
         await asyncio.wait([stopped, asyncio.create_task(self.fatal.wait())], return_when=asyncio.FIRST_COMPLETED)
         if self.fatal.is_set():
             await self.stop(0)
@@ -251,7 +252,7 @@ class BackgroundServer:
     def _call(self, coro, timeout: float | None = None):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
-    def start(self) -> "BackgroundServer":
+    def start(self) -> BackgroundServer:
         self._thread.start()
         port = self._call(self.pie.start(), 60)
         self.address = f"{self.pie.config.host}:{port}"
@@ -264,7 +265,7 @@ class BackgroundServer:
         self._thread.join(10)
         self._loop.close()
 
-    def __enter__(self) -> "BackgroundServer":
+    def __enter__(self) -> BackgroundServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -7,16 +7,19 @@ import functools
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from typing import NoReturn
 
 import grpc
 import structlog
 
 from engine.config import usable_cores
-from engine.engine import PromptError, RequestOutput, prompt_too_long
-from engine.handle import EngineDeadError, EngineHandle, QueueFullError, RequestStream
+from engine.errors import EngineDeadError, PromptError, QueueFullError
+from engine.handle import EngineHandle, RequestStream
+from engine.outputs import RequestOutput
 from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams, SamplingParamsError
-from model import TooManyTokens
+from engine.validation import prompt_too_long
+from model import Tokenizer, TooManyTokens
 from pie.v1 import generate_pb2 as pb
 from pie.v1 import generate_pb2_grpc
 from service.errors import ServiceError, invalid_argument
@@ -110,7 +113,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         encode = functools.partial(engine.tokenizer.encode, text, add_special_tokens, max_tokens=max_tokens)
         return encode() if len(text) <= INLINE_TOKENIZE_CHARS else await self._off_loop(encode)
 
-    async def _submit(self, request, rid: str) -> tuple[list[int], SamplingParams, RequestStream]:
+    async def _submit(self, request, rid: str) -> tuple[EngineHandle, list[int], SamplingParams, RequestStream]:
         engine = self._ready_engine()
         prompt = prompt_from_proto(request, self.limits)
         sampling = sampling_from_proto(request.sampling, max_model_len=engine.info.max_model_len)
@@ -132,13 +135,16 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                                retry_after_s=1.0) from e
         except EngineDeadError as e:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, str(e)) from e
-        return prompt, sampling, stream
+        return engine, prompt, sampling, stream
 
-    async def _abort(self, context, err: ServiceError, rid: str | None) -> None:
+    @staticmethod
+    async def _abort(context, err: ServiceError, rid: str | None) -> NoReturn:
         await context.abort(err.code, err.message, trailing_metadata=err.trailing_metadata(rid))
+        raise AssertionError("context.abort returned")  # it raises to end the RPC
 
-    def _logprobs(self, outputs: list[RequestOutput]) -> list[pb.TokenLogprob]:
-        text = self.engine.tokenizer.token_text
+    @staticmethod
+    def _logprobs(outputs: list[RequestOutput], tokenizer: Tokenizer) -> list[pb.TokenLogprob]:
+        text = tokenizer.token_text
         return [pb.TokenLogprob(token_id=s.token_id, logprob=s.logprob, token=text(s.token_id),
                                 top_logprobs=[pb.TopLogprob(token_id=t, logprob=lp, token=text(t)) for t, lp in s.top])
                 for o in outputs for s in o.new_logprobs]
@@ -179,17 +185,17 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             finished_reason=s.finish_reason, e2e_s=s.total_s if s.finish_reason is not None else None)
         s.emit(log)
 
-    async def _reject(self, context, s: RequestSummary, err: ServiceError) -> None:
+    async def _reject(self, context, s: RequestSummary, err: ServiceError) -> NoReturn:
         self._end(s, err.code, err.message)
         await self._abort(context, err, s.request_id)
 
-    def _final_error(self, last: RequestOutput, rid: str) -> ServiceError | None:
-        if last.status != RequestStatus.FINISHED_ERROR:
-            return None
-        if self.engine is not None and self.engine.dead is not None:  # hung or crashed: try another replica
+    @staticmethod
+    def _failure(engine: EngineHandle, rid: str, failed: RequestOutput) -> ServiceError:
+        """The status a caller gets for an engine-side failure (`failed` has FINISHED_ERROR)."""
+        if engine.dead is not None:  # hung or crashed: try another replica
             return ServiceError(grpc.StatusCode.UNAVAILABLE,
                                 f"the engine stopped while serving request {rid}; search the server log for this id")
-        if last.out_of_memory:
+        if failed.out_of_memory:
             return ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"out of device memory while serving request {rid}; retry later", retry_after_s=1.0)
         return ServiceError(grpc.StatusCode.INTERNAL,
@@ -200,11 +206,11 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         s = RequestSummary("Generate", context.peer())
         try:
             s.request_id = rid = self._request_id(request, context)
-            prompt, sampling, stream = await self._submit(request, rid)
+            engine, prompt, sampling, stream = await self._submit(request, rid)
         except FieldError as e:
-            return await self._reject(context, s, invalid_argument(e.field, e.description))
+            await self._reject(context, s, invalid_argument(e.field, e.description))
         except ServiceError as e:
-            return await self._reject(context, s, e)
+            await self._reject(context, s, e)
         s.prompt_tokens = len(prompt)
         s.engine_request_id = stream.engine_id
         outputs: list[RequestOutput] = []
@@ -218,17 +224,18 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                 finished = batch[-1].all_finished
         finally:
             if not finished:  # the caller went away (cancel or deadline)
-                self.engine.abort(stream)
+                engine.abort(stream)
                 self._gone(context, s)
         failed = next((o for o in outputs if o.status == RequestStatus.FINISHED_ERROR), None)
         if failed is not None:
             log.error("request_failed", request_id=rid, engine_request_id=stream.engine_id, error=failed.error)
-            return await self._reject(context, s, self._final_error(failed, rid))
+            await self._reject(context, s, self._failure(engine, rid, failed))
         groups = sorted(_by_index(outputs).items())
+        tokenizer = engine.tokenizer if sampling.logprobs else None
         if sampling.logprobs and len(outputs) * (1 + sampling.logprobs) > INLINE_LOGPROB_ENTRIES:
-            choices = await self._off_loop(self._choices, groups, True)
+            choices = await self._off_loop(self._choices, groups, tokenizer)
         else:
-            choices = self._choices(groups, sampling.logprobs > 0)
+            choices = self._choices(groups, tokenizer)
         first = choices[0]
         completion = sum(len(c.token_ids) for c in choices)
         s.finish_reason = _FINISH_LABEL.get(_by_index(outputs)[0][-1].status)
@@ -241,10 +248,11 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             choices=choices if sampling.n > 1 else [],
         )
 
-    def _choices(self, groups: list[tuple[int, list[RequestOutput]]], logprobs: bool) -> list[pb.Choice]:
-        return [self._choice(i, outs, logprobs) for i, outs in groups]
+    def _choices(self, groups: list[tuple[int, list[RequestOutput]]], tokenizer: Tokenizer | None) -> list[pb.Choice]:
+        """The answer's choices; with a tokenizer, their logprobs too."""
+        return [self._choice(i, outs, tokenizer) for i, outs in groups]
 
-    def _choice(self, index: int, outputs: list[RequestOutput], logprobs: bool) -> pb.Choice:
+    def _choice(self, index: int, outputs: list[RequestOutput], tokenizer: Tokenizer | None) -> pb.Choice:
         """One sample's whole answer from its outputs (in order; the last one finished it)."""
         last = outputs[-1]
         return pb.Choice(
@@ -252,19 +260,17 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             token_ids=[t for o in outputs for t in o.new_token_ids],
             finish_reason=_FINISH.get(last.status, pb.FINISH_REASON_UNSPECIFIED),
             stop_reason="" if last.stop_reason is None else str(last.stop_reason),
-            logprobs=self._logprobs(outputs) if logprobs else [])
+            logprobs=self._logprobs(outputs, tokenizer) if tokenizer is not None else [])
 
     async def GenerateStream(self, request: pb.GenerateStreamRequest, context: grpc.aio.ServicerContext):
         s = RequestSummary("GenerateStream", context.peer())
         try:
             s.request_id = rid = self._request_id(request, context)
-            prompt, sampling, stream = await self._submit(request, rid)
+            engine, prompt, sampling, stream = await self._submit(request, rid)
         except FieldError as e:
             await self._reject(context, s, invalid_argument(e.field, e.description))
-            return
         except ServiceError as e:
             await self._reject(context, s, e)
-            return
         s.prompt_tokens = len(prompt)
         s.engine_request_id = stream.engine_id
         finished = False
@@ -283,8 +289,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                 if failed is not None:
                     log.error("request_failed", request_id=rid, engine_request_id=stream.engine_id,
                               error=failed.error)
-                    await self._reject(context, s, self._final_error(failed, rid))
-                    return
+                    await self._reject(context, s, self._failure(engine, rid, failed))
                 self._observe(s, batch)
                 cached = max(cached, _cached(batch))
                 # One message per choice present in this hand-off (one message when n == 1).
@@ -294,7 +299,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                     msg = pb.GenerateStreamResponse(
                         request_id=rid, index=index, text="".join(o.new_text for o in outs),
                         token_ids=[t for o in outs for t in o.new_token_ids],
-                        logprobs=self._logprobs(outs) if sampling.logprobs else [])
+                        logprobs=self._logprobs(outs, engine.tokenizer) if sampling.logprobs else [])
                     if last.finished:
                         msg.finish_reason = _FINISH.get(last.status, pb.FINISH_REASON_UNSPECIFIED)
                         msg.stop_reason = "" if last.stop_reason is None else str(last.stop_reason)
@@ -309,7 +314,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             self._end(s, grpc.StatusCode.OK)
         finally:
             if not finished:
-                self.engine.abort(stream)
+                engine.abort(stream)
             if not s.ended:  # the caller went away (cancel or deadline) before the last message
                 self._gone(context, s)
 
@@ -317,9 +322,9 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         try:
             engine = self._ready_engine()
         except ServiceError as e:
-            return await self._abort(context, e, None)
+            await self._abort(context, e, None)
         if len(request.text) > self.limits.max_prompt_chars:
-            return await self._abort(context, invalid_argument(
+            await self._abort(context, invalid_argument(
                 "text", f"is longer than {self.limits.max_prompt_chars} characters"), None)
         add = request.add_special_tokens if request.HasField("add_special_tokens") else True
         ids = await self._encode(engine, request.text, add)
@@ -330,7 +335,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         try:
             engine = self._ready_engine()
         except ServiceError as e:
-            return await self._abort(context, e, None)
+            await self._abort(context, e, None)
         info = engine.info
         mc, cfg = info.model_config, info.config
         stats = engine.stats()

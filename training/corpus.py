@@ -17,13 +17,33 @@ from __future__ import annotations
 import argparse
 import os
 import random
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 from training.lexicon import (  # the generator's vocabulary
-    BOYS, ELDERS, FEELINGS_BAD, FEELINGS_GOOD, GIRLS, HE, HOBBIES, INTENSE, IT, KINDS, Kind,
-    MORNINGS, OBJECTS, OBJECT_ADJS, PET_NAMES, PLACES, Pronoun, SEASONS, SHE, SPEECH, TRAITS,
-    WEATHER, a_an, cap,
+    BOYS,
+    ELDERS,
+    FEELINGS_BAD,
+    FEELINGS_GOOD,
+    GIRLS,
+    HE,
+    HOBBIES,
+    INTENSE,
+    IT,
+    KINDS,
+    MORNINGS,
+    OBJECT_ADJS,
+    OBJECTS,
+    PET_NAMES,
+    PLACES,
+    SEASONS,
+    SHE,
+    SPEECH,
+    TRAITS,
+    WEATHER,
+    Pronoun,
+    a_an,
+    cap,
 )
 
 # Between two stories in every corpus file: one story per block, no end-of-text token.
@@ -278,7 +298,7 @@ class Teller:
 
 
 def plot_lost(t: Teller) -> list[list[str]]:
-    h, f, e = t.H, t.F, t.E
+    h, f = t.H, t.F
     o = t.p.obj
     have = "were" if t.p.obj_plural else "was"
     problem = [
@@ -293,9 +313,9 @@ def plot_lost(t: Teller) -> list[list[str]]:
     tries = []
     for spot in t.spots[:3]:
         tries.append(t.pick((
-            lambda: t.joined(f"{t.who(h)} looked {spot}", f"the {o} {have} not there"),
-            lambda: f"{t.soon()}, {t.who(h)} searched {spot}, but found only {t.pick(('a sock', 'some dust', 'an old leaf', 'a button', 'a sleepy bug', 'a pebble'))}.",
-            lambda: t.sent(f"{t.go(h, 'to look ' + spot)}, but {t.it_was()} not there either"),
+            lambda spot=spot: t.joined(f"{t.who(h)} looked {spot}", f"the {o} {have} not there"),
+            lambda spot=spot: f"{t.soon()}, {t.who(h)} searched {spot}, but found only {t.pick(('a sock', 'some dust', 'an old leaf', 'a button', 'a sleepy bug', 'a pebble'))}.",
+            lambda spot=spot: t.sent(f"{t.go(h, 'to look ' + spot)}, but {t.it_was()} not there either"),
         ))())
     tries.insert(1, t.pick((
         lambda: t.say(f, t.pick(("I will help you look", "Don't worry, we will find it", "Let's look together")), t.pick(".!"), to=h),
@@ -316,7 +336,7 @@ def plot_lost(t: Teller) -> list[list[str]]:
 
 
 def plot_storm(t: Teller) -> list[list[str]]:
-    h, f, e = t.H, t.F, t.E
+    h, f = t.H, t.F
     where = f"{t.p.place[1]} the {t.place}"
     setup = [t.sent(f"{t.when()}, {t.pair()} were playing {where}"), t.color()]
     problem = [

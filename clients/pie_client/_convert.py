@@ -51,7 +51,7 @@ def build_request(
     elif isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)) and all(
         isinstance(t, int) for t in prompt
     ):
-        request.prompt_token_ids.ids.extend(prompt)
+        request.prompt_token_ids.ids.extend(int(t) for t in prompt)
         request.prompt_token_ids.SetInParent()  # set even when empty, so the server can say why
     else:
         raise TypeError(f"prompt must be a str or a sequence of token ids, not {type(prompt).__name__}")

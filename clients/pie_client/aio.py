@@ -65,7 +65,7 @@ class AsyncClient:
         """Wait until the channel is connected; raise TimeoutError otherwise."""
         try:
             await asyncio.wait_for(self._channel.channel_ready(), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise TimeoutError(f"no server ready at {self.target} within {timeout} s") from None
 
     async def generate(

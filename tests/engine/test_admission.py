@@ -9,7 +9,7 @@ import pytest
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.engine_thread import ThreadEngine
-from engine.handle import QueueFullError
+from engine.errors import QueueFullError
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from tests.helpers import make_hf_model_dir
 

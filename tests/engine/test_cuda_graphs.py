@@ -11,6 +11,7 @@ import torch
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.kv_cache import KVCache
+from engine.kv_sizing import CPU_KV_CACHE_BYTES, num_kv_blocks
 from engine.model_runner import ModelRunner, graph_buckets
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -164,23 +165,36 @@ def test_kv_pool_is_sized_from_free_memory(tmp_path):
         LLMEngine(EngineConfig(model=str(model_dir), device="cuda", gpu_memory_fraction=1e-6))
 
 
-def test_kv_sizing_arithmetic_with_a_fake_device(tmp_path, monkeypatch):
+def test_kv_sizing_arithmetic_with_a_fake_device(monkeypatch):
     """The free-memory sizing path on the CPU, with the CUDA memory queries faked: budget =
-    fraction * total - in use - the profiling step's peak."""
-    engine = LLMEngine(EngineConfig(model=str(make_hf_model_dir(tmp_path, "llama")), device="cpu",
-                                    num_kv_blocks=8, max_num_seqs=4, max_num_batched_tokens=64))
+    fraction * total - in use - the profiling step's peak; and the exact and byte-budget paths."""
     gib = 2**30
     fake = dict(synchronize=lambda *a: None, empty_cache=lambda: None, reset_peak_memory_stats=lambda *a: None,
                 mem_get_info=lambda *a: (70 * gib, 100 * gib), memory_allocated=lambda *a: 10 * gib,
                 max_memory_allocated=lambda *a: 12 * gib)
     for name, fn in fake.items():
         monkeypatch.setattr(torch.cuda, name, fn)
-    engine.config.gpu_memory_fraction = 0.9
-    blocks = engine._blocks_from_free_memory(1 << 20)
-    assert blocks == (90 - 30 - 2) * 1024  # 90 GiB allowed, 30 in use, a 2 GiB step peak; 1 MiB blocks
-    engine.config.gpu_memory_fraction = 0.3
+    profiled: list[list[int]] = []
+    made: list[int] = []
+
+    class Runner:
+        def profile(self, lens):
+            profiled.append(lens)
+
+    def make_runner(n: int) -> Runner:
+        made.append(n)
+        return Runner()
+
+    cfg = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, gpu_memory_fraction=0.9)
+    cuda = torch.device("cuda")
+    assert num_kv_blocks(cfg, cuda, 1 << 20, 2048, make_runner) == (90 - 30 - 2) * 1024  # 1 MiB blocks
+    assert profiled == [[16, 16, 16, 16]] and made == [64 // 16 + 4]  # one step of the whole budget
+    cfg.gpu_memory_fraction = 0.3
     with pytest.raises(ValueError, match="gpu_memory_fraction 0.3"):
-        engine._blocks_from_free_memory(1 << 20)
+        num_kv_blocks(cfg, cuda, 1 << 20, 2048, make_runner)
+    assert num_kv_blocks(EngineConfig(num_kv_blocks=7), cuda, 1 << 20, 2048, make_runner) == 7
+    assert num_kv_blocks(EngineConfig(kv_cache_memory_bytes=10 << 20), cuda, 1 << 20, 2048, make_runner) == 10
+    assert num_kv_blocks(EngineConfig(), torch.device("cpu"), 1 << 20, 2048, make_runner) == CPU_KV_CACHE_BYTES >> 20
 
 
 def test_warm_up_runs_every_prefill_tile_on_the_cpu(tmp_path):

@@ -154,7 +154,7 @@ def test_triton_kernels_in_the_engine_on_the_interpreter(tmp_path, kv_cache_dtyp
     prompts = random_prompts(2)
     ours = run_recorded(model_dir, kv_cache_dtype, prompts, max_tokens=4, attention_backend="triton")
     ref = run_recorded(model_dir, kv_cache_dtype, prompts, max_tokens=4, attention_backend="torch")
-    for (seq, gen, logits), (ref_seq, ref_gen, ref_logits) in zip(ours, ref):
+    for (_, gen, logits), (_, ref_gen, ref_logits) in zip(ours, ref):
         assert gen == ref_gen
         err = ((logits - ref_logits).abs().max() / ref_logits.abs().max()).item()
         assert err <= 1e-4, f"triton vs torch attention path: relative logit error {err:.2e}"
@@ -193,7 +193,7 @@ def test_sliding_window_models_match_transformers(tmp_path, case, kv_cache_dtype
 def test_sliding_window_models_on_gpu(tmp_path, case):
     arch, overrides = WINDOW_CASES[case]
     model_dir = make_hf_model_dir(tmp_path, arch, weight_scale=4.0, **overrides)
-    for seq, generated, logits in run_recorded(model_dir, "bf16", random_prompts(3), max_tokens=16,
+    for seq, _, logits in run_recorded(model_dir, "bf16", random_prompts(3), max_tokens=16,
                                                device="cuda", dtype="bf16", attention_backend="triton",
                                                enforce_eager=True):
         ref = hf_full_logits(model_dir, seq)

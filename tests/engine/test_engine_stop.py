@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
-from engine.model_runner import SampledToken
+from engine.outputs import SampledToken
 from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
 from tests.helpers import make_hf_model_dir

@@ -10,8 +10,7 @@ import random
 import pytest
 import torch
 
-from engine.sampler import (SamplingTensors, Sampler, _apply_top_k_top_p, apply_penalties,
-                            hash_uniform, sample)
+from engine.sampler import Sampler, SamplingTensors, _apply_top_k_top_p, apply_penalties, hash_uniform, sample
 from engine.sampling_params import SamplingParams
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

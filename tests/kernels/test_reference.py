@@ -10,7 +10,6 @@ import math
 import pytest
 import torch
 
-from kernels import reference as ref
 from kernels import (
     compute_slot_mapping,
     dequantize,
@@ -19,6 +18,7 @@ from kernels import (
     quantize_per_token_head,
     write_kv_cache,
 )
+from kernels import reference as ref
 
 D = 32
 

@@ -11,7 +11,6 @@ from tests.helpers import make_hf_model_dir
 from tests.model.oracle import CASES, WEIGHT_SCALE
 
 
-
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """model_dir(case) -> folder of that CASES entry, built on first use."""

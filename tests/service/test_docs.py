@@ -31,8 +31,8 @@ import pytest
 
 from engine.config import EngineConfig
 from service.logging import RequestSummary
-from service.servicer import SERVICE_NAME
 from service.server import BackgroundServer, ServerConfig
+from service.servicer import SERVICE_NAME
 from tests.helpers import make_hf_model_dir
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -122,15 +122,14 @@ def test_outputs_cross_the_pipe_unchanged():
     every field set away from its default, logprobs included."""
     import pickle
 
-    from engine.engine import RequestOutput
-    from engine.model_runner import SampledToken
+    from engine.outputs import RequestOutput, SampledToken
     from engine.request import RequestStatus
 
     outs = [
         RequestOutput("a", [5, 6], "hi", [SampledToken(5, -0.5, [(5, -0.5), (9, -1.25)]), SampledToken(6, -2.0, [])],
                       finished=True, status=RequestStatus.FINISHED_STOPPED, stop_reason="\n", num_prompt_tokens=3,
                       num_output_tokens=7, queue_time_s=0.25, num_cached_tokens=16, index=2, all_finished=False),
-        RequestOutput("b", [], "", finished=True, status=RequestStatus.FINISHED_ERROR, error="boom",
+        RequestOutput("b", [], "", finished=True, status=RequestStatus.FINISHED_ERROR, error="boom", all_finished=True,
                       out_of_memory=True),
         RequestOutput("c", [1], " x", stop_reason=7),
     ]

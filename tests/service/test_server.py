@@ -9,11 +9,10 @@ import time
 
 import grpc
 import pytest
-import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.config import EngineConfig
-from pie_client import Client, InvalidArgument, ResourceExhausted, DeadlineExceeded
+from pie_client import Client, DeadlineExceeded, InvalidArgument, ResourceExhausted
 from service.server import BackgroundServer, ServerConfig
 from service.servicer import SERVICE_NAME
 from tests.helpers import hang_steps_after, make_hf_model_dir, wait_until
@@ -184,8 +183,8 @@ def test_queue_bound_resource_exhausted(model_dir):
 
 
 def test_reflection_lists_and_describes_services(server):
-    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
     from google.protobuf.descriptor_pool import DescriptorPool
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
     with grpc.insecure_channel(server.address) as ch:
         db = ProtoReflectionDescriptorDatabase(ch)

@@ -3,8 +3,16 @@
 import random
 import re
 
-from training.corpus import (HE, SHE, STORY_SEPARATOR, Character, generate_stories, plan_story,
-                             render_story, write_corpus)
+from training.corpus import (
+    HE,
+    SHE,
+    STORY_SEPARATOR,
+    Character,
+    generate_stories,
+    plan_story,
+    render_story,
+    write_corpus,
+)
 
 _SPLIT = re.compile(r'(?<=[.!?])"?\s+(?=[A-Z"])')
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from model import DenseCausalAttention, Tokenizer, load_model
-from training.data import STORY_SEPARATOR, HubUnreachableError, TokenSplits, load_text_dataset, prepare_tokens
+from training.data import STORY_SEPARATOR, HubUnreachableError, load_text_dataset, prepare_tokens
 from training.export import export_hf
 from training.plot import PNG_SIGNATURE
 from training.tokenizer import BOS_ID, EOS_ID, PAD_ID, train_bpe_tokenizer

@@ -1,0 +1,42 @@
+"""Which device and which dtype an engine runs on."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.config import MODEL_DTYPES
+from model import ModelConfig
+
+# Model dtype names (EngineConfig.dtype, --dtype) and the torch dtypes they stand for.
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+assert set(TORCH_DTYPES) == set(MODEL_DTYPES) - {"auto"}
+
+
+def cpu_has_native_bf16() -> bool:
+    """The CPU multiplies bf16 in hardware (AVX512-BF16 or AMX), as read from /proc/cpuinfo."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return False
+    return bool({"avx512_bf16", "amx_bf16"} & set(flags.split()))
+
+
+def auto_dtype(device: torch.device, model_config: ModelConfig) -> str:
+    """`--dtype auto`: bf16 on CUDA. On the CPU, a checkpoint stored in bf16 runs in bf16 where the
+    CPU computes bf16 natively (a bf16 matmul of the bundled model took 33 against 80 us in fp32
+    on such a 2-core machine; see benchmarks/RESULTS.md for serving); otherwise fp32, which plain
+    AVX2 computes faster than emulated bf16."""
+    if device.type == "cuda":
+        return "bf16"
+    stored = (model_config.dtype or "").replace("torch.", "")
+    return "bf16" if stored in ("bfloat16", "bf16") and cpu_has_native_bf16() else "fp32"
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device cuda was asked for but CUDA is not available")
+    return device

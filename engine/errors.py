@@ -1,0 +1,24 @@
+"""The engine's errors, as callers see them."""
+
+from __future__ import annotations
+
+
+class PromptError(ValueError):
+    """The prompt cannot be served; `field` names the offending request field."""
+
+    def __init__(self, field_name: str, message: str):
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+        self.message = message
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at its bound; the caller should retry later."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped; no request can be served."""
+
+
+class StepTimeoutError(RuntimeError):
+    """One engine step ran past the watchdog's limit; the engine is presumed hung."""

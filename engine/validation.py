@@ -1,0 +1,41 @@
+"""The one check of a request against an engine's limits, wherever the engine runs: the service
+calls it through the engine handle before a request is queued, and the engine again when it takes
+one in. Field-level checks of sampling parameters are `SamplingParams.validate`'s."""
+
+from __future__ import annotations
+
+from engine.config import EngineConfig
+from engine.errors import PromptError
+from engine.sampling_params import SamplingParams, SamplingParamsError
+
+
+def prompt_too_long(num_tokens: int, max_model_len: int) -> PromptError:
+    return PromptError("prompt", f"prompt has {num_tokens} tokens; the context length is {max_model_len} "
+                                 "and at least one token must be generated")
+
+
+def check_request(prompt_token_ids: list[int], sampling: SamplingParams, *, config: EngineConfig,
+                  vocab_size: int, max_model_len: int, num_kv_blocks: int) -> None:
+    """Raises PromptError / SamplingParamsError for a request that could never be served by an
+    engine of this configuration (also used where the engine runs in another process)."""
+    if not prompt_token_ids:
+        raise PromptError("prompt", "must not be empty")
+    n = len(prompt_token_ids)
+    if n >= max_model_len:  # before any pass over the ids: a prompt may hold a million of them
+        raise prompt_too_long(n, max_model_len)
+    if not (0 <= min(prompt_token_ids) and max(prompt_token_ids) < vocab_size):
+        bad = next(t for t in prompt_token_ids if not 0 <= t < vocab_size)
+        raise PromptError("prompt_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+    sampling.validate(vocab_size)
+    if sampling.n > config.max_num_seqs + config.max_waiting:
+        raise SamplingParamsError(
+            "n", f"{sampling.n} samples can never be admitted: max_num_seqs + max_waiting is "
+                 f"{config.max_num_seqs + config.max_waiting}")
+    if n + sampling.max_tokens > max_model_len:
+        raise SamplingParamsError(
+            "sampling.max_tokens",
+            f"prompt ({n} tokens) + max_tokens ({sampling.max_tokens}) exceeds the context length "
+            f"{max_model_len}")
+    needed = -(-(n + sampling.max_tokens) // config.block_size)
+    if needed > num_kv_blocks:
+        raise PromptError("prompt", f"needs {needed} KV blocks but the pool holds {num_kv_blocks}")
