@@ -20,7 +20,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.device import TORCH_DTYPES, auto_dtype, resolve_device
 from engine.kv_cache import KVCache
 from engine.kv_sizing import num_kv_blocks
-from engine.model_runner import PLACEHOLDER, ModelRunner, PendingSample
+from engine.model_runner import ModelRunner, PendingSample
 from engine.outputs import EngineStats, RequestOutput, SampledToken
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
@@ -201,13 +201,14 @@ class LLMEngine:
         Synchronous (the CPU default): the outputs of this step. Async scheduling (the CUDA
         default): this step is queued on the device, then the previous step's tokens are read back
         and turned into outputs while the device runs, so the host's bookkeeping hides behind the
-        GPU. Each sampled token is appended as PLACEHOLDER at once (the scheduler only needs the
-        count; the next step takes the id from the device), and becomes the real id one call later.
+        GPU. Each sampled token counts at once as a placeholder (`Request.num_output_placeholders`:
+        the scheduler only needs the count; the next step takes the id from the device), and joins
+        the request's output ids one call later.
         A request that ends on a token (EOS, stop token, stop string) may so run one step too many,
         whose token is dropped; length limits are known without the ids and stop at once.
 
         Invariants of async scheduling (tests/engine/invariants.py checks them after every step):
-        - At most one step is pending (`_pending`). A request holds at most one PLACEHOLDER, as its
+        - At most one step is pending (`_pending`). A request holds at most one placeholder, its
           newest token, and only while it is a row of the pending step; with nothing pending, no
           request holds one.
         - Blocks freed while the pending step may still write them (its request aborted, finished
@@ -234,7 +235,7 @@ class LLMEngine:
         if launched is not None:
             for req in launched.requests:
                 if not req.finished:
-                    req.append_token(PLACEHOLDER)
+                    req.num_output_placeholders += 1
             self._pending = launched
         return outputs
 
@@ -254,7 +255,8 @@ class LLMEngine:
         for req, tok in zip(pending.requests, sampled):
             if req.finished:  # aborted (or failed) while its step ran
                 continue
-            req.output_token_ids[-1] = tok.token_id  # the PLACEHOLDER appended at launch
+            req.num_output_placeholders -= 1  # counted at launch
+            req.append_token(tok.token_id)
             outputs.append(self._emit(req, tok))
         return outputs
 

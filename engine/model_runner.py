@@ -46,7 +46,6 @@ from model import LlamaForCausalLM
 log = structlog.get_logger(__name__)
 
 
-PLACEHOLDER = -1  # an output token sampled on the device and not read back yet (async scheduling)
 
 
 class PendingSample:
@@ -75,21 +74,62 @@ class PendingSample:
         return sampled
 
 
-def _token_slice(req: Request, start: int, n: int) -> list[int]:
-    """Tokens [start, start + n) of prompt + output, without concatenating the whole sequence."""
-    p = req.num_prompt_tokens
-    if start >= p:
-        return req.output_token_ids[start - p:start - p + n]
-    if start + n <= p:
-        return req.prompt_token_ids[start:start + n]
-    return req.prompt_token_ids[start:] + req.output_token_ids[:start + n - p]
-
-
 def graph_buckets(max_batch: int) -> list[int]:
     """Captured decode batch sizes: 1, 2, 4, 8, then every multiple of 16 up to max_batch (which
     is always included), so a batch pads by at most 15 rows."""
     sizes = [b for b in (1, 2, 4, 8) if b < max_batch] + list(range(16, max_batch, 16)) + [max_batch]
     return sorted(set(sizes))
+
+
+@dataclass(slots=True, frozen=True)
+class _Packed:
+    """Offsets of the packed int32 sections (module docstring) for n_tok tokens and rows sequences;
+    the one place that layout is written down, for `_stage` and `capture_cuda_graphs`."""
+
+    n_tok: int
+    rows: int
+
+    @property
+    def ids(self) -> slice:
+        return slice(0, self.n_tok)
+
+    @property
+    def positions(self) -> slice:
+        return slice(self.n_tok, 2 * self.n_tok)
+
+    @property
+    def slots(self) -> slice:
+        return slice(2 * self.n_tok, 3 * self.n_tok)
+
+    @property
+    def seq_lens(self) -> slice:
+        return slice(3 * self.n_tok, 3 * self.n_tok + self.rows)
+
+    @property
+    def query_start_loc(self) -> slice:
+        return slice(3 * self.n_tok + self.rows, self.end)
+
+    @property
+    def end(self) -> int:
+        """Where the optional sections (a mixed step's prefill query starts, pending ids) begin."""
+        return 3 * self.n_tok + 2 * self.rows + 1
+
+    def metadata(self, dev: torch.Tensor, block_tables: torch.Tensor, **facts) -> AttentionMetadata:
+        """AttentionMetadata viewing `dev` (the packed ints on the device) in this layout."""
+        return AttentionMetadata(slot_mapping=dev[self.slots], block_tables=block_tables,
+                                 seq_lens=dev[self.seq_lens], query_start_loc=dev[self.query_start_loc], **facts)
+
+
+@dataclass(slots=True)
+class _DecodeStaging:
+    """What the last pure decode step left in the staging buffers: the next one over the same
+    requests, each one token further, rewrites only what moved."""
+
+    layout: _Packed
+    table_width: int  # columns of the staged block tables
+    requests: list[Request]  # its rows, in order
+    starts: np.ndarray  # (B,) position of each row's token
+    widths: np.ndarray  # (B,) blocks in each row's table
 
 
 @dataclass(slots=True)
@@ -152,14 +192,12 @@ class ModelRunner:
         # step may still write, which is safe only in stream order (see LLMEngine.step).
         self._stream = torch.cuda.current_stream(device) if on_cuda else None
         # Async scheduling: the last step's sampled ids stay on the device; a request whose newest
-        # token is still PLACEHOLDER (sampled, not yet read back) takes its input id from there.
+        # token is a placeholder (sampled, not yet read back) takes its input id from there.
         self._last_ids: torch.Tensor | None = None  # (R,) int64 on the device
         self._last_reqs: list[Request] = []  # the requests of its rows, in row order
         self._last_rows: dict[str, int] = {}  # request id -> row of _last_ids
         self._last_tensors: SamplingTensors | None = None  # the sampling inputs of those rows
-        # The last pure decode step's staging: ((tokens, rows, table width), requests, starts,
-        # table widths); the next one over the same requests only rewrites what moved.
-        self._prev_stage: tuple | None = None
+        self._prev_stage: _DecodeStaging | None = None
 
     # ---- inputs ---------------------------------------------------------------------------------
     def _stage(self, out: SchedulerOutput, graph_batch: int | None) -> _Step:
@@ -176,25 +214,25 @@ class ModelRunner:
         t = int(q_lens.sum())
         w = int(widths.max())
         rows = graph_batch or b
-        n_tok = graph_batch or t
+        layout = _Packed(n_tok=graph_batch or t, rows=rows)
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copy has left the staging buffers
         ints = self._host_ints.numpy()
-        ids, pos, slots = ints[:n_tok], ints[n_tok:2 * n_tok], ints[2 * n_tok:3 * n_tok]
-        lens, qsl = ints[3 * n_tok:3 * n_tok + rows], ints[3 * n_tok + rows:3 * n_tok + 2 * rows + 1]
+        ids, pos, slots = ints[layout.ids], ints[layout.positions], ints[layout.slots]
+        lens, qsl = ints[layout.seq_lens], ints[layout.query_start_loc]
         tables = self._host_tables.numpy()[:b * w].reshape(b, w)
 
         # Async scheduling's steady state: every row's input is the id the last step sampled for
         # the same row (still on the device; see `pending` below for the general case).
         same_rows = (self._last_ids is not None and t == b and reqs == self._last_reqs
-                     and all(r.output_token_ids[-1] == PLACEHOLDER for r in reqs))
+                     and all(r.num_output_placeholders for r in reqs))
         prev = self._prev_stage
-        if (prev is not None and t == b and prev[0] == (n_tok, rows, w) and reqs == prev[1]
-                and np.array_equal(starts, prev[2] + 1)):
+        if (prev is not None and t == b and prev.layout == layout and prev.table_width == w
+                and reqs == prev.requests and np.array_equal(starts, prev.starts + 1)):
             # The same decode rows as the last step, each one token further, in the same staging
             # layout: the buffers still hold that step's inputs, so only what moved is rewritten
             # (positions, lengths, slots, and the last entry of tables that grew a block).
-            grew = np.flatnonzero(widths != prev[3])
+            grew = np.flatnonzero(widths != prev.widths)
             for i in grew.tolist():
                 tables[i, widths[i] - 1] = scheduled[i].block_table[-1]
         else:
@@ -206,9 +244,9 @@ class ModelRunner:
             if rows > b:  # graph padding: no token written, nothing attended
                 ids[t:], pos[t:], slots[t:], lens[b:] = 0, 0, -1, 0
                 qsl[b + 1:] = np.arange(t + 1, t + 1 + rows - b)
-        self._prev_stage = ((n_tok, rows, w), reqs, starts, widths) if t == b else None
+        self._prev_stage = _DecodeStaging(layout, w, reqs, starts, widths) if t == b else None
         if not same_rows:
-            ids[:t] = np.fromiter(chain.from_iterable(_token_slice(s.request, s.start, s.num_new_tokens)
+            ids[:t] = np.fromiter(chain.from_iterable(s.request.token_slice(s.start, s.start + s.num_new_tokens)
                                                       for s in scheduled), dtype=np.int32, count=t)
         if t == b:  # one token per sequence, at its start
             p = starts
@@ -222,7 +260,7 @@ class ModelRunner:
         lens[:b] = starts + q_lens
         max_query_len = int(q_lens.max())
         max_seq_len = int(lens[:b].max())
-        n_ints = 3 * n_tok + 2 * rows + 1
+        n_ints = layout.end
         # A mixed step's running decodes (the scheduler puts them first) attend through the decode
         # kernel; the rest, from `nd` on, through the extend kernel with its own query starts.
         nd = b if max_query_len == 1 else int(np.argmax(q_lens != 1))
@@ -240,8 +278,7 @@ class ModelRunner:
         if self._last_ids is not None and not same_rows:
             pending = [(int(qsl[i + 1]) - 1, self._last_rows[s.request.request_id])
                        for i, s in enumerate(scheduled)
-                       if s.request.output_token_ids and s.request.output_token_ids[-1] == PLACEHOLDER
-                       and s.start + s.num_new_tokens == s.request.num_tokens]
+                       if s.request.num_output_placeholders and s.start + s.num_new_tokens == s.request.num_tokens]
         n_pend = len(pending)
         if n_pend:
             ints[n_ints:n_ints + 2 * n_pend] = np.asarray(pending, dtype=np.int32).T.reshape(-1)
@@ -255,25 +292,16 @@ class ModelRunner:
         else:
             dev = self._host_ints[:n_ints]
             dev_tables = self._host_tables[:b * w].view(b, w)
-        qsl_end = 3 * n_tok + 2 * rows + 1
-        md = AttentionMetadata(
-            slot_mapping=dev[2 * n_tok:3 * n_tok],
-            block_tables=dev_tables,
-            seq_lens=dev[3 * n_tok:3 * n_tok + rows],
-            query_start_loc=dev[3 * n_tok + rows:qsl_end],
-            max_query_len=max_query_len,
-            max_seq_len=max_seq_len,
-            num_decodes=nd,
-            decode_max_seq_len=decode_max_seq_len,
-            prefill_query_start_loc=dev[qsl_end:n_ints] if n_prefill_ints else None,
-        )
+        md = layout.metadata(dev, dev_tables, max_query_len=max_query_len, max_seq_len=max_seq_len, num_decodes=nd,
+                             decode_max_seq_len=decode_max_seq_len,
+                             prefill_query_start_loc=dev[layout.end:n_ints] if n_prefill_ints else None)
         last_ids = self._last_ids
         if same_rows and last_ids is not None:
             dev[:b].copy_(last_ids[:b])
         elif n_pend and last_ids is not None:
             idx = self._dev_ints[n_ints:n_copy].to(torch.int64)
-            dev[:n_tok].index_copy_(0, idx[:n_pend], last_ids[idx[n_pend:]].to(torch.int32))
-        return _Step(dev[:n_tok], dev[n_tok:2 * n_tok], md, b, graph_batch)
+            dev[layout.ids].index_copy_(0, idx[:n_pend], last_ids[idx[n_pend:]].to(torch.int32))
+        return _Step(dev[layout.ids], dev[layout.positions], md, b, graph_batch)
 
     def _graph_batch(self, out: SchedulerOutput) -> int | None:
         if not self._graphs or any(s.num_new_tokens != 1 for s in out.scheduled):
@@ -310,7 +338,7 @@ class ModelRunner:
         """Queues the step's forward pass and sampling on the device and the copy of what is
         sampled back to the host; returns without waiting (None when no row samples). The sampled
         ids also stay on the device, as the next step's input ids of requests whose newest token is
-        still PLACEHOLDER."""
+        a placeholder."""
         assert self._stream is None or torch.cuda.current_stream(self.device) == self._stream, \
             "every step must run on the runner's CUDA stream (async scheduling relies on stream order)"
         rows, logits = self.forward_logits(out)
@@ -326,7 +354,7 @@ class ModelRunner:
             # Penalties count output ids: a newest id not read back yet is read from the device,
             # and only for rows that use a penalty (the sampler selects them).
             pend = [(i, self._last_rows[r.request_id]) for i, r in enumerate(reqs)
-                    if r.output_token_ids and r.output_token_ids[-1] == PLACEHOLDER]
+                    if r.num_output_placeholders]
             pending_ids = None
             if pend:
                 assert self._last_ids is not None, "a pending id without a last step"
@@ -412,25 +440,24 @@ class ModelRunner:
         pool = torch.cuda.graph_pool_handle()
         buckets = graph_buckets(self.max_num_seqs)
         for b in reversed(buckets):
-            n_ints = 5 * b + 1
-            dev = self._dev_ints[:n_ints]
-            host = self._host_ints[:n_ints].numpy()
+            layout = _Packed(n_tok=b, rows=b)
+            dev = self._dev_ints[:layout.end]
+            host = self._host_ints[:layout.end].numpy()
             # Dummy decode of b rows: one cached token each, in block 0 (never written: slot -1).
-            host[:b], host[b:2 * b], host[2 * b:3 * b], host[3 * b:4 * b] = 0, 0, -1, 1
-            host[4 * b:] = np.arange(b + 1)
-            dev.copy_(self._host_ints[:n_ints])
+            host[layout.ids], host[layout.positions], host[layout.slots], host[layout.seq_lens] = 0, 0, -1, 1
+            host[layout.query_start_loc] = np.arange(b + 1)
+            dev.copy_(self._host_ints[:layout.end])
             self._dev_tables[:b].zero_()
-            md = AttentionMetadata(
-                slot_mapping=dev[2 * b:3 * b], block_tables=self._dev_tables[:b], seq_lens=dev[3 * b:4 * b],
-                query_start_loc=dev[4 * b:], max_query_len=1,
-                max_seq_len=self.max_model_len)  # the split count must serve any context length
-            self.attention.metadata = md
+            # The split count must serve any context length.
+            self.attention.metadata = layout.metadata(dev, self._dev_tables[:b], max_query_len=1,
+                                                      max_seq_len=self.max_model_len, num_decodes=b)
+            ids, positions = dev[layout.ids], dev[layout.positions]
             try:
-                self.model.compute_logits(self.model(dev[:b], dev[b:2 * b], self.attention))  # warm-up
+                self.model.compute_logits(self.model(ids, positions, self.attention))  # warm-up
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    logits = self.model.compute_logits(self.model(dev[:b], dev[b:2 * b], self.attention))
+                    logits = self.model.compute_logits(self.model(ids, positions, self.attention))
             finally:
                 self.attention.metadata = None
             self._graphs[b] = _Graph(graph, logits)

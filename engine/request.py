@@ -32,7 +32,8 @@ class RequestStatus(enum.IntEnum):
 
 class Request:
     __slots__ = (
-        "request_id", "prompt_token_ids", "sampling", "output_token_ids", "num_computed_tokens",
+        "request_id", "prompt_token_ids", "sampling", "output_token_ids", "num_output_placeholders",
+        "num_computed_tokens",
         "status", "arrival_time", "max_model_len", "eos_token_ids", "num_preemptions",
         "first_scheduled_time", "stop_reason", "parent_id", "index", "wait_for", "num_cached_tokens",
     )
@@ -55,7 +56,11 @@ class Request:
         self.request_id = request_id
         self.prompt_token_ids: list[int] = list(prompt_token_ids)
         self.sampling = sampling
-        self.output_token_ids: list[int] = []
+        self.output_token_ids: list[int] = []  # sampled ids read back so far
+        # Async scheduling: tokens sampled on the device and not read back yet (0 or 1). They count
+        # in num_tokens (the next step runs them, taking their ids from the device); their ids join
+        # output_token_ids when read back.
+        self.num_output_placeholders = 0
         self.num_computed_tokens = 0  # tokens of all_token_ids whose K/V are in the cache
         self.status = RequestStatus.WAITING
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
@@ -78,24 +83,30 @@ class Request:
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
+        """Tokens sampled so far, those still on the device included."""
+        return len(self.output_token_ids) + self.num_output_placeholders
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_output_placeholders
 
     @property
     def all_token_ids(self) -> list[int]:
+        """Prompt and output ids known on the host (placeholders not included)."""
         return self.prompt_token_ids + self.output_token_ids
 
     def token_slice(self, start: int, end: int) -> list[int]:
-        """Tokens [start, end) of prompt + output, without concatenating the whole sequence."""
+        """Ids of tokens [start, end) of prompt + output, without concatenating the whole sequence;
+        a placeholder's id is not known here and reads as 0 (its reader takes it from the device)."""
         p = len(self.prompt_token_ids)
         if start >= p:
-            return self.output_token_ids[start - p:end - p]
-        if end <= p:
-            return self.prompt_token_ids[start:end]
-        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+            ids = self.output_token_ids[start - p:end - p]
+        elif end <= p:
+            ids = self.prompt_token_ids[start:end]
+        else:
+            ids = self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+        missing = end - start - len(ids)
+        return ids + [0] * missing if missing > 0 else ids
 
     @property
     def num_remaining_tokens(self) -> int:
@@ -106,7 +117,7 @@ class Request:
     def length_capped(self) -> bool:
         """No token may follow: max_tokens or the context length is reached. Known from the count
         alone, so async scheduling stops such a request before its newest id is read back."""
-        n = len(self.output_token_ids)
+        n = len(self.output_token_ids) + self.num_output_placeholders
         return n >= self.sampling.max_tokens or n + len(self.prompt_token_ids) >= self.max_model_len
 
     @property

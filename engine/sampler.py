@@ -135,9 +135,9 @@ class SamplingTensors:
         at most two padded id tensors for the penalties (only rows that use them are filled).
 
         pending_ids: (rows, sources, ids) for rows whose newest output id is still on the device
-        (async scheduling: its host list holds a negative placeholder, skipped here): row rows[i]'s
-        id is ids[sources[i]], ids a tensor on `device`. Only rows that use a penalty read it, on
-        the device, without a host round trip."""
+        (async scheduling: a placeholder, not in its host list): row rows[i]'s id is
+        ids[sources[i]], ids a tensor on `device`. Only rows that use a penalty read it, on the
+        device, without a host round trip."""
         n = len(params)
         if not (len(seeds) == len(steps) == len(prompt_ids) == len(output_ids) == n):
             raise ValueError("params, seeds, steps, prompt_ids and output_ids differ in length")
@@ -211,15 +211,11 @@ def _pending_for(pending_ids: tuple[list[int], list[int], torch.Tensor] | None, 
 def _flat_index(rows: list[list[list[int]]], vocab_size: int, device: torch.device,
                 pin: bool, extra: torch.Tensor | None = None) -> torch.Tensor:
     """row * vocab_size + token id for every id of every row (each row given as a few id lists),
-    as one int64 tensor on `device`; negative ids (placeholders of ids still on the device) are
-    skipped, and `extra` (flat indices already on the device) is appended."""
+    as one int64 tensor on `device`; `extra` (flat indices already on the device) is appended."""
     lengths = [sum(len(part) for part in parts) for parts in rows]
     # np.fromiter over a chain is ~6x faster than torch.tensor on a Python list of ints.
     ids = np.fromiter(chain.from_iterable(chain.from_iterable(rows)), dtype=np.int64, count=sum(lengths))
     row = np.repeat(np.arange(len(rows), dtype=np.int64), lengths)
-    known = ids >= 0
-    if not known.all():
-        ids, row = ids[known], row[known]
     flat = torch.from_numpy(ids + row * vocab_size)
     if pin:
         flat = flat.pin_memory()

@@ -121,7 +121,8 @@ class Scheduler:
         # (This loop runs for every running request each step: counts are read inline.)
         decodes, prefills = [], []
         for r in self.running:
-            remaining = len(r.prompt_token_ids) + len(r.output_token_ids) - r.num_computed_tokens
+            remaining = (len(r.prompt_token_ids) + len(r.output_token_ids) + r.num_output_placeholders
+                         - r.num_computed_tokens)
             if remaining > 1:
                 prefills.append((r, remaining))
             elif remaining == 1 and not r.length_capped:
@@ -199,7 +200,7 @@ class Scheduler:
     def _schedule(self, out: SchedulerOutput, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
         s = ScheduledRequest(request, num_new, start, self.block_manager.get_block_table(request.request_id),
-                             start + num_new == len(request.prompt_token_ids) + len(request.output_token_ids))
+                             start + num_new == request.num_tokens)
         out.scheduled.append(s)
         out.num_batched_tokens += num_new
         return s

@@ -289,8 +289,8 @@ def test_large_vocab_distribution_sanity():
 
 
 def test_pending_ids_on_the_device_count_like_listed_ones():
-    """Async scheduling: a newest output id still on the device (placeholder -1 in the host list)
-    feeds the penalty tables exactly as if it were listed."""
+    """Async scheduling: a newest output id still on the device (a placeholder, not in the host
+    list) feeds the penalty tables exactly as if it were listed."""
     rng = random.Random()
     vocab = 50
     params = [SamplingParams(repetition_penalty=1.5, frequency_penalty=0.7, presence_penalty=0.3),
@@ -300,7 +300,7 @@ def test_pending_ids_on_the_device_count_like_listed_ones():
     newest = [o[-1] for o in outputs]
     listed = SamplingTensors.build(params=params, seeds=[1] * 4, steps=[len(o) for o in outputs],
                                    prompt_ids=prompts, output_ids=outputs, vocab_size=vocab, device="cpu")
-    held = [o[:-1] + [-1] for o in outputs]
+    held = [o[:-1] for o in outputs]
     pending = SamplingTensors.build(params=params, seeds=[1] * 4, steps=[len(o) for o in outputs],
                                     prompt_ids=prompts, output_ids=held, vocab_size=vocab, device="cpu",
                                     pending_ids=([0, 1, 2, 3], [3, 2, 1, 0], torch.tensor(newest[::-1])))
