@@ -116,9 +116,9 @@ def main(argv=None) -> int:
         orig_stage = runner._stage
         marks: dict[str, float] = {}
 
-        def timed_stage(out, graph_batch):
+        def timed_stage(out, tables, graph_batch):
             t = time.perf_counter()
-            r = orig_stage(out, graph_batch)
+            r = orig_stage(out, tables, graph_batch)
             sync(args.device)
             marks["stage_end"] = time.perf_counter()
             phases["stage_inputs"] += marks["stage_end"] - t

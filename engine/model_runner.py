@@ -40,7 +40,7 @@ from engine.outputs import SampledToken
 from engine.request import Request
 from engine.sampler import SamplingTensors, sample
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
-from engine.scheduler import ScheduledRequest, SchedulerOutput
+from engine.scheduler import BlockTables, ScheduledRequest, SchedulerOutput
 from model import LlamaForCausalLM
 
 log = structlog.get_logger(__name__)
@@ -198,10 +198,12 @@ class ModelRunner:
         self._last_rows: dict[str, int] = {}  # request id -> row of _last_ids
         self._last_tensors: SamplingTensors | None = None  # the sampling inputs of those rows
         self._prev_stage: _DecodeStaging | None = None
+        self._block_tables = BlockTables()  # every running request's table, from the scheduler's changes
 
     # ---- inputs ---------------------------------------------------------------------------------
-    def _stage(self, out: SchedulerOutput, graph_batch: int | None) -> _Step:
+    def _stage(self, out: SchedulerOutput, block_tables: list[list[int]], graph_batch: int | None) -> _Step:
         """Writes the step's inputs into the staging buffers and starts their copy to the device.
+        `block_tables` are the tables of `out.scheduled`'s rows (BlockTables.apply).
 
         With `graph_batch` (a pure decode of B <= graph_batch rows) the sections are laid out for
         T = B = graph_batch and rows B.. are padding."""
@@ -210,7 +212,7 @@ class ModelRunner:
         reqs = [s.request for s in scheduled]
         q_lens = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=b)
         starts = np.fromiter((s.start for s in scheduled), dtype=np.int64, count=b)
-        widths = np.fromiter((len(s.block_table) for s in scheduled), dtype=np.int64, count=b)
+        widths = np.fromiter(map(len, block_tables), dtype=np.int64, count=b)
         t = int(q_lens.sum())
         w = int(widths.max())
         rows = graph_batch or b
@@ -234,11 +236,11 @@ class ModelRunner:
             # (positions, lengths, slots, and the last entry of tables that grew a block).
             grew = np.flatnonzero(widths != prev.widths)
             for i in grew.tolist():
-                tables[i, widths[i] - 1] = scheduled[i].block_table[-1]
+                tables[i, widths[i] - 1] = block_tables[i][-1]
         else:
             tables[:] = 0
             tables[np.arange(w) < widths[:, None]] = np.fromiter(  # row-major: each table in turn
-                chain.from_iterable(s.block_table for s in scheduled), dtype=np.int32, count=int(widths.sum()))
+                chain.from_iterable(block_tables), dtype=np.int32, count=int(widths.sum()))
             qsl[0] = 0
             np.cumsum(q_lens, out=qsl[1:b + 1])
             if rows > b:  # graph padding: no token written, nothing attended
@@ -313,7 +315,7 @@ class ModelRunner:
     def forward_logits(self, out: SchedulerOutput, *, eager: bool = False) -> tuple[list[int], torch.Tensor | None]:
         """Runs the step's tokens; returns the scheduled rows that sample and their logits (R, V)
         fp32 (None when no row samples). `eager` skips the CUDA graphs (tests compare the two)."""
-        step = self._stage(out, None if eager else self._graph_batch(out))
+        step = self._stage(out, self._block_tables.apply(out), None if eager else self._graph_batch(out))
         rows = [i for i, s in enumerate(out.scheduled) if s.sample]
         if step.graph_batch is not None:
             g = self._graphs[step.graph_batch]
@@ -415,10 +417,11 @@ class ModelRunner:
         for i, n in enumerate(prompt_lens):
             blocks = -(-n // self.block_size)
             req = Request(f"profile-{i}", [1] * n, sampling, max_model_len=self.max_model_len)
-            scheduled.append(ScheduledRequest(req, n, 0, list(range(next_block, next_block + blocks)), True))
+            scheduled.append(ScheduledRequest(req, n, 0, True, list(range(next_block, next_block + blocks)), True))
             next_block += blocks
         self.execute(SchedulerOutput(scheduled=scheduled, num_batched_tokens=sum(prompt_lens)),
                      {f"profile-{i}": i for i in range(len(prompt_lens))})
+        self._block_tables.apply(SchedulerOutput(finished_ids=[s.request.request_id for s in scheduled]))
 
     def warm_up(self) -> None:
         """Prefills of 2, 3, 5, 9, ... tokens, one per tile variant of the extend kernel (its

@@ -48,10 +48,11 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int  # tokens of the request run through the model this step (>= 1)
     start: int  # their first position: num_computed_tokens before the step
-    # Physical block ids covering positions 0 .. start + num_new_tokens - 1: the block manager's
-    # own list (no copy per step), so read it before the next schedule() grows it.
-    block_table: list[int]
     sample: bool  # start + num_new_tokens == num_tokens: this step produces the next token
+    # Physical block ids this step adds to the end of the request's table (a copy; usually empty
+    # for a decode). With `new_table` they are the whole table: the request was (re)admitted.
+    new_block_ids: list[int]
+    new_table: bool
 
 
 @dataclass(slots=True)
@@ -63,10 +64,47 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     # Sum of num_new_tokens over `scheduled`; at most max_num_batched_tokens.
     num_batched_tokens: int = 0
+    # Requests finished (or aborted) since the last output that scheduled anything: their tables
+    # are gone. (An output with nothing scheduled is not run, so it passes these on.)
+    finished_ids: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+
+class BlockTables:
+    """A consumer's copy of every scheduled request's block table, kept current from the changes
+    each SchedulerOutput carries (the runner's view; the block manager's lists are never shared).
+    Apply every output that schedules something, in order."""
+
+    def __init__(self) -> None:
+        self._tables: dict[str, list[int]] = {}
+
+    def apply(self, out: SchedulerOutput) -> list[list[int]]:
+        """Takes in the step's changes; returns the tables of `out.scheduled`, in order."""
+        tables = self._tables
+        for request_id in out.finished_ids:
+            tables.pop(request_id, None)
+        for request in out.preempted:
+            tables.pop(request.request_id, None)
+        rows = []
+        for s in out.scheduled:
+            rid = s.request.request_id
+            if s.new_table:
+                table = tables[rid] = list(s.new_block_ids)
+            else:
+                table = tables[rid]
+                if s.new_block_ids:
+                    table.extend(s.new_block_ids)
+            rows.append(table)
+        return rows
+
+    def __len__(self) -> int:
+        return len(self._tables)
+
+    def __getitem__(self, request_id: str) -> list[int]:
+        return self._tables[request_id]
 
 
 class Scheduler:
@@ -87,6 +125,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()  # FIFO; preempted requests re-enter by arrival time
         self.running: list[Request] = []  # admission order; the latest arrival is preempted first
         self.requests: dict[str, Request] = {}  # every unfinished request, waiting or running
+        self._finished_ids: list[str] = []  # finished since the last output that scheduled anything
         self.num_preemptions = 0  # cumulative, for stats
 
     @property
@@ -110,7 +149,8 @@ class Scheduler:
         self.waiting.append(request)
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        out = SchedulerOutput(finished_ids=self._finished_ids)
+        self._finished_ids = []
         budget = self.max_num_batched_tokens
         scheduled: dict[str, ScheduledRequest] = {}
 
@@ -127,13 +167,14 @@ class Scheduler:
                 prefills.append((r, remaining))
             elif remaining == 1 and not r.length_capped:
                 decodes.append((r, 1))
-        allocate = self.block_manager.allocate_slots
+        allocate, table_of = self.block_manager.allocate_slots, self.block_manager.get_block_table
         for request, remaining in decodes + prefills if prefills else decodes:
             if budget <= 0:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
             num_new = min(remaining, budget)
+            had = len(table_of(request.request_id))
             while not allocate(request, num_new):
                 victim = self._pick_victim()
                 if victim is not request and victim.request_id in scheduled:
@@ -149,7 +190,7 @@ class Scheduler:
                     break
             if request.status == RequestStatus.PREEMPTED:
                 continue
-            scheduled[request.request_id] = self._schedule(out, request, num_new)
+            scheduled[request.request_id] = self._schedule(out, request, num_new, had)
             budget -= num_new
 
         # 2. Admit waiting requests in FIFO order; none after a preemption (memory is short), and
@@ -176,8 +217,10 @@ class Scheduler:
                 request.first_scheduled_time = time.monotonic()
                 request.num_cached_tokens = min(num_cached, request.num_prompt_tokens)
             self.running.append(request)
-            self._schedule(out, request, num_new)
+            self._schedule(out, request, num_new, None)
             budget -= num_new
+        if not out.scheduled:  # not run: the next output that is carries these
+            self._finished_ids[:0] = out.finished_ids
         return out
 
     def _held_back(self, request: Request) -> bool:
@@ -197,10 +240,13 @@ class Scheduler:
         starves."""
         return max(enumerate(self.running), key=lambda ir: (ir[1].arrival_time, ir[0]))[1]
 
-    def _schedule(self, out: SchedulerOutput, request: Request, num_new: int) -> ScheduledRequest:
+    def _schedule(self, out: SchedulerOutput, request: Request, num_new: int, had: int | None) -> ScheduledRequest:
+        """Adds the request to the step; `had` is the length of its table before this step's
+        allocation, None when it was admitted (the whole table is new)."""
         start = request.num_computed_tokens
-        s = ScheduledRequest(request, num_new, start, self.block_manager.get_block_table(request.request_id),
-                             start + num_new == request.num_tokens)
+        table = self.block_manager.get_block_table(request.request_id)
+        new_blocks = list(table) if had is None else table[had:]
+        s = ScheduledRequest(request, num_new, start, start + num_new == request.num_tokens, new_blocks, had is None)
         out.scheduled.append(s)
         out.num_batched_tokens += num_new
         return s
@@ -237,6 +283,7 @@ class Scheduler:
         else:
             self.waiting.remove(request)
         self.block_manager.free(request)
+        self._finished_ids.append(request.request_id)
 
     def abort(self, request_id: str) -> Request | None:
         """Finish the request as FINISHED_ABORTED wherever it is; None if it is unknown or done."""

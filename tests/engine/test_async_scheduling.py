@@ -192,13 +192,13 @@ def test_incremental_staging_equals_a_full_rebuild(model_dir, async_scheduling):
     stage = runner._stage
     incremental = 0
 
-    def checked(out, graph_batch):
+    def checked(out, tables, graph_batch):
         nonlocal incremental
         incremental += runner._prev_stage is not None
-        step = stage(out, graph_batch)
+        step = stage(out, tables, graph_batch)
         got_ints, got_tables = runner._host_ints.numpy().copy(), runner._host_tables.numpy().copy()
         runner._prev_stage = None  # the full path, into the same buffers
-        full = stage(out, graph_batch)
+        full = stage(out, tables, graph_batch)
         b, w = step.metadata.block_tables.shape
         n = int(step.metadata.query_start_loc[-1]) * 3 + 2 * b + 1
         assert (got_ints[:n] == runner._host_ints.numpy()[:n]).all()

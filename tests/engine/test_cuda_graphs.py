@@ -41,7 +41,7 @@ def _scheduled(rng: random.Random, prompt_len: int, start: int, n: int, block_si
     req = Request(f"r{rng.random()}", [rng.randrange(32) for _ in range(prompt_len)], SamplingParams(),
                   max_model_len=64)
     blocks = rng.sample(range(64), -(-(start + n) // block_size))  # shuffled physical blocks
-    return ScheduledRequest(req, n, start, blocks, start + n == prompt_len)
+    return ScheduledRequest(req, n, start, start + n == prompt_len, blocks, True)
 
 
 def test_stage_packs_a_mixed_batch():
@@ -50,13 +50,13 @@ def test_stage_packs_a_mixed_batch():
     runner = _runner()
     # a decode, a prefill chunk in the middle of a prompt, a whole prompt
     sched = [_scheduled(rng, 10, 9, 1, 4), _scheduled(rng, 30, 8, 7, 4), _scheduled(rng, 5, 0, 5, 4)]
-    step = runner._stage(SchedulerOutput(scheduled=sched), None)
+    step = runner._stage(SchedulerOutput(scheduled=sched), [s.new_block_ids for s in sched], None)
     want_ids, want_pos, want_slots = [], [], []
     for s in sched:
         for p in range(s.start, s.start + s.num_new_tokens):
             want_ids.append(s.request.prompt_token_ids[p])
             want_pos.append(p)
-            want_slots.append(s.block_table[p // 4] * 4 + p % 4)
+            want_slots.append(s.new_block_ids[p // 4] * 4 + p % 4)
     assert step.input_ids.tolist() == want_ids
     assert step.positions.tolist() == want_pos
     md = step.metadata
@@ -65,7 +65,7 @@ def test_stage_packs_a_mixed_batch():
     assert md.query_start_loc.tolist() == [0, 1, 8, 13]
     assert md.max_query_len == 7 and md.max_seq_len == 15
     for i, s in enumerate(sched):
-        assert md.block_tables[i, :len(s.block_table)].tolist() == s.block_table
+        assert md.block_tables[i, :len(s.new_block_ids)].tolist() == s.new_block_ids
     assert step.graph_batch is None
 
 
@@ -74,17 +74,17 @@ def test_stage_pads_a_decode_batch_for_its_graph():
     rng = random.Random()
     runner = _runner()
     sched = [_scheduled(rng, 6 + i, 5 + i, 1, 4) for i in range(3)]
-    step = runner._stage(SchedulerOutput(scheduled=sched), 8)
+    step = runner._stage(SchedulerOutput(scheduled=sched), [s.new_block_ids for s in sched], 8)
     md = step.metadata
     assert step.input_ids.shape == (8,) and step.graph_batch == 8 and step.num_seqs == 3
     assert step.input_ids.tolist()[3:] == [0] * 5
     assert step.positions.tolist() == [5, 6, 7] + [0] * 5
     assert md.slot_mapping.tolist()[3:] == [-1] * 5
-    assert md.slot_mapping.tolist()[:3] == [s.block_table[s.start // 4] * 4 + s.start % 4 for s in sched]
+    assert md.slot_mapping.tolist()[:3] == [s.new_block_ids[s.start // 4] * 4 + s.start % 4 for s in sched]
     assert md.seq_lens.tolist() == [6, 7, 8, 0, 0, 0, 0, 0]
     assert md.query_start_loc.tolist() == list(range(9))
     # the buffers are reused: a smaller eager step afterwards sees only its own values
-    step2 = runner._stage(SchedulerOutput(scheduled=sched[:1]), None)
+    step2 = runner._stage(SchedulerOutput(scheduled=sched[:1]), [sched[0].new_block_ids], None)
     assert step2.metadata.seq_lens.tolist() == [6] and step2.metadata.query_start_loc.tolist() == [0, 1]
 
 

@@ -121,7 +121,7 @@ def test_scheduler_skips_the_cached_prefix() -> None:
     # a decodes first; b's first 12 tokens come from the cache.
     assert [(s.request.request_id, s.start, s.num_new_tokens) for s in out.scheduled] == [
         ("a", 14, 1), ("b", 12, 1)]
-    assert out.scheduled[1].block_table[:3] == bm.get_block_table("a")[:3]
+    assert out.scheduled[1].new_table and out.scheduled[1].new_block_ids[:3] == bm.get_block_table("a")[:3]
     assert b.num_cached_tokens == 12
     for r in (a, b):
         sched.finish(r, RequestStatus.FINISHED_ABORTED)

@@ -11,17 +11,42 @@ import pytest
 from engine.block_manager import BlockManager
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import BlockTables, Scheduler, SchedulerOutput
 
 TOKEN = 7
 
 
+class ViewedScheduler(Scheduler):
+    """The scheduler with a runner's copy of the block tables, built only from what each output
+    carries (BlockTables) and checked against the block manager's own tables at every step."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.view = BlockTables()
+        self.last: tuple[SchedulerOutput, list[list[int]]] | None = None
+
+    def schedule(self) -> SchedulerOutput:
+        out = super().schedule()
+        if out.scheduled:  # the engine runs (and the runner applies) only these
+            rows = self.view.apply(out)
+            for s, row in zip(out.scheduled, rows):
+                assert row == self.block_manager.get_block_table(s.request.request_id)
+                assert row is not self.block_manager.get_block_table(s.request.request_id)
+            self.last = (out, [list(row) for row in rows])
+        return out
+
+    def tables(self, out: SchedulerOutput) -> list[list[int]]:
+        """The tables of the rows of `out`, the latest output, as the runner saw them."""
+        assert self.last is not None and self.last[0] is out
+        return self.last[1]
+
+
 def make(num_blocks: int, block_size: int, *, max_num_seqs: int = 8, budget: int = 64,
-         max_model_len: int = 256, caching: bool = False) -> tuple[Scheduler, BlockManager]:
+         max_model_len: int = 256, caching: bool = False) -> tuple[ViewedScheduler, BlockManager]:
     # Prompts from `req` all share a prefix; caching is off unless a test is about it.
     bm = BlockManager(num_blocks, block_size, enable_caching=caching)
-    return Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                     max_model_len=max_model_len), bm
+    return ViewedScheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                           max_model_len=max_model_len), bm
 
 
 def req(rid: str, num_prompt: int, max_tokens: int = 4, max_model_len: int = 256) -> Request:
@@ -42,9 +67,9 @@ def step(sched: Scheduler) -> SchedulerOutput:
     return out
 
 
-def summary(out: SchedulerOutput) -> list[tuple[str, int, int, list[int], bool]]:
-    return [(s.request.request_id, s.start, s.num_new_tokens, s.block_table, s.sample)
-            for s in out.scheduled]
+def summary(sched: ViewedScheduler, out: SchedulerOutput) -> list[tuple[str, int, int, list[int], bool]]:
+    return [(s.request.request_id, s.start, s.num_new_tokens, table, s.sample)
+            for s, table in zip(out.scheduled, sched.tables(out))]
 
 
 def test_prefill_then_decode_exact_blocks() -> None:
@@ -53,13 +78,13 @@ def test_prefill_then_decode_exact_blocks() -> None:
     sched.add_request(a)
     sched.add_request(b)
     out = step(sched)
-    assert summary(out) == [("a", 0, 5, [0, 1], True), ("b", 0, 6, [2, 3], True)]
+    assert summary(sched, out) == [("a", 0, 5, [0, 1], True), ("b", 0, 6, [2, 3], True)]
     assert out.num_batched_tokens == 11 and out.preempted == []
     assert a.status == b.status == RequestStatus.RUNNING and a.first_scheduled_time is not None
-    assert summary(step(sched)) == [("a", 5, 1, [0, 1], True), ("b", 6, 1, [2, 3], True)]
-    assert summary(step(sched)) == [("a", 6, 1, [0, 1], True), ("b", 7, 1, [2, 3], True)]
+    assert summary(sched, step(sched)) == [("a", 5, 1, [0, 1], True), ("b", 6, 1, [2, 3], True)]
+    assert summary(sched, step(sched)) == [("a", 6, 1, [0, 1], True), ("b", 7, 1, [2, 3], True)]
     # b's 9th token (position 8) crosses into a new block, taken from the head of the free list.
-    assert summary(step(sched)) == [("a", 7, 1, [0, 1], True), ("b", 8, 1, [2, 3, 4], True)]
+    assert summary(sched, step(sched)) == [("a", 7, 1, [0, 1], True), ("b", 8, 1, [2, 3, 4], True)]
     assert a.status == b.status == RequestStatus.FINISHED_LENGTH
     assert a.output_token_ids == [TOKEN] * 4
     assert not sched.has_unfinished() and bm.num_free_blocks == 8
@@ -70,18 +95,18 @@ def test_chunked_prefill_respects_the_token_budget() -> None:
     a, b = req("a", 20, max_tokens=2), req("b", 6, max_tokens=2)
     sched.add_request(a)
     sched.add_request(b)
-    assert summary(step(sched)) == [("a", 0, 8, [0, 1], False)]
+    assert summary(sched, step(sched)) == [("a", 0, 8, [0, 1], False)]
     assert b.status == RequestStatus.WAITING and sched.num_waiting == 1
-    assert summary(step(sched)) == [("a", 8, 8, [0, 1, 2, 3], False)]
+    assert summary(sched, step(sched)) == [("a", 8, 8, [0, 1, 2, 3], False)]
     # a's last chunk leaves room for the first chunk of b's prompt in the same step.
     out = step(sched)
-    assert summary(out) == [("a", 16, 4, [0, 1, 2, 3, 4], True), ("b", 0, 4, [5], False)]
+    assert summary(sched, out) == [("a", 16, 4, [0, 1, 2, 3, 4], True), ("b", 0, 4, [5], False)]
     assert out.num_batched_tokens == 8
     # A decode and the rest of b's prompt together.
-    assert summary(step(sched)) == [("a", 20, 1, [0, 1, 2, 3, 4, 6], True),
+    assert summary(sched, step(sched)) == [("a", 20, 1, [0, 1, 2, 3, 4, 6], True),
                                     ("b", 4, 2, [5, 7], True)]
     assert a.finished and a.num_output_tokens == 2
-    assert summary(step(sched)) == [("b", 6, 1, [5, 7], True)]
+    assert summary(sched, step(sched)) == [("b", 6, 1, [5, 7], True)]
     assert not sched.has_unfinished() and bm.num_free_blocks == 16
 
 
@@ -122,22 +147,22 @@ def test_preemption_takes_the_newest_and_recomputes_it() -> None:
     a, b = req("a", 3, max_tokens=4), req("b", 3, max_tokens=4)
     sched.add_request(a)
     sched.add_request(b)
-    assert summary(step(sched)) == [("a", 0, 3, [0, 1], True), ("b", 0, 3, [2, 3], True)]
-    assert summary(step(sched)) == [("a", 3, 1, [0, 1], True), ("b", 3, 1, [2, 3], True)]
+    assert summary(sched, step(sched)) == [("a", 0, 3, [0, 1], True), ("b", 0, 3, [2, 3], True)]
+    assert summary(sched, step(sched)) == [("a", 3, 1, [0, 1], True), ("b", 3, 1, [2, 3], True)]
     # a's 5th token needs a third block; none is free, so b (newest) is preempted.
     out = step(sched)
     assert out.preempted == [b]
-    assert summary(out) == [("a", 4, 1, [0, 1, 3], True)]  # b's blocks came back tail first
+    assert summary(sched, out) == [("a", 4, 1, [0, 1, 3], True)]  # b's blocks came back tail first
     assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
     assert b.num_preemptions == 1 and b.output_token_ids == [TOKEN, TOKEN]
     assert list(sched.waiting) == [b] and sched.running == [a]
     # b needs 3 blocks for its 5 tokens and only one is free: it waits until a finishes.
-    assert summary(step(sched)) == [("a", 5, 1, [0, 1, 3], True)]
+    assert summary(sched, step(sched)) == [("a", 5, 1, [0, 1, 3], True)]
     assert a.finished and bm.num_free_blocks == 4
     # Recompute prompt + outputs in one prefill, then sample b's third token.
-    assert summary(step(sched)) == [("b", 0, 5, [2, 3, 1], True)]
+    assert summary(sched, step(sched)) == [("b", 0, 5, [2, 3, 1], True)]
     assert b.status == RequestStatus.RUNNING and b.num_output_tokens == 3
-    assert summary(step(sched)) == [("b", 5, 1, [2, 3, 1], True)]
+    assert summary(sched, step(sched)) == [("b", 5, 1, [2, 3, 1], True)]
     assert b.finished and b.num_output_tokens == 4 and bm.num_free_blocks == 4
 
 
@@ -146,13 +171,13 @@ def test_preemption_skips_older_requests_and_goes_to_the_front() -> None:
     a, b, c, d = req("a", 3), req("b", 4), req("c", 4), req("d", 2)
     for r in (a, b, c):
         sched.add_request(r)
-    assert summary(step(sched)) == [("a", 0, 3, [0, 1], True), ("b", 0, 4, [2, 3], True),
+    assert summary(sched, step(sched)) == [("a", 0, 3, [0, 1], True), ("b", 0, 4, [2, 3], True),
                                     ("c", 0, 4, [4, 5], True)]
     sched.add_request(d)
     # a fits; b's 5th token needs a block: c, the newest, goes, and ahead of d in the queue.
     out = step(sched)
     assert out.preempted == [c]
-    assert summary(out) == [("a", 3, 1, [0, 1], True), ("b", 4, 1, [2, 3, 5], True)]
+    assert summary(sched, out) == [("a", 3, 1, [0, 1], True), ("b", 4, 1, [2, 3, 5], True)]
     assert list(sched.waiting) == [c, d] and c.num_computed_tokens == 0
     assert c.output_token_ids == [TOKEN]
 
@@ -164,7 +189,7 @@ def test_a_request_can_preempt_itself() -> None:
     sched.add_request(b)
     step(sched)  # a: blocks 0, 1; b: blocks 2, 3
     out = step(sched)  # a still fits in 2 blocks; b needs a third and is the newest itself
-    assert out.preempted == [b] and summary(out) == [("a", 3, 1, [0, 1], True)]
+    assert out.preempted == [b] and summary(sched, out) == [("a", 3, 1, [0, 1], True)]
     assert sched.running == [a] and list(sched.waiting) == [b]
 
 
@@ -173,12 +198,12 @@ def test_no_admission_in_a_step_that_preempted() -> None:
     a, b = req("a", 2, max_tokens=3), req("b", 2, max_tokens=3)
     sched.add_request(a)
     sched.add_request(b)
-    assert summary(step(sched)) == [("a", 0, 2, [0], True), ("b", 0, 1, [1], False)]
-    assert summary(step(sched)) == [("a", 2, 1, [0, 2], True), ("b", 1, 1, [1], True)]
+    assert summary(sched, step(sched)) == [("a", 0, 2, [0], True), ("b", 0, 1, [1], False)]
+    assert summary(sched, step(sched)) == [("a", 2, 1, [0, 2], True), ("b", 1, 1, [1], True)]
     # b preempts itself; a 2-token chunk of it would fit in the freed block, but memory is short,
     # so nothing is admitted until the next step.
     out = step(sched)
-    assert out.preempted == [b] and summary(out) == [("a", 3, 1, [0, 2], True)]
+    assert out.preempted == [b] and summary(sched, out) == [("a", 3, 1, [0, 2], True)]
     assert list(sched.waiting) == [b]
     while sched.has_unfinished():
         step(sched)
@@ -241,22 +266,26 @@ def test_random_workload_keeps_every_tokens_kv_in_place(caching: bool) -> None:
             live.append(r)
         if live and rng.random() < 0.03:
             sched.abort(rng.choice(live).request_id)
-        out = sched.schedule()
+        out = sched.schedule()  # (the runner's view of the tables is checked in there)
         assert out.num_batched_tokens <= sched.max_num_batched_tokens, seed
         assert sched.num_running <= sched.max_num_seqs, seed
-        for s in out.scheduled:
+        for s, table in zip(out.scheduled, sched.tables(out) if out.scheduled else []):
             r, end = s.request, s.start + s.num_new_tokens
-            assert len(s.block_table) == bm.blocks_needed(end), seed
+            assert len(table) == bm.blocks_needed(end), seed
             for pos in range(s.start, end):
-                slot = s.block_table[pos // block_size] * block_size + pos % block_size
+                slot = table[pos // block_size] * block_size + pos % block_size
                 cache[slot] = key(r, pos)
             if s.sample:
                 for pos in range(end):
-                    slot = s.block_table[pos // block_size] * block_size + pos % block_size
+                    slot = table[pos // block_size] * block_size + pos % block_size
                     assert cache[slot] == key(r, pos), seed
         step_update(sched, out)
     assert not sched.has_unfinished(), seed
     assert bm.num_free_blocks == num_blocks, seed
+    # The next step that runs tells the runner about every request that finished meanwhile.
+    sched.add_request(req("last", 1))
+    assert [s.request.request_id for s in sched.schedule().scheduled] == ["last"], seed
+    assert len(sched.view) == 1 and sched.view["last"] == bm.get_block_table("last"), seed
     for r in live:
         assert r.finished, seed
         if r.status != RequestStatus.FINISHED_ABORTED:
