@@ -221,17 +221,19 @@ class BlockManager:
 
     # ---- allocation ----------------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       cached: CachedPrefix | None = None) -> bool:
+                       cached: CachedPrefix | None = None) -> tuple[int, ...] | None:
         """Grow the request's table to cover `num_computed_tokens + num_new_tokens` tokens, after
         the `cached` prefix blocks when given (only for a request without a table; the caller then
         sets num_computed_tokens to the prefix length).
 
-        Allocates only the missing blocks; returns False, changing nothing, when too few are free.
+        Allocates only the missing blocks and returns the ids appended to the table (the cached
+        ones first; empty when the last block still has room), or None, changing nothing, when too
+        few blocks are free.
         """
         table = self._tables.get(request.request_id)
         if (cached is None and table is not None
                 and request.num_computed_tokens + num_new_tokens <= len(table) * self.block_size):
-            return True  # the common decode step: the last block still has room
+            return ()  # the common decode step: the last block still has room
         have = 0 if table is None else len(table)
         num_hit = 0 if cached is None else cached.num_blocks
         assert num_hit == 0 or table is None, "a cached prefix is only taken on admission"
@@ -239,7 +241,7 @@ class BlockManager:
         missing = self.blocks_needed(total) - have - num_hit
         hit_free = 0 if cached is None else sum(1 for b in cached.block_ids if self._ref_counts[b] == 0)
         if missing + hit_free > len(self._free):
-            return False
+            return None
         if table is None:
             table = self._tables[request.request_id] = []
         if cached is not None:
@@ -256,7 +258,7 @@ class BlockManager:
             block_id = self._take_free()
             self._ref_counts[block_id] = 1
             table.append(block_id)
-        return True
+        return tuple(table[have:])
 
     def free(self, request: Request) -> None:
         """Release the request's blocks; idempotent (a request without a table is a no-op).

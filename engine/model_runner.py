@@ -417,7 +417,7 @@ class ModelRunner:
         for i, n in enumerate(prompt_lens):
             blocks = -(-n // self.block_size)
             req = Request(f"profile-{i}", [1] * n, sampling, max_model_len=self.max_model_len)
-            scheduled.append(ScheduledRequest(req, n, 0, True, list(range(next_block, next_block + blocks)), True))
+            scheduled.append(ScheduledRequest(req, n, 0, True, tuple(range(next_block, next_block + blocks)), True))
             next_block += blocks
         self.execute(SchedulerOutput(scheduled=scheduled, num_batched_tokens=sum(prompt_lens)),
                      {f"profile-{i}": i for i in range(len(prompt_lens))})

@@ -49,9 +49,9 @@ class ScheduledRequest:
     num_new_tokens: int  # tokens of the request run through the model this step (>= 1)
     start: int  # their first position: num_computed_tokens before the step
     sample: bool  # start + num_new_tokens == num_tokens: this step produces the next token
-    # Physical block ids this step adds to the end of the request's table (a copy; usually empty
-    # for a decode). With `new_table` they are the whole table: the request was (re)admitted.
-    new_block_ids: list[int]
+    # Physical block ids this step adds to the end of the request's table (usually none for a
+    # decode). With `new_table` they are the whole table: the request was (re)admitted.
+    new_block_ids: tuple[int, ...]
     new_table: bool
 
 
@@ -167,15 +167,14 @@ class Scheduler:
                 prefills.append((r, remaining))
             elif remaining == 1 and not r.length_capped:
                 decodes.append((r, 1))
-        allocate, table_of = self.block_manager.allocate_slots, self.block_manager.get_block_table
+        allocate = self.block_manager.allocate_slots
         for request, remaining in decodes + prefills if prefills else decodes:
             if budget <= 0:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
             num_new = min(remaining, budget)
-            had = len(table_of(request.request_id))
-            while not allocate(request, num_new):
+            while (new_blocks := allocate(request, num_new)) is None:
                 victim = self._pick_victim()
                 if victim is not request and victim.request_id in scheduled:
                     # Already given tokens this step: take them back.
@@ -188,9 +187,9 @@ class Scheduler:
                 out.preempted.append(victim)
                 if victim is request:
                     break
-            if request.status == RequestStatus.PREEMPTED:
+            if new_blocks is None:  # it was the latest arrival: preempted itself
                 continue
-            scheduled[request.request_id] = self._schedule(out, request, num_new, had)
+            scheduled[request.request_id] = self._schedule(out, request, num_new, new_blocks, False)
             budget -= num_new
 
         # 2. Admit waiting requests in FIFO order; none after a preemption (memory is short), and
@@ -208,7 +207,8 @@ class Scheduler:
                 cached = self.block_manager.find_cached_prefix(request)
             num_cached = 0 if cached is None else cached.num_blocks * self.block_manager.block_size
             num_new = min(request.num_remaining_tokens - num_cached, budget)
-            if not self.block_manager.allocate_slots(request, num_new, cached):
+            new_blocks = self.block_manager.allocate_slots(request, num_new, cached)
+            if new_blocks is None:
                 break
             del self.waiting[i]
             request.num_computed_tokens += num_cached
@@ -217,7 +217,7 @@ class Scheduler:
                 request.first_scheduled_time = time.monotonic()
                 request.num_cached_tokens = min(num_cached, request.num_prompt_tokens)
             self.running.append(request)
-            self._schedule(out, request, num_new, None)
+            self._schedule(out, request, num_new, new_blocks, True)
             budget -= num_new
         if not out.scheduled:  # not run: the next output that is carries these
             self._finished_ids[:0] = out.finished_ids
@@ -240,13 +240,10 @@ class Scheduler:
         starves."""
         return max(enumerate(self.running), key=lambda ir: (ir[1].arrival_time, ir[0]))[1]
 
-    def _schedule(self, out: SchedulerOutput, request: Request, num_new: int, had: int | None) -> ScheduledRequest:
-        """Adds the request to the step; `had` is the length of its table before this step's
-        allocation, None when it was admitted (the whole table is new)."""
+    def _schedule(self, out: SchedulerOutput, request: Request, num_new: int, new_blocks: tuple[int, ...],
+                  admitted: bool) -> ScheduledRequest:
         start = request.num_computed_tokens
-        table = self.block_manager.get_block_table(request.request_id)
-        new_blocks = list(table) if had is None else table[had:]
-        s = ScheduledRequest(request, num_new, start, start + num_new == request.num_tokens, new_blocks, had is None)
+        s = ScheduledRequest(request, num_new, start, start + num_new == request.num_tokens, new_blocks, admitted)
         out.scheduled.append(s)
         out.num_batched_tokens += num_new
         return s

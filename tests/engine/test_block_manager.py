@@ -22,8 +22,8 @@ def test_blocks_needed_is_ceil() -> None:
 def test_allocate_takes_ids_from_the_head_in_order() -> None:
     bm = BlockManager(num_blocks=8, block_size=4)
     a, b = req("a"), req("b")
-    assert bm.allocate_slots(a, 6)
-    assert bm.allocate_slots(b, 9)
+    assert bm.allocate_slots(a, 6) == (0, 1)  # the ids it appended
+    assert bm.allocate_slots(b, 9) == (2, 3, 4)
     assert bm.get_block_table("a") == [0, 1]
     assert bm.get_block_table("b") == [2, 3, 4]
     assert bm.num_free_blocks == 3
@@ -33,15 +33,15 @@ def test_allocate_takes_ids_from_the_head_in_order() -> None:
 def test_growth_by_one_block_at_the_boundary() -> None:
     bm = BlockManager(num_blocks=8, block_size=4)
     a, other = req("a"), req("other")
-    assert bm.allocate_slots(a, 4)
-    assert bm.allocate_slots(other, 1)  # takes block 1, so a's next block is not adjacent
+    assert bm.allocate_slots(a, 4) == (0,)
+    assert bm.allocate_slots(other, 1) == (1,)  # takes block 1, so a's next block is not adjacent
     a.num_computed_tokens = 4
     assert bm.get_block_table("a") == [0]
     # Covering 4 + 0 tokens needs nothing new; the 5th token needs exactly one more block.
-    assert bm.allocate_slots(a, 0) and bm.get_block_table("a") == [0]
-    assert bm.allocate_slots(a, 1) and bm.get_block_table("a") == [0, 2]
+    assert bm.allocate_slots(a, 0) == () and bm.get_block_table("a") == [0]
+    assert bm.allocate_slots(a, 1) == (2,) and bm.get_block_table("a") == [0, 2]
     a.num_computed_tokens = 5
-    assert bm.allocate_slots(a, 3) and bm.get_block_table("a") == [0, 2]  # 8 tokens: 2 blocks
+    assert bm.allocate_slots(a, 3) == () and bm.get_block_table("a") == [0, 2]  # 8 tokens: 2 blocks
     assert bm.num_free_blocks == 5
     assert bm.slot_mapping("a", 2, 7) == [2, 3, 8, 9, 10]
 
@@ -49,8 +49,8 @@ def test_growth_by_one_block_at_the_boundary() -> None:
 def test_free_returns_blocks_tail_first() -> None:
     bm = BlockManager(num_blocks=6, block_size=2)
     a, b = req("a"), req("b")
-    assert bm.allocate_slots(a, 6)  # blocks 0, 1, 2
-    assert bm.allocate_slots(b, 6)  # blocks 3, 4, 5
+    assert bm.allocate_slots(a, 6) == (0, 1, 2)
+    assert bm.allocate_slots(b, 6) == (3, 4, 5)
     assert bm.num_free_blocks == 0
     bm.free(a)
     assert bm.num_free_blocks == 3 and bm.get_block_table("a") == []
@@ -58,16 +58,16 @@ def test_free_returns_blocks_tail_first() -> None:
     bm.free(b)
     # Free list is now a's blocks reversed, then b's blocks reversed.
     c = req("c")
-    assert bm.allocate_slots(c, 8)
+    assert bm.allocate_slots(c, 8) == (2, 1, 0, 5)
     assert bm.get_block_table("c") == [2, 1, 0, 5]
     d = req("d")
-    assert bm.allocate_slots(d, 4) and bm.get_block_table("d") == [4, 3]
+    assert bm.allocate_slots(d, 4) == (4, 3) and bm.get_block_table("d") == [4, 3]
 
 
 def test_free_is_idempotent_and_ignores_unknown_ids() -> None:
     bm = BlockManager(num_blocks=4, block_size=4)
     a = req("a")
-    assert bm.allocate_slots(a, 5)
+    assert bm.allocate_slots(a, 5) == (0, 1)
     bm.free(a)
     bm.free(a)
     bm.free(req("never-allocated"))
@@ -78,13 +78,13 @@ def test_free_is_idempotent_and_ignores_unknown_ids() -> None:
 def test_failed_allocation_allocates_nothing() -> None:
     bm = BlockManager(num_blocks=4, block_size=4)
     a, b = req("a"), req("b")
-    assert bm.allocate_slots(a, 8)  # blocks 0, 1
-    assert not bm.allocate_slots(b, 9)  # needs 3, 2 free
+    assert bm.allocate_slots(a, 8) == (0, 1)
+    assert bm.allocate_slots(b, 9) is None  # needs 3, 2 free
     assert bm.num_free_blocks == 2 and bm.get_block_table("b") == []
     a.num_computed_tokens = 8
-    assert not bm.allocate_slots(a, 9)  # 17 tokens: needs 3 more, 2 free
+    assert bm.allocate_slots(a, 9) is None  # 17 tokens: needs 3 more, 2 free
     assert bm.get_block_table("a") == [0, 1] and bm.num_free_blocks == 2
-    assert bm.allocate_slots(b, 8) and bm.get_block_table("b") == [2, 3]
+    assert bm.allocate_slots(b, 8) == (2, 3) and bm.get_block_table("b") == [2, 3]
     assert bm.num_free_blocks == 0
 
 

@@ -21,7 +21,7 @@ def compute(bm: BlockManager, r: Request, num_tokens: int | None = None) -> None
     """Admit r (taking its cached prefix) and mark its whole prompt as computed."""
     cached = bm.find_cached_prefix(r)
     num_cached = cached.num_blocks * bm.block_size
-    assert bm.allocate_slots(r, r.num_tokens - num_cached, cached)
+    assert bm.allocate_slots(r, r.num_tokens - num_cached, cached) == tuple(bm.get_block_table(r.request_id))
     r.num_computed_tokens = r.num_tokens if num_tokens is None else num_tokens
     bm.cache_full_blocks(r)
 
@@ -35,7 +35,7 @@ def test_hit_reuses_blocks_and_leaves_one_token_to_compute() -> None:
     b = req("b", list(range(9)))  # same first two blocks + one token
     hit = bm.find_cached_prefix(b)
     assert hit.block_ids == [0, 1]
-    assert bm.allocate_slots(b, 1, hit)
+    assert bm.allocate_slots(b, 1, hit) == (0, 1, 3)  # the cached blocks, then a new one
     assert bm.get_block_table("b") == [0, 1, 3]
     assert bm.ref_count(0) == bm.ref_count(1) == 2 and bm.ref_count(3) == 1
     assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (10 + 9, 8)  # a's lookup missed
@@ -60,12 +60,12 @@ def test_freed_cached_blocks_are_evicted_lru_deepest_first() -> None:
     c = req("c", [1, 2, 3, 4, 11])
     hit = bm.find_cached_prefix(c)
     assert hit.block_ids == [0, 1]
-    assert bm.allocate_slots(c, 1, hit)
+    assert bm.allocate_slots(c, 1, hit) == (0, 1, 2)
     assert bm.get_block_table("c") == [0, 1, 2]  # block 2 (uncached) from the head
     assert bm.free_queue() == [5, 4, 3] and bm.num_cached_free_blocks == 2
     # Allocating 2 more evicts 5 (uncached) then 4 (b's deepest full block), keeping 3.
     d = req("d", [20, 21, 22, 23])
-    assert bm.allocate_slots(d, 4)
+    assert bm.allocate_slots(d, 4) == (5, 4)
     assert bm.get_block_table("d") == [5, 4]
     assert bm.block_hash(4) is None and bm.num_cached_free_blocks == 1
     assert bm.find_cached_prefix(req("e", [6, 7, 8, 9, 10])).block_ids == [3]  # b's block 1 is gone
@@ -98,7 +98,7 @@ def test_decode_blocks_get_hashed_when_full() -> None:
     compute(bm, a)
     assert bm.block_hash(1) is None
     a.append_token(4)
-    assert bm.allocate_slots(a, 1)
+    assert bm.allocate_slots(a, 1) == ()  # 4 tokens still fit in 2 blocks
     a.num_computed_tokens = 4
     bm.cache_full_blocks(a)
     assert bm.block_hash(1) is not None
@@ -121,7 +121,7 @@ def test_scheduler_skips_the_cached_prefix() -> None:
     # a decodes first; b's first 12 tokens come from the cache.
     assert [(s.request.request_id, s.start, s.num_new_tokens) for s in out.scheduled] == [
         ("a", 14, 1), ("b", 12, 1)]
-    assert out.scheduled[1].new_table and out.scheduled[1].new_block_ids[:3] == bm.get_block_table("a")[:3]
+    assert out.scheduled[1].new_table and list(out.scheduled[1].new_block_ids[:3]) == bm.get_block_table("a")[:3]
     assert b.num_cached_tokens == 12
     for r in (a, b):
         sched.finish(r, RequestStatus.FINISHED_ABORTED)
