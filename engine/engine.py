@@ -41,6 +41,10 @@ class LLMEngine:
         self.dtype_name = dtype_name
         self.model, self.model_config = load_model(config.model, device=self.device, dtype=TORCH_DTYPES[dtype_name])
         self.model.eval()
+        if self.device.type == "cuda":
+            from kernels import triton_fused
+
+            self.model.use_fused_ops(triton_fused)  # one Triton kernel per norm / SwiGLU / RoPE
         self.tokenizer = Tokenizer.from_pretrained(config.model, self.model_config)
         mc: ModelConfig = self.model_config
         if config.kv_cache_dtype == "int8" and config.kv_smoothing:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -11,11 +13,32 @@ from model.config import ModelConfig
 from model.rope import apply_rotary
 
 
-def _fused(x: torch.Tensor) -> bool:
-    """Inference on CUDA: the elementwise ops run as the Triton kernels of kernels.triton_fused
-    (one kernel each where eager torch launches 2-5; same roundings). Training (autograd) and the
-    CPU keep the torch ops."""
-    return x.is_cuda and not torch.is_grad_enabled()
+class FusedOps(Protocol):
+    """The elementwise work around a layer's matmuls done in one kernel each, where eager torch
+    launches 2-5. Like the attention backend, the model's owner supplies them
+    (`LlamaForCausalLM.use_fused_ops`; the engine passes kernels.triton_fused on CUDA); they must
+    reproduce the torch ops' roundings. Without them, and whenever autograd records, the layers
+    run the torch ops."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (T, H) contiguous -> (rms_norm(x + residual), x + residual written into residual);
+        without residual, (rms_norm(x), x)."""
+        ...
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up (T, 2I), gate then up -> silu(gate) * up (T, I)."""
+        ...
+
+    def rotary_(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate-half RoPE of qk (T, heads, D) in place."""
+        ...
+
+
+def _fused(module: RMSNorm | SwiGLUMLP | SelfAttention) -> FusedOps | None:
+    """The module's fused ops when it should use them: given, and no autograd recording."""
+    ops = module.fused
+    return None if ops is None or torch.is_grad_enabled() else ops
 
 
 class RMSNorm(nn.Module):
@@ -24,16 +47,17 @@ class RMSNorm(nn.Module):
     With `residual`, the pre-norm block's residual add comes first: s = x + residual, and the call
     returns (norm(s), s). On the fused path s is written into `residual` in place."""
 
+    fused: FusedOps | None = None
+
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if _fused(x) and x.dim() == 2 and x.is_contiguous():
-            from kernels.triton_fused import rms_norm
-
-            out, s = rms_norm(x, self.weight, self.eps, residual)
+        ops = _fused(self)
+        if ops is not None and x.dim() == 2 and x.is_contiguous():
+            out, s = ops.rms_norm(x, self.weight, self.eps, residual)
             return out if residual is None else (out, s)
         if residual is None:
             return self._norm(x)
@@ -51,6 +75,8 @@ class SwiGLUMLP(nn.Module):
     gate_up_proj.weight is (2 * intermediate, hidden): rows [0, I) are gate_proj, rows [I, 2I) up_proj.
     """
 
+    fused: FusedOps | None = None
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = cfg.intermediate_size
@@ -59,10 +85,9 @@ class SwiGLUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if _fused(gate_up):
-            from kernels.triton_fused import silu_mul
-
-            return self.down_proj(silu_mul(gate_up))
+        ops = _fused(self)
+        if ops is not None:
+            return self.down_proj(ops.silu_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)  # (T, I) each
         return self.down_proj(F.silu(gate) * up)
 
@@ -72,6 +97,8 @@ class SelfAttention(nn.Module):
 
     qkv_proj.weight is (q_size + 2 * kv_size, hidden): rows are q_proj, then k_proj, then v_proj.
     """
+
+    fused: FusedOps | None = None
 
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -98,10 +125,9 @@ class SelfAttention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
         if self.q_norm is None:  # q and k rotate together: one pass over their heads
             qk = qkv[:, :self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
-            if _fused(qk):
-                from kernels.triton_fused import rotary_
-
-                rotary_(qk, cos, sin)  # in place, in the qkv output
+            ops = _fused(self)
+            if ops is not None:
+                ops.rotary_(qk, cos, sin)  # in place, in the qkv output
             else:
                 qk = apply_rotary(qk, cos, sin)
             q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]  # (T, Hq, D), (T, Hkv, D)

@@ -15,7 +15,7 @@ from torch import nn
 
 from model.attention import AttentionBackend, BatchedCausalAttention
 from model.config import ModelConfig
-from model.layers import RMSNorm, SelfAttention, SwiGLUMLP
+from model.layers import FusedOps, RMSNorm, SelfAttention, SwiGLUMLP
 from model.rope import RotaryEmbedding
 
 
@@ -63,6 +63,13 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             h, residual = layer(h, residual, rope, attn)
         return self.norm(h, residual)[0]
+
+    def use_fused_ops(self, ops: FusedOps | None) -> None:
+        """Run the layers' elementwise ops through `ops` (None: the torch ops again). Only for
+        inference: while autograd records, the torch ops run regardless."""
+        for m in self.modules():
+            if isinstance(m, (RMSNorm, SwiGLUMLP, SelfAttention)):
+                m.fused = ops
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (N, hidden) -> logits (N, vocab_size) fp32."""
