@@ -285,8 +285,8 @@ class BlockManager:
     def slot_mapping(self, request_id: str, start: int, end: int) -> list[int]:
         """Slots of the request's tokens at positions start .. end-1 (they must be allocated).
 
-        For tests and debugging; the runner builds slots for a whole batch with
-        `kernels.compute_slot_mapping`.
+        For tests and debugging; the runner computes a whole step's slots at once from its own
+        copy of the tables (ModelRunner._stage).
         """
         table = self._tables[request_id]
         bs = self.block_size

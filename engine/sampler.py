@@ -315,9 +315,3 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
     return SamplerOutput(token_ids=token_ids, logprobs=logprobs, top_ids=top_ids,
                          top_logprobs=top_logprobs)
 
-
-class Sampler:
-    """Stateless callable wrapper of `sample`, for the model runner to hold."""
-
-    def __call__(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
-        return sample(logits, t)

@@ -13,7 +13,6 @@ Triton kernels (`triton_cache_write`, `triton_decode`, `triton_extend`, sharing 
 """
 
 from kernels.reference import (
-    compute_slot_mapping,
     dequantize,
     paged_attention,
     paged_attention_decode,
@@ -22,7 +21,6 @@ from kernels.reference import (
 )
 
 __all__ = [
-    "compute_slot_mapping",
     "dequantize",
     "paged_attention",
     "paged_attention_decode",

@@ -123,16 +123,6 @@ def write_kv_cache(
     v_scale.view(-1).index_copy_(0, idx, s[:, hkv:].reshape(-1))
 
 
-def compute_slot_mapping(block_tables: torch.Tensor, seq_index: torch.Tensor,
-                         positions: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Slots of T tokens: block_tables (B, max_blocks), seq_index (T,) row of each token,
-    positions (T,) its position in its sequence -> (T,) int64
-    block_tables[seq_index, positions // block_size] * block_size + positions % block_size."""
-    positions = positions.long()
-    blocks = block_tables[seq_index.long(), positions // block_size].long()
-    return blocks * block_size + positions % block_size
-
-
 def _gather_kv(cache: torch.Tensor, scale: torch.Tensor | None,
                blocks: torch.Tensor) -> torch.Tensor:
     """blocks (..., n) block ids -> float32 values (..., n * block_size, Hkv, D)."""

@@ -1,7 +1,8 @@
-"""Test-wide set-up: offline hub, GPU tests skipped without CUDA."""
+"""Test-wide set-up: offline hub, GPU tests skipped without CUDA, the seeded `rng` fixture."""
 
 import gc
 import os
+import random
 
 # Nothing is downloaded in tests: a hub id must fail at once instead of retrying DNS.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -31,3 +32,28 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--seed", type=int, default=None,
+                     help="seed of every test's `rng` fixture (to replay a failure; default: fresh per test)")
+
+
+@pytest.fixture
+def rng(request) -> random.Random:
+    """Fresh random inputs for each test, reproducible: a failing test's report names its seed,
+    and `pytest --seed N <test>` replays it."""
+    seed = request.config.getoption("--seed")
+    if seed is None:
+        seed = random.SystemRandom().randrange(2**32)
+    request.node.user_properties.append(("rng seed", seed))
+    return random.Random(seed)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = (yield).get_result()
+    if report.failed:
+        for name, seed in item.user_properties:
+            if name == "rng seed":
+                report.sections.append(("rng seed", f"{seed}: replay with pytest --seed {seed} '{item.nodeid}'"))

@@ -15,6 +15,7 @@ import os
 import random
 import secrets
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -239,6 +240,36 @@ def hang_steps_after(engine, n: int, seconds: float) -> None:
 def slow_steps(engine, seconds: float) -> None:
     """Every step sleeps `seconds` first (long generations, for deadlines and cancels)."""
     _after_steps(engine, 0, lambda: time.sleep(seconds))
+
+
+class StepGate:
+    """engine_setup for an engine on a thread (not a process): while held, each step waits for a
+    permit the test hands out, so the test decides what exists when, without sleeping."""
+
+    def __init__(self) -> None:
+        self._permits: threading.Semaphore | None = None
+
+    def __call__(self, engine) -> None:
+        _after_steps(engine, 0, self._wait)
+
+    def _wait(self) -> None:
+        permits = self._permits
+        if permits is not None:
+            assert permits.acquire(timeout=60), "a held step got no permit within 60 s"
+
+    def hold(self) -> None:
+        """From now on every step waits for `allow`."""
+        self._permits = threading.Semaphore(0)
+
+    def allow(self, steps: int = 1) -> None:
+        assert self._permits is not None, "hold() first"
+        self._permits.release(steps)
+
+    def release(self) -> None:
+        """Steps run freely again (also any step waiting now)."""
+        permits, self._permits = self._permits, None
+        if permits is not None:
+            permits.release(1_000_000)
 
 
 def stall_start(engine, marker: str, seconds: float) -> None:

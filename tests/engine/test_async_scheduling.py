@@ -69,8 +69,7 @@ def _same(model_dir, requests, **kw):
     return sync
 
 
-def test_greedy_lengths_and_stop_tokens_agree(model_dir):
-    rng = random.Random()
+def test_greedy_lengths_and_stop_tokens_agree(rng, model_dir):
     prompts = _prompts(6, rng)
     # A first run finds tokens the model does generate; they become stop tokens / EOS-like stops.
     first = _run(_engine(model_dir, False), [(f"p{i}", p, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
@@ -85,8 +84,7 @@ def test_greedy_lengths_and_stop_tokens_agree(model_dir):
     assert {r["status"] for r in res.values()} <= {RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED}
 
 
-def test_stop_strings_and_context_limit_agree(model_dir):
-    rng = random.Random()
+def test_stop_strings_and_context_limit_agree(rng, model_dir):
     prompts = _prompts(4, rng)
     reqs = [(f"s{i}", p, SamplingParams(max_tokens=min(30, 64 - len(p)), temperature=0, ignore_eos=True, stop=["e", " t"]))
             for i, p in enumerate(prompts)]
@@ -95,8 +93,7 @@ def test_stop_strings_and_context_limit_agree(model_dir):
     _same(model_dir, reqs, max_model_len=64)
 
 
-def test_seeded_sampling_with_penalties_and_logprobs_agree(model_dir):
-    rng = random.Random()
+def test_seeded_sampling_with_penalties_and_logprobs_agree(rng, model_dir):
     sp = [SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, seed=rng.randrange(2**31), logprobs=3),
           SamplingParams(max_tokens=16, temperature=1.1, repetition_penalty=1.3, frequency_penalty=0.5,
                          seed=rng.randrange(2**31)),
@@ -104,9 +101,8 @@ def test_seeded_sampling_with_penalties_and_logprobs_agree(model_dir):
     _same(model_dir, [(f"x{i}", p, s) for i, (p, s) in enumerate(zip(_prompts(3, rng), sp))])
 
 
-def test_preemption_agrees(model_dir):
+def test_preemption_agrees(rng, model_dir):
     """A pool too small for everyone: requests are preempted and recomputed, in both modes alike."""
-    rng = random.Random()
     reqs = [(f"q{i}", p, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
             for i, p in enumerate(_prompts(8, rng))]
     sync_engine = _engine(model_dir, False, num_kv_blocks=24, block_size=4)
@@ -117,10 +113,9 @@ def test_preemption_agrees(model_dir):
     assert async_engine.stats().num_preemptions > 0
 
 
-def test_abort_while_a_step_is_pending(model_dir):
+def test_abort_while_a_step_is_pending(rng, model_dir):
     """An abort between launch and read-back: nothing more comes for it, its blocks come back,
     and the others are untouched."""
-    rng = random.Random()
     prompts = _prompts(4, rng)
     reqs = [(f"a{i}", p, SamplingParams(max_tokens=25, temperature=0, ignore_eos=True)) for i, p in enumerate(prompts)]
     sync = _run(_engine(model_dir, False), reqs)
@@ -133,11 +128,10 @@ def test_abort_while_a_step_is_pending(model_dir):
 
 
 @pytest.mark.parametrize("where", ["launch", "read_back"])
-def test_a_fault_fails_its_step_and_leaks_nothing(model_dir, where):
+def test_a_fault_fails_its_step_and_leaks_nothing(rng, model_dir, where):
     """An exception when queuing a step, or when reading its ids back (where CUDA reports
     asynchronous errors), fails that step's requests; a request added afterwards still runs."""
     engine = _engine(model_dir, True)
-    rng = random.Random()
     for i, p in enumerate(_prompts(3, rng)):
         engine.add_request(f"f{i}", p, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
     for _ in range(4):
@@ -168,10 +162,9 @@ def test_a_fault_fails_its_step_and_leaks_nothing(model_dir, where):
     assert len(after[("later", 0)]["ids"]) == 5
 
 
-def test_a_stop_next_to_a_penalty_row_agrees(model_dir):
+def test_a_stop_next_to_a_penalty_row_agrees(rng, model_dir):
     """Penalties count the newest ids from the device (no read-back before the step); a request
     that stops on a token runs one step too many next to them, whose token is dropped."""
-    rng = random.Random()
     prompts = _prompts(2, rng)
     first = _run(_engine(model_dir, False), [("b", prompts[1], SamplingParams(max_tokens=12, temperature=0,
                                                                              ignore_eos=True))])
@@ -183,7 +176,7 @@ def test_a_stop_next_to_a_penalty_row_agrees(model_dir):
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_incremental_staging_equals_a_full_rebuild(model_dir, async_scheduling):
+def test_incremental_staging_equals_a_full_rebuild(rng, model_dir, async_scheduling):
     """Steady decode steps rewrite only what moved in the staging buffers; after every step they
     must hold exactly what building the step from scratch writes (positions, slots, lengths,
     query starts, block tables), through admissions, finishes, block growth and preemption."""
@@ -206,7 +199,6 @@ def test_incremental_staging_equals_a_full_rebuild(model_dir, async_scheduling):
         return full
 
     runner._stage = checked
-    rng = random.Random()
     reqs = [(f"g{i}", p, SamplingParams(max_tokens=rng.randint(5, 30), temperature=0, ignore_eos=True))
             for i, p in enumerate(_prompts(10, rng))]
     _run(engine, reqs)

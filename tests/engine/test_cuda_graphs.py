@@ -44,9 +44,8 @@ def _scheduled(rng: random.Random, prompt_len: int, start: int, n: int, block_si
     return ScheduledRequest(req, n, start, start + n == prompt_len, blocks, True)
 
 
-def test_stage_packs_a_mixed_batch():
+def test_stage_packs_a_mixed_batch(rng):
     """Positions, slots, lengths and query offsets of a mixed step, against a per-token loop."""
-    rng = random.Random()
     runner = _runner()
     # a decode, a prefill chunk in the middle of a prompt, a whole prompt
     sched = [_scheduled(rng, 10, 9, 1, 4), _scheduled(rng, 30, 8, 7, 4), _scheduled(rng, 5, 0, 5, 4)]
@@ -69,9 +68,8 @@ def test_stage_packs_a_mixed_batch():
     assert step.graph_batch is None
 
 
-def test_stage_pads_a_decode_batch_for_its_graph():
+def test_stage_pads_a_decode_batch_for_its_graph(rng):
     """Rows past the batch: slot -1 (never written), length 0 (nothing attended), one query each."""
-    rng = random.Random()
     runner = _runner()
     sched = [_scheduled(rng, 6 + i, 5 + i, 1, 4) for i in range(3)]
     step = runner._stage(SchedulerOutput(scheduled=sched), [s.new_block_ids for s in sched], 8)
@@ -96,10 +94,9 @@ def test_profile_step_runs_on_the_cpu(tmp_path):
     assert engine.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0)) != []
 
 
-def _decoding_engine(model_dir, batch: int, **kw) -> tuple[LLMEngine, SchedulerOutput]:
+def _decoding_engine(model_dir, batch: int, rng: random.Random, **kw) -> tuple[LLMEngine, SchedulerOutput]:
     engine = LLMEngine(EngineConfig(model=str(model_dir), device="cuda", dtype="bf16", max_num_seqs=16,
                                     kv_cache_memory_bytes=64 << 20, **kw))
-    rng = random.Random()
     for i in range(batch):
         engine.add_request(f"r{i}", [rng.randrange(3, 500) for _ in range(rng.randint(5, 40))],
                            SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
@@ -113,9 +110,9 @@ def _decoding_engine(model_dir, batch: int, **kw) -> tuple[LLMEngine, SchedulerO
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "bf16"])
 @pytest.mark.parametrize("batch", [3, 8, 16])
-def test_graph_replay_matches_the_eager_forward(tmp_path, batch, kv_cache_dtype):
+def test_graph_replay_matches_the_eager_forward(rng, tmp_path, batch, kv_cache_dtype):
     """A decode step replayed from its bucket's graph (3 rows pad to 4) gives the eager logits."""
-    engine, out = _decoding_engine(make_hf_model_dir(tmp_path, "llama", weight_scale=4.0), batch,
+    engine, out = _decoding_engine(make_hf_model_dir(tmp_path, "llama", weight_scale=4.0), batch, rng,
                                    kv_cache_dtype=kv_cache_dtype)
     assert engine.runner._graph_batch(out) == {3: 4, 8: 8, 16: 16}[batch]
     with torch.inference_mode():
@@ -131,10 +128,9 @@ def test_graph_replay_matches_the_eager_forward(tmp_path, batch, kv_cache_dtype)
 
 
 @pytest.mark.gpu
-def test_graphs_and_eager_generate_alike(tmp_path):
+def test_graphs_and_eager_generate_alike(rng, tmp_path):
     """Whole greedy generations with graphs (default) and with --enforce-eager."""
     model_dir = make_hf_model_dir(tmp_path, "qwen3", weight_scale=4.0)
-    rng = random.Random()
     prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(5, 60))] for _ in range(11)]
     sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     runs = []

@@ -86,15 +86,14 @@ def hf_full_logits(model_dir, seq: list[int]) -> torch.Tensor:
         return hf(torch.tensor([seq])).logits[0]
 
 
-def random_prompts(n: int, vocab: int = 512) -> list[list[int]]:
-    rng = random.Random()
+def random_prompts(rng: random.Random, n: int, vocab: int = 512) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(rng.randrange(5, 60))] for _ in range(n)]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_fp32_cache_logits_match_transformers(tmp_path, arch):
+def test_fp32_cache_logits_match_transformers(rng, tmp_path, arch):
     model_dir = make_hf_model_dir(tmp_path, arch, weight_scale=4.0)
-    for seq, generated, logits in run_recorded(model_dir, "fp32", random_prompts(3), max_tokens=12):
+    for seq, generated, logits in run_recorded(model_dir, "fp32", random_prompts(rng, 3), max_tokens=12):
         ref = hf_full_logits(model_dir, seq)
         err = ((logits - ref).abs().max() / ref.abs().max()).item()
         assert err <= TOLERANCE, f"{arch}: relative logit error {err:.2e}"
@@ -104,12 +103,12 @@ def test_fp32_cache_logits_match_transformers(tmp_path, arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_int8_cache_fidelity(tmp_path, arch):
+def test_int8_cache_fidelity(rng, tmp_path, arch):
     """int8 K/V per (token, kv head): logits stay close and teacher-forced greedy agrees >= 90%."""
     model_dir = make_hf_model_dir(tmp_path, arch, weight_scale=4.0)
     agree = total = 0
     worst = 0.0
-    for seq, generated, logits in run_recorded(model_dir, "int8", random_prompts(4), max_tokens=32):
+    for seq, generated, logits in run_recorded(model_dir, "int8", random_prompts(rng, 4), max_tokens=32):
         ref = hf_full_logits(model_dir, seq)
         worst = max(worst, ((logits - ref).abs().max() / ref.abs().max()).item())
         n_prompt = len(seq) - len(generated) + 1
@@ -125,12 +124,12 @@ def test_int8_cache_fidelity(tmp_path, arch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv_cache_dtype", ["bf16", "int8"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_triton_path_matches_transformers_on_gpu(tmp_path, arch, kv_cache_dtype):
+def test_triton_path_matches_transformers_on_gpu(rng, tmp_path, arch, kv_cache_dtype):
     """The CUDA path (bf16 weights, Triton cache-write/decode/extend kernels) against transformers
     in fp32: bf16 tolerance on the logits, and teacher-forced greedy agreement."""
     model_dir = make_hf_model_dir(tmp_path, arch, weight_scale=4.0)
     agree = total = 0
-    for seq, generated, logits in run_recorded(model_dir, kv_cache_dtype, random_prompts(4), max_tokens=24,
+    for seq, generated, logits in run_recorded(model_dir, kv_cache_dtype, random_prompts(rng, 4), max_tokens=24,
                                                device="cuda", dtype="bf16", attention_backend="triton",
                                                enforce_eager=True):  # the recorder wraps the eager forward
         ref = hf_full_logits(model_dir, seq)
@@ -145,13 +144,13 @@ def test_triton_path_matches_transformers_on_gpu(tmp_path, arch, kv_cache_dtype)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["fp32", "int8"])
-def test_triton_kernels_in_the_engine_on_the_interpreter(tmp_path, kv_cache_dtype):
+def test_triton_kernels_in_the_engine_on_the_interpreter(rng, tmp_path, kv_cache_dtype):
     """The engine through the Triton cache-write, extend and decode kernels (Triton's interpreter on
     the CPU): the same logits as the torch reference path, chunked prefill and decode included."""
     if torch.cuda.is_available():
         pytest.skip("the GPU runs the Triton path in test_triton_path_matches_transformers_on_gpu")
     model_dir = make_hf_model_dir(tmp_path, "llama", weight_scale=4.0, head_dim=64, num_hidden_layers=1)
-    prompts = random_prompts(2)
+    prompts = random_prompts(rng, 2)
     ours = run_recorded(model_dir, kv_cache_dtype, prompts, max_tokens=4, attention_backend="triton")
     ref = run_recorded(model_dir, kv_cache_dtype, prompts, max_tokens=4, attention_backend="torch")
     for (_, gen, logits), (_, ref_gen, ref_logits) in zip(ours, ref):
@@ -170,13 +169,13 @@ WINDOW_CASES = {
 
 @pytest.mark.parametrize("case", WINDOW_CASES)
 @pytest.mark.parametrize("kv_cache_dtype", ["fp32", "int8"])
-def test_sliding_window_models_match_transformers(tmp_path, case, kv_cache_dtype):
+def test_sliding_window_models_match_transformers(rng, tmp_path, case, kv_cache_dtype):
     """Served past the window (chunked prefill across it, then decode), as transformers applies
     it: fp32 pages to 1e-4, int8 pages with teacher-forced agreement."""
     arch, overrides = WINDOW_CASES[case]
     model_dir = make_hf_model_dir(tmp_path, arch, weight_scale=4.0, **overrides)
     agree = total = 0
-    for seq, generated, logits in run_recorded(model_dir, kv_cache_dtype, random_prompts(3), max_tokens=16):
+    for seq, generated, logits in run_recorded(model_dir, kv_cache_dtype, random_prompts(rng, 3), max_tokens=16):
         ref = hf_full_logits(model_dir, seq)
         n_prompt = len(seq) - len(generated) + 1
         if kv_cache_dtype == "fp32":
@@ -190,10 +189,10 @@ def test_sliding_window_models_match_transformers(tmp_path, case, kv_cache_dtype
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", WINDOW_CASES)
-def test_sliding_window_models_on_gpu(tmp_path, case):
+def test_sliding_window_models_on_gpu(rng, tmp_path, case):
     arch, overrides = WINDOW_CASES[case]
     model_dir = make_hf_model_dir(tmp_path, arch, weight_scale=4.0, **overrides)
-    for seq, _, logits in run_recorded(model_dir, "bf16", random_prompts(3), max_tokens=16,
+    for seq, _, logits in run_recorded(model_dir, "bf16", random_prompts(rng, 3), max_tokens=16,
                                                device="cuda", dtype="bf16", attention_backend="triton",
                                                enforce_eager=True):
         ref = hf_full_logits(model_dir, seq)

@@ -5,12 +5,11 @@ per-row reference, and raw logprobs."""
 from __future__ import annotations
 
 import math
-import random
 
 import pytest
 import torch
 
-from engine.sampler import Sampler, SamplingTensors, _apply_top_k_top_p, apply_penalties, hash_uniform, sample
+from engine.sampler import SamplingTensors, _apply_top_k_top_p, apply_penalties, hash_uniform, sample
 from engine.sampling_params import SamplingParams
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -245,7 +244,7 @@ def test_logprobs_are_raw_log_softmax(device):
               SamplingParams(temperature=2.0, top_k=3),
               SamplingParams(temperature=1.0, frequency_penalty=1.0, logprobs=1)]
     t = build(params, prompts=[[1, 2]] * 4, outputs=[[3, 3]] * 4, vocab=v, device=device)
-    out = Sampler()(logits, t)
+    out = sample(logits, t)
     ref = torch.log_softmax(logits, -1)
     assert out.top_ids.shape == (4, 5) and out.top_logprobs.shape == (4, 5)
     torch.testing.assert_close(out.logprobs, ref.gather(1, out.token_ids[:, None]).squeeze(1))
@@ -288,10 +287,9 @@ def test_large_vocab_distribution_sanity():
     assert abs(hits - p) < 4 * math.sqrt(p * (1 - p) / n)
 
 
-def test_pending_ids_on_the_device_count_like_listed_ones():
+def test_pending_ids_on_the_device_count_like_listed_ones(rng):
     """Async scheduling: a newest output id still on the device (a placeholder, not in the host
     list) feeds the penalty tables exactly as if it were listed."""
-    rng = random.Random()
     vocab = 50
     params = [SamplingParams(repetition_penalty=1.5, frequency_penalty=0.7, presence_penalty=0.3),
               SamplingParams(frequency_penalty=1.0), SamplingParams(), SamplingParams(repetition_penalty=2.0)]

@@ -55,10 +55,8 @@ def _forward(model: LlamaForCausalLM, ids: torch.Tensor, lens: list[int]) -> tor
 
 
 @pytest.mark.parametrize("qk_norm", [False, True])
-def test_fused_ops_replace_the_torch_ops_for_inference_only(qk_norm: bool) -> None:
-    seed = random.randrange(2**31)
-    rng = random.Random(seed)
-    model = tiny_model(qk_norm, seed)
+def test_fused_ops_replace_the_torch_ops_for_inference_only(rng: random.Random, qk_norm: bool) -> None:
+    model = tiny_model(qk_norm, rng.randrange(2**31))
     lens = [rng.randint(1, 9) for _ in range(3)]
     ids = torch.tensor([rng.randrange(97) for _ in range(sum(lens))])
     with torch.no_grad():
@@ -70,13 +68,13 @@ def test_fused_ops_replace_the_torch_ops_for_inference_only(qk_norm: bool) -> No
     layers = model.config.num_hidden_layers
     # Two norms per layer and the final one; Qwen3's per-head q/k norms (3-D) and its RoPE (after
     # them, on q and k apart) keep the torch ops.
-    assert ops.calls == {"rms_norm": 2 * layers + 1, "silu_mul": layers, "rotary_": 0 if qk_norm else layers}, seed
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"seed {seed}")
+    assert ops.calls == {"rms_norm": 2 * layers + 1, "silu_mul": layers, "rotary_": 0 if qk_norm else layers}
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
     ops.calls = dict.fromkeys(ops.calls, 0)
     _forward(model, ids, lens).sum().backward()  # autograd records: the torch ops run
-    assert set(ops.calls.values()) == {0}, seed
+    assert set(ops.calls.values()) == {0}
     model.use_fused_ops(None)
     with torch.no_grad():
         torch.testing.assert_close(_forward(model, ids, lens), want, rtol=0, atol=0)
-    assert set(ops.calls.values()) == {0}, seed
+    assert set(ops.calls.values()) == {0}

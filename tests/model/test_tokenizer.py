@@ -102,10 +102,9 @@ def test_missing_tokenizer_json_is_a_clear_error(tmp_path):
 
 
 @pytest.mark.parametrize("prepend_bos", [False, True])
-def test_long_texts_and_the_token_limit(tmp_path, prepend_bos):
+def test_long_texts_and_the_token_limit(rng, tmp_path, prepend_bos):
     """Texts past the GIL-free threshold take another tokenizers call: the same ids either way,
     BOS handling included; `max_tokens` refuses a longer text with its exact count."""
-    import random
 
     from model import TooManyTokens
     from model.tokenizer import GIL_FREE_ENCODE_CHARS
@@ -115,7 +114,6 @@ def test_long_texts_and_the_token_limit(tmp_path, prepend_bos):
         _without_post_processor(path, add_bos_token=True)
     tok = Tokenizer.from_pretrained(path)
     raw = RawTokenizer.from_file(str(path / "tokenizer.json"))
-    rng = random.Random()
     sentences = sample_sentences(200, seed=rng.randrange(2**31))
     text = " ".join(sentences)
     while len(text) <= GIL_FREE_ENCODE_CHARS:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import random
 import threading
 import time
 
@@ -58,14 +57,10 @@ def _greedy(**kw) -> pb.SamplingParams:
     return pb.SamplingParams(temperature=0, ignore_eos=True, **kw)
 
 
-def test_a_reused_id_after_cancel_gets_only_its_own_output(server):
+def test_a_reused_id_after_cancel_gets_only_its_own_output(rng, server):
     """Cancel a stream with id "x" mid-generation and at once send another request as "x": the
     second one's answer holds exactly its own tokens (the old request's tokens, still on their
     way from the engine, go nowhere). Driven many times, to hit the race."""
-    rng = random.Random()
-    seed = rng.randrange(2**31)
-    print(f"seed={seed}")
-    rng.seed(seed)
     words = ["the", "cat", "sat", "on", "a", "mat", "dog", "ran", "far"]
     n_tokens = 6
 
@@ -186,10 +181,9 @@ def _health_latencies(address: str, stop: threading.Event, out: list[float]) -> 
             stop.wait(0.01)
 
 
-def test_health_stays_fast_while_near_limit_prompts_arrive(server):
+def test_health_stays_fast_while_near_limit_prompts_arrive(rng, server):
     """Prompts near the character limit (1M characters here) take ~0.5 s each to tokenize: on the
     event loop that would stall every RPC. They are tokenized off it, so health checks stay fast."""
-    rng = random.Random()
     words = ["once", "upon", "a", "time", "there", "was", "little", "girl", "café", "日本"]
     limit = server.pie.servicer.limits.max_prompt_chars
     texts = []

@@ -5,7 +5,6 @@ child, and the child's faults, hangs and death turned into clear gRPC errors."""
 from __future__ import annotations
 
 import functools
-import random
 
 import pytest
 
@@ -34,9 +33,8 @@ def servers(model_dir):
         yield threaded, proc
 
 
-def test_same_answers_as_the_engine_thread(servers):
+def test_same_answers_as_the_engine_thread(rng, servers):
     threaded, proc = servers
-    rng = random.Random()
     prompts = [" ".join(rng.choice(["the", "cat", "sat", "on", "a", "mat"]) for _ in range(rng.randrange(2, 20)))
                for _ in range(6)]
     with Client(threaded.address, timeout=60) as a, Client(proc.address, timeout=60) as b:
@@ -169,7 +167,7 @@ if __name__ == "__main__":
 
 
 @pytest.mark.skipif(not hasattr(__import__("signal"), "SIGSTOP"), reason="needs SIGSTOP")
-def test_a_stalled_engine_process_never_blocks_the_event_loop(model_dir):
+def test_a_stalled_engine_process_never_blocks_the_event_loop(rng, model_dir):
     """Stop the engine process outright (as a device call that holds its interpreter would) and
     send more commands than the pipe holds: they queue in the parent's sender thread, health
     checks keep answering at once, and once the process runs again every request is served."""
@@ -189,7 +187,6 @@ def test_a_stalled_engine_process_never_blocks_the_event_loop(model_dir):
     cfg.max_waiting, cfg.num_kv_blocks = 512, 512
     with BackgroundServer(ServerConfig(port=0, grace_s=5, engine_process=True), cfg) as s:
         child = s.pie.engine.pid
-        rng = random.Random()
         n, prompt_len = 300, 480  # ~300 x 2 KB of pickled commands: more than a socket buffer holds
         os.kill(child, signal.SIGSTOP)
         try:

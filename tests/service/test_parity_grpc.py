@@ -7,8 +7,6 @@ after a first near-tie flip; the common prefix is printed too).
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
@@ -41,11 +39,10 @@ def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_through_grpc_matches_transformers(tmp_path, arch):
+def test_greedy_through_grpc_matches_transformers(rng, tmp_path, arch):
     from transformers import AutoModelForCausalLM
 
     model_dir = make_hf_model_dir(tmp_path, arch, weight_scale=4.0)
-    rng = random.Random()
     prompts = [[rng.randrange(3, 512) for _ in range(rng.randrange(4, 48))] for _ in range(4)]
     with _serve(model_dir, "fp32") as s:
         fp32 = _generate_all(s.address, prompts)

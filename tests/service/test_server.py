@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
-import functools
-import random
 import time
 
 import grpc
@@ -15,7 +13,7 @@ from engine.config import EngineConfig
 from pie_client import Client, DeadlineExceeded, InvalidArgument, ResourceExhausted
 from service.server import BackgroundServer, ServerConfig
 from service.servicer import SERVICE_NAME
-from tests.helpers import hang_steps_after, make_hf_model_dir, wait_until
+from tests.helpers import StepGate, make_hf_model_dir, wait_until
 
 NUM_BLOCKS = 96
 
@@ -53,9 +51,8 @@ def test_model_info_and_tokenize(client, server):
     assert len(tok.tokens) == len(tok.token_ids)
 
 
-def test_streams_equal_unary(client):
+def test_streams_equal_unary(rng, client):
     """16 concurrent streams, each with its own seed; each stream's text equals the unary answer."""
-    rng = random.Random()
     prompts = [" ".join(rng.choice(["the", "cat", "sat", "on", "a", "mat", "and", "dog"]) for _ in range(rng.randrange(2, 30)))
                for _ in range(16)]
     kwargs = [dict(max_tokens=rng.randrange(8, 40), temperature=0.9, top_p=0.95, top_k=50, seed=rng.randrange(2**31),
@@ -150,11 +147,11 @@ def test_stop_string_and_logprobs(client):
         assert lp.top_logprobs[0].logprob >= lp.top_logprobs[-1].logprob
         assert lp.logprob <= lp.top_logprobs[0].logprob + 1e-5
     text = base.text
-    if len(text) >= 6:
-        stop = text[3:6]
-        cut = client.generate("the cat", max_tokens=24, temperature=0, ignore_eos=True, stop=[stop])
-        assert cut.finish_reason == "stop" and cut.stop_reason == stop
-        assert cut.text == text[:text.index(stop)]
+    assert len(text) >= 6, text  # 24 tokens of the bundled model's stories
+    stop = text[3:6]
+    cut = client.generate("the cat", max_tokens=24, temperature=0, ignore_eos=True, stop=[stop])
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop
+    assert cut.text == text[:text.index(stop)]
 
 
 def test_health_readiness(server):
@@ -275,21 +272,26 @@ def test_stop_string_completed_by_the_last_token(client):
 
 def test_stream_interval_sends_fewer_larger_messages(model_dir):
     """--stream-interval 4: the first token alone (TTFT unchanged), then at least 4 tokens per
-    message until the last; the text is the same as the unary answer's. Steps are slowed to 20 ms
-    so that the loop always sends the first token before the next one exists (an engine faster
-    than the loop coalesces even the first message, which is right but not what this checks)."""
+    message until the last; the text is the same as the unary answer's. The test holds the engine
+    after its first step until that token has arrived (an engine faster than the loop may coalesce
+    even the first message, which is right but not what this checks)."""
     cfg = EngineConfig(model=str(model_dir), device="cpu", kv_cache_dtype="fp32", num_kv_blocks=NUM_BLOCKS,
                        max_num_seqs=4)
-    slow = functools.partial(hang_steps_after, n=0, seconds=0.02)
-    with BackgroundServer(ServerConfig(port=0, grace_s=1, stream_interval=4, engine_setup=slow), cfg) as s, \
+    gate = StepGate()
+    with BackgroundServer(ServerConfig(port=0, grace_s=1, stream_interval=4, engine_setup=gate), cfg) as s, \
             Client(s.address, timeout=60) as c:
         for n in (1, 2):
-            deltas = list(c.stream("the cat sat", max_tokens=23, temperature=0, ignore_eos=True, n=n))
+            gate.hold()
+            gate.allow(1)  # the prefill: one token (sample 1 of n = 2 waits for sample 0's prompt)
+            it = c.stream("the cat sat", max_tokens=23, temperature=0, ignore_eos=True, n=n)
+            first = next(it)
+            gate.release()
+            deltas = [first, *it]
             per_choice: dict[int, list] = {}
             for d in deltas:
                 per_choice.setdefault(d.index, []).append(d)
             assert len(per_choice) == n
-            assert len(deltas[0].token_ids) == 1
+            assert len(first.token_ids) == 1
             for ds in per_choice.values():  # between the first and the last: >= 4 tokens each (n tokens per step)
                 assert all(len(d.token_ids) >= 4 for d in ds[1:-1]), [len(d.token_ids) for d in ds]
             assert len(deltas) <= n * (2 + 23 // 4)  # against 23 * n with an interval of 1
