@@ -5,17 +5,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import functools
 import os
 import runpy
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from engine.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, MODEL_DTYPES, EngineConfig
 from service.auth import read_token_file
 from service.logging import configure_logging
 from service.server import PieServer, ServerConfig, TlsConfig
 from service.validation import Limits
+
+if TYPE_CHECKING:
+    from engine.engine import LLMEngine
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
@@ -116,7 +122,9 @@ def _bench(argv: list[str]) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, engine_setup: Callable[[LLMEngine], None] | None = None) -> int:
+    """`pie ...`; `engine_setup` (for embedding and tests) is called with the built engine before
+    it serves (ServerConfig.engine_setup)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["train"]:
         return _train(argv[1:])
@@ -139,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                 max_waiting=args.max_waiting, seed=args.seed,
                 attention_backend=args.attention_backend, cpu_threads=args.cpu_threads)
-            server_config = _server_config(args)
+            server_config = dataclasses.replace(_server_config(args), engine_setup=engine_setup)
         except (ValueError, OSError) as e:
             parser.error(str(e))
         server = PieServer(server_config, engine_config)
