@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from engine.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, MODEL_DTYPES, EngineConfig
 from service.auth import read_token_file
 from service.logging import configure_logging
+from service.packages import ForeignPackageError, check_own_packages
 from service.server import PieServer, ServerConfig, TlsConfig
 from service.validation import Limits
 
@@ -126,6 +127,12 @@ def main(argv: list[str] | None = None, *, engine_setup: Callable[[LLMEngine], N
     """`pie ...`; `engine_setup` (for embedding and tests) is called with the built engine before
     it serves (ServerConfig.engine_setup)."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        for warning in check_own_packages():
+            print(f"pie: warning: {warning}", file=sys.stderr)
+    except ForeignPackageError as e:
+        print(f"pie: error: {e}", file=sys.stderr)
+        return 2
     if argv[:1] == ["train"]:
         return _train(argv[1:])
     if argv[:1] == ["bench"]:
