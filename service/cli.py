@@ -25,9 +25,22 @@ if TYPE_CHECKING:
     from engine.engine import LLMEngine
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's help ends with its default, once: appended as "(default: X)" ("on"/"off" for a
+    switch) unless the help already says "(default: ...)", which a flag without a value (None)
+    must do in words. Used by `pie serve`, `pie train` and the benchmarks."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "(default" in text or not action.option_strings or action.default in (None, argparse.SUPPRESS):
+            return text
+        if isinstance(action.default, bool):
+            return f"{text} (default: {'on' if action.default else 'off'})"
+        return text + " (default: %(default)s)"
+
+
 def _add_serve(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="serve a model over gRPC",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = sub.add_parser("serve", help="serve a model over gRPC", formatter_class=HelpFormatter)
     d = EngineConfig()
     p.add_argument("--model", default=d.model,
                    help="Hugging Face-layout model folder (default: the bundled story model)")
@@ -93,7 +106,7 @@ def _train(argv: list[str]) -> int:
     from training.cli import add_train_parser, run
 
     parser = argparse.ArgumentParser(prog="pie")
-    add_train_parser(parser.add_subparsers(dest="command", required=True))
+    add_train_parser(parser.add_subparsers(dest="command", required=True), formatter_class=HelpFormatter)
     return run(parser.parse_args(["train", *argv]))
 
 

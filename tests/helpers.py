@@ -279,3 +279,43 @@ def stall_start(engine, marker: str, seconds: float) -> None:
     tmp.write_text(str(os.getpid()))
     tmp.rename(marker)  # atomic: a reader never sees it half written
     time.sleep(seconds)
+
+
+def help_problems(parser) -> list[str]:
+    """What is wrong with the --help of `parser` and of its subcommands: a flag without a
+    description, or whose rendered help shows its default other than exactly once (positional
+    arguments without a default are exempt from the default rule). Empty when all is well.
+
+    A flag's help is rendered as --help renders it (the parser's formatter, so defaults that an
+    ArgumentDefaultsHelpFormatter appends count); "(default: None)" is a problem of its own: say in
+    words what no value means."""
+    import argparse
+
+    problems: list[str] = []
+    seen: set[int] = set()
+
+    def visit(p: argparse.ArgumentParser) -> None:
+        if id(p) in seen:
+            return
+        seen.add(id(p))
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in dict.fromkeys(action.choices.values()):
+                    visit(sub)
+                continue
+            if isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
+                continue
+            name = f"{p.prog}: {'/'.join(action.option_strings) or action.dest}"
+            if not action.help or action.help == argparse.SUPPRESS:
+                problems.append(f"{name}: no description")
+                continue
+            text = " ".join(p._get_formatter()._expand_help(action).split())
+            positional = not action.option_strings and action.nargs not in ("?", "*")
+            shown = text.count("(default: ")
+            if "(default: None)" in text:
+                problems.append(f"{name}: says '(default: None)' instead of what no value means: {text!r}")
+            elif not positional and shown != 1:
+                problems.append(f"{name}: default shown {shown} times: {text!r}")
+
+    visit(parser)
+    return problems
