@@ -25,10 +25,11 @@ if TYPE_CHECKING:
     from engine.engine import LLMEngine
 
 
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     """Every flag's help ends with its default, once: appended as "(default: X)" ("on"/"off" for a
     switch) unless the help already says "(default: ...)", which a flag without a value (None)
-    must do in words. Used by `pie serve`, `pie train` and the benchmarks."""
+    must do in words. Descriptions keep their line breaks. Used by `pie serve`, `pie train` and the
+    benchmarks."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
@@ -50,7 +51,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default=d.dtype, choices=MODEL_DTYPES,
                    help="weights/activations dtype (auto: bf16 on cuda; on the cpu bf16 for a bf16 checkpoint "
                         "where the CPU has AVX512-BF16 or AMX, else fp32)")
-    p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=KV_CACHE_DTYPES)
+    p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=KV_CACHE_DTYPES,
+                   help="KV pages: int8 (one fp16 scale per token and head; ~2x the tokens of bf16) or exact")
     p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
     p.add_argument("--kv-cache-memory", type=float, default=None,
                    help="KV pool budget in GiB (default: from --gpu-memory-fraction on CUDA, 1 GiB on the CPU)")
@@ -58,14 +60,14 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="share of the GPU's memory for weights, activations and the KV pool, which gets "
                         "what the weights and a profiling step leave")
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
-                   help="run the engine in its own process, apart from the gRPC loop (the default; "
-                        "--no-engine-process: on a thread of the server process)")
+                   help="run the engine in its own process, apart from the gRPC loop "
+                        "(--no-engine-process: on a thread of the server process)")
     p.add_argument("--stream-interval", type=int, default=1,
                    help="tokens per stream message after the first (or the end): larger values send fewer "
                         "messages when hundreds of streams are open")
     p.add_argument("--enforce-eager", action="store_true",
                    help="run decode steps eagerly instead of replaying CUDA graphs")
-    p.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV pool size (overrides the budget)")
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV pool size in blocks, overriding the budget (default: sized from the budget)")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="running sequences per step at most")
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
                    help="tokens per step at most (prefill chunks + decodes)")
@@ -78,7 +80,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="torch threads when the model runs on the CPU (default: the usable cores but one)")
     p.add_argument("--seed", type=int, default=d.seed, help="seeds the seeds of requests that bring none")
     p.add_argument("--grace", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM")
-    p.add_argument("--model-name", default=None, help="name reported by GetModelInfo")
+    p.add_argument("--model-name", default=None, help="name reported by GetModelInfo and in the metrics' model_name label (default: the model folder's name)")
     p.add_argument("--max-message-bytes", type=int, default=16 << 20,
                    help="largest gRPC message received or sent; larger ones get RESOURCE_EXHAUSTED")
     p.add_argument("--max-prompt-chars", type=int, default=Limits().max_prompt_chars,
@@ -88,17 +90,19 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--step-timeout", type=float, default=60.0,
                    help="watchdog: an engine step longer than this fails every RPC with UNAVAILABLE, turns "
                         "readiness off and exits with status 3 (0 = off)")
-    p.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve TLS (needs --tls-key)")
-    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    p.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve TLS (needs --tls-key) (default: plaintext)")
+    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert (default: none)")
     p.add_argument("--tls-client-ca", default=None,
-                   help="PEM CA bundle: require client certificates signed by it (mutual TLS)")
+                   help="PEM CA bundle: require client certificates signed by it (mutual TLS) (default: no client certificates)")
     p.add_argument("--auth-token-file", default=None,
                    help="file of accepted bearer tokens, one per line: every RPC but health and reflection "
-                        "needs `authorization: Bearer <token>` metadata")
+                        "needs `authorization: Bearer <token>` metadata (default: no authentication)")
     p.add_argument("--metrics-port", type=int, default=None,
-                   help="serve Prometheus metrics at http://HOST:PORT/metrics (off unless given; 0 = any free port)")
-    p.add_argument("--log-format", choices=("auto", "json", "console"), default="auto")
-    p.add_argument("--log-level", default="info")
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics; 0 = any free port (default: off)")
+    p.add_argument("--log-format", choices=("auto", "json", "console"), default="auto",
+                   help="log lines on stderr: JSON objects, or readable console lines (auto: console on a terminal)")
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
+                   help="least severe log level written")
 
 
 def _train(argv: list[str]) -> int:
