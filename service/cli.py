@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import asyncio
 import dataclasses
 import functools
@@ -117,17 +118,46 @@ def _train(argv: list[str]) -> int:
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Benchmark:
+    name: str
+    summary: str  # the docstring's first sentence, up to a colon
+    needs_gpu: bool  # the script's NEEDS_GPU = True
+
+
+def benchmarks(folder: Path = BENCHMARKS) -> list[Benchmark]:
+    """The runnable scripts of benchmarks/ (those with a `__main__` block), read without importing
+    them: a listing must not load torch or touch a GPU."""
+    found = []
+    for path in sorted(folder.glob("*.py")) if folder.is_dir() else []:
+        tree = ast.parse(path.read_text(), str(path))
+        if not any(isinstance(node, ast.If) and "__main__" in ast.unparse(node.test) for node in tree.body):
+            continue
+        needs_gpu = any(isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "NEEDS_GPU" for t in node.targets)
+                        and isinstance(node.value, ast.Constant) and node.value.value is True for node in tree.body)
+        paragraph = " ".join((ast.get_docstring(tree) or "").split("\n\n")[0].split())
+        sentence = paragraph.split(". ")[0].split(": ")[0].rstrip(".")
+        found.append(Benchmark(path.stem, sentence, needs_gpu))
+    return found
+
+
 def _bench(argv: list[str]) -> int:
     """`pie bench NAME [ARGS...]` runs benchmarks/NAME.py with ARGS, as `python benchmarks/NAME.py`
     would (the scripts live in the source checkout, next to their RESULTS.md)."""
-    names = sorted(p.stem for p in BENCHMARKS.glob("*.py")) if BENCHMARKS.is_dir() else []
+    found = {b.name: b for b in benchmarks()}
     if not argv or argv[0] in ("-h", "--help", "--list"):
-        print("usage: pie bench NAME [ARGS...]   (pie bench NAME --help for its arguments)")
-        print("benchmarks:", ", ".join(names) if names else f"none: {BENCHMARKS} is not there (install from a checkout)")
-        return 0 if names or argv[:1] == ["--list"] else 2
+        print("usage: pie bench NAME [ARGS...]   (pie bench NAME --help: that benchmark's own flags)")
+        if not found:
+            print(f"no benchmarks: {BENCHMARKS} is not there (they run from a source checkout)")
+            return 0 if argv[:1] == ["--list"] else 2
+        print("benchmarks (GPU: needs a CUDA GPU):")
+        width = max(map(len, found))
+        for b in found.values():
+            print(f"  {b.name:<{width}}  {'GPU' if b.needs_gpu else '   '}  {b.summary}")
+        return 0
     name, rest = argv[0], argv[1:]
-    if name not in names:
-        print(f"pie bench: unknown benchmark {name!r}; one of: {', '.join(names) or 'none'}", file=sys.stderr)
+    if name not in found:
+        print(f"pie bench: unknown benchmark {name!r}; one of: {', '.join(found) or 'none'}", file=sys.stderr)
         return 2
     saved = sys.argv
     sys.argv = [str(BENCHMARKS / f"{name}.py"), *rest]
@@ -138,6 +168,23 @@ def _bench(argv: list[str]) -> int:
     finally:
         sys.argv = saved
     return 0
+
+
+def build_parser(*, with_train: bool = False) -> argparse.ArgumentParser:
+    """The `pie` command line. `pie train` and `pie bench` parse their own flags (main() hands them
+    over before this parser runs); `with_train` adds train's real parser (it imports training/),
+    for tests of the whole help."""
+    parser = argparse.ArgumentParser(prog="pie", description="Paged INT8 LLM inference over gRPC")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_serve(sub)
+    if with_train:
+        from training.cli import add_train_parser
+
+        add_train_parser(sub, formatter_class=HelpFormatter)
+    else:
+        sub.add_parser("train", help="train a model and export it in the Hugging Face layout (pie train --help)")
+    sub.add_parser("bench", help="run a script of benchmarks/ from the source checkout (pie bench --list)")
+    return parser
 
 
 def main(argv: list[str] | None = None, *, engine_setup: Callable[[LLMEngine], None] | None = None) -> int:
@@ -154,11 +201,7 @@ def main(argv: list[str] | None = None, *, engine_setup: Callable[[LLMEngine], N
         return _train(argv[1:])
     if argv[:1] == ["bench"]:
         return _bench(argv[1:])
-    parser = argparse.ArgumentParser(prog="pie", description="Paged INT8 LLM inference over gRPC")
-    sub = parser.add_subparsers(dest="command", required=True)
-    _add_serve(sub)
-    sub.add_parser("train", help="train a model and export it in the Hugging Face layout (pie train --help)")
-    sub.add_parser("bench", help="run a script of benchmarks/ from the source checkout (pie bench --list)")
+    parser = build_parser()
     args = parser.parse_args(argv)
     configure_logging(json=None if args.log_format == "auto" else args.log_format == "json", level=args.log_level)
     if args.command == "serve":

@@ -10,8 +10,10 @@ against the code; blocks it does not run name the test or script that does:
   the same code path small; here only its flags are parsed;
 - `pie serve --model models/...` (needs a downloaded model): here its flags are parsed.
 
-Run here: `pie serve --help`, `pie-client --help`, `pie train --help`, the `pie bench` lines, the
-`pie-client` lines and the Python blocks against live tiny servers, `python benchmarks/plot_results.py`.
+Run here: `pie serve --help`, `pie-client --help`, `pie train --help`, the `pie-client` lines and
+the Python blocks against live tiny servers, `python benchmarks/plot_results.py`.
+tests/test_readme_fresh_install.py runs the commands again (the `pie bench` and shortened
+`pie train` lines too) in an environment made only by the README's install.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import re
 import shlex
 import shutil
@@ -33,7 +34,7 @@ from engine.config import EngineConfig
 from service.logging import RequestSummary
 from service.server import BackgroundServer, ServerConfig
 from service.servicer import SERVICE_NAME
-from tests.helpers import make_hf_model_dir
+from tests.helpers import help_problems, make_hf_model_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
@@ -72,14 +73,12 @@ def test_help_commands_run(argv):
     assert "usage:" in out.stdout
 
 
-def test_bench_commands_run():
-    lines = [line for line in shell_lines() if line.startswith("pie bench ")]
-    assert len(lines) == 2
-    for line in lines:
-        out = run(shlex.split(line), env={**os.environ, "HF_HUB_OFFLINE": "1"})
-        assert out.returncode == 0, out.stderr[-2000:]
-    assert "throughput" in run(["pie", "bench", "--list"]).stdout
-    assert "| pie, int8 KV cache |" in out.stdout
+def test_bench_launcher():
+    """The README's `pie bench` lines run in tests/test_readme_fresh_install.py (after the README's
+    own install); here the launcher's listing and its refusal of an unknown name."""
+    listing = run(["pie", "bench", "--list"]).stdout
+    assert re.search(r"^  throughput +Offline throughput", listing, re.M), listing
+    assert re.search(r"^  attention +GPU +Paged attention", listing, re.M), listing
     bad = run(["pie", "bench", "no-such-benchmark"])
     assert bad.returncode == 2 and "unknown benchmark" in bad.stderr
 
@@ -96,11 +95,9 @@ def test_every_serve_flag_is_in_the_readme_table():
 
 
 def _serve_parser() -> argparse.ArgumentParser:
-    from service import cli
+    from service.cli import build_parser
 
-    parser = argparse.ArgumentParser(prog="pie")
-    cli._add_serve(parser.add_subparsers(dest="command", required=True))
-    return parser
+    return build_parser()
 
 
 def test_documented_commands_that_need_a_big_model_or_hours_parse():
@@ -111,12 +108,17 @@ def test_documented_commands_that_need_a_big_model_or_hours_parse():
         assert args.metrics_port == 9090 and args.host == "0.0.0.0"
     train = [shlex.split(line) for line in shell_lines() if line.startswith("pie train ")]
     assert train
-    from training.cli import add_train_parser
+    from service.cli import build_parser
 
-    parser = argparse.ArgumentParser(prog="pie")
-    add_train_parser(parser.add_subparsers(dest="command", required=True))
+    parser = build_parser(with_train=True)
     for argv in train:
         parser.parse_args(argv[1:])
+
+
+def test_every_flag_of_pie_has_one_line_and_its_default_once():
+    from service.cli import build_parser
+
+    assert help_problems(build_parser(with_train=True)) == []
 
 
 def test_plot_script_draws_the_readme_figure(tmp_path):

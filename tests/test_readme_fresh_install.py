@@ -1,0 +1,185 @@
+"""The README's commands, run as written in an environment made exactly as the README makes it:
+the tracked files copied to a new folder, the serve command's install steps (`python3 -m venv`,
+`pip install torch==2.13.0`, `pip install -e .`: no test extras, so no transformers and no
+datasets), then each command through bash with that virtual environment active.
+
+Commands that train or benchmark run shortened (the flags that set their size are replaced, the
+rest stay as written). Every shell command of the README is either run here or named in NOT_HERE
+with the test that covers it, so a new command cannot slip past. tests/service/test_docs.py checks
+the same commands against the code in the test environment; this file proves the README's own
+install is enough for them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
+
+# Commands not run here, and who runs them.
+NOT_HERE = {
+    "python3 -m venv": "the install steps of the serve command run in the fixture; the test command is .ci/run itself",
+    "grpcurl ": "grpcurl does not install here: tests/service/test_grpcurl_reflection.py runs these lines",
+    "pie serve --model ": "needs a downloaded model: tests/service/test_docs.py parses its flags",
+}
+# Size flags of the long-running commands, and what they become here.
+SHORTER = {
+    "--generate-corpus": "300", "--max-steps": "3", "--batch-size": "4", "--seq-len": "64", "--eval-every": "2",
+}
+
+
+def shell_lines() -> list[str]:
+    text = "\n".join(body for tag, body in FENCE.findall(README) if tag in ("", "sh"))
+    return [line for line in text.replace("\\\n", " ").splitlines() if line and not line.startswith("{")]
+
+
+def serve_command() -> str:
+    block = README.split("<!-- serve-command:begin -->", 1)[1].split("<!-- serve-command:end -->", 1)[0]
+    (line,) = [body.strip() for _, body in FENCE.findall(block)]
+    return line
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+class FreshInstall:
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME")}
+        self.env["PATH"] = os.pathsep.join(p for p in self.env.get("PATH", "").split(os.pathsep)
+                                           if not p.startswith(str(Path(sys.executable).parent)))
+        self.env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+
+    def bash(self, command: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["bash", "-c", f". .venv/bin/activate && {command}"], cwd=self.folder, env=self.env,
+                              capture_output=True, text=True, timeout=timeout)
+
+    def start(self, command: str) -> subprocess.Popen[str]:
+        return subprocess.Popen(["bash", "-c", f". .venv/bin/activate && exec {command}"], cwd=self.folder,
+                                env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+
+
+def _copy_tracked(dst: Path) -> None:
+    try:
+        files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+        names = [n for n in files.decode().split("\0") if n]
+    except (OSError, subprocess.CalledProcessError):  # not a git checkout: everything but build output
+        skip = {".venv", ".git", "node_modules", "runs", "__pycache__", ".pytest_cache"}
+        names = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*") if p.is_file() and not skip & set(p.parts)]
+    for name in names:
+        if (ROOT / name).is_file():
+            (dst / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, dst / name)
+
+
+@pytest.fixture(scope="module")
+def fresh(tmp_path_factory) -> FreshInstall:
+    folder = tmp_path_factory.mktemp("readme") / "pie"
+    folder.mkdir()
+    _copy_tracked(folder)
+    install = FreshInstall(folder)
+    *steps, serve = serve_command().split(" && ")
+    assert serve == "pie serve", serve_command()
+    done = subprocess.run(["bash", "-c", " && ".join(steps)], cwd=folder, env=install.env, capture_output=True,
+                          text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return install
+
+
+@pytest.fixture(scope="module")
+def servers(fresh: FreshInstall):
+    """`pie serve` as written (port 50051), and a second replica on 50052 for the scaling example."""
+    for port in (50051, 50052):
+        if not _port_free(port):
+            pytest.skip(f"port {port} is taken on this machine; the README's commands use it")
+    procs = [fresh.start("pie serve"), fresh.start("pie serve --port 50052")]
+    try:
+        deadline = time.monotonic() + 180
+        for proc, port in zip(procs, (50051, 50052)):
+            while True:
+                assert proc.poll() is None, proc.stderr.read()[-3000:] if proc.stderr else ""
+                ready = fresh.bash(f"pie-client --address 127.0.0.1:{port} info", timeout=60)
+                if ready.returncode == 0:
+                    break
+                assert time.monotonic() < deadline, ready.stderr
+                time.sleep(1)
+        yield procs
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_every_readme_command_is_run_here_or_named(fresh: FreshInstall) -> None:
+    run_here = ("pie serve --help", "pie-client ", "pie train ", "pie bench ")
+    for line in shell_lines():
+        assert line.startswith(run_here) or line.startswith(tuple(NOT_HERE)), f"README command not run: {line}"
+
+
+def test_client_commands_and_python_examples(fresh: FreshInstall, servers) -> None:
+    lines = [line for line in shell_lines() if line.startswith("pie-client ")]
+    assert len(lines) >= 2
+    for line in lines:
+        out = fresh.bash(line, timeout=120)
+        assert out.returncode == 0 and out.stdout.strip(), (line, out.stderr)
+    python = [body for tag, body in FENCE.findall(README) if tag == "python"]
+    assert len(python) >= 2
+    for code in python:
+        out = fresh.bash(f"python -c {shlex.quote(code)}", timeout=120)
+        assert out.returncode == 0 and out.stdout.strip(), (code, out.stderr)
+
+
+@pytest.mark.parametrize("command", ["pie --help", "pie serve --help", "pie train --help", "pie bench --list",
+                                     "pie-client --help", "pie-client generate --help"])
+def test_help(fresh: FreshInstall, command: str) -> None:
+    out = fresh.bash(command, timeout=120)
+    assert out.returncode == 0 and "usage:" in out.stdout, out.stderr
+
+
+def test_bench_commands(fresh: FreshInstall) -> None:
+    lines = [line for line in shell_lines() if line.startswith("pie bench ")]
+    assert lines
+    for line in lines:
+        out = fresh.bash(line, timeout=600)
+        assert out.returncode == 0, (line, out.stdout[-2000:], out.stderr[-3000:])
+        assert out.stdout.strip()
+        if "throughput" in line:
+            assert "| pie, int8 KV cache |" in out.stdout, out.stdout
+
+
+def test_train_command_shortened(fresh: FreshInstall, tmp_path: Path) -> None:
+    lines = [line for line in shell_lines() if line.startswith("pie train ")]
+    assert lines
+    for line in lines:
+        argv = shlex.split(line)
+        for i, arg in enumerate(argv[:-1]):
+            if arg in SHORTER:
+                argv[i + 1] = SHORTER[arg]
+            elif arg in ("--out", "--export"):  # never over the bundled model
+                argv[i + 1] = str(tmp_path / arg.lstrip("-"))
+        out = fresh.bash(shlex.join(argv), timeout=600)
+        assert out.returncode == 0, (shlex.join(argv), out.stdout[-2000:], out.stderr[-3000:])
+        if "--export" in argv:
+            exported = {p.name for p in (tmp_path / "export").iterdir()}
+            assert {"config.json", "model.safetensors", "tokenizer.json"} <= exported
