@@ -8,12 +8,12 @@ Our fused parameters are split back into transformers' names: `self_attn.qkv_pro
 from __future__ import annotations
 
 import json
-import shutil
+import os
 from os import PathLike
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save
 
 from model.config import ModelConfig
 from model.llama import LlamaForCausalLM
@@ -91,10 +91,11 @@ def export_hf(model: LlamaForCausalLM, config, tokenizer_path: str | PathLike[st
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
-    save_file(hf_state_dict(model, cfg, dtype), str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(hf_config(cfg, dtype), indent=2) + "\n")
+    # serialized in memory (one copy of the weights in `dtype`: small for the models trained here)
+    _write(out / "model.safetensors", save(hf_state_dict(model, cfg, dtype), metadata={"format": "pt"}))
+    _write(out / "config.json", _json_bytes(hf_config(cfg, dtype)))
     if tok_file.resolve() != (out / "tokenizer.json").resolve():
-        shutil.copyfile(tok_file, out / "tokenizer.json")
+        _write(out / "tokenizer.json", tok_file.read_bytes())
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN, "unk_token": None,
@@ -103,7 +104,22 @@ def export_hf(model: LlamaForCausalLM, config, tokenizer_path: str | PathLike[st
         "clean_up_tokenization_spaces": False,  # decoding must return the text exactly
         "model_max_length": cfg.max_position_embeddings,
     }
-    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+    _write(out / "tokenizer_config.json", _json_bytes(tokenizer_config))
     generation_config = {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID}
-    (out / "generation_config.json").write_text(json.dumps(generation_config, indent=2) + "\n")
+    _write(out / "generation_config.json", _json_bytes(generation_config))
     return out
+
+
+def _json_bytes(obj: dict) -> bytes:
+    return (json.dumps(obj, indent=2) + "\n").encode()
+
+
+def _write(path: Path, data: bytes) -> None:
+    """Writes `path` whole or not at all (a temp file renamed over it), always as a new file, so its
+    mode is what open() gives under the umask, like any file the user writes, whatever an earlier
+    export left there (safetensors' save_file creates its file 0600)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.unlink(missing_ok=True)
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)

@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import stat
 import subprocess
 import sys
 import time
@@ -17,7 +18,7 @@ from training.data import STORY_SEPARATOR, HubUnreachableError, load_text_datase
 from training.export import export_hf
 from training.plot import PNG_SIGNATURE
 from training.tokenizer import BOS_ID, EOS_ID, PAD_ID, train_bpe_tokenizer
-from training.train import TrainConfig, train
+from training.train import TrainConfig, build_model, train
 
 _WORDS = ("once upon a time there was a little cat named Tom . she liked to play in the big park with "
           "her red ball . one day Lily saw a dog and they were happy friends").split()
@@ -104,6 +105,28 @@ def test_training_lowers_eval_loss_and_writes_metrics_and_png(tokenized, tmp_pat
     assert result["step"] == 30 and result["eval_loss"] == evals[-1]["eval_loss"]
     assert result["plot"].read_bytes().startswith(PNG_SIGNATURE)
     assert (tmp_path / "checkpoint.pt").is_file()
+
+
+def test_exported_files_all_get_the_mode_a_new_file_gets(tokenized, tmp_path):
+    _, tok_file, _ = tokenized
+    cfg = _tiny(tmp_path / "run")
+    model = build_model(cfg, torch.device("cpu"))
+    old = os.umask(0o027)
+    try:
+        (tmp_path / "plain").write_text("x")
+        out = export_hf(model, cfg, tok_file, tmp_path / "model", dtype=torch.float32)
+        files = sorted(out.iterdir())
+        assert [f.name for f in files] == ["config.json", "generation_config.json", "model.safetensors",
+                                           "tokenizer.json", "tokenizer_config.json"]
+        plain = stat.S_IMODE((tmp_path / "plain").stat().st_mode)
+        assert plain == 0o640
+        assert {f.name: stat.S_IMODE(f.stat().st_mode) for f in files} == {f.name: plain for f in files}
+        for f in files:  # a re-export writes new files: what an earlier one left does not stick
+            f.chmod(0o600)
+        export_hf(model, cfg, tok_file, out, dtype=torch.float32)
+        assert {f.name: stat.S_IMODE(f.stat().st_mode) for f in out.iterdir()} == {f.name: plain for f in files}
+    finally:
+        os.umask(old)
 
 
 def test_resume_matches_uninterrupted_run(tokenized, tmp_path):
