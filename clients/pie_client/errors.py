@@ -30,6 +30,9 @@ class PieError(Exception):
         details: the server's message.
         request_id: the request's id, when the server or the caller named one.
         field_violations: (field, description) pairs from a google.rpc.BadRequest detail.
+
+    str() is one line: code, message, the field violations the message does not already say (pie's
+    server writes "field: description" as the message), and the request id.
     """
 
     def __init__(
@@ -48,8 +51,9 @@ class PieError(Exception):
 
     def _message(self) -> str:
         text = f"{self.code.name}: {self.details}"
-        if self.field_violations:
-            text += " (" + "; ".join(f"{f}: {d}" for f, d in self.field_violations) + ")"
+        unsaid = [(f, d) for f, d in self.field_violations if not (f in self.details and d in self.details)]
+        if unsaid:
+            text += " (" + "; ".join(f"{f}: {d}" for f, d in unsaid) + ")"
         if self.request_id:
             text += f" [request_id={self.request_id}]"
         return text

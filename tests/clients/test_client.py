@@ -105,6 +105,18 @@ def test_invalid_argument_carries_field_violations(client: pie_client.Client) ->
         list(client.stream("invalid"))
 
 
+def test_an_error_says_a_field_violation_once() -> None:
+    code = grpc.StatusCode.INVALID_ARGUMENT
+    violation = ("sampling.top_p", "must be in (0, 1]")
+    said = pie_client.InvalidArgument(code, "sampling.top_p: must be in (0, 1]", request_id="r-1",
+                                      field_violations=[violation])  # pie's server: the message names the field
+    assert str(said) == "INVALID_ARGUMENT: sampling.top_p: must be in (0, 1] [request_id=r-1]"
+    unsaid = pie_client.InvalidArgument(code, "invalid sampling parameters", field_violations=[violation])
+    assert str(unsaid) == "INVALID_ARGUMENT: invalid sampling parameters (sampling.top_p: must be in (0, 1])"
+    other = pie_client.InvalidArgument(code, "sampling.top_p: bad", field_violations=[violation])
+    assert str(other) == "INVALID_ARGUMENT: sampling.top_p: bad (sampling.top_p: must be in (0, 1])"
+
+
 def test_resource_exhausted_has_retry_after(client: pie_client.Client) -> None:
     with pytest.raises(pie_client.ResourceExhausted) as caught:
         client.generate("full")
