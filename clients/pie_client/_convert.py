@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import functools
+import struct
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
+
+from google.protobuf.descriptor import FieldDescriptor
 
 from pie.v1 import generate_pb2 as pb
 
@@ -14,6 +18,66 @@ SAMPLING_FIELDS: frozenset[str] = frozenset(f.name for f in pb.SamplingParams.DE
 _REPEATED_FIELDS = frozenset(
     f.name for f in pb.SamplingParams.DESCRIPTOR.fields if f.is_repeated
 )
+_FIELD_TYPES: dict[str, int] = {f.name: f.type for f in pb.SamplingParams.DESCRIPTOR.fields}
+_UINT_MAX = {FieldDescriptor.TYPE_UINT32: 2**32 - 1, FieldDescriptor.TYPE_UINT64: 2**64 - 1}
+
+# Fields whose 0 is not 0: proto3 sends 0 as "unset", which the server reads as the default named
+# here (generate.proto says so), so 0 is refused rather than silently becoming it.
+ZERO_MEANS_DEFAULT: dict[str, str] = {"max_tokens": "the server's default, 16", "n": "the default, 1"}
+
+
+def _uint_problem(value: int, hi: int, zero_means: str | None) -> str | None:
+    lo = 0 if zero_means is None else 1
+    if value < lo:
+        hint = "" if zero_means is None else f" (leave it out for {zero_means})"
+        return f"must be >= {lo}, got {value}{hint}"
+    if value > hi:
+        return f"must be <= {hi}, got {value}"
+    return None
+
+
+def value_problem(name: str, value: Any) -> str | None:
+    """Why SamplingParams field `name` cannot carry `value` as meant, or None when it can.
+
+    Only what the wire format itself cannot say is caught here: a negative or too large value of an
+    unsigned field, a 0 that the server would read as its default, a float beyond float32's range
+    (it would arrive as infinity). Ranges the wire can carry (temperature < 0, top_p > 1, ...)
+    are the server's to check; it names the field in its INVALID_ARGUMENT answer. For a repeated
+    field, `value` is one of its items. Values of a wrong type are left to protobuf.
+    """
+    kind = _FIELD_TYPES[name]
+    if kind in _UINT_MAX and isinstance(value, int) and not isinstance(value, bool):
+        return _uint_problem(value, _UINT_MAX[kind], ZERO_MEANS_DEFAULT.get(name))
+    if kind == FieldDescriptor.TYPE_FLOAT and isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            struct.pack("<f", value)
+        except OverflowError:
+            return f"must fit a 32-bit float (magnitude below 3.4e38), got {value}"
+    return None
+
+
+def token_id_problem(token_id: int) -> str | None:
+    """Why `token_id` cannot be sent as a uint32 token id (a prompt's), or None."""
+    return _uint_problem(token_id, _UINT_MAX[FieldDescriptor.TYPE_UINT32], None)
+
+
+def _put(name: str, value: Any, put: Callable[[Any], Any]) -> None:
+    """put(value), with protobuf's complaint about the value prefixed by the field's name."""
+    try:
+        put(value)
+    except (TypeError, ValueError) as error:
+        raise type(error)(f"{name}: cannot be {value!r} ({error})") from None
+
+
+def _items(name: str, value: Any) -> list[Any]:
+    """The items of a repeated field's value; one stop string or one stop token id is a list of one."""
+    if isinstance(value, (str, int)):
+        return [value]
+    try:
+        return list(value)
+    except TypeError:
+        raise TypeError(f"{name}: expected a list, got {type(value).__name__}") from None
+
 
 RequestT = TypeVar("RequestT", pb.GenerateRequest, pb.GenerateStreamRequest)
 
@@ -21,7 +85,9 @@ RequestT = TypeVar("RequestT", pb.GenerateRequest, pb.GenerateStreamRequest)
 def sampling_params(sampling: Mapping[str, Any]) -> pb.SamplingParams:
     """Build SamplingParams from keyword arguments; None leaves a field unset (its default).
 
-    Raises TypeError for a name that is not a SamplingParams field.
+    Raises TypeError for a name that is not a SamplingParams field or a value of the wrong type,
+    and ValueError for a value the request cannot carry (see `value_problem`); either message
+    starts with the field's name ("max_tokens: must be >= 1, got 0 ...").
     """
     unknown = sorted(set(sampling) - SAMPLING_FIELDS)
     if unknown:
@@ -33,11 +99,17 @@ def sampling_params(sampling: Mapping[str, Any]) -> pb.SamplingParams:
         if value is None:
             continue
         if name in _REPEATED_FIELDS:
-            if isinstance(value, (str, int)):  # one stop string or one stop token id
-                value = [value]
-            getattr(params, name).extend(value)
+            items = _items(name, value)
+            for i, item in enumerate(items):
+                problem = value_problem(name, item)
+                if problem:
+                    raise ValueError(f"{name}[{i}]: {problem}")
+            _put(name, items, getattr(params, name).extend)
         else:
-            setattr(params, name, value)
+            problem = value_problem(name, value)
+            if problem:
+                raise ValueError(f"{name}: {problem}")
+            _put(name, value, functools.partial(setattr, params, name))
     return params
 
 
@@ -51,7 +123,12 @@ def build_request(
     elif isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)) and all(
         isinstance(t, int) for t in prompt
     ):
-        request.prompt_token_ids.ids.extend(int(t) for t in prompt)
+        ids = [int(t) for t in prompt]
+        for i, token_id in enumerate(ids):
+            problem = token_id_problem(token_id)
+            if problem:
+                raise ValueError(f"prompt_token_ids[{i}]: {problem}")
+        request.prompt_token_ids.ids.extend(ids)
         request.prompt_token_ids.SetInParent()  # set even when empty, so the server can say why
     else:
         raise TypeError(f"prompt must be a str or a sequence of token ids, not {type(prompt).__name__}")

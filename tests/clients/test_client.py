@@ -64,6 +64,40 @@ def test_unknown_sampling_keyword_raises_type_error(client: pie_client.Client) -
         client.generate(b"bytes")  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    ("prompt", "sampling", "error", "message"),
+    [
+        ("hi", {"max_tokens": -5}, ValueError, "max_tokens: must be >= 1, got -5 (leave it out for the server's default, 16)"),
+        ("hi", {"max_tokens": 0}, ValueError, "max_tokens: must be >= 1, got 0 (leave it out for the server's default, 16)"),
+        ("hi", {"n": 0}, ValueError, "n: must be >= 1, got 0 (leave it out for the default, 1)"),
+        ("hi", {"top_k": 2**32}, ValueError, "top_k: must be <= 4294967295, got 4294967296"),
+        ("hi", {"seed": -1}, ValueError, "seed: must be >= 0, got -1"),
+        ("hi", {"temperature": 1e39}, ValueError, "temperature: must fit a 32-bit float (magnitude below 3.4e38), got 1e+39"),
+        ("hi", {"stop_token_ids": [2, -1]}, ValueError, "stop_token_ids[1]: must be >= 0, got -1"),
+        ([5, -1], {}, ValueError, "prompt_token_ids[1]: must be >= 0, got -1"),
+        ("hi", {"max_tokens": "3"}, TypeError, "max_tokens: cannot be '3' ("),
+        ("hi", {"stop": [1]}, TypeError, "stop: cannot be [1] ("),
+        ("hi", {"stop": 1.5}, TypeError, "stop: expected a list, got float"),
+    ],
+)
+def test_a_value_the_request_cannot_carry_is_refused_by_field_name(
+    client: pie_client.Client, fake: tuple[FakeGenerateService, str], prompt: str | list[int],
+    sampling: dict[str, object], error: type[Exception], message: str,
+) -> None:
+    sent = len(fake[0].requests)
+    for call in (client.generate, client.stream):
+        with pytest.raises(error) as caught:
+            call(prompt, **sampling)
+        assert str(caught.value).startswith(message)
+    assert len(fake[0].requests) == sent  # refused before sending
+
+
+def test_zeros_that_mean_zero_are_sent(client: pie_client.Client, fake: tuple[FakeGenerateService, str]) -> None:
+    client.generate("hi", seed=0, top_k=0, logprobs=0, temperature=0.0, max_tokens=None)
+    sent = fake[0].requests[-1].sampling
+    assert sent.HasField("seed") and sent.seed == 0 and sent.max_tokens == 0  # max_tokens unset: the default
+
+
 def test_stream_yields_deltas_and_a_final_summary(client: pie_client.Client) -> None:
     deltas = list(client.stream("Hi", request_id="s-1", max_tokens=4))
     assert "".join(d.text for d in deltas) == "Hello!"
@@ -208,6 +242,10 @@ def test_async_client(fake: tuple[FakeGenerateService, str]) -> None:
                     pass
             with pytest.raises(TypeError):
                 await client.generate("hi", temprature=1.0)
+            with pytest.raises(ValueError, match=r"^max_tokens: must be >= 1"):
+                await client.generate("hi", max_tokens=0)
+            with pytest.raises(ValueError, match=r"^n: must be >= 1"):
+                client.stream("hi", n=0)
 
     asyncio.run(scenario())
 
