@@ -1,12 +1,31 @@
-"""The `pie-client` command line: generate (streamed by default), info, tokenize.
+"""pie-client: call a pie inference server to generate text (streamed by default), describe its
+model (info) or tokenize text.
+
+Examples:
 
     pie-client generate "Once upon a time" --max-tokens 64 --temperature 0.8
-    pie-client --address 10.0.0.1:50051 --address 10.0.0.2:50051 generate "Hi" --no-stream
+    pie-client generate "Hi" --no-stream --address 10.0.0.1:50051 --address 10.0.0.2:50051
+    pie-client generate "Hi" --logprobs 3            # each token's logprob: a table on stderr
+    pie-client generate "Hi" --json | jq -r .text    # JSON lines on stdout, for scripts
     pie-client info
     pie-client tokenize "Hello world"
 
-Generated text goes to stdout as it arrives; finish reason and usage go to stderr. A failed RPC
-prints one line to stderr and exits with status 1.
+Global options (--address, --timeout, --request-id) go before or after the subcommand. Given
+after it, --timeout and --request-id replace a value given before; --address adds to the list.
+
+Output of generate: stdout carries the generated text and nothing else, written as it arrives,
+so it can be piped. Everything else goes to stderr after the text: with --logprobs K a table (each
+generated token, its logprob, the K most likely alternatives with theirs), then one summary line
+(finish reason, stop reason, token counts, request id). Several samples (--n) are printed whole,
+one after another, each headed by its index. With --json, stdout is JSON lines and stderr stays
+empty: while streaming, one object per stream message (request_id, text, token_ids,
+finish_reason, stop_reason, usage, logprobs, index; the last has finish_reason and usage); with
+--no-stream or --n > 1, one object: the whole completion (choices listed when --n > 1).
+
+Exit status: 0 done; 1 the server answered with an error, printed as one line on stderr (code,
+message, field, request id); 2 a usage error, printed by the flag it concerns, before anything is
+sent (a value the request cannot carry, such as --max-tokens 0 or a negative --seed); 130
+interrupted.
 """
 
 from __future__ import annotations
@@ -14,96 +33,239 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from . import _convert
 from ._channel import DEFAULT_TARGET
 from .client import Client
-from .errors import PieError
+from .errors import REQUEST_ID_KEY, PieError
+from .types import TokenLogprob
 
-# (flag, SamplingParams field, type) of the sampling options taking one value.
-_SAMPLING_FLAGS: tuple[tuple[str, str, type], ...] = (
-    ("--max-tokens", "max_tokens", int),
-    ("--temperature", "temperature", float),
-    ("--top-k", "top_k", int),
-    ("--top-p", "top_p", float),
-    ("--min-p", "min_p", float),
-    ("--repetition-penalty", "repetition_penalty", float),
-    ("--presence-penalty", "presence_penalty", float),
-    ("--frequency-penalty", "frequency_penalty", float),
-    ("--seed", "seed", int),
-    ("--logprobs", "logprobs", int),
-    ("--n", "n", int),
+_SUMMARY, _, _DETAILS = (__doc__ or "").partition("\n\n")
+
+# (flag, SamplingParams field, type, metavar, help) of the sampling options taking one value. An
+# absent flag sends nothing, so each help says in words what the server then does (generate.proto).
+_SAMPLING_FLAGS: tuple[tuple[str, str, type, str, str], ...] = (
+    ("--max-tokens", "max_tokens", int, "N",
+     "most tokens to generate; it also stops when the context is full (default: the server's, 16)"),
+    ("--temperature", "temperature", float, "T", "softmax temperature; 0 is greedy decoding (default: 0, greedy)"),
+    ("--top-k", "top_k", int, "K", "sample among the K most likely tokens only; 0 is off (default: 0, off)"),
+    ("--top-p", "top_p", float, "P",
+     "nucleus sampling: keep the fewest tokens whose probabilities sum to P, in (0, 1] (default: 1.0, off)"),
+    ("--min-p", "min_p", float, "P",
+     "drop tokens less likely than P times the most likely one, in [0, 1]; 0 is off (default: 0, off)"),
+    ("--repetition-penalty", "repetition_penalty", float, "X",
+     "multiplicative penalty (> 0) on tokens already in the prompt or output (default: 1.0, off)"),
+    ("--presence-penalty", "presence_penalty", float, "X",
+     "additive penalty on tokens already in the output; 0 is off (default: 0, off)"),
+    ("--frequency-penalty", "frequency_penalty", float, "X",
+     "additive penalty scaled by how often a token is already in the output; 0 is off (default: 0, off)"),
+    ("--seed", "seed", int, "N", "seed of this request's random numbers, for reproducible sampling (default: random)"),
+    ("--logprobs", "logprobs", int, "K",
+     "report each generated token's logprob and its K most likely alternatives: a table on stderr, "
+     "or in --json; 0 reports none (default: 0, none)"),
+    ("--n", "n", int, "N",
+     "independent samples of the prompt, 1..16, printed whole one after another, never streamed (default: 1)"),
 )
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pie-client", description="Call a pie inference server.")
-    parser.add_argument(
-        "--address",
-        action="append",
-        help=f"server host:port, or any gRPC target; repeat to balance over several (default {DEFAULT_TARGET})",
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Every flag's help ends with its default, once: "(default: X)" is appended ("on"/"off" for a
+    switch) unless the help already says "(default ...)", which it must where there is no value to
+    show (None: the flag then sends nothing, and its help says what the server does). The server's
+    `pie` has a formatter of its own; the client stands alone and cannot import it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "(default" in text or not action.option_strings or action.default in (None, argparse.SUPPRESS):
+            return text
+        if isinstance(action.default, bool):
+            return f"{text} (default: {'on' if action.default else 'off'})"
+        return text + " (default: %(default)s)"
+
+
+def _checked(name: str, kind: type) -> Callable[[str], Any]:
+    """argparse type of the flag of SamplingParams field `name`: parses the text, then refuses a
+    value the request cannot carry as meant (argparse names the flag and exits with status 2)."""
+
+    def parse(text: str) -> Any:
+        value = kind(text)  # a ValueError here is argparse's "invalid int value: 'x'"
+        problem = _convert.value_problem(name, value)
+        if problem:
+            raise argparse.ArgumentTypeError(problem)
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be > 0 and finite, got {text} (leave it out for no deadline)")
+    return value
+
+
+_seconds.__name__ = "float"
+
+
+def _add_global_flags(parser: argparse.ArgumentParser, *, after_command: bool) -> None:
+    """--address, --timeout and --request-id, on the main parser and again on each subcommand.
+
+    On a subcommand their default is SUPPRESS, so that a value given before the subcommand is not
+    overwritten by a default; its --address goes to `address_after`, added to the list by _parse.
+    Their helps say their defaults in words, since the subcommand's copies have no value to show.
+    """
+    group = parser.add_argument_group("global options (before or after the subcommand)")
+    default = argparse.SUPPRESS if after_command else None
+    group.add_argument(
+        "--address", action="append", dest="address_after" if after_command else "address", metavar="ADDRESS",
+        default=default,
+        help="server host:port, or any gRPC target; repeat to balance over several IP addresses "
+             f"(default: {DEFAULT_TARGET})",
     )
-    parser.add_argument("--timeout", type=float, default=None, help="deadline of the call in seconds")
-    parser.add_argument("--request-id", default=None, help="sent as x-request-id")
+    group.add_argument("--timeout", type=_seconds, metavar="SECONDS", default=default,
+                       help="deadline of the call in seconds, of all of it for a stream "
+                            "(default: none, the call may wait forever)")
+    group.add_argument("--request-id", metavar="ID", default=default,
+                       help=f"sent as {REQUEST_ID_KEY}; the server logs the request under it "
+                            "(default: the server makes one)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pie-client", description=_SUMMARY, epilog=_DETAILS,
+                                     formatter_class=HelpFormatter)
+    _add_global_flags(parser, after_command=False)
     commands = parser.add_subparsers(dest="command", required=True)
 
-    gen = commands.add_parser("generate", help="generate text from a prompt")
+    gen = commands.add_parser("generate", help="generate text from a prompt", description="Generate text from a prompt.",
+                              epilog=_DETAILS, formatter_class=HelpFormatter)
+    gen.set_defaults(command_parser=gen)  # for usage errors found after parsing
     gen.add_argument("prompt", help="prompt text (or token ids with --token-ids)")
     gen.add_argument("--token-ids", action="store_true", help="PROMPT is token ids separated by spaces or commas")
-    for flag, name, kind in _SAMPLING_FLAGS:
-        gen.add_argument(flag, dest=name, type=kind, default=None)
-    gen.add_argument("--stop", action="append", default=None, help="stop string; repeatable")
-    gen.add_argument("--stop-token-id", dest="stop_token_ids", type=int, action="append", default=None)
-    gen.add_argument("--ignore-eos", action="store_true", default=None)
+    for flag, name, kind, metavar, text in _SAMPLING_FLAGS:
+        gen.add_argument(flag, dest=name, type=_checked(name, kind), metavar=metavar, default=None, help=text)
+    gen.add_argument("--stop", action="append", metavar="TEXT", default=None,
+                     help="stop string, left out of the text; repeatable (default: none)")
+    gen.add_argument("--stop-token-id", dest="stop_token_ids", type=_checked("stop_token_ids", int), action="append",
+                     metavar="ID", default=None,
+                     help="token id that ends generation besides the model's end-of-sequence ids; repeatable "
+                          "(default: none)")
+    gen.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     gen.add_argument("--keep-special-tokens", action="store_true", help="leave special tokens in the text")
     gen.add_argument("--no-stream", action="store_true", help="one unary call; print the whole answer")
+    gen.add_argument("--json", action="store_true",
+                     help="print JSON lines on stdout instead of text: one object per stream message, or the "
+                          "whole completion with --no-stream or --n > 1; nothing on stderr")
+    _add_global_flags(gen, after_command=True)
 
-    commands.add_parser("info", help="print model info and server load as JSON")
+    info = commands.add_parser("info", help="print model info and server load as JSON",
+                               description="Print the served model and the server's load as JSON.",
+                               formatter_class=HelpFormatter)
+    _add_global_flags(info, after_command=True)
 
-    tok = commands.add_parser("tokenize", help="print the token ids of TEXT as JSON")
-    tok.add_argument("text")
-    tok.add_argument("--no-special-tokens", action="store_true", help="do not add BOS and the like")
+    tok = commands.add_parser("tokenize", help="print the token ids of TEXT as JSON",
+                              description="Print the token ids of TEXT (and their text pieces) as JSON.",
+                              formatter_class=HelpFormatter)
+    tok.add_argument("text", help="text to tokenize with the served model's tokenizer")
+    tok.add_argument("--no-special-tokens", action="store_true",
+                     help="do not add BOS and the like, which a text prompt gets")
+    _add_global_flags(tok, after_command=True)
     return parser
 
 
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    """Parsed arguments, with --address given before and after the subcommand joined (or the
+    default) and a --token-ids prompt turned into its list of ids."""
+    args = _parser().parse_args(argv)
+    args.address = (args.address or []) + vars(args).pop("address_after", []) or [DEFAULT_TARGET]
+    command_parser = vars(args).pop("command_parser", None)
+    if command_parser is not None and args.token_ids:
+        try:
+            args.prompt = [int(t) for t in args.prompt.replace(",", " ").split()]
+        except ValueError:
+            command_parser.error(f"argument prompt: with --token-ids, must be integers, got {args.prompt!r}")
+        for i, token_id in enumerate(args.prompt):
+            problem = _convert.token_id_problem(token_id)
+            if problem:
+                command_parser.error(f"argument prompt: token id {i}: {problem}")
+    return args
+
+
 def _sampling(args: argparse.Namespace) -> dict[str, Any]:
-    names = [name for _, name, _ in _SAMPLING_FLAGS] + ["stop", "stop_token_ids", "ignore_eos"]
+    """The keywords of Client.generate/stream for the flags given; an absent flag sends nothing."""
+    names = [name for _, name, _, _, _ in _SAMPLING_FLAGS] + ["stop", "stop_token_ids"]
     sampling = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    if args.ignore_eos:
+        sampling["ignore_eos"] = True
     if args.keep_special_tokens:
         sampling["skip_special_tokens"] = False
     return sampling
 
 
-def _prompt(args: argparse.Namespace) -> str | list[int]:
-    if not args.token_ids:
-        return args.prompt
-    return [int(t) for t in args.prompt.replace(",", " ").split()]
+def _shown(token: str, token_id: int) -> str:
+    """A token's text piece in quotes (spaces and newlines visible), or #id when it has none."""
+    return json.dumps(token, ensure_ascii=False) if token else f"#{token_id}"
+
+
+def logprob_table(logprobs: Sequence[TokenLogprob]) -> list[str]:
+    """Lines of a table of generated tokens: position, token id, text, logprob, and the most
+    likely alternatives ("text logprob", most likely first)."""
+    texts = [_shown(lp.token, lp.token_id) for lp in logprobs]
+    width = max([len("token"), *map(len, texts)])
+    lines = [f"{'#':>4} {'id':>7}  {'token':<{width}}  {'logprob':>8}  alternatives"]
+    for position, (lp, text) in enumerate(zip(logprobs, texts)):
+        alternatives = "  ".join(f"{_shown(t.token, t.token_id)} {t.logprob:.4f}" for t in lp.top_logprobs)
+        lines.append(f"{position:>4} {lp.token_id:>7}  {text:<{width}}  {lp.logprob:>8.4f}  {alternatives}".rstrip())
+    return lines
+
+
+def _print_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(dataclasses.asdict(obj), ensure_ascii=False) + "\n")
+    sys.stdout.flush()
 
 
 def _generate(client: Client, args: argparse.Namespace) -> None:
-    prompt, sampling = _prompt(args), _sampling(args)
+    sampling = _sampling(args)
+    logprobs: dict[int, list[TokenLogprob]] = {}  # by choice
     if args.no_stream or sampling.get("n", 1) > 1:  # several choices: printed whole, one after another
-        done = client.generate(prompt, request_id=args.request_id, **sampling)
-        texts = [c.text for c in done.choices] or [done.text]
-        sys.stdout.write("\n\n".join(f"[{i}] {t}" if len(texts) > 1 else t for i, t in enumerate(texts)) + "\n")
+        done = client.generate(args.prompt, request_id=args.request_id, **sampling)
+        if args.json:
+            _print_json(done)
+            return
+        choices = [(c.index, c.text, c.logprobs) for c in done.choices] or [(0, done.text, done.logprobs)]
+        several = len(choices) > 1
+        sys.stdout.write("\n\n".join(f"[{i}] {text}" if several else text for i, text, _ in choices) + "\n")
         sys.stdout.flush()
+        logprobs = {i: items for i, _, items in choices}
         reason, stop, request_id = done.finish_reason, done.stop_reason, done.request_id
         prompt_tokens, completion_tokens = done.prompt_tokens, done.completion_tokens
     else:
         reason, stop, request_id, prompt_tokens, completion_tokens = None, "", "", 0, 0
-        for delta in client.stream(prompt, request_id=args.request_id, **sampling):
+        for delta in client.stream(args.prompt, request_id=args.request_id, **sampling):
+            if args.json:
+                _print_json(delta)
+                continue
             if delta.text:
                 sys.stdout.write(delta.text)
                 sys.stdout.flush()
+            logprobs.setdefault(delta.index, []).extend(delta.logprobs)
             request_id = delta.request_id or request_id
             if delta.finish_reason is not None:
                 reason, stop = delta.finish_reason, delta.stop_reason
             if delta.usage is not None:
                 prompt_tokens, completion_tokens = delta.usage.prompt_tokens, delta.usage.completion_tokens
+        if args.json:
+            return
         sys.stdout.write("\n")
         sys.stdout.flush()
+    if args.logprobs:
+        for index, items in sorted(logprobs.items()):
+            title = f"logprobs of choice {index}:" if len(logprobs) > 1 else "logprobs:"
+            print("\n".join([title, *logprob_table(items)]), file=sys.stderr)
     stop_text = f" stop_reason={stop!r}" if stop else ""
     print(
         f"[finish_reason={reason}{stop_text} prompt_tokens={prompt_tokens} "
@@ -114,9 +276,13 @@ def _generate(client: Client, args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
-    args = _parser().parse_args(argv)
     try:
-        with Client(args.address or DEFAULT_TARGET, timeout=args.timeout) as client:
+        args = _parse(argv)
+    except SystemExit as stop:  # --help (0), or a usage error argparse has printed (2)
+        return stop.code if isinstance(stop.code, int) else 2
+    metadata = [(REQUEST_ID_KEY, args.request_id)] if args.request_id else None  # info and tokenize too
+    try:
+        with Client(args.address, timeout=args.timeout, metadata=metadata) as client:
             if args.command == "generate":
                 _generate(client, args)
             elif args.command == "info":
@@ -127,7 +293,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PieError as error:
         print(f"pie-client: {error}", file=sys.stderr)
         return 1
-    except ValueError as error:  # a malformed address or token id list
+    except ValueError as error:  # a malformed address, or a value the request cannot carry
         print(f"pie-client: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -1,0 +1,160 @@
+"""The `pie-client` command line against the fake GenerateService: its --help, where its global
+options may go, the values it refuses before sending, and its --logprobs and --json output."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+import pytest
+
+import pie_client
+from pie.v1 import generate_pb2 as pb
+from pie_client import cli
+from pie_client._channel import DEFAULT_TARGET
+from pie_client._convert import SAMPLING_FIELDS
+from tests.clients.fake_service import FakeGenerateService
+from tests.helpers import help_problems
+
+Fake = tuple[FakeGenerateService, str]
+
+
+def test_every_flag_has_a_description_and_its_default_once() -> None:
+    assert help_problems(cli._parser()) == []
+
+
+@pytest.mark.parametrize("command", [[], ["generate"], ["info"], ["tokenize"]])
+def test_help_of_every_command_renders(command: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main([*command, "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # as one line, whatever the terminal's width
+    assert out.startswith(f"usage: {' '.join(['pie-client', *command])} ")
+    assert out.count(f"(default: {DEFAULT_TARGET})") == 1  # the global options, also after the subcommand
+    if command == ["generate"]:
+        for words in ("(default: the server's, 16)", "(default: 0, greedy)", "(default: 1.0, off)", "(default: off)"):
+            assert words in out
+        assert "JSON lines" in out and "stderr" in out  # where --logprobs and --json write
+
+
+def test_the_formatter_appends_defaults_once_and_help_problems_sees_a_missing_one() -> None:
+    parser = argparse.ArgumentParser(prog="toy", formatter_class=cli.HelpFormatter)
+    parser.add_argument("--count", type=int, default=3, help="a count")
+    parser.add_argument("--switch", action="store_true", help="a switch")
+    parser.add_argument("--said", type=int, default=4, help="says it (default: four)")
+    parser.add_argument("--words", default=None, help="nothing sent (default: the server's)")
+    text = parser.format_help()
+    assert "a count (default: 3)" in text and "a switch (default: off)" in text
+    assert "says it (default: four)" in text and "(default: 4)" not in text
+    assert help_problems(parser) == []
+    parser.add_argument("--silent", default=None, help="no default in words")
+    problems = help_problems(parser)
+    assert len(problems) == 1 and "--silent" in problems[0], problems
+
+
+def test_every_sampling_field_has_a_flag() -> None:
+    parser = cli._parser()
+    args = parser.parse_args(["generate", "x"])
+    flags = {name for _, name, _, _, _ in cli._SAMPLING_FLAGS} | {"stop", "stop_token_ids", "ignore_eos"}
+    assert all(hasattr(args, name) for name in flags)
+    assert flags | {"skip_special_tokens"} == SAMPLING_FIELDS  # --keep-special-tokens sets the last
+
+
+def test_global_options_go_before_or_after_the_subcommand() -> None:
+    after = cli._parse(["generate", "hi", "--address", "10.0.0.1:1", "--timeout", "2", "--request-id", "r-a"])
+    assert (after.address, after.timeout, after.request_id) == (["10.0.0.1:1"], 2.0, "r-a")
+    before = cli._parse(["--address", "10.0.0.1:1", "--timeout", "3", "--request-id", "r-b", "info"])
+    assert (before.address, before.timeout, before.request_id) == (["10.0.0.1:1"], 3.0, "r-b")
+    both = cli._parse(["--address", "10.0.0.1:1", "--timeout", "3", "tokenize", "x", "--address", "10.0.0.2:2",
+                       "--timeout", "4"])
+    assert (both.address, both.timeout, both.request_id) == (["10.0.0.1:1", "10.0.0.2:2"], 4.0, None)
+    neither = cli._parse(["info"])
+    assert (neither.address, neither.timeout, neither.request_id) == ([DEFAULT_TARGET], None, None)
+
+
+def test_global_options_after_the_subcommand_reach_the_server(fake: Fake, capsys: pytest.CaptureFixture[str]) -> None:
+    servicer, address = fake
+    assert cli.main(["generate", "Hi", "--address", address, "--request-id", "after-1", "--timeout", "10"]) == 0
+    assert servicer.metadata[-1]["x-request-id"] == "after-1" and servicer.requests[-1].request_id == "after-1"
+    assert cli.main(["info", "--address", address, "--request-id", "info-1"]) == 0
+    assert servicer.metadata[-1]["x-request-id"] == "info-1"
+    assert "[finish_reason=length" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "error"),
+    [
+        (["--max-tokens", "0"], "argument --max-tokens: must be >= 1, got 0 (leave it out for the server's default, 16)"),
+        (["--max-tokens", "-5"], "argument --max-tokens: must be >= 1, got -5 (leave it out for the server's default, 16)"),
+        (["--max-tokens", "4294967296"], "argument --max-tokens: must be <= 4294967295, got 4294967296"),
+        (["--n", "0"], "argument --n: must be >= 1, got 0 (leave it out for the default, 1)"),
+        (["--top-k", "-1"], "argument --top-k: must be >= 0, got -1"),
+        (["--seed", "-1"], "argument --seed: must be >= 0, got -1"),
+        (["--seed", str(2**64)], f"argument --seed: must be <= {2**64 - 1}, got {2**64}"),
+        (["--logprobs", "-2"], "argument --logprobs: must be >= 0, got -2"),
+        (["--stop-token-id", "2", "--stop-token-id", "-3"], "argument --stop-token-id: must be >= 0, got -3"),
+        (["--temperature", "1e39"], "argument --temperature: must fit a 32-bit float (magnitude below 3.4e38), got 1e+39"),
+        (["--top-k", "x"], "argument --top-k: invalid int value: 'x'"),
+        (["--timeout", "0"], "argument --timeout: must be > 0 and finite, got 0 (leave it out for no deadline)"),
+        (["--token-ids"], "argument prompt: token id 1: must be >= 0, got -2"),
+    ],
+)
+def test_values_the_request_cannot_carry_are_refused_by_flag(
+    fake: Fake, capsys: pytest.CaptureFixture[str], args: list[str], error: str
+) -> None:
+    sent = len(fake[0].requests)
+    assert cli.main(["generate", "1 -2", "--address", fake[1], *args]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"pie-client generate: error: {error}"
+    assert len(fake[0].requests) == sent  # nothing reached the server
+
+
+def test_zeros_that_mean_zero_are_sent(fake: Fake) -> None:
+    servicer, address = fake
+    argv = ["generate", "Hi", "--address", address, "--seed", "0", "--top-k", "0", "--logprobs", "0", "--max-tokens", "1"]
+    assert cli.main(argv) == 0
+    sent = servicer.requests[-1].sampling
+    assert sent.HasField("seed") and (sent.seed, sent.top_k, sent.logprobs, sent.max_tokens) == (0, 0, 0, 1)
+
+
+def test_logprobs_table_goes_to_stderr_after_the_text(fake: Fake, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--address", fake[1], "generate", "Hi", "--no-stream", "--logprobs", "1"]) == 0
+    out, err = capsys.readouterr()
+    assert out == "Hello!\n"  # the text alone, ready for a pipe
+    assert fake[0].requests[-1].sampling.logprobs == 1
+    assert err.splitlines() == [
+        "logprobs:",
+        "   #      id  token   logprob  alternatives",
+        '   0       1  "x"     -0.5000  #9 -1.0000',  # the fake's alternative has no text: its id is shown
+        '   1       2  "x"     -0.5000  #9 -1.0000',
+        '   2       3  "x"     -0.5000  #9 -1.0000',
+        "[finish_reason=stop stop_reason='\\n' prompt_tokens=4 completion_tokens=3 request_id=srv-1]",
+    ]
+    assert cli.main(["--address", fake[1], "generate", "Hi", "--no-stream"]) == 0
+    assert "logprobs" not in capsys.readouterr().err  # only when asked
+
+
+def test_json_lines_while_streaming(fake: Fake, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--address", fake[1], "generate", "Hi", "--json", "--request-id", "j-1"]) == 0
+    out, err = capsys.readouterr()
+    assert err == ""
+    messages = [json.loads(line) for line in out.splitlines()]
+    assert [m["text"] for m in messages] == ["Hel", "lo", "!"]
+    assert [m["finish_reason"] for m in messages] == [None, None, "length"]
+    assert messages[-1]["usage"] == {"prompt_tokens": 2, "completion_tokens": 4, "total_tokens": 6,
+                                     "cached_prompt_tokens": 0}
+    assert {m["request_id"] for m in messages} == {"j-1"}
+    assert set(messages[0]) == {f.name for f in dataclasses.fields(pie_client.Delta)}
+
+
+def test_json_of_a_unary_call_is_the_whole_completion(fake: Fake, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--address", fake[1], "generate", "Hi", "--json", "--no-stream", "--logprobs", "1"]) == 0
+    out, err = capsys.readouterr()
+    assert err == "" and out.count("\n") == 1
+    with pie_client.Client(fake[1], timeout=10) as client:
+        assert json.loads(out) == dataclasses.asdict(client.generate("Hi", logprobs=1))
+
+
+def test_n_above_one_is_unary(fake: Fake, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--address", fake[1], "generate", "Hi", "--n", "2"]) == 0
+    sent = fake[0].requests[-1]
+    assert isinstance(sent, pb.GenerateRequest) and sent.sampling.n == 2
+    assert capsys.readouterr().out == "Hello!\n"  # the fake answers one choice whatever n is
