@@ -17,7 +17,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import numpy as np
 import torch
@@ -67,7 +67,7 @@ class TrainConfig:
     compile: bool = False  # torch.compile the training forward (worth it on the GPU)
     out_dir: str = "runs/pie"  # run folder (checkpoint, metrics, plot)
     resume: bool = False  # continue from out_dir/checkpoint.pt when it exists
-    progress: bool = True  # carriage-return progress line on stderr
+    progress: bool = True  # progress lines on stderr (one line rewritten in place on a terminal)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
@@ -178,11 +178,28 @@ def evaluate(forward, model: torch.nn.Module, tokens: np.ndarray, cfg: TrainConf
     return sum(losses) / len(losses)
 
 
-class _Progress:
-    """One carriage-return line on stderr: step/max, loss, tokens/s, lr, ETA."""
+def format_duration(seconds: float) -> str:
+    """A progress line's time left: 42s, 3m05s, 2h07m (? when unknown)."""
+    if not math.isfinite(seconds):
+        return "?"
+    s = max(0, round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
-    def __init__(self, enabled: bool, total: int) -> None:
+
+class _Progress:
+    """Progress on stderr: step/max, loss, tokens/s, lr and the time left to max_steps. On a terminal
+    one line is rewritten in place (carriage return); elsewhere (a log file, CI) every update is a
+    line of its own."""
+
+    def __init__(self, enabled: bool, total: int, stream: TextIO | None = None) -> None:
         self.enabled, self.total = enabled, total
+        self.stream = sys.stderr if stream is None else stream
+        self.in_place = self.stream.isatty()
+        self.open_len = 0  # length of the line being rewritten in place (0: none)
 
     def update(self, step: int, loss: float, tok_s: float, lr: float, eta_s: float) -> None:
         if not self.enabled:
@@ -190,19 +207,26 @@ class _Progress:
         width = 24
         done = int(width * step / self.total)
         bar = "#" * done + "." * (width - done)
-        sys.stderr.write(f"\r[{bar}] {step}/{self.total} loss {loss:.4f} {tok_s:,.0f} tok/s "
-                         f"lr {lr:.2e} eta {eta_s / 60:.1f} min ")
-        sys.stderr.flush()
+        line = (f"[{bar}] {step}/{self.total} loss {loss:.4f} {tok_s:,.0f} tok/s lr {lr:.2e} "
+                f"eta {format_duration(eta_s)}")
+        if self.in_place:
+            self.stream.write("\r" + line.ljust(self.open_len))
+            self.open_len = len(line)
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
 
     def note(self, text: str) -> None:
         if self.enabled:
-            sys.stderr.write(f"\r{text}\n")
-            sys.stderr.flush()
+            self.stream.write(("\r" + text.ljust(self.open_len) if self.open_len else text) + "\n")
+            self.open_len = 0
+            self.stream.flush()
 
     def close(self) -> None:
-        if self.enabled:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
+        if self.enabled and self.open_len:
+            self.stream.write("\n")
+            self.open_len = 0
+            self.stream.flush()
 
 
 def _save_checkpoint(path: Path, model, optimizer, step: int, batch_gen: torch.Generator, cfg: TrainConfig) -> None:

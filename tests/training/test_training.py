@@ -1,8 +1,10 @@
 """Training branch on the CPU: data loading, BPE tokenizer, loop, resume, export parity, CLI."""
 
+import io
 import json
 import math
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -18,7 +20,7 @@ from training.data import STORY_SEPARATOR, HubUnreachableError, load_text_datase
 from training.export import export_hf
 from training.plot import PNG_SIGNATURE
 from training.tokenizer import BOS_ID, EOS_ID, PAD_ID, train_bpe_tokenizer
-from training.train import TrainConfig, build_model, train
+from training.train import TrainConfig, _Progress, build_model, format_duration, train
 
 _WORDS = ("once upon a time there was a little cat named Tom . she liked to play in the big park with "
           "her red ball . one day Lily saw a dog and they were happy friends").split()
@@ -105,6 +107,54 @@ def test_training_lowers_eval_loss_and_writes_metrics_and_png(tokenized, tmp_pat
     assert result["step"] == 30 and result["eval_loss"] == evals[-1]["eval_loss"]
     assert result["plot"].read_bytes().startswith(PNG_SIGNATURE)
     assert (tmp_path / "checkpoint.pt").is_file()
+
+
+_PROGRESS = re.compile(r"\[([#.]{24})\] (\d+)/(\d+) loss (\d+\.\d{4}) ([\d,]+) tok/s lr (\d\.\d\de-\d\d) "
+                       r"eta (\d+s|\d+m\d\ds|\d+h\d\dm)")
+
+
+def test_progress_lines_show_tokens_per_s_and_time_left(tokenized, tmp_path, capsys):
+    _, _, splits = tokenized
+    train(_tiny(tmp_path, max_steps=12, log_every=4, eval_every=6, progress=True), splits)
+    err = capsys.readouterr().err
+    assert "\r" not in err  # not a terminal: whole lines, one per update
+    lines = [line for line in err.splitlines() if line.startswith("[")]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    logged = [r for r in rows if "loss" in r]
+    assert len(lines) == len(logged) == 3
+    for line, row in zip(lines, logged):
+        m = _PROGRESS.fullmatch(line)
+        assert m, line
+        bar, step, total, loss, tok_s, lr, eta = m.groups()
+        assert (int(step), int(total)) == (row["step"], 12) and bar.count("#") == 24 * row["step"] // 12
+        assert float(loss) == pytest.approx(row["loss"], abs=1e-4) and float(lr) == pytest.approx(row["lr"], rel=1e-2)
+        assert int(tok_s.replace(",", "")) == round(row["tokens_per_s"])
+    assert lines[-1].endswith(" eta 0s")
+    assert sum("eval loss" in line for line in err.splitlines()) == 3  # steps 0, 6, 12
+
+
+def test_progress_rewrites_one_line_on_a_terminal():
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    term = Terminal()
+    progress = _Progress(True, 100, term)
+    progress.update(10, 5.0, 123_456.0, 1e-3, 4000.0)
+    progress.update(20, 4.0, 9.0, 1e-3, 65.0)
+    progress.note("eval")
+    progress.update(30, 3.5, 9.0, 1e-3, 5.0)
+    progress.close()
+    first = "[##......................] 10/100 loss 5.0000 123,456 tok/s lr 1.00e-03 eta 1h06m"
+    second = "[####....................] 20/100 loss 4.0000 9 tok/s lr 1.00e-03 eta 1m05s"
+    third = "[#######.................] 30/100 loss 3.5000 9 tok/s lr 1.00e-03 eta 5s"
+    assert term.getvalue() == (f"\r{first}\r{second.ljust(len(first))}\r{'eval'.ljust(len(second))}\n"
+                               f"\r{third}\n")
+
+
+def test_format_duration():
+    assert [format_duration(s) for s in (0, 0.4, 59.4, 60, 3599, 3600, 7322, float("inf"))] == \
+        ["0s", "0s", "59s", "1m00s", "59m59s", "1h00m", "2h02m", "?"]
 
 
 def test_exported_files_all_get_the_mode_a_new_file_gets(tokenized, tmp_path):
