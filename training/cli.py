@@ -6,6 +6,7 @@
 
 The run folder keeps tokenizer.json, the token streams (tokens/train.npy, tokens/eval.npy), the
 checkpoint, metrics.jsonl and loss.png; a rerun with --resume reuses the tokenizer and the streams.
+service/cli.py puts this parser under `pie`.
 """
 
 from __future__ import annotations
@@ -14,32 +15,83 @@ import argparse
 import dataclasses
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from training.train import TrainConfig
 
 _DTYPES = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
 
+# One line per TrainConfig field that becomes a flag (its default is appended by the formatter).
+_FIELD_HELP = {
+    "vocab_size": "BPE vocabulary to train; the model's embedding gets the tokenizer's real size rounded up to 64",
+    "hidden_size": "residual width",
+    "num_layers": "decoder layers",
+    "num_heads": "query heads (head size = --hidden-size / --num-heads, which must be even)",
+    "num_kv_heads": "key/value heads (grouped-query attention; must divide --num-heads)",
+    "intermediate_size": "SwiGLU MLP width",
+    "max_seq_len": "context length written to config.json (at least --seq-len)",
+    "tie_embeddings": "share the input embedding with the output head",
+    "rope_theta": "RoPE base",
+    "rms_norm_eps": "RMSNorm epsilon",
+    "batch_size": "sequences per micro-batch",
+    "seq_len": "tokens per training sequence",
+    "grad_accum": "micro-batches per optimizer step (tokens per step = batch size x seq len x this)",
+    "lr": "peak learning rate, reached at the end of the warm-up",
+    "min_lr": "floor the cosine decay ends at",
+    "warmup_steps": "optimizer steps of linear warm-up to --lr (keep it well below --max-steps)",
+    "max_steps": "optimizer steps to run in all (a resumed run stops here too)",
+    "lr_decay_steps": "step at which the cosine decay reaches --min-lr (default: --max-steps)",
+    "weight_decay": "AdamW weight decay, on matrices and embeddings only",
+    "beta1": "AdamW beta1",
+    "beta2": "AdamW beta2",
+    "grad_clip": "largest global gradient norm (0 = no clipping)",
+    "eval_every": "optimizer steps between eval passes (0 = only at the start and the end)",
+    "eval_steps": "batches per eval pass",
+    "save_every": "optimizer steps between checkpoints (0 = only at the end)",
+    "log_every": "optimizer steps between metrics.jsonl rows and progress lines",
+    "seed": "seeds the model init, the batch order, the generated corpus and the held-out documents",
+    "device": "auto (cuda when available, else cpu), cpu, cuda or cuda:N",
+    "dtype": "compute dtype under autocast (auto: bf16 on cuda, fp32 on the cpu)",
+    "compile": "torch.compile the training forward (worth it on a GPU)",
+    "progress": "progress lines on stderr: step, loss, tokens/s, learning rate, time left",
+}
+_FIELD_CHOICES = {"dtype": ("auto", "bf16", "fp32")}
 
-def add_train_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+
+def add_train_parser(subparsers: argparse._SubParsersAction, *,
+                     formatter_class: type[argparse.HelpFormatter] = argparse.HelpFormatter,
+                     ) -> argparse.ArgumentParser:
+    """Adds `train` to `subparsers`; `formatter_class` renders its --help (pie passes its own, which
+    appends each flag's default)."""
     from training.train import TrainConfig  # light: no datasets/transformers import
 
     p = subparsers.add_parser("train", help="train a small Llama on stories and export it",
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                              description="Corpus (generated offline, local files or a hub dataset) -> byte-level "
+                                          "BPE -> a small Llama -> (with --export) a Hugging Face-layout folder "
+                                          "that pie serve --model loads.",
+                              formatter_class=formatter_class)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--data", nargs="+", help="local .txt/.jsonl/.parquet files, folders or globs, or a hub "
-                     "dataset id (e.g. roneneldan/TinyStories)")
+                     "dataset id such as roneneldan/TinyStories (default: none; give this or --generate-corpus)")
     src.add_argument("--generate-corpus", type=int, metavar="N",
-                     help="generate N stories offline (training.corpus) into OUT/corpus and train on them")
+                     help="generate N stories offline (training.corpus) into OUT/corpus and train on them "
+                          "(default: none; give this or --data)")
     p.add_argument("--eval-data", nargs="+", help="held-out files (default: the hub's validation split, "
                    "the generated corpus' eval file, or --eval-fraction of the documents)")
-    p.add_argument("--eval-fraction", type=float, default=0.01, help="documents held out without --eval-data")
+    p.add_argument("--eval-fraction", type=float, default=0.01,
+                   help="share of the documents held out for eval when there is no other eval data")
     p.add_argument("--text-field", default="text", help="text column of .jsonl/.parquet/hub data")
     p.add_argument("--txt-mode", choices=("separator", "line"), default="separator",
-                   help="a .txt document is a block between blank-line pairs, or one line")
-    p.add_argument("--max-docs", type=int, default=None, help="use at most this many training documents")
+                   help="a .txt document is a block between blank-line pairs (separator), or one line")
+    p.add_argument("--max-docs", type=int, default=None,
+                   help="use at most this many training documents (default: all of them)")
     p.add_argument("--tokenizer", default=None, help="existing tokenizer.json (default: train one into OUT)")
     p.add_argument("--tokenizer-docs", type=int, default=200_000, help="documents to train the tokenizer on")
-    p.add_argument("--out", default="runs/pie", help="run folder")
-    p.add_argument("--export", default=None, metavar="DIR", help="write the HF-layout model folder here")
-    p.add_argument("--export-dtype", choices=tuple(_DTYPES), default="bf16")
+    p.add_argument("--out", default="runs/pie", help="run folder: tokenizer, token streams, checkpoint, metrics")
+    p.add_argument("--export", default=None, metavar="DIR",
+                   help="write the Hugging Face-layout model folder here (default: no export)")
+    p.add_argument("--export-dtype", choices=tuple(_DTYPES), default="bf16", help="dtype of the exported weights")
     d = TrainConfig()
     for f in dataclasses.fields(TrainConfig):
         if f.name in ("out_dir", "resume"):
@@ -47,12 +99,13 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         flag = "--" + f.name.replace("_", "-")
         default = getattr(d, f.name)
         if isinstance(default, bool):
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=_FIELD_HELP[f.name])
         else:
             kind = float if isinstance(default, float) else int if isinstance(default, int) else str
             if f.name == "lr_decay_steps":
                 kind = int
-            p.add_argument(flag, type=kind, default=default, dest=f.name)
+            p.add_argument(flag, type=kind, default=default, dest=f.name, choices=_FIELD_CHOICES.get(f.name),
+                           help=_FIELD_HELP[f.name])
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
     return p
 
@@ -82,7 +135,17 @@ def _datasets(args, out: Path):
     return train_ds, None
 
 
+def schedule_warning(cfg: TrainConfig) -> str | None:
+    """What is off in the learning-rate schedule, in the flags' words (None when all is well)."""
+    if cfg.warmup_steps < cfg.max_steps:
+        return None
+    return (f"--warmup-steps {cfg.warmup_steps} >= --max-steps {cfg.max_steps}: the learning rate warms up for "
+            f"the whole run (it ends at {cfg.lr_at(cfg.max_steps - 1):.3g}, --lr is {cfg.lr:g}) and never "
+            f"decays; lower --warmup-steps (e.g. to {max(1, cfg.max_steps // 10)}) or raise --max-steps")
+
+
 def run(args: argparse.Namespace) -> int:
+    """Runs `pie train` as parsed by add_train_parser's parser; the exit status (2: bad input)."""
     import numpy as np
     import tokenizers
     import torch
@@ -93,6 +156,17 @@ def run(args: argparse.Namespace) -> int:
     from training.train import TrainConfig, train
 
     out = Path(args.out)
+    fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
+              if f.name not in ("out_dir", "resume")}
+    try:  # checked before any data is read; vocab_size is set again from the tokenizer below
+        cfg = TrainConfig(**fields, out_dir=str(out), resume=args.resume)
+    except ValueError as e:
+        print(f"pie train: {e}", file=sys.stderr)
+        return 2
+    warning = schedule_warning(cfg)
+    if warning:
+        print(f"pie train: warning: {warning}", file=sys.stderr)
+
     out.mkdir(parents=True, exist_ok=True)
     tok_path = out / "tokenizer.json"
     tokens_dir = out / "tokens"
@@ -121,11 +195,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"pie train: {e}", file=sys.stderr)
         return 2
 
-    fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
-              if f.name not in ("out_dir", "resume", "vocab_size")}
     vocab = -(-tok.get_vocab_size() // 64) * 64  # embedding rows rounded up to a multiple of 64
     try:
-        cfg = TrainConfig(**fields, vocab_size=vocab, out_dir=str(out), resume=args.resume)
+        cfg = dataclasses.replace(cfg, vocab_size=vocab)
     except ValueError as e:
         print(f"pie train: {e}", file=sys.stderr)
         return 2
@@ -138,15 +210,3 @@ def run(args: argparse.Namespace) -> int:
         path = export_hf(result["model"], cfg, tok_path, args.export, dtype=dtype)
         print(f"exported to {path}", file=sys.stderr)
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Stand-alone entry (`python -m training.cli train ...`) until service/cli.py wires `pie train`."""
-    parser = argparse.ArgumentParser(prog="pie")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_train_parser(sub)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
