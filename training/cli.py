@@ -6,7 +6,8 @@
 
 The run folder keeps tokenizer.json, the token streams (tokens/train.npy, tokens/eval.npy), the
 checkpoint, metrics.jsonl and loss.png; a rerun with --resume reuses the tokenizer and the streams.
-service/cli.py puts this parser under `pie`.
+Local .txt/.jsonl data and --generate-corpus need only a plain install; a hub dataset id (or .parquet)
+needs the `train` extra, and says so. service/cli.py puts this parser under `pie`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,10 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from training.documents import TXT_MODES, HubUnreachableError, MissingExtraError
+
 if TYPE_CHECKING:
+    from training.documents import Documents
     from training.train import TrainConfig
 
 _DTYPES = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
@@ -82,7 +86,7 @@ def add_train_parser(subparsers: argparse._SubParsersAction, *,
     p.add_argument("--eval-fraction", type=float, default=0.01,
                    help="share of the documents held out for eval when there is no other eval data")
     p.add_argument("--text-field", default="text", help="text column of .jsonl/.parquet/hub data")
-    p.add_argument("--txt-mode", choices=("separator", "line"), default="separator",
+    p.add_argument("--txt-mode", choices=TXT_MODES, default="separator",
                    help="a .txt document is a block between blank-line pairs (separator), or one line")
     p.add_argument("--max-docs", type=int, default=None,
                    help="use at most this many training documents (default: all of them)")
@@ -110,9 +114,9 @@ def add_train_parser(subparsers: argparse._SubParsersAction, *,
     return p
 
 
-def _datasets(args, out: Path):
-    """(train dataset, eval dataset or None)."""
-    from training.data import load_text_dataset, local_files
+def _documents(args, out: Path) -> tuple[Documents, Documents | None]:
+    """(train documents, eval documents or None)."""
+    from training.documents import load_documents, local_files
 
     common = {"text_field": args.text_field, "txt_mode": args.txt_mode}
     if args.generate_corpus is not None:
@@ -120,19 +124,17 @@ def _datasets(args, out: Path):
 
         corpus_dir = out / "corpus"
         paths = write_corpus(corpus_dir, num_stories=args.generate_corpus, seed=args.seed)
-        train_ds = load_text_dataset([str(x) for x in paths["train"]], **common)
-        eval_ds = load_text_dataset(str(paths["eval"]), **common)
-        return train_ds, eval_ds
+        return load_documents(paths["train"], **common), load_documents(paths["eval"], **common)
     source = args.data if len(args.data) > 1 else args.data[0]
-    train_ds = load_text_dataset(source, split="train", **common)
+    train_docs = load_documents(source, split="train", **common)
     if args.eval_data:
-        return train_ds, load_text_dataset(args.eval_data, **common)
+        return train_docs, load_documents(args.eval_data, **common)
     if local_files(source) is None:  # a hub dataset: use its validation split when it has one
         try:
-            return train_ds, load_text_dataset(source, split="validation", **common)
+            return train_docs, load_documents(source, split="validation", **common)
         except ValueError:
             pass
-    return train_ds, None
+    return train_docs, None
 
 
 def schedule_warning(cfg: TrainConfig) -> str | None:
@@ -150,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
     import tokenizers
     import torch
 
-    from training.data import HubUnreachableError, TokenSplits, iter_texts, prepare_tokens
+    from training.data import TokenSplits, iter_texts, prepare_tokens
     from training.export import export_hf
     from training.tokenizer import EOS_ID, train_bpe_tokenizer
     from training.train import TrainConfig, train
@@ -176,22 +178,21 @@ def run(args: argparse.Namespace) -> int:
             splits = TokenSplits(train=np.load(tokens_dir / "train.npy", mmap_mode="r"),
                                  eval=np.load(tokens_dir / "eval.npy", mmap_mode="r"))
         else:
-            train_ds, eval_ds = _datasets(args, out)
+            train_docs, eval_docs = _documents(args, out)
             if args.max_docs is not None:
-                train_ds = train_ds.select(range(min(args.max_docs, len(train_ds))))
+                train_docs = train_docs.select(range(min(args.max_docs, len(train_docs))))
             if args.tokenizer:
                 tok = tokenizers.Tokenizer.from_file(args.tokenizer)
                 tok.save(str(tok_path))
             elif args.resume and tok_path.is_file():
                 tok = tokenizers.Tokenizer.from_file(str(tok_path))
             else:
-                print(f"training a {args.vocab_size}-token BPE on {min(args.tokenizer_docs, len(train_ds))} "
+                print(f"training a {args.vocab_size}-token BPE on {min(args.tokenizer_docs, len(train_docs))} "
                       "documents", file=sys.stderr)
-                tok = train_bpe_tokenizer(iter_texts(train_ds, args.text_field, args.tokenizer_docs),
-                                          args.vocab_size, tok_path)
-            splits = prepare_tokens(train_ds, tok, eos_id=EOS_ID, eval_ds=eval_ds, text_field=args.text_field,
+                tok = train_bpe_tokenizer(iter_texts(train_docs, args.tokenizer_docs), args.vocab_size, tok_path)
+            splits = prepare_tokens(train_docs, tok, eos_id=EOS_ID, eval_docs=eval_docs,
                                     eval_fraction=args.eval_fraction, seed=args.seed, save_dir=tokens_dir)
-    except (HubUnreachableError, FileNotFoundError) as e:
+    except (HubUnreachableError, MissingExtraError, FileNotFoundError, ValueError) as e:
         print(f"pie train: {e}", file=sys.stderr)
         return 2
 

@@ -1,6 +1,10 @@
-"""`pie train` as its user meets it: --help, messages on stderr."""
+"""`pie train` as its user meets it: --help, a plain install (no `datasets`), messages on stderr."""
 
 import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -8,6 +12,8 @@ from service.cli import HelpFormatter, main
 from tests.helpers import help_problems
 from training.cli import add_train_parser, schedule_warning
 from training.train import TrainConfig
+
+ROOT = Path(__file__).resolve().parents[2]
 
 # A model that trains in well under a second on the CPU (its vocabulary: a 300-token BPE, rounded up).
 TINY = ["--vocab-size", "300", "--hidden-size", "32", "--num-layers", "1", "--num-heads", "2", "--num-kv-heads", "1",
@@ -33,6 +39,40 @@ def test_every_flag_has_a_description_and_its_default_once():
         assert shown in text
     # The check can fail: argparse's plain formatter shows no defaults at all.
     assert any("default shown 0 times" in p for p in help_problems(_train_parser(argparse.HelpFormatter)))
+
+
+def test_plain_install_trains_on_a_generated_corpus_and_exports(tmp_path):
+    """`pip install -e .` brings neither `datasets` nor pyarrow (nor transformers or pandas): importing
+    them fails in this child, as it would there."""
+    block = ("import runpy, sys; sys.modules.update(dict.fromkeys(['datasets', 'pyarrow', 'transformers', 'pandas']));"
+             " runpy.run_module('service.cli', run_name='__main__')")
+    cmd = [sys.executable, "-c", block, "train", "--generate-corpus", "60", "--out", str(tmp_path / "run"),
+           "--export", str(tmp_path / "model"), *TINY, "--max-steps", "4", "--warmup-steps", "1"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "exported to" in proc.stderr and (tmp_path / "model" / "model.safetensors").is_file()
+    assert sorted(p.name for p in (tmp_path / "run" / "corpus").iterdir()) == ["eval.txt", "train-00000.txt"]
+
+
+def test_hub_data_without_datasets_says_what_to_install(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "datasets", None)
+    code = main(["train", "--data", "roneneldan/TinyStories", "--out", str(tmp_path / "run"), *TINY])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert err.startswith("pie train: loading the hub dataset 'roneneldan/TinyStories' needs the `datasets` package, "
+                          "which a plain install leaves out (")
+    assert err.endswith("): pip install -e '.[train]' in a checkout, or pip install 'pie[train]'\n")
+
+
+def test_hub_data_offline_says_how_to_train_offline(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    code = main(["train", "--data", "roneneldan/TinyStories", "--out", str(tmp_path / "run"), *TINY])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.splitlines()) == 1
+    assert err.startswith("pie train: cannot load hub dataset 'roneneldan/TinyStories': HF_HUB_OFFLINE is set; ")
+    assert "--data PATH" in err and "--generate-corpus N" in err
 
 
 def test_warmup_not_below_max_steps_warns_before_any_work(tmp_path, capsys):

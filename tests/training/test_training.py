@@ -8,7 +8,6 @@ import re
 import stat
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +15,8 @@ import pytest
 import torch
 
 from model import DenseCausalAttention, Tokenizer, load_model
-from training.data import STORY_SEPARATOR, HubUnreachableError, load_text_dataset, prepare_tokens
+from training.data import iter_texts, prepare_tokens
+from training.documents import STORY_SEPARATOR, load_documents
 from training.export import export_hf
 from training.plot import PNG_SIGNATURE
 from training.tokenizer import BOS_ID, EOS_ID, PAD_ID, train_bpe_tokenizer
@@ -44,9 +44,9 @@ def corpus(tmp_path_factory) -> dict:
 @pytest.fixture(scope="module")
 def tokenized(corpus, tmp_path_factory):
     tok_dir = tmp_path_factory.mktemp("tok")
-    train_ds = load_text_dataset(str(corpus["train"]))
-    tok = train_bpe_tokenizer(iter(train_ds["text"]), 320, tok_dir)
-    splits = prepare_tokens(train_ds, tok, eos_id=EOS_ID, eval_ds=load_text_dataset(str(corpus["eval"])))
+    train_docs = load_documents(str(corpus["train"]))
+    tok = train_bpe_tokenizer(iter_texts(train_docs), 320, tok_dir)
+    splits = prepare_tokens(train_docs, tok, eos_id=EOS_ID, eval_docs=load_documents(str(corpus["eval"])))
     return tok, tok_dir / "tokenizer.json", splits
 
 
@@ -56,24 +56,6 @@ def _tiny(out_dir, **kw) -> TrainConfig:
                 eval_every=0, eval_steps=4, save_every=0, log_every=5, out_dir=str(out_dir), progress=False)
     base.update(kw)
     return TrainConfig(**base)
-
-
-def test_txt_documents_split_on_separator_or_line(tmp_path):
-    f = tmp_path / "s.txt"
-    f.write_text("first story\nline two" + STORY_SEPARATOR + "second" + STORY_SEPARATOR + "third\n")
-    assert load_text_dataset(str(f))["text"] == ["first story\nline two", "second", "third"]
-    assert load_text_dataset(str(f), txt_mode="line")["text"] == ["first story", "line two", "second", "third"]
-    j = tmp_path / "d.jsonl"
-    j.write_text(json.dumps({"story": "a b"}) + "\n" + json.dumps({"story": "c"}) + "\n")
-    assert load_text_dataset(str(j), text_field="story")["story"] == ["a b", "c"]
-
-
-def test_hub_unreachable_fails_fast_with_offline_hint(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    t0 = time.perf_counter()
-    with pytest.raises(HubUnreachableError, match="--data PATH.*--generate-corpus"):
-        load_text_dataset("roneneldan/TinyStories")
-    assert time.perf_counter() - t0 < 5
 
 
 def test_tokenizer_round_trip_and_specials(tokenized):
