@@ -14,7 +14,6 @@ All requests are admitted and prefilled first; then --steps pure decode steps ar
 
 from __future__ import annotations
 
-import argparse
 import random
 import sys
 import tempfile
@@ -24,6 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import DEVICE_HELP, default_device, make_parser  # noqa: E402
 from benchmarks.throughput import LLAMA_1B, MICRO, TINY, build_model  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.engine import LLMEngine  # noqa: E402
@@ -36,21 +36,26 @@ def sync(dev: str) -> None:
         torch.cuda.synchronize()
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tiny", action="store_true")
+def main(argv: list[str] | None = None) -> int:
+    ap = make_parser(__doc__)
+    ap.add_argument("--tiny", action="store_true", help="CPU-sized model (hidden 256, 4 layers) and batch")
     ap.add_argument("--micro", action="store_true", help="CPU: a model with next to nothing to compute")
     ap.add_argument("--unfreeze-gc", action="store_true", help="undo the engine's gc.freeze() (A/B)")
     ap.add_argument("--stub-forward", action="store_true",
                     help="the model's forward returns zeros at once: time the engine's host work alone")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--batch", type=int, default=None)
-    ap.add_argument("--ctx", type=int, default=None, help="prompt length of every sequence")
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--kv", default="int8")
-    ap.add_argument("--cprofile", type=int, default=0, help="print the N functions with most Python time in step()")
-    ap.add_argument("--extra", default="", help="EngineConfig overrides, k=v,k=v (ints/floats/bools)")
+    ap.add_argument("--device", default=None, help=DEVICE_HELP)
+    ap.add_argument("--batch", type=int, default=None,
+                    help="sequences decoding together (default: 256; 16 with --tiny or --micro)")
+    ap.add_argument("--ctx", type=int, default=None,
+                    help="prompt length of every sequence (default: 400; 32 with --tiny or --micro)")
+    ap.add_argument("--steps", type=int, default=30, help="decode steps per measured window")
+    ap.add_argument("--kv", default="int8", help="KV cache dtype")
+    ap.add_argument("--cprofile", type=int, default=0,
+                    help="print the N functions with most Python time in step() (default: 0, no profile)")
+    ap.add_argument("--extra", default="",
+                    help="EngineConfig overrides, k=v,k=v (ints/floats/bools) (default: none)")
     args = ap.parse_args(argv)
+    args.device = args.device or default_device()
     big = not (args.tiny or args.micro)
     batch = args.batch or (256 if big else 16)
     ctx = args.ctx or (400 if big else 32)
@@ -62,7 +67,7 @@ def main(argv=None) -> int:
         if extra[k] is None:
             extra[k] = float(v) if "." in v else int(v)
     with tempfile.TemporaryDirectory() as tmp:
-        build_model(Path(tmp), shape, torch.bfloat16 if args.device == "cuda" else torch.float32)
+        build_model(Path(tmp), shape, torch.bfloat16 if args.device == "cuda" else torch.float32, made_by="pie")
         cfg = dict(model=tmp, device=args.device, dtype="bf16" if args.device == "cuda" else "fp32",
                    kv_cache_dtype=args.kv, max_num_seqs=batch, max_num_batched_tokens=8192,
                    kv_cache_memory_bytes=None if big else (128 << 20))

@@ -4,6 +4,7 @@ same random-initialized model and the same requests, in one run.
 
     python benchmarks/throughput.py            # GPU: Llama-3.2-1B-shaped, 256 requests x 256 tokens
     python benchmarks/throughput.py --tiny     # CPU-sized smoke run of the same code path
+    python benchmarks/throughput.py --tiny --skip-hf --repeats 1    # our engine only: no transformers needed
 
 Each engine runs the workload --repeats times after a short warm-up; the median run is reported,
 with the spread of all runs. With a small --kv-gib the pool, not the batch cap,
@@ -14,11 +15,13 @@ generated each, EOS ignored, greedy, fixed seed. Prints generated tokens/s, the 
 transformers, and the fraction of the memory roofline: per decode step the weights are read once
 and every running sequence's K/V once, so the ideal step time is (weight bytes + KV bytes) over the
 copy bandwidth measured in the same run.
+
+The model is made and saved by transformers when transformers runs too (so both sides load the
+same weights); with --skip-hf by our own model code and exporter, without transformers.
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import random
@@ -27,14 +30,18 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Literal
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import DEVICE_HELP, SizedFlags, default_device, make_parser  # noqa: E402
 from engine.config import DEFAULT_MODEL, EngineConfig  # noqa: E402
 from engine.engine import LLMEngine  # noqa: E402
 from engine.kv_cache import KVCache  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
+from model import LlamaForCausalLM, ModelConfig  # noqa: E402
+from training.export import export_hf  # noqa: E402
 
 LLAMA_1B = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
                 intermediate_size=8192, vocab_size=32000, tie_word_embeddings=True)
@@ -45,18 +52,34 @@ MICRO = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key
              intermediate_size=64, vocab_size=512, tie_word_embeddings=True)
 
 
-def build_model(folder: Path, shape: dict, dtype: torch.dtype) -> int:
-    """A random-initialized Llama saved by transformers (so both sides load the same weights), with
-    the bundled tokenizer (its text is meaningless here; ids past its vocabulary decode to nothing)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def build_model(folder: Path, shape: dict, dtype: torch.dtype, *,
+                made_by: Literal["transformers", "pie"]) -> int:
+    """A random-initialized Llama of `shape` in `folder` (Hugging Face layout, `dtype` weights, the
+    bundled tokenizer: its text is meaningless here; ids past its vocabulary decode to nothing);
+    returns the parameter count (a tied lm_head counted once).
 
-    cfg = LlamaConfig(**shape, max_position_embeddings=2048, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
-                      pad_token_id=0)
+    made_by="transformers": transformers' LlamaForCausalLM with its init, saved by transformers:
+    what a comparison with transformers loads, so both sides have the same weights. "pie": our
+    LlamaForCausalLM (model/llama.py, `init_weights`) written by training.export.export_hf, which
+    needs no transformers; the weights' values differ, the shapes and the work per step do not."""
     torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).to(dtype)
-    model.save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(Path(DEFAULT_MODEL) / name, folder / name)
+    if made_by == "transformers":
+        from transformers import LlamaConfig
+        from transformers import LlamaForCausalLM as HFLlamaForCausalLM
+
+        hf_cfg = LlamaConfig(**shape, max_position_embeddings=2048, rms_norm_eps=1e-5, bos_token_id=1,
+                             eos_token_id=2, pad_token_id=0)
+        hf_model = HFLlamaForCausalLM(hf_cfg).to(dtype)
+        hf_model.save_pretrained(folder)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(Path(DEFAULT_MODEL) / name, folder / name)
+        return sum(p.numel() for p in hf_model.parameters())
+    cfg = ModelConfig.from_hf(dict(model_type="llama", architectures=["LlamaForCausalLM"], **shape,
+                                   max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=10000.0,
+                                   bos_token_id=1, eos_token_id=2, pad_token_id=0))
+    model = LlamaForCausalLM(cfg)
+    model.init_weights()
+    export_hf(model, cfg, DEFAULT_MODEL, folder, dtype=dtype)
     return sum(p.numel() for p in model.parameters())
 
 
@@ -178,28 +201,32 @@ def roofline_tok_per_s(params: int, shape: dict, prompts, args, kv: str, copy_bw
     return batch / (step_bytes / (copy_bw / 2))  # copy_bw counts read + write; a step only reads
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tiny", action="store_true")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    args, _ = ap.parse_known_args(argv)
-    big = not args.tiny
-    ap.add_argument("--requests", type=int, default=256 if big else 16)
-    ap.add_argument("--min-prompt", type=int, default=100 if big else 16)
-    ap.add_argument("--max-prompt", type=int, default=512 if big else 64)
-    ap.add_argument("--max-tokens", type=int, default=256 if big else 32)
-    ap.add_argument("--max-num-seqs", type=int, default=256 if big else 16)
-    ap.add_argument("--max-batched-tokens", type=int, default=8192 if big else 1024)
-    ap.add_argument("--kv-gib", type=float, default=None if big else 0.25,
-                    help="KV pool in GiB (default on CUDA: what --gpu-memory-fraction leaves)")
-    ap.add_argument("--gpu-memory-fraction", type=float, default=0.9)
-    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+def main(argv: list[str] | None = None) -> int:
+    ap = make_parser(__doc__)
+    ap.add_argument("--tiny", action="store_true",
+                    help="CPU-sized model (hidden 256, 4 layers, vocab 4096) and workload")
+    ap.add_argument("--device", default=None, help=DEVICE_HELP)
+    sized = SizedFlags(ap)
+    sized.add("--requests", 256, 16, "requests in the workload")
+    sized.add("--min-prompt", 100, 16, "shortest prompt, in tokens")
+    sized.add("--max-prompt", 512, 64, "longest prompt, in tokens")
+    sized.add("--max-tokens", 256, 32, "tokens generated per request")
+    sized.add("--max-num-seqs", 256, 16, "running sequences per step at most (the batch cap)")
+    sized.add("--max-batched-tokens", 8192, 1024, "tokens per step at most (prefill chunks + decodes)")
+    sized.add("--kv-gib", None, 0.25, "KV pool in GiB", type=float,
+              shown=("on CUDA what --gpu-memory-fraction leaves, on the CPU 1 GiB", "0.25"))
+    ap.add_argument("--gpu-memory-fraction", type=float, default=0.9,
+                    help="share of the GPU's memory for weights, activations and the KV pool")
+    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: decode steps run eagerly")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per engine; the median is reported")
     ap.add_argument("--kv", default="int8,bf16", help="KV cache dtypes to run, comma-separated")
-    ap.add_argument("--skip-hf", action="store_true", help="only our engine")
-    ap.add_argument("--out", help="JSON with every figure")
+    ap.add_argument("--skip-hf", action="store_true",
+                    help="only our engine: no transformers run (and no transformers needed)")
+    ap.add_argument("--out", default=None, help="JSON file for every figure (default: none written)")
     args = ap.parse_args(argv)
-    shape = LLAMA_1B if big else TINY
+    sized.fill(args, args.tiny)
+    args.device = args.device or default_device()
+    shape = TINY if args.tiny else LLAMA_1B
     rng = random.Random(0)
     prompts = [[rng.randrange(3, shape["vocab_size"]) for _ in range(rng.randint(args.min_prompt, args.max_prompt))]
                for _ in range(args.requests)]
@@ -207,7 +234,9 @@ def main(argv=None) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        params = build_model(folder, shape, torch.bfloat16 if args.device == "cuda" else torch.float32)
+        # transformers' weights where transformers runs too (both sides load the same); else ours.
+        params = build_model(folder, shape, torch.bfloat16 if args.device == "cuda" else torch.float32,
+                             made_by="pie" if args.skip_hf else "transformers")
         print(f"# {args.device}: random Llama {params / 1e6:.0f}M params, {args.requests} requests, prompts "
               f"{args.min_prompt}-{args.max_prompt} tokens, {args.max_tokens} generated; copy bandwidth "
               f"{copy_bw / 1e12:.2f} TB/s")
