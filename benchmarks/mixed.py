@@ -27,7 +27,6 @@ Optional parts, in the same run on the same model:
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import math
@@ -41,6 +40,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import DEVICE_HELP, SizedFlags, default_device, make_parser  # noqa: E402
 from engine.config import DEFAULT_MODEL, EngineConfig  # noqa: E402
 from engine.engine import LLMEngine  # noqa: E402
 from engine.kv_cache import KVCache  # noqa: E402
@@ -293,30 +293,34 @@ def breakdown(steps: list[dict], wall: float, full_rows: int) -> str:
             f"host outside steps {wall - inside:.2f} s")
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tiny", action="store_true")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    args, _ = ap.parse_known_args(argv)
-    big = not args.tiny
-    ap.add_argument("--shape", default="qwen3-4b" if big else "tiny", choices=sorted(SHAPES))
-    ap.add_argument("--requests", type=int, default=384 if big else 24)
-    ap.add_argument("--prompt-median", type=int, default=250 if big else 40)
-    ap.add_argument("--prompt-max", type=int, default=2000 if big else 200)
-    ap.add_argument("--prefix-len", type=int, default=400 if big else 48)
-    ap.add_argument("--out-min", type=int, default=32 if big else 4)
-    ap.add_argument("--out-max", type=int, default=400 if big else 24)
-    ap.add_argument("--max-num-seqs", type=int, default=256 if big else 16)
-    ap.add_argument("--max-batched-tokens", type=int, default=8192 if big else 512)
-    ap.add_argument("--kv-gib", type=float, default=None if big else 0.1)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--kv", default="int8,bf16")
+def main(argv: list[str] | None = None) -> int:
+    ap = make_parser(__doc__)
+    ap.add_argument("--tiny", action="store_true", help="CPU-sized model (the tiny shape) and workload")
+    ap.add_argument("--device", default=None, help=DEVICE_HELP)
+    sized = SizedFlags(ap)
+    sized.add("--shape", "qwen3-4b", "tiny", "model shape", type=str, choices=sorted(SHAPES))
+    sized.add("--requests", 384, 24, "requests, all queued at once")
+    sized.add("--prompt-median", 250, 40, "median prompt length in tokens (log-normal, sigma 0.8)")
+    sized.add("--prompt-max", 2000, 200, "longest prompt in tokens (longer draws are clipped)")
+    sized.add("--prefix-len", 400, 48, "tokens of the prefix a quarter of the prompts share")
+    sized.add("--out-min", 32, 4, "fewest tokens generated per request")
+    sized.add("--out-max", 400, 24, "most tokens generated per request")
+    sized.add("--max-num-seqs", 256, 16, "running sequences per step at most")
+    sized.add("--max-batched-tokens", 8192, 512, "tokens per step at most (prefill chunks + decodes)")
+    sized.add("--kv-gib", None, 0.1, "KV pool in GiB", type=float,
+              shown=("on CUDA what 0.9 of the GPU's memory leaves, on the CPU 1 GiB", "0.1"))
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per KV cache dtype; the median is reported")
+    ap.add_argument("--kv", default="int8,bf16", help="KV cache dtypes to run, comma-separated")
     ap.add_argument("--tflops", type=float, default=790.0, help="dense bf16 rate for the ideal prefill time")
-    ap.add_argument("--serve", default="", help="closed-loop gRPC concurrencies, e.g. 64,256 (int8 server)")
-    ap.add_argument("--hf", type=int, default=0, help="transformers generate_batch on this many requests x 256")
+    ap.add_argument("--serve", default="",
+                    help="closed-loop gRPC concurrencies, e.g. 64,256 (int8 server) (default: none, not served)")
+    ap.add_argument("--hf", type=int, default=0,
+                    help="transformers generate_batch on this many requests x 256 (default: 0, no transformers run)")
     ap.add_argument("--single", action="store_true", help="one-user decode tokens/s and TTFT of a 2k prompt")
-    ap.add_argument("--out", help="JSON with every figure")
+    ap.add_argument("--out", default=None, help="JSON file for every figure (default: none written)")
     args = ap.parse_args(argv)
+    sized.fill(args, args.tiny)
+    args.device = args.device or default_device()
     arch, shape = SHAPES[args.shape]
     prompts, outs = workload(args.requests, shape["vocab_size"], args.prompt_median, args.prompt_max,
                              args.prefix_len, (args.out_min, args.out_max))

@@ -17,7 +17,6 @@ temporary Hugging Face-layout folder with the bundled tokenizer.
 
 from __future__ import annotations
 
-import argparse
 import random
 import statistics
 import sys
@@ -25,9 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import DEVICE_HELP, SizedFlags, default_device, make_parser  # noqa: E402
 from engine.config import DEFAULT_MODEL, EngineConfig  # noqa: E402
 from engine.engine import LLMEngine  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
@@ -110,24 +108,26 @@ def long_prompts(model: str, args, budget: int) -> dict:
                 gap_max_ms=1e3 * max(gaps))
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    ap = make_parser(__doc__)
     ap.add_argument("--tiny", action="store_true", help="CPU-sized model and workload")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    args, _ = ap.parse_known_args(argv)
-    big = not args.tiny
-    ap.add_argument("--requests", type=int, default=256 if big else 32)
-    ap.add_argument("--prefix", type=int, default=1000 if big else 200)
-    ap.add_argument("--unique", type=int, default=100 if big else 20)
-    ap.add_argument("--max-tokens", type=int, default=64 if big else 16)
-    ap.add_argument("--streams", type=int, default=32 if big else 8)
-    ap.add_argument("--long", type=int, default=4 if big else 2)
-    ap.add_argument("--long-len", type=int, default=16384 if big else 400)
-    ap.add_argument("--chunk", type=int, default=2048 if big else 64)
-    ap.add_argument("--max-num-seqs", type=int, default=256 if big else 64)
-    ap.add_argument("--budget", type=int, default=8192 if big else 512)
-    ap.add_argument("--kv-bytes", type=int, default=(40 << 30) if big else (256 << 20))
+    ap.add_argument("--device", default=None, help=DEVICE_HELP)
+    sized = SizedFlags(ap)
+    sized.add("--requests", 256, 32, "shared-prefix part: requests, all submitted at once")
+    sized.add("--prefix", 1000, 200, "shared-prefix part: tokens of the prefix every request starts with")
+    sized.add("--unique", 100, 20, "shared-prefix part: tokens of each request after the prefix")
+    sized.add("--max-tokens", 64, 16, "shared-prefix part: tokens generated per request")
+    sized.add("--streams", 32, 8, "long-prompt part: requests decoding while the long prompts arrive")
+    sized.add("--long", 4, 2, "long-prompt part: long prompts arriving")
+    sized.add("--long-len", 16384, 400, "long-prompt part: tokens per long prompt")
+    sized.add("--chunk", 2048, 64, "long-prompt part: the token budget per step with chunked prefill")
+    sized.add("--max-num-seqs", 256, 64, "running sequences per step at most")
+    sized.add("--budget", 8192, 512, "shared-prefix part: tokens per step at most")
+    sized.add("--kv-bytes", 40 << 30, 256 << 20, "KV pool in bytes", shown=("40 GiB", "256 MiB"))
     args = ap.parse_args(argv)
+    sized.fill(args, args.tiny)
+    args.device = args.device or default_device()
+    big = not args.tiny
     shape = (2048, 16, 32, 8, 8192) if big else (256, 4, 8, 4, 768)
     max_len = max(args.prefix + args.unique + args.max_tokens, args.long_len + 64)
     with tempfile.TemporaryDirectory() as tmp:
