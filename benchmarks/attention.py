@@ -10,20 +10,23 @@ bf16), q and out. Times are medians of triton.testing.do_bench (L2 flushed betwe
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
+from pathlib import Path
 
 import torch
 import triton
 
-from kernels import reference
-from kernels.triton_cache_write import write_kv_cache
-from kernels.triton_decode import paged_decode
-from kernels.triton_extend import paged_extend
-from model.smoothing import factors_from_rms
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import make_parser, require_cuda  # noqa: E402
+from kernels import reference  # noqa: E402
+from kernels.triton_cache_write import write_kv_cache  # noqa: E402
+from kernels.triton_decode import paged_decode  # noqa: E402
+from kernels.triton_extend import paged_extend  # noqa: E402
+from model.smoothing import factors_from_rms  # noqa: E402
 
+NEEDS_GPU = True  # read by `pie bench` (with ast, without importing this file)
 HQ, HKV, D, BLOCK = 32, 8, 128, 16
 
 
@@ -202,15 +205,14 @@ def fidelity_rows() -> list[dict]:
     return rows
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    ap = make_parser(__doc__)
     ap.add_argument("--quick", action="store_true", help="fewer shapes")
-    ap.add_argument("--out", default=None, help="write all figures as JSON here")
+    ap.add_argument("--out", default=None, help="write all figures as JSON here (default: none written)")
     ap.add_argument("--graphs", action="store_true",
                     help="also time decode calls replayed from a CUDA graph (how the engine runs them)")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        sys.exit("this benchmark needs a CUDA GPU")
+    require_cuda(ap)
     torch.manual_seed(0)
     dev = torch.cuda.get_device_name()
     copy_bw = copy_bandwidth()

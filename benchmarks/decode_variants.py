@@ -1,34 +1,43 @@
 """Scratch GPU script for kernels/triton_decode.py: correctness (bf16 q vs the fp32 reference),
 then timings of (BLOCK_N, num_stages, num_splits) variants against SDPA on contiguous bf16 K/V.
 
-    PYTHONPATH=. python3 benchmarks/decode_variants.py [--quick]
+    python3 benchmarks/decode_variants.py [--quick] [--out DIR]
+    python3 benchmarks/decode_variants.py --engine     # or --d64, --v3, --v2: a later round's sweep
 
 Median of triton.testing.do_bench (it zeroes a 256 MB buffer before every rep: L2 flushed).
-Bandwidth counts the K/V bytes (int8 plus fp16 scales, or bf16) once. Writes the table and the
-stage-1 PTX of the gate config to $OUT (or /tmp).
+Bandwidth counts the K/V bytes (int8 plus fp16 scales, or bf16) once. Writes the table (and, for
+the first sweep and --v2, the stage-1 PTX of the gate config) to --out.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
 
-import kernels.triton_decode as td
-from kernels.reference import paged_attention_decode
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import kernels.triton_decode as td  # noqa: E402
+from benchmarks.common import make_parser, require_cuda  # noqa: E402
+from kernels.reference import paged_attention_decode  # noqa: E402
 
-OUT = os.environ.get("OUT", "/tmp")
+NEEDS_GPU = True  # read by `pie bench` (with ast, without importing this file)
 LINES: list[str] = []
-CHECK_EACH = "--v3" in sys.argv or "--d64" in sys.argv  # compare every timed variant with the fp32 reference
 
 
 def log(msg: str) -> None:
     print(msg, flush=True)
     LINES.append(msg)
+
+
+def write_log(out_dir: str, name: str) -> None:
+    """Everything logged so far into out_dir/name."""
+    with open(os.path.join(out_dir, name), "w") as f:
+        f.write("\n".join(LINES) + "\n")
 
 
 def make(b, ctx, hkv, group, d, page, int8):
@@ -107,7 +116,7 @@ class Capture:
         return launch
 
 
-def ptx_report(args, tag: str, **kw) -> None:
+def ptx_report(args, tag: str, out_dir: str, **kw) -> None:
     cap = Capture(td._decode_stage1)
     td._decode_stage1 = cap
     try:
@@ -116,7 +125,7 @@ def ptx_report(args, tag: str, **kw) -> None:
         td._decode_stage1 = cap.kernel
     c = cap.last
     ptx = c.asm["ptx"]
-    with open(os.path.join(OUT, f"stage1_{tag}.ptx"), "w") as f:
+    with open(os.path.join(out_dir, f"stage1_{tag}.ptx"), "w") as f:
         f.write(ptx)
     cvts: dict[str, int] = {}
     for line in ptx.splitlines():
@@ -128,11 +137,12 @@ def ptx_report(args, tag: str, **kw) -> None:
         f"smem={getattr(c.metadata, 'shared', '?')} ops={cvts}")
 
 
-def sweep(name, b, ctx, hkv, group, d, page, int8, variants, sdpa):
+def sweep(name, b, ctx, hkv, group, d, page, int8, variants, sdpa, check: bool = False):
+    """Times each variant; `check`: also compares each with the fp32 reference."""
     args, nbytes = make(b, ctx, hkv, group, d, page, int8)
     scale = d ** -0.5
     out = torch.empty_like(args[0])
-    ref = paged_attention_decode(args[0].float(), *args[1:], scale) if CHECK_EACH else None
+    ref = paged_attention_decode(args[0].float(), *args[1:], scale) if check else None
     rows = []
     for variant in variants:
         bn, st, sp, nw = variant[:4]
@@ -164,7 +174,7 @@ def sweep(name, b, ctx, hkv, group, d, page, int8, variants, sdpa):
     return args
 
 
-def main_v2() -> None:
+def main_v2(out_dir: str) -> None:
     """int8 only, after the inline-PTX V conversion; SDPA times from the first run."""
     log(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
     correctness(int8_only=True)
@@ -173,17 +183,16 @@ def main_v2() -> None:
             (64, 2, 1, 4, 128), (128, 3, 1, 4), (128, 3, 2, 4), (128, 2, 1, 8), (32, 3, 1, 4),
             (32, 4, 2, 4), (64, 3, 1, 4, None, False)]
     args = sweep("B64 ctx4096 int8", 64, 4096, 8, 4, 128, 16, True, gate, gate_sdpa)
-    ptx_report(args, "gate_int8_v2", num_splits=1)
+    ptx_report(args, "gate_int8_v2", out_dir, num_splits=1)
     sweep("B1 ctx32768 int8", 1, 32768, 8, 4, 128, 16, True,
           [(None, None, None, None), (64, 3, 64, 4), (128, 3, 32, 4), (128, 2, 64, 4),
            (64, 3, 32, 4, 128)], long_sdpa)
     sweep("B256 ctx512 int8", 256, 512, 8, 4, 128, 16, True,
           [(None, None, None, None), (32, 3, 1, 4), (64, 3, 1, 4, 128)], short_sdpa)
-    with open(os.path.join(OUT, "decode_variants_v2.txt"), "w") as f:
-        f.write("\n".join(LINES) + "\n")
+    write_log(out_dir, "decode_variants_v2.txt")
 
 
-def main_v3() -> None:
+def main_v3(out_dir: str) -> None:
     """Register cap, grid order (kv head fastest vs sequence fastest), inline-PTX V on/off."""
     log(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
     correctness(int8_only=False)
@@ -191,20 +200,19 @@ def main_v3() -> None:
     gate = [(None, None, None, None), (64, 2, 1, 4, 128), (64, 2, 1, 4, 128, False),
             (128, 3, 1, 4), (128, 3, 1, 4, None, False), (64, 3, 1, 4, 128), (64, 2, 2, 4, 128),
             (64, 2, 8, 4, 128), (128, 3, 4, 4)]
-    sweep("B64 ctx4096 int8", 64, 4096, 8, 4, 128, 16, True, gate, gate_sdpa)
+    sweep("B64 ctx4096 int8", 64, 4096, 8, 4, 128, 16, True, gate, gate_sdpa, check=True)
     sweep("B1 ctx32768 int8", 1, 32768, 8, 4, 128, 16, True,
           [(128, 3, 32, 4), (128, 3, 32, 4, None, False), (64, 2, 64, 4, 128),
-           (64, 2, 128, 4, 128), (128, 3, 64, 4)], long_sdpa)
+           (64, 2, 128, 4, 128), (128, 3, 64, 4)], long_sdpa, check=True)
     sweep("B256 ctx512 int8", 256, 512, 8, 4, 128, 16, True,
-          [(64, 2, 1, 4, 128), (128, 3, 1, 4), (64, 2, 1, 4, 128, False)], short_sdpa)
+          [(64, 2, 1, 4, 128), (128, 3, 1, 4), (64, 2, 1, 4, 128, False)], short_sdpa, check=True)
     sweep("B64 ctx4096 bf16", 64, 4096, 8, 4, 128, 16, False,
-          [(None, None, None, None), (128, 3, 1, 4)], gate_sdpa)
-    sweep("B1 ctx32768 bf16", 1, 32768, 8, 4, 128, 16, False, [(128, 3, 32, 4)], long_sdpa)
-    with open(os.path.join(OUT, "decode_variants_v3.txt"), "w") as f:
-        f.write("\n".join(LINES) + "\n")
+          [(None, None, None, None), (128, 3, 1, 4)], gate_sdpa, check=True)
+    sweep("B1 ctx32768 bf16", 1, 32768, 8, 4, 128, 16, False, [(128, 3, 32, 4)], long_sdpa, check=True)
+    write_log(out_dir, "decode_variants_v3.txt")
 
 
-def main_d64() -> None:
+def main_d64(out_dir: str) -> None:
     """Head dim 64 (Llama-3.2-1B: Hq 32, Hkv 8): the engine's decode shape, which the launch table
     had not been measured on. B 256 x ctx 512 is the offline benchmark's steady state."""
     log(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
@@ -215,10 +223,9 @@ def main_d64() -> None:
     bf16 = [(None, None, None, None), (64, 2, 1, 4), (128, 3, 1, 4), (256, 2, 1, 8)]
     for b, ctx in ((256, 512), (64, 4096)):
         sdpa = sdpa_ms(b, ctx, 8, 4, 64)
-        sweep(f"B{b} ctx{ctx} d64 int8", b, ctx, 8, 4, 64, 16, True, int8, sdpa)
-        sweep(f"B{b} ctx{ctx} d64 bf16", b, ctx, 8, 4, 64, 16, False, bf16, sdpa)
-    with open(os.path.join(OUT, "decode_variants_d64.txt"), "w") as f:
-        f.write("\n".join(LINES) + "\n")
+        sweep(f"B{b} ctx{ctx} d64 int8", b, ctx, 8, 4, 64, 16, True, int8, sdpa, check=True)
+        sweep(f"B{b} ctx{ctx} d64 bf16", b, ctx, 8, 4, 64, 16, False, bf16, sdpa, check=True)
+    write_log(out_dir, "decode_variants_d64.txt")
 
 
 def bench_graph(fn, calls: int = 50) -> float:
@@ -243,7 +250,7 @@ def bench_graph(fn, calls: int = 50) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def main_engine() -> None:
+def main_engine(out_dir: str) -> None:
     """The engine's decode shapes after issue 14's kernel changes (fp16 scales, padded head dims,
     shared tile code): Llama-3.2-1B (D 64, B 256, ctx 400) and Qwen3-4B (D 128); one long
     sequence timed from a CUDA graph, as the engine replays decode."""
@@ -269,8 +276,7 @@ def main_engine() -> None:
         splits = sp or td.default_num_splits(1, 8, 32768, td._sm_count(0))
         ms = bench_graph(lambda: td.paged_decode(*args, 0.1, num_splits=splits, out=out, config=cfg))
         log(f"B1 ctx32768 int8 graph BN={bn} st={st} w={nw} splits={splits}: {ms:.4f} ms {nbytes / ms / 1e9:.2f} TB/s")
-    with open(os.path.join(OUT, "decode_variants_engine.txt"), "w") as f:
-        f.write("\n".join(LINES) + "\n")
+    write_log(out_dir, "decode_variants_engine.txt")
 
 
 def copy_ms(nbytes: int = 2 ** 30) -> float:
@@ -279,16 +285,36 @@ def copy_ms(nbytes: int = 2 ** 30) -> float:
     return bench(lambda: c.copy_(a))
 
 
-def main() -> None:
-    if "--engine" in sys.argv:
-        return main_engine()
-    if "--d64" in sys.argv:
-        return main_d64()
-    if "--v3" in sys.argv:
-        return main_v3()
-    if "--v2" in sys.argv:
-        return main_v2()
-    quick = "--quick" in sys.argv
+def main(argv: list[str] | None = None) -> int:
+    ap = make_parser(__doc__)
+    rounds = ap.add_mutually_exclusive_group()
+    rounds.add_argument("--v2", action="store_true",
+                        help="instead of the first sweep: int8 only, after the inline-PTX V conversion")
+    rounds.add_argument("--v3", action="store_true",
+                        help="instead of the first sweep: register cap, grid order, inline-PTX V on/off "
+                             "(every variant checked against the fp32 reference)")
+    rounds.add_argument("--d64", action="store_true",
+                        help="instead of the first sweep: head dim 64, the Llama-3.2-1B decode shape "
+                             "(every variant checked against the fp32 reference)")
+    rounds.add_argument("--engine", action="store_true",
+                        help="instead of the first sweep: the engine's decode shapes after issue 14, "
+                             "one long sequence replayed from a CUDA graph")
+    ap.add_argument("--quick", action="store_true", help="the first sweep with a few variants only")
+    ap.add_argument("--out", default=None, metavar="DIR",
+                    help="folder for the log and the PTX (default: $OUT where set, else /tmp)")
+    args = ap.parse_args(argv)
+    require_cuda(ap)
+    out_dir = args.out or os.environ.get("OUT", "/tmp")
+    for mode, run in (("engine", main_engine), ("d64", main_d64), ("v3", main_v3), ("v2", main_v2)):
+        if getattr(args, mode):
+            run(out_dir)
+            return 0
+    main_sweep(args.quick, out_dir)
+    return 0
+
+
+def main_sweep(quick: bool, out_dir: str) -> None:
+    """The first round: a grid of (BLOCK_N, stages, splits) at three shapes, int8 and bf16."""
     torch.manual_seed(0)
     log(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
     log(f"copy 1 GiB: {copy_ms():.3f} ms")
@@ -309,16 +335,15 @@ def main() -> None:
         kind = "int8" if int8 else "bf16"
         gate_args = sweep(f"B64 ctx4096 {kind}", 64, 4096, 8, 4, 128, 16, int8, dflt + grid,
                           gate_sdpa)
-        ptx_report(gate_args, f"gate_{kind}", num_splits=1)
+        ptx_report(gate_args, f"gate_{kind}", out_dir, num_splits=1)
         long_grid = [(bn, st, sp, 4) for bn in (64, 128) for st in (3,)
                      for sp in (8, 16, 32, 48, 64, 96)]
         sweep(f"B1 ctx32768 {kind}", 1, 32768, 8, 4, 128, 16, int8,
               dflt + (long_grid[:2] if quick else long_grid), long_sdpa)
         sweep(f"B256 ctx512 {kind}", 256, 512, 8, 4, 128, 16, int8,
               dflt + [(64, 3, 1, 4), (32, 3, 1, 4), (64, 3, 2, 4)], short_sdpa)
-    with open(os.path.join(OUT, "decode_variants.txt"), "w") as f:
-        f.write("\n".join(LINES) + "\n")
+    write_log(out_dir, "decode_variants.txt")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

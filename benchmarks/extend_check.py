@@ -1,6 +1,6 @@
 """GPU check and timing of the Triton extend and cache-write kernels (one device call).
 
-    PYTHONPATH=. python3 benchmarks/extend_check.py [--out DIR]
+    python3 benchmarks/extend_check.py [--out DIR]
 
 1. Correctness: bf16 q over int8 and bf16 paged caches (GQA 4) against the fp32 torch reference.
 2. Extend timing: 4k-token prompts (Hq 32, Hkv 8, D 128, page 16; B = 1 and 4, plus a 512-token
@@ -13,18 +13,21 @@ stdout and to DIR/extend_check.md.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import triton
 
-from kernels import reference as ref
-from kernels.triton_cache_write import write_kv_cache
-from kernels.triton_extend import paged_extend
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import make_parser, require_cuda  # noqa: E402
+from kernels import reference as ref  # noqa: E402
+from kernels.triton_cache_write import write_kv_cache  # noqa: E402
+from kernels.triton_extend import paged_extend  # noqa: E402
 
+NEEDS_GPU = True  # read by `pie bench` (with ast, without importing this file)
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 CONFIGS = {  # (BLOCK_M, BLOCK_N, num_warps, num_stages) tried at B=1; None = the default
     torch.bfloat16: [None],
@@ -164,10 +167,13 @@ def cache_write_rows(rows: list[str]) -> None:
                         f"{'bit-exact' if exact else 'MISMATCH'} |")
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    args = parser.parse_args()
+def main(argv: list[str] | None = None) -> int:
+    parser = make_parser(__doc__)
+    parser.add_argument("--out", default=None, metavar="DIR",
+                        help="folder for extend_check.md (default: $OUT where set, else the current folder)")
+    args = parser.parse_args(argv)
+    require_cuda(parser)
+    out_dir = args.out or os.environ.get("OUT", ".")
     torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
     rows = ["| what | time | notes |", "|---|---|---|"]
     ok = correctness(rows)
@@ -177,7 +183,7 @@ def main() -> int:
     table = "\n".join(rows)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"triton {triton.__version__}\n{table}")
-    with open(os.path.join(args.out, "extend_check.md"), "w") as f:
+    with open(os.path.join(out_dir, "extend_check.md"), "w") as f:
         f.write(table + "\n")
     return 0 if ok else 1
 
