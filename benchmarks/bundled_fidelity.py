@@ -14,7 +14,6 @@ stream 1), which training never saw.
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 from pathlib import Path
@@ -23,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import make_parser  # noqa: E402
 from engine.config import DEFAULT_MODEL, EngineConfig  # noqa: E402
 from engine.engine import LLMEngine  # noqa: E402
 from engine.kv_cache import AttentionMetadata, KVCache, PagedAttention  # noqa: E402
@@ -53,13 +53,15 @@ def perplexity(model, cfg, docs: list[list[int]], kv: str) -> float:
     return math.exp(nll / count)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=DEFAULT_MODEL)
-    ap.add_argument("--eval-stories", type=int, default=200)
-    ap.add_argument("--prompts", type=int, default=50)
-    ap.add_argument("--tokens", type=int, default=128)
+def main(argv: list[str] | None = None) -> int:
+    ap = make_parser(__doc__)
+    ap.add_argument("--model", default=None,
+                    help="Hugging Face-layout model folder (default: the bundled story model)")
+    ap.add_argument("--eval-stories", type=int, default=200, help="held-out stories for the perplexity")
+    ap.add_argument("--prompts", type=int, default=50, help="prompts for the greedy agreement")
+    ap.add_argument("--tokens", type=int, default=128, help="tokens generated per prompt")
     args = ap.parse_args(argv)
+    args.model = args.model or DEFAULT_MODEL
     torch.set_num_threads(max(1, torch.get_num_threads()))
     model, cfg = load_model(args.model, device="cpu", dtype=torch.float32)
     tok = Tokenizer.from_pretrained(args.model, cfg)

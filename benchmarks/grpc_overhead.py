@@ -12,7 +12,6 @@ engine in its own process (`pie serve --engine-process`).
 
 from __future__ import annotations
 
-import argparse
 import functools
 import subprocess
 import sys
@@ -22,6 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "clients"))
+from benchmarks.common import make_parser  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.outputs import SampledToken  # noqa: E402
 from service.server import BackgroundServer, ServerConfig  # noqa: E402
@@ -41,12 +41,13 @@ def instant_forward(engine, step_s: float = 0.0) -> None:
     engine.runner.execute = execute
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--concurrency", default="16,64,256")
+def main(argv: list[str] | None = None) -> int:
+    ap = make_parser(__doc__)
+    ap.add_argument("--concurrency", default="16,64,256", help="closed-loop levels (streams), comma-separated")
     ap.add_argument("--step-ms", type=float, default=0.0, help="time each step waits with the GIL released")
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--requests", type=int, default=0, help="per level (default: serving.py's)")
+    ap.add_argument("--max-tokens", type=int, default=128, help="tokens generated per request")
+    ap.add_argument("--requests", type=int, default=0,
+                    help="requests per level (default: serving.py's, 4 x the concurrency and at least 16)")
     ap.add_argument("--engine-process", action="store_true", help="the engine in its own process")
     ap.add_argument("--stream-interval", type=int, default=1, help="tokens per stream message after the first")
     args = ap.parse_args(argv)

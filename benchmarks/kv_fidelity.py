@@ -11,28 +11,29 @@ Figures are means over the four families and the seeds; tests/fidelity.py define
 
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
 import tempfile
 from pathlib import Path
 
 import structlog
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import DEVICE_HELP, default_device, make_parser  # noqa: E402
 from tests.fidelity import MASSIVE_K, family_fidelity, mean  # noqa: E402
 from tests.helpers import ARCHS  # noqa: E402
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--seeds", type=int, default=4)
-    ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--tokens", type=int, default=32)
-    ap.add_argument("--weight-scale", type=float, default=2.5)
+def main(argv: list[str] | None = None) -> int:
+    ap = make_parser(__doc__)
+    ap.add_argument("--device", default=None, help=DEVICE_HELP)
+    ap.add_argument("--seeds", type=int, default=4, help="random models per family (seeds 1..N); figures are means")
+    ap.add_argument("--prompts", type=int, default=16, help="prompts per model")
+    ap.add_argument("--tokens", type=int, default=32, help="tokens generated per prompt")
+    ap.add_argument("--weight-scale", type=float, default=2.5,
+                    help="multiplies the random projection and embedding weights (sharper distributions)")
     args = ap.parse_args(argv)
+    args.device = args.device or default_device()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     print("| models | cache | smoothing | greedy agreement | teacher-forced top-1 | first token |")
     print("|---|---|---|---|---|---|")

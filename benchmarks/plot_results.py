@@ -9,7 +9,6 @@ which drops to 0 at the right edge so the y axis starts at 0 TB/s; the grid has 
 
 from __future__ import annotations
 
-import argparse
 import re
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import make_parser  # noqa: E402
 from training.plot import plot_curves  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "RESULTS.md"
@@ -38,9 +38,11 @@ def decode_bandwidth(text: str, batch: int = BATCH) -> tuple[list[tuple[int, flo
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "decode_bandwidth.png"))
+    ap = make_parser(__doc__)
+    ap.add_argument("--out", default=None,
+                    help="PNG to write (default: benchmarks/decode_bandwidth.png, the README's figure)")
     args = ap.parse_args(argv)
+    args.out = args.out or str(ROOT / "benchmarks" / "decode_bandwidth.png")
     rows, copy = decode_bandwidth(RESULTS.read_text())
     xs = [ctx.bit_length() - 1 for ctx, _, _ in rows]
     plot_curves(args.out, [list(zip(xs, (r[1] for r in rows))), list(zip(xs, (r[2] for r in rows))),

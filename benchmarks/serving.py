@@ -17,7 +17,6 @@ by the number of tokens in it.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -34,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "clients"))
 import grpc  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
+from benchmarks.common import make_parser  # noqa: E402
 from pie_client import AsyncClient  # noqa: E402
 
 
@@ -147,19 +147,22 @@ def start_server(model: str | None, extra: list[str]) -> tuple[subprocess.Popen,
     sys.exit("server did not become ready")
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--address", help="a running server; default: start `pie serve`")
+def main(argv: list[str] | None = None) -> int:
+    ap = make_parser(__doc__)
+    ap.add_argument("--address", help="a running server, host:port (default: start `pie serve` here)")
     ap.add_argument("--model", help="model folder for the started server (default: the bundled model)")
-    ap.add_argument("--server-args", default="", help="extra `pie serve` flags, one string")
-    ap.add_argument("--concurrency", default="", help="closed-loop levels, e.g. 1,16,64")
-    ap.add_argument("--rates", default="", help="Poisson arrival rates in requests/s, e.g. 2,8")
-    ap.add_argument("--requests", type=int, default=0, help="requests per level (default 4 x concurrency, min 16)")
+    ap.add_argument("--server-args", default="", help="extra `pie serve` flags, one string (default: none)")
+    ap.add_argument("--concurrency", default="",
+                    help="closed-loop levels, e.g. 1,16,64 (default: 1,16 where --rates is not given, else none)")
+    ap.add_argument("--rates", default="", help="Poisson arrival rates in requests/s, e.g. 2,8 (default: none)")
+    ap.add_argument("--requests", type=int, default=0,
+                    help="requests per level (default: closed loop 4 x the concurrency and at least 16; Poisson 64)")
     ap.add_argument("--prompt-len", type=int, default=64, help="random prompt ids per request")
-    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=128, help="tokens generated per request")
     ap.add_argument("--vocab", type=int, default=2000, help="prompt ids are drawn from [3, vocab)")
-    ap.add_argument("--out", help="JSON file for every figure")
-    ap.add_argument("--plot", help="PNG prefix: PREFIX-throughput.png and PREFIX-latency.png")
+    ap.add_argument("--out", help="JSON file for every figure (default: none written)")
+    ap.add_argument("--plot", help="PNG prefix: PREFIX-MODE-throughput.png and PREFIX-MODE-latency.png per "
+                                   "mode with two or more levels (default: no plots)")
     args = ap.parse_args(argv)
     if not args.concurrency and not args.rates:
         args.concurrency = "1,16"

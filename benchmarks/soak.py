@@ -12,7 +12,6 @@ the RSS reported is the server's plus the clients' (both steady in a healthy run
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import collections
 import json
@@ -27,6 +26,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 
 import grpc  # noqa: E402
 
+from benchmarks.common import make_parser  # noqa: E402
 from engine.config import DEFAULT_MODEL, EngineConfig  # noqa: E402
 from pie.v1 import generate_pb2 as pb  # noqa: E402
 from pie.v1 import generate_pb2_grpc as pb_grpc  # noqa: E402
@@ -103,17 +103,18 @@ async def _traffic(address: str, duration_s: float, concurrency: int, seed: int,
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = make_parser(__doc__)
     p.add_argument("--duration", type=float, default=150.0, help="seconds of traffic")
-    p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--device", default="auto")
+    p.add_argument("--model", default=None, help="Hugging Face-layout model folder (default: the bundled story model)")
+    p.add_argument("--device", default="auto", help="the server's device: auto, cpu, cuda or cuda:N")
     p.add_argument("--concurrency", type=int, default=24, help="clients sending at once")
-    p.add_argument("--max-num-seqs", type=int, default=16)
-    p.add_argument("--num-kv-blocks", type=int, default=256)
+    p.add_argument("--max-num-seqs", type=int, default=16, help="the server's running sequences per step at most")
+    p.add_argument("--num-kv-blocks", type=int, default=256, help="the server's KV pool in blocks")
     p.add_argument("--sample-every", type=float, default=10.0, help="seconds between table rows")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="write the samples and totals as JSON here")
+    p.add_argument("--seed", type=int, default=0, help="seeds the traffic's choices (kinds, prompts, deadlines)")
+    p.add_argument("--out", default=None, help="write the samples and totals as JSON here (default: not written)")
     args = p.parse_args(argv)
+    args.model = args.model or DEFAULT_MODEL
     configure_logging(json=True, level="error")  # per-request lines would bury the table
 
     engine_cfg = EngineConfig(model=args.model, device=args.device, num_kv_blocks=args.num_kv_blocks,
