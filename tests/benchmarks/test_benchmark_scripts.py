@@ -1,0 +1,157 @@
+"""The command lines of benchmarks/: every flag of every script described with its default shown
+once, `--help` working on a CPU-only machine without transformers, the GPU-only scripts
+(`NEEDS_GPU = True`) refusing at once with one line and status 2 where no CUDA GPU is visible,
+and the README's CPU throughput run working without transformers (a plain `pip install -e .`
+has none: it is only in the test extra).
+
+Scripts are what `pie bench` lists: the files of benchmarks/ with a `__main__` block. Their
+subprocesses run side by side (a few at a time), each loading torch once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib.util
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import help_problems
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCHMARKS = ROOT / "benchmarks"
+# What needs a CUDA GPU: the kernel benchmarks. The rest run on the CPU (some with --tiny).
+GPU_ONLY = {"attention", "decode_variants", "extend_check"}
+NO_GPU_MESSAGE = "this benchmark needs a CUDA GPU and none is visible"
+
+
+def _tree(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(), str(path))
+
+
+def _is_script(tree: ast.Module) -> bool:
+    return any(isinstance(node, ast.If) and "__main__" in ast.unparse(node.test) for node in tree.body)
+
+
+def _needs_gpu(tree: ast.Module) -> bool | None:
+    """The module-level `NEEDS_GPU = <literal>` (None where absent), read as the launcher reads it."""
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "NEEDS_GPU" for t in node.targets):
+            assert isinstance(node.value, ast.Constant) and isinstance(node.value.value, bool), \
+                f"NEEDS_GPU must be a literal True or False (read statically): {ast.unparse(node)}"
+            return node.value.value
+    return None
+
+
+SCRIPTS = {p.stem: p for p in sorted(BENCHMARKS.glob("*.py")) if _is_script(_tree(p))}
+MARKED_GPU = sorted(name for name, path in SCRIPTS.items() if _needs_gpu(_tree(path)))
+
+
+def test_scripts_found() -> None:
+    assert {"throughput", "scheduling", "attention", "decode_variants", "extend_check"} <= SCRIPTS.keys()
+    assert "common" not in SCRIPTS  # the shared helpers are no script
+
+
+def test_gpu_only_scripts_are_marked() -> None:
+    assert set(MARKED_GPU) == GPU_ONLY
+
+
+class _Parsed(Exception):
+    """Raised in place of parsing: carries the script's finished parser out of its main()."""
+
+    def __init__(self, parser: argparse.ArgumentParser) -> None:
+        super().__init__(parser.prog)
+        self.parser = parser
+
+
+def _load(path: Path, monkeypatch: pytest.MonkeyPatch):
+    """The script as a module of its own name (registered while the test runs: dataclasses look
+    their module up), without running its __main__ block."""
+    spec = importlib.util.spec_from_file_location(f"_benchmark_script_{path.stem}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name", sorted(SCRIPTS))
+def test_every_flag_described_with_its_default_once(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    def parse_args(self, args=None, namespace=None):
+        raise _Parsed(self)
+
+    def parse_known_args(self, args=None, namespace=None):
+        raise AssertionError(f"{name}.py parses its flags in stages (parse_known_args): the flags added "
+                             "after the first stage are missing from --help; build one parser")
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_args)
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", parse_known_args)
+    module = _load(SCRIPTS[name], monkeypatch)
+    with pytest.raises(_Parsed) as parsed:
+        module.main([])
+    parser = parsed.value.parser
+    options = [a for a in parser._actions if a.option_strings and not isinstance(a, argparse._HelpAction)]
+    assert options, f"{name}.py: a parser without flags"
+    assert help_problems(parser) == []
+
+
+@pytest.fixture(scope="module")
+def no_transformers_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """A subprocess environment where `import transformers` fails, as without the test extra (a
+    package of that name that raises, first on the path), and no CUDA GPU is visible."""
+    site = tmp_path_factory.mktemp("no_transformers")
+    (site / "transformers").mkdir()
+    (site / "transformers" / "__init__.py").write_text(
+        'raise ModuleNotFoundError("transformers is not installed (tests/benchmarks hides it)")\n')
+    path = [str(site), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "CUDA_VISIBLE_DEVICES": ""}
+    probe = subprocess.run([sys.executable, "-c", "import transformers"], env=env, capture_output=True, text=True)
+    assert probe.returncode != 0 and "transformers is not installed" in probe.stderr, "transformers not hidden"
+    return env
+
+
+def _run(args: list[str], env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def script_runs(no_transformers_env: dict[str, str]) -> dict[tuple[str, str], subprocess.CompletedProcess]:
+    """(name, flags) -> the finished `python benchmarks/NAME.py FLAGS`: --help of every script,
+    and every script marked NEEDS_GPU without flags."""
+    commands = [(name, "--help") for name in SCRIPTS] + [(name, "") for name in MARKED_GPU]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        done = pool.map(lambda c: _run([f"benchmarks/{c[0]}.py", *c[1].split()], no_transformers_env), commands)
+        return dict(zip(commands, done))
+
+
+@pytest.mark.parametrize("name", sorted(SCRIPTS))
+def test_help_runs_on_a_cpu_without_transformers(name: str, script_runs) -> None:
+    run = script_runs[(name, "--help")]
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.startswith(f"usage: {name}.py")
+    assert "options:" in run.stdout
+
+
+@pytest.mark.parametrize("name", MARKED_GPU)
+def test_gpu_only_script_refuses_without_cuda(name: str, script_runs) -> None:
+    run = script_runs[(name, "")]
+    assert run.returncode == 2, run.stderr[-3000:]
+    assert run.stderr.strip().splitlines() == [
+        f"{name}.py: {NO_GPU_MESSAGE} (torch.cuda.is_available() is False)"]
+    assert run.stdout == ""
+
+
+def test_tiny_throughput_without_transformers(no_transformers_env: dict[str, str]) -> None:
+    """The README's `pie bench throughput --tiny --skip-hf --repeats 1`, smaller still."""
+    run = _run(["benchmarks/throughput.py", "--tiny", "--skip-hf", "--repeats", "1", "--requests", "4",
+                "--max-tokens", "4"], no_transformers_env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    table = [line for line in run.stdout.splitlines() if line.startswith("| pie, ")]
+    assert [line.split(" | ")[0] for line in table] == ["| pie, int8 KV cache", "| pie, bf16 KV cache"], run.stdout
+    assert "transformers generate_batch" not in run.stdout
