@@ -229,6 +229,13 @@ class _Progress:
             self.stream.flush()
 
 
+def _synced_clock(device: torch.device) -> float:
+    """time.perf_counter() once the queued device work is done (it belongs to the steps before)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 def _save_checkpoint(path: Path, model, optimizer, step: int, batch_gen: torch.Generator, cfg: TrainConfig) -> None:
     state = {
         "model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
@@ -313,8 +320,10 @@ def train(cfg: TrainConfig, data: TokenSplits, model: LlamaForCausalLM | None = 
 
         if step == 0:
             run_eval()
-        t_last, steps_since = time.perf_counter(), 0
-        t_start = t_last
+        # tokens/s counts training time alone (eval passes and checkpoints are `paused`); the time
+        # left is the mean wall time of this run's steps, evals and checkpoints included
+        t_start, start_step = time.perf_counter(), step
+        t_last, steps_since, paused = t_start, 0, 0.0
         while step < cfg.max_steps:
             lr = cfg.lr_at(step)
             for group in optimizer.param_groups:
@@ -334,16 +343,21 @@ def train(cfg: TrainConfig, data: TokenSplits, model: LlamaForCausalLM | None = 
             if step % cfg.log_every == 0 or step == cfg.max_steps:
                 train_loss = loss_sum.item() / cfg.grad_accum  # the only host sync of a step
                 now = time.perf_counter()
-                tok_s = steps_since * tokens_per_step / (now - t_last)
-                t_last, steps_since = now, 0
+                tok_s = steps_since * tokens_per_step / max(now - t_last - paused, 1e-9)
+                t_last, steps_since, paused = now, 0, 0.0
                 result["train_loss"], result["tokens_per_s"] = train_loss, tok_s
                 log({"step": step, "loss": train_loss, "lr": lr, "grad_norm": float(grad_norm),
                      "tokens_per_s": tok_s, "elapsed_s": now - t_start})
-                progress.update(step, train_loss, tok_s, lr, (cfg.max_steps - step) * tokens_per_step / tok_s)
+                eta_s = (now - t_start) / (step - start_step) * (cfg.max_steps - step)
+                progress.update(step, train_loss, tok_s, lr, eta_s)
             if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.max_steps:
+                t0 = _synced_clock(device)
                 run_eval()
+                paused += time.perf_counter() - t0
             if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.max_steps:
+                t0 = _synced_clock(device)
                 _save_checkpoint(ckpt_path, model, optimizer, step, batch_gen, cfg)
+                paused += time.perf_counter() - t0
     progress.close()
     plot = _plot(out, metrics_path)
     return {**result, "model": model.eval(), "step": step, "eval_ppl": math.exp(min(result["eval_loss"], 50.0)),

@@ -8,6 +8,7 @@ import re
 import stat
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -113,6 +114,33 @@ def test_progress_lines_show_tokens_per_s_and_time_left(tokenized, tmp_path, cap
         assert int(tok_s.replace(",", "")) == round(row["tokens_per_s"])
     assert lines[-1].endswith(" eta 0s")
     assert sum("eval loss" in line for line in err.splitlines()) == 3  # steps 0, 6, 12
+
+
+def test_tokens_per_s_leave_out_evals_and_the_time_left_counts_them(tokenized, tmp_path, monkeypatch, capsys):
+    """On a fake clock every batch drawn takes 0.5 s and every eval pass 1000 s more."""
+    import training.train as train_module
+
+    _, _, splits = tokenized
+    clock = [0.0]
+    real_get_batch, real_evaluate = train_module.get_batch, train_module.evaluate
+
+    def get_batch(*args, **kwargs):
+        clock[0] += 0.5
+        return real_get_batch(*args, **kwargs)
+
+    def evaluate(*args, **kwargs):
+        clock[0] += 1000
+        return real_evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(train_module, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(train_module, "get_batch", get_batch)
+    monkeypatch.setattr(train_module, "evaluate", evaluate)
+    train(_tiny(tmp_path, max_steps=12, log_every=4, eval_every=6, eval_steps=4, progress=True), splits)
+    logged = [r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert [r["tokens_per_s"] for r in logged] == [8 * 32 / 0.5] * 3  # the eval at step 6 (1002 s) left out
+    assert [r["elapsed_s"] for r in logged] == [2, 2 + 1 + 1002 + 1, 1006 + 2]
+    etas = [line.rsplit(" eta ", 1)[1] for line in capsys.readouterr().err.splitlines() if line.startswith("[")]
+    assert etas == ["4s", "8m23s", "0s"]  # 4 steps left at 0.5 s; 4 at 1006 s / 8 steps (503 s); none
 
 
 def test_progress_rewrites_one_line_on_a_terminal():
