@@ -164,7 +164,10 @@ def _bench(argv: list[str]) -> int:
     try:
         runpy.run_path(sys.argv[0], run_name="__main__")
     except SystemExit as e:
-        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if isinstance(e.code, str):  # sys.exit("message"): Python prints it and exits 1
+            print(e.code, file=sys.stderr)
+            return 1
+        return 0 if e.code is None else e.code if isinstance(e.code, int) else 1
     finally:
         sys.argv = saved
     return 0
