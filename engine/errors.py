@@ -4,12 +4,14 @@ from __future__ import annotations
 
 
 class PromptError(ValueError):
-    """The prompt cannot be served; `field` names the offending request field."""
+    """The prompt cannot be served; `field` names the offending request field, `reason` says why
+    in one word (PROMPT_TOO_LONG: it leaves no room in the context or the KV pool)."""
 
-    def __init__(self, field_name: str, message: str):
+    def __init__(self, field_name: str, message: str, reason: str = "INVALID_FIELD"):
         super().__init__(f"{field_name}: {message}")
         self.field = field_name
         self.message = message
+        self.reason = reason
 
 
 class QueueFullError(RuntimeError):

@@ -11,7 +11,7 @@ from engine.sampling_params import SamplingParams, SamplingParamsError
 
 def prompt_too_long(num_tokens: int, max_model_len: int) -> PromptError:
     return PromptError("prompt", f"prompt has {num_tokens} tokens; the context length is {max_model_len} "
-                                 "and at least one token must be generated")
+                                 "and at least one token must be generated", "PROMPT_TOO_LONG")
 
 
 def check_request(prompt_token_ids: list[int], sampling: SamplingParams, *, config: EngineConfig,
@@ -38,4 +38,4 @@ def check_request(prompt_token_ids: list[int], sampling: SamplingParams, *, conf
             f"{max_model_len}")
     needed = -(-(n + sampling.max_tokens) // config.block_size)
     if needed > num_kv_blocks:
-        raise PromptError("prompt", f"needs {needed} KV blocks but the pool holds {num_kv_blocks}")
+        raise PromptError("prompt", f"needs {needed} KV blocks but the pool holds {num_kv_blocks}", "PROMPT_TOO_LONG")

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import grpc
 
+from service.errors import ServiceError
+
 # Method prefixes that need no token.
 OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.v1alpha.ServerReflection/",
                  "/grpc.reflection.v1.ServerReflection/")
@@ -28,12 +30,15 @@ def read_token_file(path: str | Path) -> tuple[str, ...]:
     return tokens
 
 
+_DENIED = ServiceError(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token", reason="UNAUTHENTICATED")
+
+
 def _deny_unary(request, context: grpc.aio.ServicerContext):
-    return context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+    return context.abort(_DENIED.code, _DENIED.message, trailing_metadata=_DENIED.trailing_metadata(None))
 
 
 async def _deny_stream(request, context: grpc.aio.ServicerContext):
-    await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+    await context.abort(_DENIED.code, _DENIED.message, trailing_metadata=_DENIED.trailing_metadata(None))
     yield  # never reached; makes this an async generator like the handler it stands in for
 
 

@@ -19,7 +19,7 @@ from engine.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, MODEL_DTYPES, Eng
 from service.auth import read_token_file
 from service.logging import configure_logging
 from service.packages import ForeignPackageError, check_own_packages
-from service.server import PieServer, ServerConfig, TlsConfig
+from service.server import ConnectionConfig, PieServer, ServerConfig, TlsConfig
 from service.validation import Limits
 
 if TYPE_CHECKING:
@@ -100,6 +100,26 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                         "needs `authorization: Bearer <token>` metadata (default: no authentication)")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics at http://HOST:PORT/metrics; 0 = any free port (default: off)")
+    c = ConnectionConfig()
+    p.add_argument("--keepalive-time", type=float, default=c.keepalive_time_s,
+                   help="seconds between the server's pings on an idle connection (keeps NATs and load balancers "
+                        "from dropping it)")
+    p.add_argument("--keepalive-timeout", type=float, default=c.keepalive_timeout_s,
+                   help="seconds a ping may go unanswered before the connection is closed")
+    p.add_argument("--keepalive-permit-without-calls", action=argparse.BooleanOptionalAction,
+                   default=c.keepalive_permit_without_calls,
+                   help="ping, and accept clients' keepalive pings, on connections with no call in flight")
+    p.add_argument("--keepalive-min-client-interval", type=float, default=c.min_client_ping_interval_s,
+                   help="seconds between a client's pings the server accepts; more often is answered with GOAWAY "
+                        "(too_many_pings)")
+    p.add_argument("--max-connection-age", type=float, default=c.max_connection_age_s,
+                   help="seconds after which a connection is asked to close (GOAWAY) so that round-robin clients "
+                        "reconnect and spread over replicas; in-flight calls finish first; 0 = never")
+    p.add_argument("--max-connection-age-grace", type=float, default=None,
+                   help="seconds in-flight calls get after --max-connection-age before they are cut "
+                        "(default: as long as they need)")
+    p.add_argument("--compression", choices=("none", "gzip"), default=c.compression,
+                   help="compress responses (requests are accepted gzip-compressed either way)")
     p.add_argument("--log-format", choices=("auto", "json", "console"), default="auto",
                    help="log lines on stderr: JSON objects, or readable console lines (auto: console on a terminal)")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
@@ -247,6 +267,17 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
         raise ValueError("--stream-interval must be >= 1")
     if args.step_timeout < 0:
         raise ValueError("--step-timeout must be >= 0 (0 = off)")
+    for name in ("keepalive_time", "keepalive_timeout", "keepalive_min_client_interval"):
+        if not getattr(args, name) > 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0 seconds")
+    if args.max_connection_age < 0 or (args.max_connection_age_grace or 0) < 0:
+        raise ValueError("--max-connection-age and --max-connection-age-grace must be >= 0")
+    connection = ConnectionConfig(
+        keepalive_time_s=args.keepalive_time, keepalive_timeout_s=args.keepalive_timeout,
+        keepalive_permit_without_calls=args.keepalive_permit_without_calls,
+        min_client_ping_interval_s=args.keepalive_min_client_interval,
+        max_connection_age_s=args.max_connection_age or None, max_connection_age_grace_s=args.max_connection_age_grace,
+        compression=args.compression)
     tls = TlsConfig(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
     if tls is not None:
         tls.credentials()  # fail at start on an unreadable file, not on the first connection
@@ -254,7 +285,7 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
         host=args.host, port=args.port, grace_s=args.grace, model_name=args.model_name,
         max_message_bytes=args.max_message_bytes, limits=Limits(max_prompt_chars=args.max_prompt_chars),
         max_concurrent_rpcs=args.max_concurrent_rpcs, step_timeout_s=args.step_timeout or None, tls=tls,
-        auth_tokens=read_token_file(args.auth_token_file) if args.auth_token_file else (),
+        auth_tokens=read_token_file(args.auth_token_file) if args.auth_token_file else (), connection=connection,
         metrics_port=args.metrics_port, engine_process=args.engine_process, stream_interval=args.stream_interval,
         log_setup=functools.partial(configure_logging, json=None if args.log_format == "auto" else args.log_format == "json",
                                     level=args.log_level))

@@ -1,7 +1,10 @@
 """Rich gRPC errors: a status code, a message, and google.rpc details a client can read.
 
-INVALID_ARGUMENT carries google.rpc.BadRequest field violations; RESOURCE_EXHAUSTED carries
-google.rpc.RetryInfo. Every error carries the request id in its trailing metadata.
+Every error the service raises carries a google.rpc.ErrorInfo (domain "pie.v1", one of the
+REASONS below, which clients may switch on); INVALID_ARGUMENT also carries google.rpc.BadRequest
+naming the field; errors worth retrying carry google.rpc.RetryInfo. The request id rides in the
+trailing metadata. README.md "Errors" and the .proto's header comment list them; tests hold both
+to this module.
 """
 
 from __future__ import annotations
@@ -10,36 +13,60 @@ import grpc
 from google.protobuf import any_pb2, duration_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
+DOMAIN = "pie.v1"
+# ErrorInfo.reason -> (status code, when). The README's error table is checked against this.
+REASONS: dict[str, tuple[grpc.StatusCode, str]] = {
+    "INVALID_FIELD": (grpc.StatusCode.INVALID_ARGUMENT, "a request field is out of range or malformed (BadRequest names it)"),
+    "PROMPT_TOO_LONG": (grpc.StatusCode.INVALID_ARGUMENT, "the prompt leaves no room in the context or the KV pool"),
+    "MALFORMED_MESSAGE": (grpc.StatusCode.INVALID_ARGUMENT, "the request bytes do not parse as the RPC's message"),
+    "UNAUTHENTICATED": (grpc.StatusCode.UNAUTHENTICATED, "bearer token missing or not accepted (--auth-token-file)"),
+    "QUEUE_FULL": (grpc.StatusCode.RESOURCE_EXHAUSTED, "the waiting queue is at --max-waiting (RetryInfo: 1 s)"),
+    "OUT_OF_MEMORY": (grpc.StatusCode.RESOURCE_EXHAUSTED, "the device ran out of memory for this request (RetryInfo: 1 s)"),
+    "MODEL_LOADING": (grpc.StatusCode.UNAVAILABLE, "the model is still loading (RetryInfo: 5 s)"),
+    "DRAINING": (grpc.StatusCode.UNAVAILABLE, "the server is shutting down: send it elsewhere"),
+    "ENGINE_STOPPED": (grpc.StatusCode.UNAVAILABLE, "the engine died or hung; the server exits with status 3"),
+    "ENGINE_FAULT": (grpc.StatusCode.INTERNAL, "the engine failed this request (the server log has its id)"),
+}
+
 
 class ServiceError(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str, *, field: str | None = None,
+    def __init__(self, code: grpc.StatusCode, message: str, *, reason: str, field: str | None = None,
                  description: str | None = None, retry_after_s: float | None = None):
         super().__init__(message)
+        assert REASONS[reason][0] == code, f"{reason} is documented with {REASONS[reason][0].name}, not {code.name}"
         self.code = code
         self.message = message
+        self.reason = reason
         self.field = field
         self.description = description or message
         self.retry_after_s = retry_after_s
 
-    def trailing_metadata(self, request_id: str | None) -> tuple[tuple[str, str | bytes], ...]:
+    def details(self) -> status_pb2.Status:
+        """The google.rpc.Status sent as `grpc-status-details-bin`."""
         status = status_pb2.Status(code=getattr(code_pb2, self.code.name), message=self.message)
+        _pack(status, error_details_pb2.ErrorInfo(reason=self.reason, domain=DOMAIN))
         if self.field is not None:
-            detail = any_pb2.Any()
-            detail.Pack(error_details_pb2.BadRequest(field_violations=[
+            _pack(status, error_details_pb2.BadRequest(field_violations=[
                 error_details_pb2.BadRequest.FieldViolation(field=self.field, description=self.description)]))
-            status.details.append(detail)
         if self.retry_after_s is not None:
-            detail = any_pb2.Any()
             delay = duration_pb2.Duration()
             delay.FromNanoseconds(int(self.retry_after_s * 1e9))
-            detail.Pack(error_details_pb2.RetryInfo(retry_delay=delay))
-            status.details.append(detail)
-        md: list[tuple[str, str | bytes]] = [("grpc-status-details-bin", status.SerializeToString())]
+            _pack(status, error_details_pb2.RetryInfo(retry_delay=delay))
+        return status
+
+    def trailing_metadata(self, request_id: str | None) -> tuple[tuple[str, str | bytes], ...]:
+        md: list[tuple[str, str | bytes]] = [("grpc-status-details-bin", self.details().SerializeToString())]
         if request_id:
             md.append(("x-request-id", request_id))
         return tuple(md)
 
 
-def invalid_argument(field: str, description: str) -> ServiceError:
-    return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {description}", field=field,
+def _pack(status: status_pb2.Status, detail) -> None:
+    wrapped = any_pb2.Any()
+    wrapped.Pack(detail)
+    status.details.append(wrapped)
+
+
+def invalid_argument(field: str, description: str, reason: str = "INVALID_FIELD") -> ServiceError:
+    return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {description}", reason=reason, field=field,
                         description=description)

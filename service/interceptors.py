@@ -13,6 +13,8 @@ import inspect
 import grpc
 from google.protobuf.message import DecodeError
 
+from service.errors import ServiceError
+
 
 class _Undecodable:
     __slots__ = ("error",)
@@ -35,7 +37,9 @@ def _safe(deserializer):
 
 
 async def _reject(request: _Undecodable, context: grpc.aio.ServicerContext) -> None:
-    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the request message does not parse: {request.error}")
+    err = ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"the request message does not parse: {request.error}",
+                       reason="MALFORMED_MESSAGE")
+    await context.abort(err.code, err.message, trailing_metadata=err.trailing_metadata(None))
 
 
 def _guard(behavior):

@@ -71,6 +71,8 @@ class _EngineCollector(Collector):
         used = stats.kv_blocks_total - stats.kv_blocks_free
         yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
                     used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0)
+        yield gauge("pie_kv_blocks_cached", "Free KV blocks that still hold a cached prompt prefix (reusable).",
+                    stats.kv_blocks_cached)
         yield counter("vllm:prefix_cache_queries",
                       "Prefix cache queries, in terms of number of queried tokens.", stats.prefix_cache_queries)
         yield counter("vllm:prefix_cache_hits",

@@ -46,6 +46,42 @@ class TlsConfig:
                                            root_certificates=ca, require_client_auth=ca is not None)
 
 
+@dataclass(frozen=True, slots=True)
+class ConnectionConfig:
+    """HTTP/2 connection settings for servers behind load balancers (gRPC's keepalive guide and
+    its A9 max-connection-age proposal). Seconds; None turns a setting off."""
+
+    keepalive_time_s: float = 60.0  # ping an idle connection this often, so NATs and LBs keep it
+    keepalive_timeout_s: float = 20.0  # a ping not answered within this closes the connection
+    keepalive_permit_without_calls: bool = True  # ping, and accept clients' pings, without calls in flight
+    # Clients may ping this often without data (their own keepalive); more often is answered with
+    # GOAWAY "too_many_pings". gRPC's default (5 min) would drop a client whose keepalive is 30 s.
+    min_client_ping_interval_s: float = 10.0
+    # After this a connection gets GOAWAY: its client reconnects, and a round-robin client picks
+    # up replicas added since. In-flight calls finish first (for max_connection_age_grace_s).
+    max_connection_age_s: float | None = 1800.0
+    max_connection_age_grace_s: float | None = None  # None: calls in flight may take as long as they need
+    compression: str = "none"  # responses: "none" or "gzip" (requests are accepted compressed either way)
+
+    def options(self) -> list[tuple[str, int]]:
+        def ms(seconds: float) -> int:
+            return max(1, round(seconds * 1000))
+
+        opts = [("grpc.keepalive_time_ms", ms(self.keepalive_time_s)),
+                ("grpc.keepalive_timeout_ms", ms(self.keepalive_timeout_s)),
+                ("grpc.keepalive_permit_without_calls", int(self.keepalive_permit_without_calls)),
+                ("grpc.http2.min_ping_interval_without_data_ms", ms(self.min_client_ping_interval_s)),
+                ("grpc.http2.max_pings_without_data", 0)]  # our own keepalive pings: no cap between data frames
+        if self.max_connection_age_s is not None:
+            opts.append(("grpc.max_connection_age_ms", ms(self.max_connection_age_s)))
+            if self.max_connection_age_grace_s is not None:
+                opts.append(("grpc.max_connection_age_grace_ms", ms(self.max_connection_age_grace_s)))
+        return opts
+
+    def compression_algorithm(self) -> grpc.Compression:
+        return {"none": grpc.Compression.NoCompression, "gzip": grpc.Compression.Gzip}[self.compression]
+
+
 @dataclass(slots=True)
 class ServerConfig:
     host: str = "127.0.0.1"  # loopback unless told otherwise
@@ -59,6 +95,7 @@ class ServerConfig:
     step_timeout_s: float | None = 60.0  # watchdog: a step longer than this marks the engine hung (None = off)
     tls: TlsConfig | None = None  # None: plaintext (fine on loopback)
     auth_tokens: tuple[str, ...] = ()  # bearer tokens accepted; empty = no token needed
+    connection: ConnectionConfig = field(default_factory=ConnectionConfig)
     # Run the engine in a child process (engine/engine_process.py) instead of a thread, so the
     # gRPC loop and the engine do not share one GIL (`pie serve` does by default; 256 streams on
     # the H200: 44k tokens/s against 6.7k on a thread). Off here so that tests start fast.
@@ -98,12 +135,13 @@ class PieServer:
     async def start(self) -> int:
         opts = [("grpc.max_receive_message_length", self.config.max_message_bytes),
                 ("grpc.max_send_message_length", self.config.max_message_bytes),
-                ("grpc.so_reuseport", 0)]
+                ("grpc.so_reuseport", 0), *self.config.connection.options()]
         interceptors: list[grpc.aio.ServerInterceptor] = [UndecodableRequestInterceptor()]
         if self.config.auth_tokens:
             interceptors.insert(0, BearerTokenInterceptor(self.config.auth_tokens))
         self.server = grpc.aio.server(options=opts, interceptors=interceptors,
-                                      maximum_concurrent_rpcs=self.config.max_concurrent_rpcs)
+                                      maximum_concurrent_rpcs=self.config.max_concurrent_rpcs,
+                                      compression=self.config.connection.compression_algorithm())
         generate_pb2_grpc.add_GenerateServiceServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(

@@ -93,11 +93,12 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     # ---- helpers -------------------------------------------------------------------------
     def _ready_engine(self) -> EngineHandle:
         if self.draining:
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down", reason="DRAINING")
         if self.engine is None:
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, "the model is still loading", reason="MODEL_LOADING",
+                               retry_after_s=5.0)
         if self.engine.dead is not None:
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE, "the engine has stopped")
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, "the engine has stopped", reason="ENGINE_STOPPED")
         return self.engine
 
     @staticmethod
@@ -122,19 +123,21 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             try:  # a prompt must leave room for one token: longer ones are refused uncounted
                 prompt = await self._encode(engine, prompt, max_tokens=max_len - 1)
             except TooManyTokens as e:
-                raise invalid_argument("prompt", prompt_too_long(e.count, max_len).message) from e
+                raise invalid_argument("prompt", prompt_too_long(e.count, max_len).message, "PROMPT_TOO_LONG") from e
             if not prompt:
                 raise FieldError("prompt", "tokenizes to no tokens")
             engine = self._ready_engine()  # it may have stopped while the text was tokenized
         try:
             stream = engine.submit(prompt, sampling, caller_id=rid)
-        except (PromptError, SamplingParamsError) as e:
+        except PromptError as e:
+            raise invalid_argument(qualify(e.field), e.message, e.reason) from e
+        except SamplingParamsError as e:
             raise invalid_argument(qualify(e.field), e.message) from e
         except QueueFullError as e:
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"server is at capacity: {e}",
-                               retry_after_s=1.0) from e
+                               reason="QUEUE_FULL", retry_after_s=1.0) from e
         except EngineDeadError as e:
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE, str(e)) from e
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, str(e), reason="ENGINE_STOPPED") from e
         return engine, prompt, sampling, stream
 
     @staticmethod
@@ -194,12 +197,15 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         """The status a caller gets for an engine-side failure (`failed` has FINISHED_ERROR)."""
         if engine.dead is not None:  # hung or crashed: try another replica
             return ServiceError(grpc.StatusCode.UNAVAILABLE,
-                                f"the engine stopped while serving request {rid}; search the server log for this id")
+                                f"the engine stopped while serving request {rid}; search the server log for this id",
+                                reason="ENGINE_STOPPED")
         if failed.out_of_memory:
             return ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"out of device memory while serving request {rid}; retry later", retry_after_s=1.0)
+                                f"out of device memory while serving request {rid}; retry later",
+                                reason="OUT_OF_MEMORY", retry_after_s=1.0)
         return ServiceError(grpc.StatusCode.INTERNAL,
-                            f"engine fault while serving request {rid}; search the server log for this id")
+                            f"engine fault while serving request {rid}; search the server log for this id",
+                            reason="ENGINE_FAULT")
 
     # ---- RPCs ----------------------------------------------------------------------------
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
@@ -346,6 +352,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             dtype=info.dtype_name,
             load=pb.ModelLoad(
                 kv_blocks_total=stats.kv_blocks_total, kv_blocks_free=stats.kv_blocks_free,
+                kv_blocks_cached=stats.kv_blocks_cached,
                 requests_running=stats.requests_running, requests_waiting=stats.requests_waiting,
                 max_num_seqs=cfg.max_num_seqs, max_waiting=cfg.max_waiting))
         if engine.tokenizer.bos_token_id is not None:

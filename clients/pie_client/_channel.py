@@ -6,6 +6,8 @@ import ipaddress
 from collections.abc import Sequence
 from typing import Any
 
+import grpc
+
 from .errors import REQUEST_ID_KEY
 
 DEFAULT_TARGET = "127.0.0.1:50051"
@@ -62,6 +64,17 @@ def channel_options(several: bool, lb_policy: str | None, options: ChannelOption
     if policy and not any(key == "grpc.lb_policy_name" for key, _ in merged):
         merged.append(("grpc.lb_policy_name", policy))
     return merged
+
+
+COMPRESSIONS = {None: grpc.Compression.NoCompression, "none": grpc.Compression.NoCompression,
+                "gzip": grpc.Compression.Gzip, "deflate": grpc.Compression.Deflate}
+
+
+def compression_algorithm(name: str | None) -> grpc.Compression:
+    """The channel's compression of requests: None or "none" (the default), "gzip" or "deflate"."""
+    if name not in COMPRESSIONS:
+        raise ValueError(f"compression must be one of none, gzip, deflate; got {name!r}")
+    return COMPRESSIONS[name]
 
 
 def call_metadata(base: Metadata, request_id: str | None) -> list[tuple[str, str | bytes]]:

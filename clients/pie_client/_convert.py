@@ -219,5 +219,6 @@ def model_info(response: pb.GetModelInfoResponse) -> ModelInfo:
             requests_waiting=load.requests_waiting,
             max_num_seqs=load.max_num_seqs,
             max_waiting=load.max_waiting,
+            kv_blocks_cached=load.kv_blocks_cached,
         ),
     )

@@ -10,8 +10,9 @@ Examples:
     pie-client info
     pie-client tokenize "Hello world"
 
-Global options (--address, --timeout, --request-id) go before or after the subcommand. Given
-after it, --timeout and --request-id replace a value given before; --address adds to the list.
+Global options (--address, --timeout, --request-id, --token-file, --tls, --tls-ca, --gzip) go
+before or after the subcommand. Given after it, --timeout and --request-id replace a value given
+before; --address adds to the list.
 
 Output of generate: stdout carries the generated text and nothing else, written as it arrives,
 so it can be piped. Everything else goes to stderr after the text: with --logprobs K a table (each
@@ -37,6 +38,8 @@ import math
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
+
+import grpc
 
 from . import _convert
 from ._channel import DEFAULT_TARGET
@@ -133,6 +136,30 @@ def _add_global_flags(parser: argparse.ArgumentParser, *, after_command: bool) -
     group.add_argument("--request-id", metavar="ID", default=default,
                        help=f"sent as {REQUEST_ID_KEY}; the server logs the request under it "
                             "(default: the server makes one)")
+    group.add_argument("--token-file", metavar="PATH", default=default,
+                       help="file holding the bearer token of a server started with --auth-token-file "
+                            "(default: no token)")
+    group.add_argument("--tls", action="store_true", default=argparse.SUPPRESS if after_command else False,
+                       help="connect with TLS, checking the server against the system's CA roots (default: off)")
+    group.add_argument("--tls-ca", metavar="PATH", default=default,
+                       help="connect with TLS, checking the server against this PEM CA bundle (default: none)")
+    group.add_argument("--gzip", action="store_true", default=argparse.SUPPRESS if after_command else False,
+                       help="compress requests with gzip (default: off)")
+
+
+def _connection(args: argparse.Namespace) -> dict[str, Any]:
+    """Client keyword arguments of --token-file, --tls, --tls-ca and --gzip (files read here, so a
+    missing one is an OSError reported like any other)."""
+    kwargs: dict[str, Any] = {"compression": "gzip" if args.gzip else None}
+    if args.token_file:
+        with open(args.token_file) as f:
+            kwargs["token"] = f.read().strip()
+    if args.tls_ca:
+        with open(args.tls_ca, "rb") as f:
+            kwargs["credentials"] = grpc.ssl_channel_credentials(root_certificates=f.read())
+    elif args.tls:
+        kwargs["tls"] = True
+    return kwargs
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -282,7 +309,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return stop.code if isinstance(stop.code, int) else 2
     metadata = [(REQUEST_ID_KEY, args.request_id)] if args.request_id else None  # info and tokenize too
     try:
-        with Client(args.address, timeout=args.timeout, metadata=metadata) as client:
+        with Client(args.address, timeout=args.timeout, metadata=metadata, **_connection(args)) as client:
             if args.command == "generate":
                 _generate(client, args)
             elif args.command == "info":
@@ -294,6 +321,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"pie-client: {error}", file=sys.stderr)
         return 1
     except ValueError as error:  # a malformed address, or a value the request cannot carry
+        print(f"pie-client: {error}", file=sys.stderr)
+        return 2
+    except OSError as error:  # --token-file or --tls-ca unreadable
         print(f"pie-client: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -11,7 +11,15 @@ from pie.v1 import generate_pb2 as pb
 from pie.v1 import generate_pb2_grpc as pb_grpc
 
 from . import _convert
-from ._channel import DEFAULT_TARGET, ChannelOptions, Metadata, call_metadata, channel_options, resolve_target
+from ._channel import (
+    DEFAULT_TARGET,
+    ChannelOptions,
+    Metadata,
+    call_metadata,
+    channel_options,
+    compression_algorithm,
+    resolve_target,
+)
 from .errors import from_rpc_error
 from .types import Completion, Delta, ModelInfo, Tokenization
 
@@ -38,6 +46,8 @@ class Client:
         credentials: channel credentials for TLS; `tls=True` uses the system roots.
         options: extra gRPC channel options.
         lb_policy: load-balancing policy; defaults to round_robin when several addresses are given.
+        compression: "gzip" (or "deflate") compresses every request; the server accepts either,
+            and answers compressed when started with --compression. None sends them plain.
 
     Every method raises a `PieError` subclass when the RPC fails.
     """
@@ -53,15 +63,17 @@ class Client:
         credentials: grpc.ChannelCredentials | None = None,
         options: ChannelOptions = (),
         lb_policy: str | None = None,
+        compression: str | None = None,
     ) -> None:
         channel_target, several = resolve_target(target)
         opts = channel_options(several, lb_policy, options)
+        algorithm = compression_algorithm(compression)
         if credentials is None and tls:
             credentials = grpc.ssl_channel_credentials()
         if credentials is not None:
-            self._channel = grpc.secure_channel(channel_target, credentials, options=opts)
+            self._channel = grpc.secure_channel(channel_target, credentials, options=opts, compression=algorithm)
         else:
-            self._channel = grpc.insecure_channel(channel_target, options=opts)
+            self._channel = grpc.insecure_channel(channel_target, options=opts, compression=algorithm)
         self._stub = pb_grpc.GenerateServiceStub(self._channel)
         self.target = channel_target
         self.timeout = timeout

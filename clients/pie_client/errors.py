@@ -1,7 +1,8 @@
 """Exceptions of the pie client, and the one function that maps a grpc.RpcError to them.
 
-Field violations and retry hints come from the `grpc-status-details-bin` trailer (a serialized
-google.rpc.Status). Its message types live in googleapis-common-protos, which this client does not
+The reason (google.rpc.ErrorInfo), field violations (BadRequest) and retry hint (RetryInfo) come
+from the `grpc-status-details-bin` trailer (a serialized google.rpc.Status); the server's README
+lists which error carries which. Its message types live in googleapis-common-protos, which this client does not
 require: without it, errors still carry their code, details and request id, only no field details.
 """
 
@@ -29,7 +30,11 @@ class PieError(Exception):
         code: the grpc.StatusCode.
         details: the server's message.
         request_id: the request's id, when the server or the caller named one.
+        reason: the server's one-word reason (google.rpc.ErrorInfo), e.g. "QUEUE_FULL",
+            "PROMPT_TOO_LONG", "MODEL_LOADING"; None when the error came from gRPC itself.
         field_violations: (field, description) pairs from a google.rpc.BadRequest detail.
+        retry_after: the server's suggested wait in seconds before retrying (google.rpc.RetryInfo),
+            or None.
 
     str() is one line: code, message, the field violations the message does not already say (pie's
     server writes "field: description" as the message), and the request id.
@@ -42,11 +47,15 @@ class PieError(Exception):
         *,
         request_id: str | None = None,
         field_violations: list[tuple[str, str]] | None = None,
+        reason: str | None = None,
+        retry_after: float | None = None,
     ) -> None:
         self.code = code
         self.details = details
         self.request_id = request_id
         self.field_violations = list(field_violations or [])
+        self.reason = reason
+        self.retry_after = retry_after
         super().__init__(self._message())
 
     def _message(self) -> str:
@@ -64,14 +73,7 @@ class InvalidArgument(PieError):
 
 
 class ResourceExhausted(PieError):
-    """The server is full (its waiting queue is at its bound); retry later.
-
-    `retry_after` is the server's suggested wait in seconds, when it sent a RetryInfo detail.
-    """
-
-    def __init__(self, *args: Any, retry_after: float | None = None, **kwargs: Any) -> None:
-        self.retry_after = retry_after
-        super().__init__(*args, **kwargs)
+    """The server is full (its waiting queue is at its bound); retry after `retry_after` seconds."""
 
 
 class Unavailable(PieError):
@@ -124,20 +126,25 @@ def _first(metadata: Iterable[tuple[str, Any]], key: str) -> Any:
     return next((value for k, value in metadata if k == key), None)
 
 
-def _parse_details(blob: bytes) -> tuple[list[tuple[str, str]], float | None, str | None]:
-    """(field violations, retry-after seconds, request id) from a serialized google.rpc.Status."""
+def _parse_details(blob: bytes) -> tuple[list[tuple[str, str]], float | None, str | None, str | None]:
+    """(field violations, retry-after seconds, request id, reason) from a serialized google.rpc.Status."""
     violations: list[tuple[str, str]] = []
     retry_after = None
     request_id = None
+    reason = None
     if status_pb2 is None or not blob:
-        return violations, retry_after, request_id
+        return violations, retry_after, request_id, reason
     status = status_pb2.Status()
     try:
         status.ParseFromString(blob)
     except Exception:  # a malformed trailer must not hide the real error
-        return violations, retry_after, request_id
+        return violations, retry_after, request_id, reason
     for detail in status.details:
-        if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            detail.Unpack(info)
+            reason = info.reason or None
+        elif detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
             bad = error_details_pb2.BadRequest()
             detail.Unpack(bad)
             violations.extend((v.field, v.description) for v in bad.field_violations)
@@ -149,7 +156,7 @@ def _parse_details(blob: bytes) -> tuple[list[tuple[str, str]], float | None, st
             req = error_details_pb2.RequestInfo()
             detail.Unpack(req)
             request_id = req.request_id or None
-    return violations, retry_after, request_id
+    return violations, retry_after, request_id, reason
 
 
 def from_rpc_error(error: grpc.RpcError, request_id: str | None = None) -> PieError:
@@ -162,12 +169,10 @@ def from_rpc_error(error: grpc.RpcError, request_id: str | None = None) -> PieEr
     details = error.details() if callable(getattr(error, "details", None)) else str(error)
     trailing = _metadata(error, "trailing_metadata")
     initial = _metadata(error, "initial_metadata")
-    violations, retry_after, detail_request_id = _parse_details(_first(trailing, STATUS_DETAILS_KEY) or b"")
+    violations, retry_after, detail_request_id, reason = _parse_details(_first(trailing, STATUS_DETAILS_KEY) or b"")
     request_id = (
         _first(trailing, REQUEST_ID_KEY) or _first(initial, REQUEST_ID_KEY) or detail_request_id or request_id
     )
     cls = _CLASS_BY_CODE.get(code, PieError)
-    kwargs: dict[str, Any] = {"request_id": request_id, "field_violations": violations}
-    if cls is ResourceExhausted:
-        kwargs["retry_after"] = retry_after
-    return cls(code, details or "", **kwargs)
+    return cls(code, details or "", request_id=request_id, field_violations=violations, reason=reason,
+               retry_after=retry_after)

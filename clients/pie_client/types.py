@@ -104,6 +104,7 @@ class ModelLoad:
     requests_waiting: int
     max_num_seqs: int
     max_waiting: int  # queue bound; beyond it the server answers RESOURCE_EXHAUSTED
+    kv_blocks_cached: int = 0  # of kv_blocks_free, those holding a reusable cached prompt prefix
 
 
 @dataclass(frozen=True, slots=True)

@@ -167,3 +167,17 @@ def test_client_commands_and_python_blocks_against_live_servers(two_servers, cap
         code = code.replace("127.0.0.1:50051", a.address).replace("127.0.0.1:50052", b.address)
         exec(compile(code, "README.md", "exec"), {})
     assert capsys.readouterr().out.strip()
+
+
+def test_error_table_and_proto_comment_match_the_server():
+    """README's error table and the .proto's header list exactly service/errors.py's reasons, each
+    with its status code."""
+    from service.errors import REASONS
+
+    table = README.split("## Errors", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| [^|]+ \| ([A-Z_]+) \| `([A-Z_]+)` \|", table, re.M)
+    assert {reason: code for code, reason in rows} == {r: c.name for r, (c, _) in REASONS.items()}
+    assert len(rows) == len(REASONS)
+    proto = (ROOT / "protos/pie/v1/generate.proto").read_text()
+    listed = re.findall(r"^//\s+([A-Z_]+)\s+([A-Z_]+)\s+\S", proto, re.M)
+    assert dict((reason, code) for code, reason in listed) == {r: c.name for r, (c, _) in REASONS.items()}

@@ -105,6 +105,7 @@ def test_metrics_after_traffic(server, client, log_buffer):
     assert value(m, "pie_requests_finished_total", rpc="Generate", code="INVALID_ARGUMENT") == 1
     queries, hits = value(m, "vllm:prefix_cache_queries_total"), value(m, "vllm:prefix_cache_hits_total")
     assert 0 <= hits <= queries
+    assert value(m, "pie_kv_blocks_cached") == server.engine.stats().kv_blocks_cached
     assert value(m, "vllm:num_preemptions_total") == 0
     assert value(m, "vllm:num_requests_running") == 0
 

@@ -261,7 +261,7 @@ def test_step_exception_fails_only_that_step(server):
         with Client(server.address, timeout=60) as c:
             with pytest.raises(InternalError) as err:
                 c.generate("hello", max_tokens=4, request_id="faulty-1")
-            assert err.value.request_id == "faulty-1"
+            assert err.value.request_id == "faulty-1" and err.value.reason == "ENGINE_FAULT"
             assert "faulty-1" in str(err.value) and "search the server log" in str(err.value)
             assert c.generate("hello again", max_tokens=3, ignore_eos=True).completion_tokens == 3
     finally:
@@ -277,7 +277,8 @@ def test_out_of_memory_in_step_is_resource_exhausted(server):
         with Client(server.address, timeout=60) as c:
             with pytest.raises(ResourceExhausted) as err:
                 list(c.stream("hello", max_tokens=4, request_id="oom-1"))
-            assert err.value.retry_after is not None and err.value.request_id == "oom-1"
+            assert err.value.retry_after == 1.0 and err.value.request_id == "oom-1"
+            assert err.value.reason == "OUT_OF_MEMORY"
             assert c.generate("hello again", max_tokens=3, ignore_eos=True).completion_tokens == 3
     finally:
         rec.restore()
@@ -294,7 +295,7 @@ def test_hung_step_trips_watchdog(model_dir):
             with Client(s.address, timeout=30) as c:
                 with pytest.raises(Unavailable) as err:
                     list(c.stream("hello", max_tokens=8, request_id="hung-1"))
-                assert err.value.request_id == "hung-1"
+                assert err.value.request_id == "hung-1" and err.value.reason == "ENGINE_STOPPED"
                 assert s.pie.fatal.is_set()
                 wait_until(lambda: readiness(s.address) == health_pb2.HealthCheckResponse.NOT_SERVING,
                            what="readiness off")

@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from engine.config import EngineConfig
 from pie.v1 import generate_pb2 as pb
 from pie.v1 import generate_pb2_grpc as pb_grpc
-from pie_client import Client, ResourceExhausted, Unauthenticated, Unavailable
+from pie_client import Client, ResourceExhausted, Unauthenticated, Unavailable, cli
 from service.auth import read_token_file
 from service.cli import _add_serve, _server_config
 from service.server import BackgroundServer, ServerConfig, TlsConfig
@@ -58,11 +58,17 @@ def _tls_client(address: str, certs: Path, *, with_cert: bool) -> Client:
     return Client(address, timeout=10, credentials=creds)
 
 
-def test_tls_server(model_dir, certs):
+def test_tls_server(model_dir, certs, capsys):
     tls = TlsConfig(str(certs / "server.pem"), str(certs / "server.key"))
     with BackgroundServer(ServerConfig(port=0, tls=tls), engine_config(model_dir)) as s:
         with _tls_client(s.address, certs, with_cert=False) as c:
             assert c.generate("hello", max_tokens=2, ignore_eos=True).completion_tokens == 2
+        # pie-client checks the server against a CA bundle; the system roots do not know this CA.
+        capsys.readouterr()
+        assert cli.main(["--address", s.address, "--timeout", "10", "info", "--tls-ca", str(certs / "ca.pem")]) == 0
+        assert '"model_type": "llama"' in capsys.readouterr().out
+        assert cli.main(["--address", s.address, "--timeout", "5", "--tls", "info"]) == 1
+        assert "UNAVAILABLE" in capsys.readouterr().err
         with Client(s.address, timeout=5) as plain, pytest.raises(Unavailable):
             plain.generate("hello", max_tokens=2)  # a plaintext client cannot complete the handshake
 
@@ -76,7 +82,7 @@ def test_mutual_tls_requires_client_certificate(model_dir, certs):
             c.generate("hello", max_tokens=2)  # the server refuses the handshake without a client certificate
 
 
-def test_bearer_token(model_dir, tmp_path):
+def test_bearer_token(model_dir, tmp_path, capsys):
     token_file = tmp_path / "tokens"
     token_file.write_text("# accepted tokens\nfirst-secret\n\nsecond-secret\n")
     tokens = read_token_file(token_file)
@@ -89,12 +95,19 @@ def test_bearer_token(model_dir, tmp_path):
         for metadata in ([], [("authorization", "Bearer wrong")], [("authorization", "first-secret")],
                          [("authorization", "Bearer first-secret-and-more")]):
             with Client(s.address, timeout=10, metadata=metadata) as c:
-                with pytest.raises(Unauthenticated):
+                with pytest.raises(Unauthenticated) as err:
                     c.generate("hi", max_tokens=2)
+                assert err.value.reason == "UNAUTHENTICATED"
                 with pytest.raises(Unauthenticated):
                     list(c.stream("hi", max_tokens=2))
                 with pytest.raises(Unauthenticated):
                     c.model_info()
+        # pie-client reads the token from a file.
+        (tmp_path / "mine").write_text("second-secret\n")
+        capsys.readouterr()
+        assert cli.main(["info", "--address", s.address, "--token-file", str(tmp_path / "mine")]) == 0
+        assert cli.main(["info", "--address", s.address]) == 1
+        assert "UNAUTHENTICATED" in capsys.readouterr().err
         # Health and reflection stay open without a token.
         with grpc.insecure_channel(s.address) as ch:
             status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=10)

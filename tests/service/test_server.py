@@ -125,6 +125,8 @@ def test_bad_input_names_field(client, field, kwargs):
         client.generate(prompt, **kwargs)
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert field in [f for f, _ in err.value.field_violations], err.value
+    too_long = field == "prompt" and len(prompt) > 100  # more tokens than the context holds
+    assert err.value.reason == ("PROMPT_TOO_LONG" if too_long else "INVALID_FIELD"), err.value
     with pytest.raises(InvalidArgument):
         list(client.stream(prompt, **kwargs))
     # ... and the server keeps serving everyone else.
@@ -174,7 +176,7 @@ def test_queue_bound_resource_exhausted(model_dir):
             wait_until(lambda: c.model_info().load.requests_waiting == 1, what="one waiting request")
             with pytest.raises(ResourceExhausted) as err:
                 c.generate("g h i", max_tokens=4)
-            assert err.value.retry_after is not None
+            assert err.value.reason == "QUEUE_FULL" and err.value.retry_after == 1.0
             first.close()
             assert fut.result(timeout=60)[-1].finish_reason == "length"
 
@@ -221,8 +223,9 @@ def test_not_serving_until_loaded(model_dir):
         fut = cf.ThreadPoolExecutor(1).submit(lambda: Client(address, timeout=10).generate("hi", max_tokens=1))
         while not fut.done():
             loop.run_until_complete(asyncio.sleep(0.01))
-        with pytest.raises(Unavailable):
+        with pytest.raises(Unavailable) as err:
             fut.result()
+        assert err.value.reason == "MODEL_LOADING" and err.value.retry_after == 5.0
     finally:
         loop.run_until_complete(pie.stop(0))
         loop.close()
@@ -251,11 +254,15 @@ def test_n_samples_unary_and_stream(client):
     assert all(d.usage is None for d in deltas[:-1])
 
 
-def test_prefix_cache_reported_in_usage(client):
+def test_prefix_cache_reported_in_usage(client, server):
     prompt = list(range(3, 3 + 40))  # 2 full blocks of 16 + 8
     client.generate(prompt, max_tokens=2, temperature=0)
     out = client.generate(prompt, max_tokens=2, temperature=0)
     assert out.cached_prompt_tokens == 32
+    # Finished, the prompt's full blocks stay cached: free, and counted as such.
+    load = client.model_info().load
+    assert load.kv_blocks_free == load.kv_blocks_total
+    assert load.kv_blocks_cached == server.engine.stats().kv_blocks_cached >= 2
 
 
 def test_stop_string_completed_by_the_last_token(client):

@@ -37,8 +37,9 @@ def test_sigterm_drains_in_flight_then_exits(tmp_path, engine):
             server.proc.send_signal(signal.SIGTERM)
             wait_until(lambda: readiness(address) == health_pb2.HealthCheckResponse.NOT_SERVING,
                        what="readiness off after SIGTERM")
-            with pytest.raises(Unavailable):
+            with pytest.raises(Unavailable) as err:
                 client.generate("new request", max_tokens=2)
+            assert err.value.reason == "DRAINING"
             finals = [list(s)[-1] for s in streams]  # zero lost responses: each stream runs to its end
             assert all(f.finish_reason == "length" and f.usage.completion_tokens == 400 for f in finals)
         assert server.proc.wait(timeout=60) == 0

@@ -195,20 +195,22 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelLoad(_message.Message):
-    __slots__ = ("kv_blocks_total", "kv_blocks_free", "requests_running", "requests_waiting", "max_num_seqs", "max_waiting")
+    __slots__ = ("kv_blocks_total", "kv_blocks_free", "requests_running", "requests_waiting", "max_num_seqs", "max_waiting", "kv_blocks_cached")
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_RUNNING_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_WAITING_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     MAX_WAITING_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_CACHED_FIELD_NUMBER: _ClassVar[int]
     kv_blocks_total: int
     kv_blocks_free: int
     requests_running: int
     requests_waiting: int
     max_num_seqs: int
     max_waiting: int
-    def __init__(self, kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., requests_running: _Optional[int] = ..., requests_waiting: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_waiting: _Optional[int] = ...) -> None: ...
+    kv_blocks_cached: int
+    def __init__(self, kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., requests_running: _Optional[int] = ..., requests_waiting: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_waiting: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ...) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
     __slots__ = ("model_name", "architecture", "model_type", "max_model_len", "vocab_size", "eos_token_ids", "bos_token_id", "kv_cache_dtype", "block_size", "device", "dtype", "load")
