@@ -15,7 +15,7 @@ import pytest
 from engine.config import EngineConfig
 from pie.v1 import generate_pb2 as pb
 from pie.v1 import generate_pb2_grpc as pb_grpc
-from pie_client import Client
+from pie_client import Client, cli
 from service.cli import _server_config, build_parser
 from service.server import BackgroundServer, ConnectionConfig, ServerConfig
 from tests.helpers import StepGate, make_hf_model_dir
@@ -164,3 +164,6 @@ def test_gzip_requests_accepted_and_responses_compressed_when_asked(model_dir) -
             assert len(c.tokenize(text).token_ids) > 4000
             assert c.generate("hello", max_tokens=2, ignore_eos=True).completion_tokens == 2
         assert proxy.upstream < len(text) / 5
+        sent = proxy.upstream
+        assert cli.main(["--address", proxy.address, "--gzip", "tokenize", text]) == 0  # pie-client --gzip
+        assert proxy.upstream - sent < len(text) / 5
