@@ -50,6 +50,9 @@ class EngineConfig:
     # int8 caches: even out K/V channel magnitudes (a calibration pass at load, folded into the
     # weights; model/smoothing.py), so a few massive channels do not spend every token's int8 range.
     kv_smoothing: bool = True
+    # Ranks sharing the model (engine/tensor_parallel.py): this engine is rank 0 and starts N - 1
+    # worker processes, one per further GPU (or CPU process, gloo).
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -73,6 +76,8 @@ class EngineConfig:
             raise ValueError("cpu_threads must be >= 1")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
 

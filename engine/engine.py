@@ -18,6 +18,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig, usable_cores
 from engine.detokenizer import IncrementalDetokenizer
 from engine.device import TORCH_DTYPES, auto_dtype, resolve_device
+from engine.errors import EngineDeadError
 from engine.kv_cache import KVCache
 from engine.kv_sizing import num_kv_blocks
 from engine.model_runner import ModelRunner, PendingSample
@@ -25,8 +26,10 @@ from engine.outputs import EngineStats, RequestOutput, SampledToken
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.tensor_parallel import Leader
 from engine.validation import check_request
 from model import ModelConfig, Tokenizer, load_model, smoothing
+from model.parallel import TensorParallel, check_shardable
 
 log = structlog.get_logger(__name__)
 
@@ -37,9 +40,26 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         if self.device.type == "cpu":
             torch.set_num_threads(config.cpu_threads or max(1, usable_cores() - 1))
-        dtype_name = config.dtype if config.dtype != "auto" else auto_dtype(self.device, ModelConfig.from_hf(config.model))
+        full = ModelConfig.from_hf(config.model)
+        dtype_name = config.dtype if config.dtype != "auto" else auto_dtype(self.device, full)
         self.dtype_name = dtype_name
-        self.model, self.model_config = load_model(config.model, device=self.device, dtype=TORCH_DTYPES[dtype_name])
+        # Tensor parallelism: this is rank 0; the workers start now and load their shares alongside.
+        self._tp: Leader | None = None
+        tp = None
+        if config.tensor_parallel_size > 1:
+            check_shardable(full, config.tensor_parallel_size)  # before any process starts
+            self._tp = Leader(config, config.tensor_parallel_size, self.device, dtype_name)
+            tp = self._tp.tp
+        try:
+            self._build(config, tp)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, config: EngineConfig, tp: TensorParallel | None) -> None:
+        dtype_name = self.dtype_name
+        self.model, self.model_config = load_model(config.model, device=self.device, dtype=TORCH_DTYPES[dtype_name],
+                                                   tp=tp)
         self.model.eval()
         if self.device.type == "cuda":
             from kernels import triton_fused
@@ -53,9 +73,10 @@ class LLMEngine:
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
         self.max_model_len = mc.max_model_len if config.max_model_len is None else min(config.max_model_len, mc.max_model_len)
 
+        local = self.model.config  # this rank's heads (all of them without tensor parallelism)
         block_bytes = KVCache.bytes_per_block(
-            num_layers=mc.num_hidden_layers, block_size=config.block_size,
-            num_kv_heads=mc.num_key_value_heads, head_dim=mc.head_dim, kv_cache_dtype=config.kv_cache_dtype)
+            num_layers=local.num_hidden_layers, block_size=config.block_size,
+            num_kv_heads=local.num_key_value_heads, head_dim=local.head_dim, kv_cache_dtype=config.kv_cache_dtype)
         num_blocks = num_kv_blocks(config, self.device, block_bytes, self.max_model_len,
                                    lambda n: self._make_runner(self._make_kv_cache(n)))
         self.kv_cache = self._make_kv_cache(num_blocks)
@@ -67,7 +88,11 @@ class LLMEngine:
         self.runner = self._make_runner(self.kv_cache)
         if self.device.type == "cuda":
             self.runner.warm_up()
-            if not config.enforce_eager:
+            if config.enforce_eager:
+                pass
+            elif self._tp is not None:  # NCCL inside captured graphs is not done (or measured) yet
+                log.warning("cuda_graphs_off", reason="tensor parallelism runs decode steps eagerly")
+            else:
                 self.runner.capture_cuda_graphs()
         self._seed_source = random.Random(config.seed)
         self._async = (self.device.type == "cuda") if config.async_scheduling is None else config.async_scheduling
@@ -91,23 +116,30 @@ class LLMEngine:
         """Evens out K/V channel magnitudes before anything is quantized (model/smoothing.py)."""
         mc = self.model_config
         ids = smoothing.calibration_tokens(self.tokenizer.encode, mc.vocab_size, min(256, mc.max_model_len))
+        if self._tp is not None:
+            self._tp.calibrate(ids)  # the calibration pass is collective: every rank runs it
         factors = smoothing.calibrate(self.model, ids)
         smoothing.fold(self.model, factors)
         low, high = factors.log2_range()
         log.info("kv_smoothing", calibration_tokens=len(ids), factor_min=2.0 ** low, factor_max=2.0 ** high)
 
     def _make_kv_cache(self, num_blocks: int) -> KVCache:
-        mc = self.model_config
-        return KVCache(num_layers=mc.num_hidden_layers, num_blocks=num_blocks, block_size=self.config.block_size,
-                       num_kv_heads=mc.num_key_value_heads, head_dim=mc.head_dim,
+        local = self.model.config  # this rank's KV heads
+        return KVCache(num_layers=local.num_hidden_layers, num_blocks=num_blocks, block_size=self.config.block_size,
+                       num_kv_heads=local.num_key_value_heads, head_dim=local.head_dim,
                        kv_cache_dtype=self.config.kv_cache_dtype, device=self.device)
 
     def _make_runner(self, kv_cache: KVCache) -> ModelRunner:
-        c, mc = self.config, self.model_config
-        return ModelRunner(self.model, kv_cache, vocab_size=mc.vocab_size, softmax_scale=mc.attn_scale,
-                           device=self.device, attention_backend=c.attention_backend, max_num_seqs=c.max_num_seqs,
-                           max_num_batched_tokens=c.max_num_batched_tokens, max_model_len=self.max_model_len,
-                           windows=[mc.layer_window(i) for i in range(mc.num_hidden_layers)])
+        if self._tp is not None:
+            self._tp.new_cache(kv_cache.num_blocks)  # each worker builds its pool of these block ids
+        return ModelRunner.for_model(self.model, kv_cache, self.config, self.device, self.max_model_len,
+                                     tp_leader=self._tp)
+
+    def close(self) -> None:
+        """Stops the tensor-parallel workers (nothing to do without them); the engine serves no
+        more steps after this."""
+        if self._tp is not None:
+            self._tp.close()
 
     # ---- requests in and out -------------------------------------------------------------
     def check_request(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
@@ -251,6 +283,7 @@ class LLMEngine:
         try:
             sampled = pending.result()
         except Exception as e:
+            self._check_workers(e)
             live = [r for r in pending.requests if not r.finished]
             log.exception("step_failed", request_ids=[r.request_id for r in live])
             return self._fail(live, f"{type(e).__name__}: {e}",
@@ -283,12 +316,20 @@ class LLMEngine:
         return outputs
 
     def _step_failed(self, out, e: Exception) -> list[RequestOutput]:
+        self._check_workers(e)
         log.exception("step_failed", request_ids=[s.request.request_id for s in out.scheduled])
         oom = isinstance(e, torch.cuda.OutOfMemoryError)
         if oom and torch.cuda.is_available():
             torch.cuda.empty_cache()  # hand back what the failed step held before retries come
         return self._fail([s.request for s in out.scheduled if not s.request.finished],
                           f"{type(e).__name__}: {e}", out_of_memory=oom)
+
+    def _check_workers(self, e: BaseException) -> None:
+        """Under tensor parallelism a failed step ends the engine: the ranks' collectives no longer
+        line up (a worker died, or one rank failed alone). EngineDeadError says which."""
+        if self._tp is not None:
+            raise EngineDeadError(f"tensor-parallel step failed ({type(e).__name__}: {e}); "
+                                  f"{self._tp.lost() or 'all workers still run'}") from e
 
     def _emit(self, req: Request, tok: SampledToken) -> RequestOutput:
         """The output of one new token (already in req.output_token_ids): text, stop checks, and

@@ -155,3 +155,4 @@ def run_engine_loop(engine: LLMEngine, inbox: Inbox, clock: StepClock, emit: Emi
                 emit(outputs, engine.stats(), clock.steps, taken)
     finally:
         engine.abort_all()
+        engine.close()

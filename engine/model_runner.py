@@ -30,11 +30,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import chain
+from typing import TYPE_CHECKING
 
 import numpy as np
 import structlog
 import torch
 
+from engine.config import EngineConfig
 from engine.kv_cache import AttentionMetadata, KVCache, PagedAttention
 from engine.outputs import SampledToken
 from engine.request import Request
@@ -42,6 +44,9 @@ from engine.sampler import SamplingTensors, sample
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from engine.scheduler import BlockTables, ScheduledRequest, SchedulerOutput
 from model import LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from engine.tensor_parallel import Leader
 
 log = structlog.get_logger(__name__)
 
@@ -133,6 +138,31 @@ class _DecodeStaging:
 
 
 @dataclass(slots=True)
+class StepFacts:
+    """The numbers that, with the packed ints and the block tables, make a step's inputs: what
+    tensor-parallel workers receive to run the same forward pass (engine/tensor_parallel.py)."""
+
+    n_tok: int  # the layout's token count (T, or the graph bucket)
+    rows: int  # the layout's sequence rows
+    n_ints: int  # packed ints in use: the layout's sections plus a mixed step's prefill query starts
+    n_prefill_ints: int
+    max_query_len: int
+    max_seq_len: int
+    num_decodes: int
+    decode_max_seq_len: int
+
+    def numbers(self) -> tuple[int, ...]:
+        return (self.n_tok, self.rows, self.n_ints, self.n_prefill_ints, self.max_query_len, self.max_seq_len,
+                self.num_decodes, self.decode_max_seq_len)
+
+    def metadata(self, ints: torch.Tensor, block_tables: torch.Tensor) -> AttentionMetadata:
+        layout = _Packed(n_tok=self.n_tok, rows=self.rows)
+        return layout.metadata(ints, block_tables, max_query_len=self.max_query_len, max_seq_len=self.max_seq_len,
+                               num_decodes=self.num_decodes, decode_max_seq_len=self.decode_max_seq_len,
+                               prefill_query_start_loc=ints[layout.end:self.n_ints] if self.n_prefill_ints else None)
+
+
+@dataclass(slots=True)
 class _Step:
     """One step's inputs on the device (views of the runner's buffers) and its host facts."""
 
@@ -141,6 +171,8 @@ class _Step:
     metadata: AttentionMetadata
     num_seqs: int
     graph_batch: int | None  # bucket whose graph runs this step; None = eager
+    facts: StepFacts
+    ints: torch.Tensor  # the packed ints on the device (n_ints)
 
 
 class _Graph:
@@ -155,8 +187,9 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, *, vocab_size: int, softmax_scale: float,
                  device: torch.device, attention_backend: str = "auto", max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, max_model_len: int = 2048,
-                 windows: list[int | None] | None = None) -> None:
+                 windows: list[int | None] | None = None, tp_leader: Leader | None = None) -> None:
         self.model = model
+        self._tp = tp_leader  # rank 0 of a tensor-parallel group: each step goes to the workers first
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.vocab_size = vocab_size
@@ -199,6 +232,32 @@ class ModelRunner:
         self._last_tensors: SamplingTensors | None = None  # the sampling inputs of those rows
         self._prev_stage: _DecodeStaging | None = None
         self._block_tables = BlockTables()  # every running request's table, from the scheduler's changes
+
+    @classmethod
+    def for_model(cls, model: LlamaForCausalLM, kv_cache: KVCache, config: EngineConfig, device: torch.device,
+                  max_model_len: int, tp_leader: Leader | None = None) -> ModelRunner:
+        """The runner an engine of `config` uses over `model` (one rank's share of it under tensor
+        parallelism) and `kv_cache`: the engine and its tensor-parallel workers build theirs alike."""
+        mc = model.config
+        return cls(model, kv_cache, vocab_size=mc.vocab_size, softmax_scale=mc.attn_scale, device=device,
+                   attention_backend=config.attention_backend, max_num_seqs=config.max_num_seqs,
+                   max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
+                   windows=[mc.layer_window(i) for i in range(mc.num_hidden_layers)], tp_leader=tp_leader)
+
+    @torch.inference_mode()
+    def follow(self, numbers: list[int], link) -> None:
+        """A tensor-parallel worker's step: receives the inputs rank 0 broadcast (Leader.forward)
+        and runs its share of the forward pass; the logits are rank 0's."""
+        facts = StepFacts(*numbers[:8])
+        b, w = numbers[8:10]
+        ints = link.recv(facts.n_ints, torch.int32)
+        tables = link.recv(b * w, torch.int32).view(b, w)
+        layout = _Packed(n_tok=facts.n_tok, rows=facts.rows)
+        self.attention.metadata = facts.metadata(ints, tables)
+        try:
+            self.model(ints[layout.ids], ints[layout.positions], self.attention)
+        finally:
+            self.attention.metadata = None
 
     # ---- inputs ---------------------------------------------------------------------------------
     def _stage(self, out: SchedulerOutput, block_tables: list[list[int]], graph_batch: int | None) -> _Step:
@@ -294,16 +353,16 @@ class ModelRunner:
         else:
             dev = self._host_ints[:n_ints]
             dev_tables = self._host_tables[:b * w].view(b, w)
-        md = layout.metadata(dev, dev_tables, max_query_len=max_query_len, max_seq_len=max_seq_len, num_decodes=nd,
-                             decode_max_seq_len=decode_max_seq_len,
-                             prefill_query_start_loc=dev[layout.end:n_ints] if n_prefill_ints else None)
+        facts = StepFacts(layout.n_tok, layout.rows, n_ints, n_prefill_ints, max_query_len, max_seq_len, nd,
+                          decode_max_seq_len)
+        md = facts.metadata(dev, dev_tables)
         last_ids = self._last_ids
         if same_rows and last_ids is not None:
             dev[:b].copy_(last_ids[:b])
         elif n_pend and last_ids is not None:
             idx = self._dev_ints[n_ints:n_copy].to(torch.int64)
             dev[layout.ids].index_copy_(0, idx[:n_pend], last_ids[idx[n_pend:]].to(torch.int32))
-        return _Step(dev[layout.ids], dev[layout.positions], md, b, graph_batch)
+        return _Step(dev[layout.ids], dev[layout.positions], md, b, graph_batch, facts, dev)
 
     def _graph_batch(self, out: SchedulerOutput) -> int | None:
         if not self._graphs or any(s.num_new_tokens != 1 for s in out.scheduled):
@@ -316,6 +375,8 @@ class ModelRunner:
         """Runs the step's tokens; returns the scheduled rows that sample and their logits (R, V)
         fp32 (None when no row samples). `eager` skips the CUDA graphs (tests compare the two)."""
         step = self._stage(out, self._block_tables.apply(out), None if eager else self._graph_batch(out))
+        if self._tp is not None:
+            self._tp.forward(step.facts, step.ints, step.metadata.block_tables)
         rows = [i for i, s in enumerate(out.scheduled) if s.sample]
         if step.graph_batch is not None:
             g = self._graphs[step.graph_batch]

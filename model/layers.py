@@ -10,6 +10,7 @@ from torch import nn
 
 from model.attention import AttentionBackend
 from model.config import ModelConfig
+from model.parallel import TensorParallel
 from model.rope import apply_rotary
 
 
@@ -77,8 +78,9 @@ class SwiGLUMLP(nn.Module):
 
     fused: FusedOps | None = None
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
+        self.tp = tp  # down_proj is row-parallel: its partial outputs are summed over the ranks
         self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
@@ -87,9 +89,11 @@ class SwiGLUMLP(nn.Module):
         gate_up = self.gate_up_proj(x)
         ops = _fused(self)
         if ops is not None:
-            return self.down_proj(ops.silu_mul(gate_up))
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)  # (T, I) each
-        return self.down_proj(F.silu(gate) * up)
+            out = self.down_proj(ops.silu_mul(gate_up))
+        else:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)  # (T, I) each
+            out = self.down_proj(F.silu(gate) * up)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class SelfAttention(nn.Module):
@@ -100,8 +104,9 @@ class SelfAttention(nn.Module):
 
     fused: FusedOps | None = None
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TensorParallel | None = None) -> None:
         super().__init__()
+        self.tp = tp  # o_proj is row-parallel: its partial outputs are summed over the ranks
         self.layer_idx = layer_idx
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -136,4 +141,5 @@ class SelfAttention(nn.Module):
             k = self.k_norm(qkv[:, self.q_size:self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim))
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         o = attn(self.layer_idx, q, k, v)  # (T, Hq, D)
-        return self.o_proj(o.reshape(t, self.q_size))
+        out = self.o_proj(o.reshape(t, self.q_size))
+        return out if self.tp is None else self.tp.all_reduce(out)

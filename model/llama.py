@@ -16,16 +16,17 @@ from torch import nn
 from model.attention import AttentionBackend, BatchedCausalAttention
 from model.config import ModelConfig
 from model.layers import FusedOps, RMSNorm, SelfAttention, SwiGLUMLP
+from model.parallel import TensorParallel, local_config
 from model.rope import RotaryEmbedding
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = SelfAttention(cfg, layer_idx)
+        self.self_attn = SelfAttention(cfg, layer_idx, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = SwiGLUMLP(cfg)
+        self.mlp = SwiGLUMLP(cfg, tp)
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
                 attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,13 +43,20 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None) -> None:
+        """`cfg` is the whole model's config. With `tp`, this is one rank's share of it
+        (model/parallel.py): `config` is then the rank's local config (its heads and intermediate
+        width), `full_config` the whole model's."""
         super().__init__()
+        self.full_config = cfg
+        self.tp = tp
+        if tp is not None:
+            cfg = local_config(cfg, tp)
         self.config = cfg
         # Softmax scale an attention backend must use (backends are built with it).
         self.attn_scale = cfg.attn_scale
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:

@@ -22,6 +22,7 @@ from torch import nn
 
 from model.config import ModelConfig
 from model.llama import LlamaForCausalLM
+from model.parallel import TensorParallel, check_shardable, intermediate, kv_heads, q_heads
 from model.rope import RotaryEmbedding
 
 # transformers module inside a layer -> (our fused module, index of its part, number of parts)
@@ -87,9 +88,35 @@ def _checkpoint_files(path: Path) -> dict[str, Path]:
         return {name: single for name in f.keys()}
 
 
-def _read_tensors(files: dict[str, Path], names: list[str], device: torch.device,
-                  dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor on device in dtype) for `names`, opening each file once, in file order."""
+def _shard_slice(hf_name: str, cfg: ModelConfig, tp: TensorParallel | None) -> tuple[str, slice] | None:
+    """How rank `tp.rank` reads a tensor (model/parallel.py): ("rows" | "cols", the slice), ("zero",
+    ...) for a row-parallel bias that only rank 0 holds, or None for the whole tensor."""
+    if tp is None or tp.size == 1 or ".layers." not in f".{hf_name}":
+        return None
+    d = cfg.head_dim
+    module, leaf = hf_name.rsplit(".", 1)
+    proj = module.rsplit(".", 1)[-1]
+
+    def span(r: range, unit: int = 1) -> slice:
+        return slice(r.start * unit, r.stop * unit)
+
+    if proj == "q_proj":
+        return "rows", span(q_heads(cfg, tp), d)
+    if proj in ("k_proj", "v_proj"):
+        return "rows", span(kv_heads(cfg, tp), d)
+    if proj in ("gate_proj", "up_proj"):
+        return "rows", span(intermediate(cfg, tp))
+    if proj in ("o_proj", "down_proj"):
+        if leaf == "bias":  # added once: by rank 0
+            return None if tp.rank == 0 else ("zero", slice(None))
+        return "cols", span(q_heads(cfg, tp), d) if proj == "o_proj" else span(intermediate(cfg, tp))
+    return None
+
+
+def _read_tensors(files: dict[str, Path], names: list[str], device: torch.device, dtype: torch.dtype,
+                  cfg: ModelConfig, tp: TensorParallel | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor on device in dtype) for `names`, opening each file once, in file order; with
+    `tp`, only this rank's slice of each sharded tensor is read."""
     by_file: dict[Path, list[str]] = {}
     for name in names:
         by_file.setdefault(files[name], []).append(name)
@@ -98,7 +125,15 @@ def _read_tensors(files: dict[str, Path], names: list[str], device: torch.device
     for file, file_names in by_file.items():
         with safe_open(file, framework="pt", device=dev) as f:
             for name in file_names:
-                yield name, f.get_tensor(name).to(dtype)
+                how = _shard_slice(name, cfg, tp)
+                if how is None:
+                    tensor = f.get_tensor(name)
+                elif how[0] == "zero":
+                    tensor = f.get_tensor(name).zero_()
+                else:
+                    part = f.get_slice(name)
+                    tensor = part[how[1]] if how[0] == "rows" else part[:, how[1]]
+                yield name, tensor.to(dtype)
 
 
 def _install(model: nn.Module, name: str, tensor: torch.Tensor, hf_names: str) -> None:
@@ -112,8 +147,11 @@ def _install(model: nn.Module, name: str, tensor: torch.Tensor, hf_names: str) -
 
 
 def load_model(path: str | PathLike[str], *, device: str | torch.device = "cpu",
-               dtype: torch.dtype = torch.float32) -> tuple[LlamaForCausalLM, ModelConfig]:
+               dtype: torch.dtype = torch.float32,
+               tp: TensorParallel | None = None) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Reads `path`/config.json and its safetensors into a LlamaForCausalLM in eval mode on `device`.
+    With `tp`, the module is rank `tp.rank`'s share (model/parallel.py) and only its slices are
+    read; the returned config is the whole model's either way.
 
     Embeddings are tied when the config says so or when the checkpoint has no lm_head.weight (the
     returned config then says tie_word_embeddings=True). Raises ValueError naming any missing,
@@ -138,10 +176,12 @@ def load_model(path: str | PathLike[str], *, device: str | torch.device = "cpu",
             parts.append(f"unexpected tensors: {', '.join(unexpected)}")
         raise ValueError(f"checkpoint {path} does not match its config ({cfg.model_type}): " + "; ".join(parts))
 
+    if tp is not None:
+        check_shardable(cfg, tp.size)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = LlamaForCausalLM(cfg, tp)
     pending: dict[str, dict[int, tuple[str, torch.Tensor]]] = {}
-    for hf_name, tensor in _read_tensors(files, expected, device, dtype):
+    for hf_name, tensor in _read_tensors(files, expected, device, dtype, cfg, tp):
         name, part, num_parts = _target(hf_name)
         if num_parts == 1:
             _install(model, name, tensor, hf_name)
@@ -155,7 +195,7 @@ def load_model(path: str | PathLike[str], *, device: str | torch.device = "cpu",
     assert not pending, f"incomplete fused parameters: {sorted(pending)}"
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    model.rotary = RotaryEmbedding(cfg).to(device)  # the meta-built table holds no values
+    model.rotary = RotaryEmbedding(model.config).to(device)  # the meta-built table holds no values
     leftover = [n for n, p in model.named_parameters() if p.is_meta]
     assert not leftover, f"parameters left on the meta device: {leftover}"
     return model.eval(), cfg

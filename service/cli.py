@@ -77,6 +77,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="waiting-queue bound; beyond it requests get RESOURCE_EXHAUSTED")
     p.add_argument("--attention-backend", default=d.attention_backend, choices=ATTENTION_BACKENDS,
                    help="attention kernels: triton on cuda, torch reference on cpu (auto)")
+    p.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size,
+                   help="GPUs (or CPU processes) sharing the model: attention heads and the MLP split over N "
+                        "processes, one all-reduce per layer each; on cuda rank r uses device index base + r, the "
+                        "base taken from --device")
     p.add_argument("--cpu-threads", type=int, default=None,
                    help="torch threads when the model runs on the CPU (default: the usable cores but one)")
     p.add_argument("--seed", type=int, default=d.seed, help="seeds the seeds of requests that bring none")
@@ -236,7 +240,8 @@ def main(argv: list[str] | None = None, *, engine_setup: Callable[[LLMEngine], N
                 num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                 max_waiting=args.max_waiting, seed=args.seed,
-                attention_backend=args.attention_backend, cpu_threads=args.cpu_threads)
+                attention_backend=args.attention_backend, cpu_threads=args.cpu_threads,
+                tensor_parallel_size=args.tensor_parallel_size)
             server_config = dataclasses.replace(_server_config(args), engine_setup=engine_setup)
         except (ValueError, OSError) as e:
             parser.error(str(e))

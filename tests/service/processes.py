@@ -60,8 +60,8 @@ def alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-def engine_children(pid: int) -> list[int]:
-    """Ids of pid's engine processes."""
+def engine_children(pid: int, marker: str = "engine.engine_child") -> list[int]:
+    """Ids of pid's engine processes (or of its children whose command line holds `marker`)."""
     out = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -72,7 +72,7 @@ def engine_children(pid: int) -> list[int]:
                     cmd = f.read().decode(errors="replace")
             except (OSError, ValueError, IndexError):
                 continue
-            if parent == pid and "engine.engine_child" in cmd:
+            if parent == pid and marker in cmd:
                 out.append(int(entry))
     return out
 

@@ -1,0 +1,141 @@
+"""Tensor parallelism on the CPU with gloo (engine/tensor_parallel.py): N processes give the same
+greedy tokens as one, for the four families with grouped-query attention (KV heads fewer than
+ranks included), with preemption and prefix caching, through the gRPC service; a worker that dies
+or hangs ends the server's engine with a clear error; a size that does not divide the heads is
+refused before any process starts."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from pie_client import Client, Unavailable
+from service.server import BackgroundServer, ServerConfig
+from tests.helpers import make_hf_model_dir, wait_until
+from tests.service.processes import alive, engine_children
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+def _config(model_dir, tp: int, **kw) -> EngineConfig:
+    kw = {"kv_cache_dtype": "fp32", "num_kv_blocks": 96, "cpu_threads": 1, **kw}
+    return EngineConfig(model=str(model_dir), device="cpu", tensor_parallel_size=tp, **kw)
+
+
+def _generate(model_dir, tp: int, prompts, sampling=GREEDY, **kw) -> tuple[list[list[int]], LLMEngine]:
+    engine = LLMEngine(_config(model_dir, tp, **kw))
+    try:
+        return engine.generate(prompts, sampling), engine
+    finally:
+        engine.close()
+
+
+def _prompts(rng, n: int, vocab: int = 512) -> list[list[int]]:
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(3, 40))] for _ in range(n)]
+
+
+def _workers(parent: int | None = None) -> list[int]:
+    """Pids of the tensor-parallel workers of `parent` (this process by default)."""
+    return engine_children(os.getpid() if parent is None else parent, marker="engine.tensor_parallel")
+
+
+CASES = [("llama", {}, 2), ("mistral", {}, 2), ("qwen2", {}, 2), ("qwen3", {}, 2),
+         ("llama", {"num_key_value_heads": 1}, 2), ("qwen2", {}, 4)]
+
+
+@pytest.mark.parametrize("arch, overrides, tp", CASES, ids=[f"{a}-{'kv1-' if o else ''}tp{n}" for a, o, n in CASES])
+def test_greedy_tokens_match_one_process(rng, tmp_path, arch, overrides, tp) -> None:
+    model_dir = make_hf_model_dir(tmp_path, arch, weight_scale=4.0, **overrides)
+    prompts = _prompts(rng, 4)
+    want, _ = _generate(model_dir, 1, prompts)
+    got, _ = _generate(model_dir, tp, prompts)
+    assert got == want
+    assert _workers() == [], "the workers outlived their engine"
+
+
+def test_int8_pages_with_smoothing(rng, tmp_path) -> None:
+    """The int8 path calibrates its smoothing with a collective forward pass on every rank."""
+    model_dir = make_hf_model_dir(tmp_path, "llama", weight_scale=4.0)
+    prompts = _prompts(rng, 4)
+    want, _ = _generate(model_dir, 1, prompts, kv_cache_dtype="int8")
+    got, _ = _generate(model_dir, 2, prompts, kv_cache_dtype="int8")
+    agree = sum(a == b for w, g in zip(want, got) for a, b in zip(w, g)) / sum(map(len, want))
+    assert agree >= 0.9, (agree, want, got)  # the ranks round their own heads; the first tokens agree
+    assert [w[0] for w in want] == [g[0] for g in got]
+
+
+def test_preemption_and_prefix_caching(rng, tmp_path) -> None:
+    """A pool too small for the batch preempts and recomputes; shared prefixes hit the cache. Both
+    touch only rank 0's block manager: the workers' pools follow the same block ids."""
+    model_dir = make_hf_model_dir(tmp_path, "qwen2", weight_scale=4.0)
+    prefix = [rng.randrange(3, 512) for _ in range(40)]
+    prompts = [prefix + [rng.randrange(3, 512) for _ in range(rng.randint(1, 8))] for _ in range(6)]
+    sampling = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    small = {"num_kv_blocks": 30, "block_size": 4, "max_num_seqs": 6}  # 18 blocks a request, 10 shared
+    want, one = _generate(model_dir, 1, prompts, sampling, **small)
+    got, two = _generate(model_dir, 2, prompts, sampling, **small)
+    assert got == want
+    stats = two.stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0, stats
+    assert stats.num_preemptions == one.stats().num_preemptions
+
+
+def test_through_the_grpc_service_in_the_engine_process(rng, tmp_path) -> None:
+    model_dir = make_hf_model_dir(tmp_path, "llama", weight_scale=4.0)
+    prompt = _prompts(rng, 1)[0]
+    with BackgroundServer(ServerConfig(port=0, grace_s=2), _config(model_dir, 1)) as s, Client(s.address) as c:
+        want = c.generate(prompt, max_tokens=10, temperature=0, ignore_eos=True).token_ids
+    with BackgroundServer(ServerConfig(port=0, grace_s=2, engine_process=True), _config(model_dir, 2)) as s:
+        with Client(s.address, timeout=60) as c:
+            assert c.generate(prompt, max_tokens=10, temperature=0, ignore_eos=True).token_ids == want
+            assert [t for d in c.stream(prompt, max_tokens=10, temperature=0, ignore_eos=True) for t in d.token_ids] \
+                == want
+        workers = _workers(s.pie.engine.pid)
+        assert len(workers) == 1
+    wait_until(lambda: not any(alive(pid) for pid in workers), what="the worker to end with its server")
+
+
+def test_a_dead_worker_ends_the_engine(tmp_path) -> None:
+    model_dir = make_hf_model_dir(tmp_path, "llama", weight_scale=4.0)
+    with BackgroundServer(ServerConfig(port=0, grace_s=1), _config(model_dir, 2)) as s, \
+            Client(s.address, timeout=60) as c:
+        assert c.generate("hello", max_tokens=3, ignore_eos=True).completion_tokens == 3
+        (worker,) = _workers()
+        os.kill(worker, signal.SIGKILL)
+        wait_until(lambda: not alive(worker), what="the worker to die")
+        with pytest.raises(Unavailable) as err:
+            c.generate("hello", max_tokens=3, ignore_eos=True)
+        assert err.value.reason == "ENGINE_STOPPED", err.value
+        wait_until(lambda: s.pie.fatal.is_set(), what="the server to give up on its engine")
+        assert "tensor-parallel worker rank 1 exited" in str(s.pie.engine.dead)
+
+
+def test_a_hung_worker_trips_the_step_watchdog(tmp_path) -> None:
+    model_dir = make_hf_model_dir(tmp_path, "llama", weight_scale=4.0)
+    with BackgroundServer(ServerConfig(port=0, grace_s=1, step_timeout_s=2.0), _config(model_dir, 2)) as s, \
+            Client(s.address, timeout=60) as c:
+        assert c.generate("hello", max_tokens=3, ignore_eos=True).completion_tokens == 3
+        (worker,) = _workers()
+        os.kill(worker, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            with pytest.raises(Unavailable):
+                c.generate("hello", max_tokens=3, ignore_eos=True)
+            assert time.monotonic() - started < 30
+            assert s.pie.fatal.is_set()
+        finally:
+            os.kill(worker, signal.SIGCONT)
+            os.kill(worker, signal.SIGKILL)
+
+
+def test_a_size_that_does_not_divide_the_heads_is_refused_before_any_process(tmp_path) -> None:
+    model_dir = make_hf_model_dir(tmp_path, "llama")  # 4 query heads, 2 KV heads, MLP 128
+    with pytest.raises(ValueError, match="--tensor-parallel-size 3 cannot split this model: num_attention_heads 4"):
+        LLMEngine(_config(model_dir, 3))
+    assert _workers() == []

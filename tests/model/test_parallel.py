@@ -1,0 +1,89 @@
+"""Tensor parallelism of the model alone (model/parallel.py, the sharded loader): N processes on
+the CPU with gloo, each loading only its slices, produce the full model's logits, for the four
+families with grouped-query attention, including more ranks than KV heads (replicated KV heads)."""
+
+from __future__ import annotations
+
+import socket
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from model import DenseCausalAttention, load_model
+from model.parallel import TensorParallel, check_shardable, kv_heads, local_config, q_heads
+from tests.helpers import make_hf_model_dir
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, size: int, port: int, model_dir: str, ids: list[int], lens: list[int], out: str) -> None:
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+        model, _ = load_model(model_dir, tp=TensorParallel(rank, size))
+        positions = torch.cat([torch.arange(n) for n in lens])
+        with torch.inference_mode():
+            hidden = model(torch.tensor(ids), positions, DenseCausalAttention(lens, model.attn_scale))
+            logits = model.compute_logits(hidden)
+        torch.save(logits, f"{out}.{rank}")
+        dist.barrier()  # nobody tears gloo down while a peer still talks to it
+        dist.destroy_process_group()
+    except BaseException:
+        Path(f"{out}.{rank}.error").write_text(traceback.format_exc())
+        raise
+
+
+def sharded_logits(model_dir: Path, size: int, ids: list[int], lens: list[int], tmp: Path) -> list[torch.Tensor]:
+    out = str(tmp / "logits")
+    try:
+        mp.start_processes(_rank_main, args=(size, _free_port(), str(model_dir), ids, lens, out), nprocs=size,
+                           start_method="spawn")
+    except mp.ProcessRaisedException as e:
+        errors = [p.read_text() for p in tmp.glob("logits.*.error")]
+        raise AssertionError("\n".join(errors) or str(e)) from e
+    return [torch.load(f"{out}.{r}") for r in range(size)]
+
+
+CASES = [  # (arch, overrides, size): GQA everywhere; size 4 > 2 KV heads replicates them
+    ("llama", {}, 2), ("llama", {}, 4), ("mistral", {}, 2), ("qwen2", {}, 2), ("qwen2", {}, 4),
+    ("qwen3", {}, 2), ("llama", {"num_key_value_heads": 1}, 2),
+]
+
+
+@pytest.mark.parametrize("arch, overrides, size", CASES, ids=[f"{a}-{o or ''}-tp{n}" for a, o, n in CASES])
+def test_sharded_model_gives_the_full_logits(rng, tmp_path, arch, overrides, size) -> None:
+    model_dir = make_hf_model_dir(tmp_path, arch, weight_scale=2.0, **overrides)
+    full, cfg = load_model(model_dir)
+    lens = [rng.randint(1, 12) for _ in range(3)]
+    ids = [rng.randrange(3, cfg.vocab_size) for _ in range(sum(lens))]
+    positions = torch.cat([torch.arange(n) for n in lens])
+    with torch.inference_mode():
+        want = full.compute_logits(full(torch.tensor(ids), positions, DenseCausalAttention(lens, full.attn_scale)))
+    for rank, got in enumerate(sharded_logits(model_dir, size, ids, lens, tmp_path)):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=f"rank {rank}")
+
+
+def test_head_assignment() -> None:
+    from model import ModelConfig
+
+    cfg = ModelConfig.from_hf({"model_type": "llama", "architectures": ["X"], "vocab_size": 8, "hidden_size": 64,
+                               "intermediate_size": 96, "num_hidden_layers": 1, "num_attention_heads": 8,
+                               "num_key_value_heads": 2, "max_position_embeddings": 16})
+    # 4 ranks, 2 KV heads: ranks 0, 1 share KV head 0 (query heads 0-3), ranks 2, 3 head 1
+    assert [list(q_heads(cfg, TensorParallel(r, 4))) for r in range(4)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert [list(kv_heads(cfg, TensorParallel(r, 4))) for r in range(4)] == [[0], [0], [1], [1]]
+    assert [list(kv_heads(cfg, TensorParallel(r, 2))) for r in range(2)] == [[0], [1]]
+    local = local_config(cfg, TensorParallel(1, 4))
+    assert (local.num_attention_heads, local.num_key_value_heads, local.intermediate_size) == (2, 1, 24)
+    with pytest.raises(ValueError, match="num_attention_heads 8 is not a multiple of 3"):
+        check_shardable(cfg, 3)
+    with pytest.raises(ValueError, match="intermediate_size 96 is not a multiple of 64"):
+        check_shardable(cfg, 64)
