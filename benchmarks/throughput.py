@@ -107,7 +107,7 @@ def run_ours(folder: Path, prompts, args, kv: str) -> dict:
                                  kv_cache_dtype=kv, gpu_memory_fraction=args.gpu_memory_fraction,
                                  kv_cache_memory_bytes=None if args.kv_gib is None else int(args.kv_gib * 2**30),
                                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,
-                                 enforce_eager=args.enforce_eager))
+                                 enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size))
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     eng.generate(prompts[:4], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
     steps = _record_steps(eng)
@@ -125,7 +125,10 @@ def run_ours(folder: Path, prompts, args, kv: str) -> dict:
     runs.sort(key=lambda r: r[0])
     wall, tokens, preemptions, timeline = runs[len(runs) // 2]  # the median run
     del eng.step, eng.scheduler.schedule  # the timing wrappers hold the engine: let it go
+    eng.close()  # tensor-parallel workers end here
     mode = " (eager)" if args.enforce_eager else ""
+    if args.tensor_parallel_size > 1:
+        mode += f" (tensor parallel {args.tensor_parallel_size})"
     return dict(name=f"pie, {kv} KV cache{mode}", wall_s=wall, tokens=tokens, tok_per_s=tokens / wall,
                 all_tok_per_s=[r[1] / r[0] for r in runs], preemptions=preemptions,
                 kv_blocks=eng.block_manager.num_total_blocks,
@@ -220,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: decode steps run eagerly")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per engine; the median is reported")
     ap.add_argument("--kv", default="int8,bf16", help="KV cache dtypes to run, comma-separated")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="processes (GPUs) sharing the model, as pie serve's flag")
     ap.add_argument("--skip-hf", action="store_true",
                     help="only our engine: no transformers run (and no transformers needed)")
     ap.add_argument("--out", default=None, help="JSON file for every figure (default: none written)")
