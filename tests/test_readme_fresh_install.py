@@ -132,7 +132,7 @@ def servers(fresh: FreshInstall):
 
 
 def test_every_readme_command_is_run_here_or_named(fresh: FreshInstall) -> None:
-    run_here = ("pie serve --help", "pie-client ", "pie train ", "pie bench ")
+    run_here = ("pie serve --help", "pie-client ", "pie train ", "pie bench ", "npm ci", "node ")
     for line in shell_lines():
         assert line.startswith(run_here) or line.startswith(tuple(NOT_HERE)), f"README command not run: {line}"
 
@@ -148,6 +148,17 @@ def test_client_commands_and_python_examples(fresh: FreshInstall, servers) -> No
     for code in python:
         out = fresh.bash(f"python -c {shlex.quote(code)}", timeout=120)
         assert out.returncode == 0 and out.stdout.strip(), (code, out.stderr)
+
+
+def test_node_example(fresh: FreshInstall, servers) -> None:
+    """The Node.js section's commands: `npm ci` from the committed lock file, then the example
+    against the README's server (tests/node/ holds the rest of the Node client's tests)."""
+    lines = [line for line in shell_lines() if line.startswith(("npm ci", "node "))]
+    assert [line.split()[0] for line in lines] == ["npm", "node"], lines
+    for line in lines:
+        out = fresh.bash(line, timeout=300)
+        assert out.returncode == 0, (line, out.stdout[-2000:], out.stderr[-3000:])
+    assert out.stdout.strip() and "FINISH_REASON_" in out.stderr, (out.stdout, out.stderr)
 
 
 @pytest.mark.parametrize("command", ["pie --help", "pie serve --help", "pie train --help", "pie bench --list",

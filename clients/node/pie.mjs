@@ -1,0 +1,193 @@
+// Calling pie from Node.js: the contract (protos/pie/v1/generate.proto) loaded at run time with
+// @grpc/proto-loader, four promise/async-iterator helpers over @grpc/grpc-js, and PieError, which
+// reads the google.rpc.Status that pie puts in the `grpc-status-details-bin` trailer.
+//
+//   const pie = new PieClient('127.0.0.1:50051');
+//   const done = await pie.generate({ prompt: 'Hello', sampling: { max_tokens: 32 } });
+//   for await (const message of pie.stream({ prompt: 'Hello' })) process.stdout.write(message.text);
+//
+// Messages are plain objects with the .proto's field names (snake_case) and enum names as strings
+// ('FINISH_REASON_STOP'); unset scalar fields read as their proto3 defaults (0, '', []).
+
+import path from 'node:path';
+import { fileURLToPath } from 'node:url';
+
+import * as grpc from '@grpc/grpc-js';
+import * as protoLoader from '@grpc/proto-loader';
+import protobuf from 'protobufjs';
+
+const HERE = path.dirname(fileURLToPath(import.meta.url));
+// The contract as shipped in this repository; pass `protoPath` when the file lives elsewhere.
+export const DEFAULT_PROTO = path.resolve(HERE, '../../protos/pie/v1/generate.proto');
+// google.rpc error details and grpc.health.v1, written for this client (see protos/ here).
+const OWN_PROTOS = path.join(HERE, 'protos');
+
+const LOADER_OPTIONS = {
+  keepCase: true, // field names as in the .proto: max_tokens, finish_reason
+  enums: String, // enum values as their names
+  longs: Number, // uint64 seed: JavaScript numbers (exact below 2^53)
+  defaults: true, // unset fields of a response read as 0, '' or [] instead of undefined
+};
+
+// The google.rpc messages PieError decodes, by their full name (the end of an Any's type_url).
+const rpcTypes = (() => {
+  const root = new protobuf.Root();
+  root.loadSync([path.join(OWN_PROTOS, 'google/rpc/status.proto'),
+    path.join(OWN_PROTOS, 'google/rpc/error_details.proto')], { keepCase: true });
+  return Object.fromEntries(['Status', 'ErrorInfo', 'BadRequest', 'RetryInfo']
+    .map((name) => [`google.rpc.${name}`, root.lookupType(`google.rpc.${name}`)]));
+})();
+
+const COMPRESSION = { none: grpc.compressionAlgorithms.identity, gzip: grpc.compressionAlgorithms.gzip };
+
+const services = new Map(); // protoPath -> { GenerateService, Health } client constructors
+
+function loadServices(protoPath) {
+  if (!services.has(protoPath)) {
+    const pie = grpc.loadPackageDefinition(protoLoader.loadSync(protoPath, LOADER_OPTIONS));
+    const health = grpc.loadPackageDefinition(
+      protoLoader.loadSync(path.join(OWN_PROTOS, 'grpc/health/v1/health.proto'), LOADER_OPTIONS));
+    services.set(protoPath, { GenerateService: pie.pie.v1.GenerateService, Health: health.grpc.health.v1.Health });
+  }
+  return services.get(protoPath);
+}
+
+/** A failed call: the gRPC status plus what pie's google.rpc.Status details say about it. */
+export class PieError extends Error {
+  constructor(serviceError) {
+    super(serviceError.details ?? '', { cause: serviceError }); // the status message alone
+    this.name = 'PieError';
+    this.code = serviceError.code; // grpc.status number, e.g. 3 (INVALID_ARGUMENT)
+    this.codeName = grpc.status[serviceError.code] ?? String(serviceError.code);
+    this.reason = null; // ErrorInfo.reason, e.g. 'INVALID_FIELD'; null for gRPC's own errors (cancel, deadline)
+    this.domain = null; // ErrorInfo.domain: 'pie.v1'
+    this.fieldViolations = []; // BadRequest: [{ field: 'sampling.temperature', description }]
+    this.retryDelayMs = null; // RetryInfo.retry_delay in milliseconds, where a retry makes sense
+    const metadata = serviceError.metadata;
+    this.requestId = metadata?.get('x-request-id')[0] ?? null; // the id the server logged this call under
+    const details = metadata?.get('grpc-status-details-bin')[0];
+    if (details) {
+      this.#read(rpcTypes['google.rpc.Status'].decode(details));
+    }
+  }
+
+  #read(status) {
+    for (const any of status.details) {
+      const type = rpcTypes[any.type_url.slice(any.type_url.lastIndexOf('/') + 1)];
+      if (!type) continue; // a detail this client does not know: skipped, as the contract allows
+      const detail = type.toObject(type.decode(any.value), { longs: Number, defaults: true });
+      if (type.name === 'ErrorInfo') {
+        this.reason = detail.reason;
+        this.domain = detail.domain;
+      } else if (type.name === 'BadRequest') {
+        this.fieldViolations = detail.field_violations.map(({ field, description }) => ({ field, description }));
+      } else if (type.name === 'RetryInfo') {
+        const { seconds = 0, nanos = 0 } = detail.retry_delay ?? {};
+        this.retryDelayMs = seconds * 1000 + nanos / 1e6;
+      }
+    }
+  }
+
+  /** One line: `INVALID_ARGUMENT INVALID_FIELD: sampling.temperature: ... [request_id=...]`. */
+  toString() {
+    const retry = this.retryDelayMs === null ? '' : ` (retry in ${this.retryDelayMs / 1000} s)`;
+    const id = this.requestId === null ? '' : ` [request_id=${this.requestId}]`;
+    return `${this.codeName}${this.reason ? ` ${this.reason}` : ''}${this.message ? `: ${this.message}` : ''}${retry}${id}`;
+  }
+}
+
+/** A @grpc/grpc-js error as a PieError; anything else (a bug, not a call's status) as it is. */
+export function decodeError(error) {
+  return typeof error?.code === 'number' && 'metadata' in error ? new PieError(error) : error;
+}
+
+function callArgs({ metadata = {}, timeoutMs } = {}) {
+  const md = new grpc.Metadata();
+  for (const [key, value] of Object.entries(metadata)) md.set(key, value);
+  return [md, timeoutMs === undefined ? {} : { deadline: Date.now() + timeoutMs }];
+}
+
+/**
+ * A connection to one pie server. Every helper takes the request as a plain object and, last,
+ * `{ metadata: { 'x-request-id': 'abc' }, timeoutMs: 30000 }` (both optional).
+ */
+export class PieClient {
+  /**
+   * @param {string} address host:port
+   * @param {object} [options]
+   * @param {string} [options.protoPath] generate.proto to load (default: this repository's)
+   * @param {'none'|'gzip'} [options.compression] compress requests (the server accepts gzip)
+   * @param {grpc.ChannelCredentials} [options.credentials] default: plaintext
+   * @param {object} [options.channelOptions] more grpc-js channel options
+   */
+  constructor(address, { protoPath = DEFAULT_PROTO, compression = 'none', credentials, channelOptions = {} } = {}) {
+    const { GenerateService, Health } = loadServices(protoPath);
+    if (!Object.hasOwn(COMPRESSION, compression)) {
+      throw new TypeError(`compression must be 'none' or 'gzip', got ${compression}`);
+    }
+    const creds = credentials ?? grpc.credentials.createInsecure();
+    const options = { ...channelOptions, 'grpc.default_compression_algorithm': COMPRESSION[compression] };
+    this.service = new GenerateService(address, creds, options);
+    this.health = new Health(address, creds, { channelOverride: this.service.getChannel() });
+  }
+
+  #unary(client, method, request, options) {
+    return new Promise((resolve, reject) => {
+      client[method](request, ...callArgs(options), (error, response) => {
+        if (error) reject(decodeError(error));
+        else resolve(response);
+      });
+    });
+  }
+
+  /** Generate: the whole completion (GenerateResponse). */
+  generate(request, options) {
+    return this.#unary(this.service, 'Generate', request, options);
+  }
+
+  /**
+   * GenerateStream: an async iterator of GenerateStreamResponse messages (text deltas; the last
+   * one carries finish_reason and usage). `cancel()` ends the call; leaving a for-await loop
+   * early cancels it too, and either way the server frees the request.
+   */
+  stream(request, options) {
+    const call = this.service.GenerateStream(request, ...callArgs(options));
+    // grpc-js emits a failed status as an 'error' event: without a listener one that comes
+    // before the caller starts reading would crash the process, and the reading would not see it.
+    let failed = null;
+    call.on('error', (error) => { failed ??= error; });
+    async function* messages() {
+      try {
+        for await (const message of call) yield message;
+        if (failed) throw failed;
+      } catch (error) {
+        throw decodeError(error);
+      } finally {
+        call.cancel(); // nothing to do when the stream already ended
+      }
+    }
+    const iterator = messages();
+    iterator.cancel = () => call.cancel();
+    return iterator;
+  }
+
+  /** Tokenize: { token_ids, tokens, count }. */
+  tokenize(request, options) {
+    return this.#unary(this.service, 'Tokenize', request, options);
+  }
+
+  /** GetModelInfo: the model, and the server's load now (`load`). */
+  modelInfo(options) {
+    return this.#unary(this.service, 'GetModelInfo', {}, options);
+  }
+
+  /** grpc.health.v1 Check: 'SERVING' or 'NOT_SERVING'. '' asks whether the process is up,
+   * 'pie.v1.GenerateService' whether the model is loaded. */
+  async check(service = '', options) {
+    return (await this.#unary(this.health, 'Check', { service }, options)).status;
+  }
+
+  close() {
+    this.service.close(); // the health client shares its channel
+  }
+}
