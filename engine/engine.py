@@ -26,7 +26,7 @@ from engine.outputs import EngineStats, RequestOutput, SampledToken
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.tensor_parallel import Leader
+from engine.tensor_parallel import Leader, check_devices
 from engine.validation import check_request
 from model import ModelConfig, Tokenizer, load_model, smoothing
 from model.parallel import TensorParallel, check_shardable
@@ -48,6 +48,8 @@ class LLMEngine:
         tp = None
         if config.tensor_parallel_size > 1:
             check_shardable(full, config.tensor_parallel_size)  # before any process starts
+            check_devices(self.device, config.tensor_parallel_size,
+                          torch.cuda.device_count() if self.device.type == "cuda" else 0)
             self._tp = Leader(config, config.tensor_parallel_size, self.device, dtype_name)
             tp = self._tp.tp
         try:

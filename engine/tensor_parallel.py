@@ -64,6 +64,18 @@ class WorkerInit:
     dtype_name: str  # the leader's resolved dtype (auto already decided)
 
 
+def check_devices(config_device: torch.device, size: int, visible: int) -> None:
+    """Refuses, before any process starts, a size that needs more GPUs than the process sees:
+    NCCL puts one rank on each device, and two ranks cannot share one."""
+    if config_device.type != "cuda":
+        return
+    first = config_device.index or 0
+    if first + size > visible:
+        raise ValueError(f"--tensor-parallel-size {size} needs GPUs cuda:{first}..cuda:{first + size - 1}, one per "
+                         f"rank, but {visible} {'is' if visible == 1 else 'are'} visible "
+                         "(CUDA_VISIBLE_DEVICES chooses which)")
+
+
 def device_of(config_device: torch.device, rank: int) -> torch.device:
     """Rank r's device: the CPU, or CUDA device index base + r."""
     if config_device.type != "cuda":

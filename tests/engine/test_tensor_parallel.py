@@ -24,8 +24,8 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
 
 def _config(model_dir, tp: int, **kw) -> EngineConfig:
-    kw = {"kv_cache_dtype": "fp32", "num_kv_blocks": 96, "cpu_threads": 1, **kw}
-    return EngineConfig(model=str(model_dir), device="cpu", tensor_parallel_size=tp, **kw)
+    kw = {"device": "cpu", "kv_cache_dtype": "fp32", "num_kv_blocks": 96, "cpu_threads": 1, **kw}
+    return EngineConfig(model=str(model_dir), tensor_parallel_size=tp, **kw)
 
 
 def _generate(model_dir, tp: int, prompts, sampling=GREEDY, **kw) -> tuple[list[list[int]], LLMEngine]:
@@ -139,3 +139,54 @@ def test_a_size_that_does_not_divide_the_heads_is_refused_before_any_process(tmp
     with pytest.raises(ValueError, match="--tensor-parallel-size 3 cannot split this model: num_attention_heads 4"):
         LLMEngine(_config(model_dir, 3))
     assert _workers() == []
+
+
+def test_more_ranks_than_visible_gpus_is_refused() -> None:
+    import torch
+
+    from engine.tensor_parallel import check_devices
+
+    check_devices(torch.device("cpu"), 4, 0)  # gloo ranks share the CPU
+    check_devices(torch.device("cuda"), 2, 2)
+    check_devices(torch.device("cuda", 2), 2, 4)
+    with pytest.raises(ValueError, match=r"--tensor-parallel-size 2 needs GPUs cuda:0\.\.cuda:1, one per rank, "
+                                         r"but 1 is visible"):
+        check_devices(torch.device("cuda"), 2, 1)
+    with pytest.raises(ValueError, match=r"needs GPUs cuda:3\.\.cuda:4, one per rank, but 4 are visible"):
+        check_devices(torch.device("cuda", 3), 2, 4)
+
+
+def _two_gpus() -> None:
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 GPUs (NCCL puts one rank on each); {torch.cuda.device_count()} visible")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("overrides", [{}, {"num_key_value_heads": 1}], ids=["gqa", "kv1"])
+def test_greedy_tokens_match_one_gpu_with_nccl(rng, tmp_path, overrides) -> None:
+    """Two GPUs, NCCL, the Triton kernels on each rank's heads: fp32 weights and pages give the
+    single GPU's greedy tokens."""
+    _two_gpus()
+    model_dir = make_hf_model_dir(tmp_path, "llama", weight_scale=4.0, head_dim=64, **overrides)
+    prompts = _prompts(rng, 6)
+    kw = {"device": "cuda", "dtype": "fp32", "cpu_threads": None}
+    want, _ = _generate(model_dir, 1, prompts, **kw)
+    got, _ = _generate(model_dir, 2, prompts, **kw)
+    assert got == want
+    assert _workers() == [], "the workers outlived their engine"
+
+
+@pytest.mark.gpu
+def test_int8_pages_in_bf16_on_two_gpus(rng, tmp_path) -> None:
+    """The served configuration (bf16 weights, int8 pages, smoothing) on two GPUs against one:
+    sharded sums round differently in bf16, so greedy tokens agree mostly, not exactly."""
+    _two_gpus()
+    model_dir = make_hf_model_dir(tmp_path, "qwen2", weight_scale=4.0, head_dim=64)
+    prompts = _prompts(rng, 8)
+    kw = {"device": "cuda", "dtype": "bf16", "kv_cache_dtype": "int8", "cpu_threads": None}
+    want, _ = _generate(model_dir, 1, prompts, **kw)
+    got, _ = _generate(model_dir, 2, prompts, **kw)
+    same = sum(a == b for w, g in zip(want, got) for a, b in zip(w, g))
+    assert same / sum(map(len, want)) >= 0.9, (want, got)

@@ -24,16 +24,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, size: int, port: int, model_dir: str, ids: list[int], lens: list[int], out: str) -> None:
+def _rank_main(rank: int, size: int, port: int, model_dir: str, ids: list[int], lens: list[int], out: str,
+               device: str) -> None:
     try:
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
-        model, _ = load_model(model_dir, tp=TensorParallel(rank, size))
-        positions = torch.cat([torch.arange(n) for n in lens])
+        model, _ = load_model(model_dir, device=torch.device(device), tp=TensorParallel(rank, size))
+        if device == "cuda":  # the Triton RMSNorm, SiLU-and-mul and rotary kernels on each rank's shapes
+            from kernels import triton_fused
+
+            model.use_fused_ops(triton_fused)
+        positions = torch.cat([torch.arange(n) for n in lens]).to(device)
         with torch.inference_mode():
-            hidden = model(torch.tensor(ids), positions, DenseCausalAttention(lens, model.attn_scale))
+            hidden = model(torch.tensor(ids, device=device), positions, DenseCausalAttention(lens, model.attn_scale))
             logits = model.compute_logits(hidden)
-        torch.save(logits, f"{out}.{rank}")
+        torch.save(logits.cpu(), f"{out}.{rank}")
         dist.barrier()  # nobody tears gloo down while a peer still talks to it
         dist.destroy_process_group()
     except BaseException:
@@ -41,11 +46,12 @@ def _rank_main(rank: int, size: int, port: int, model_dir: str, ids: list[int], 
         raise
 
 
-def sharded_logits(model_dir: Path, size: int, ids: list[int], lens: list[int], tmp: Path) -> list[torch.Tensor]:
+def sharded_logits(model_dir: Path, size: int, ids: list[int], lens: list[int], tmp: Path,
+                   device: str = "cpu") -> list[torch.Tensor]:
     out = str(tmp / "logits")
     try:
-        mp.start_processes(_rank_main, args=(size, _free_port(), str(model_dir), ids, lens, out), nprocs=size,
-                           start_method="spawn")
+        mp.start_processes(_rank_main, args=(size, _free_port(), str(model_dir), ids, lens, out, device),
+                           nprocs=size, start_method="spawn")
     except mp.ProcessRaisedException as e:
         errors = [p.read_text() for p in tmp.glob("logits.*.error")]
         raise AssertionError("\n".join(errors) or str(e)) from e
@@ -69,6 +75,22 @@ def test_sharded_model_gives_the_full_logits(rng, tmp_path, arch, overrides, siz
         want = full.compute_logits(full(torch.tensor(ids), positions, DenseCausalAttention(lens, full.attn_scale)))
     for rank, got in enumerate(sharded_logits(model_dir, size, ids, lens, tmp_path)):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=f"rank {rank}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("overrides", [{}, {"num_key_value_heads": 1}], ids=["gqa", "kv1"])
+def test_sharded_model_on_one_gpu(rng, tmp_path, overrides) -> None:
+    """Two ranks on one GPU (gloo all-reduces CUDA tensors; NCCL would need a GPU per rank): the
+    sharded layers with the Triton fused kernels give the full model's fp32 logits."""
+    model_dir = make_hf_model_dir(tmp_path, "llama", weight_scale=2.0, head_dim=64, **overrides)
+    full, cfg = load_model(model_dir)
+    lens = [rng.randint(1, 12) for _ in range(3)]
+    ids = [rng.randrange(3, cfg.vocab_size) for _ in range(sum(lens))]
+    positions = torch.cat([torch.arange(n) for n in lens])
+    with torch.inference_mode():
+        want = full.compute_logits(full(torch.tensor(ids), positions, DenseCausalAttention(lens, full.attn_scale)))
+    for rank, got in enumerate(sharded_logits(model_dir, 2, ids, lens, tmp_path, device="cuda")):
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3, msg=f"rank {rank}")
 
 
 def test_head_assignment() -> None:
