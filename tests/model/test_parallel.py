@@ -58,6 +58,17 @@ def sharded_logits(model_dir: Path, size: int, ids: list[int], lens: list[int], 
     return [torch.load(f"{out}.{r}") for r in range(size)]
 
 
+def full_logits(model_dir: Path, rng) -> tuple[list[int], list[int], torch.Tensor]:
+    """Three random packed sequences and the whole (unsharded) model's fp32 logits for them."""
+    full, cfg = load_model(model_dir)
+    lens = [rng.randint(1, 12) for _ in range(3)]
+    ids = [rng.randrange(3, cfg.vocab_size) for _ in range(sum(lens))]
+    positions = torch.cat([torch.arange(n) for n in lens])
+    with torch.inference_mode():
+        want = full.compute_logits(full(torch.tensor(ids), positions, DenseCausalAttention(lens, full.attn_scale)))
+    return ids, lens, want
+
+
 CASES = [  # (arch, overrides, size): GQA everywhere; size 4 > 2 KV heads replicates them
     ("llama", {}, 2), ("llama", {}, 4), ("mistral", {}, 2), ("qwen2", {}, 2), ("qwen2", {}, 4),
     ("qwen3", {}, 2), ("llama", {"num_key_value_heads": 1}, 2),
@@ -67,12 +78,7 @@ CASES = [  # (arch, overrides, size): GQA everywhere; size 4 > 2 KV heads replic
 @pytest.mark.parametrize("arch, overrides, size", CASES, ids=[f"{a}-{o or ''}-tp{n}" for a, o, n in CASES])
 def test_sharded_model_gives_the_full_logits(rng, tmp_path, arch, overrides, size) -> None:
     model_dir = make_hf_model_dir(tmp_path, arch, weight_scale=2.0, **overrides)
-    full, cfg = load_model(model_dir)
-    lens = [rng.randint(1, 12) for _ in range(3)]
-    ids = [rng.randrange(3, cfg.vocab_size) for _ in range(sum(lens))]
-    positions = torch.cat([torch.arange(n) for n in lens])
-    with torch.inference_mode():
-        want = full.compute_logits(full(torch.tensor(ids), positions, DenseCausalAttention(lens, full.attn_scale)))
+    ids, lens, want = full_logits(model_dir, rng)
     for rank, got in enumerate(sharded_logits(model_dir, size, ids, lens, tmp_path)):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=f"rank {rank}")
 
@@ -83,12 +89,7 @@ def test_sharded_model_on_one_gpu(rng, tmp_path, overrides) -> None:
     """Two ranks on one GPU (gloo all-reduces CUDA tensors; NCCL would need a GPU per rank): the
     sharded layers with the Triton fused kernels give the full model's fp32 logits."""
     model_dir = make_hf_model_dir(tmp_path, "llama", weight_scale=2.0, head_dim=64, **overrides)
-    full, cfg = load_model(model_dir)
-    lens = [rng.randint(1, 12) for _ in range(3)]
-    ids = [rng.randrange(3, cfg.vocab_size) for _ in range(sum(lens))]
-    positions = torch.cat([torch.arange(n) for n in lens])
-    with torch.inference_mode():
-        want = full.compute_logits(full(torch.tensor(ids), positions, DenseCausalAttention(lens, full.attn_scale)))
+    ids, lens, want = full_logits(model_dir, rng)
     for rank, got in enumerate(sharded_logits(model_dir, 2, ids, lens, tmp_path, device="cuda")):
         torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3, msg=f"rank {rank}")
 

@@ -8,7 +8,7 @@ import assert from 'node:assert/strict';
 import { after, test } from 'node:test';
 
 import { PieError } from '../../clients/node/pie.mjs';
-import { connect, waitFor } from './connect.mjs';
+import { connect, idle, loadOf, waitFor } from './connect.mjs';
 
 const REQUEST_ID = 'node-cancelled-stream';
 const FREED_WITHIN_MS = 5_000;
@@ -16,12 +16,7 @@ const FREED_WITHIN_MS = 5_000;
 const pie = connect();
 after(() => pie.close());
 
-const idle = (load) => load.requests_running === 0 && load.requests_waiting === 0
-  && load.kv_blocks_free === load.kv_blocks_total;
-
-async function load() {
-  return (await pie.modelInfo()).load;
-}
+const load = () => loadOf(pie);
 
 test('cancel mid-stream: CANCELLED for the caller, the request aborted and its blocks freed', async () => {
   const { max_model_len: context } = await pie.modelInfo();

@@ -13,6 +13,15 @@ export function connect(options) {
   return new PieClient(ADDRESS, options);
 }
 
+/** The server's load now (GetModelInfo's `load`). */
+export async function loadOf(pie) {
+  return (await pie.modelInfo()).load;
+}
+
+/** Nothing running or waiting, and every KV block free. */
+export const idle = (load) => load.requests_running === 0 && load.requests_waiting === 0
+  && load.kv_blocks_free === load.kv_blocks_total;
+
 /** Calls `probe` until `done(value)` holds, and returns that value; fails after `timeoutMs`
  * with the last value seen. */
 export async function waitFor(probe, done, { timeoutMs = 10_000, intervalMs = 20, what = 'the condition' } = {}) {

@@ -6,17 +6,12 @@ import assert from 'node:assert/strict';
 import { after, test } from 'node:test';
 
 import { PieError } from '../../clients/node/pie.mjs';
-import { connect, waitFor } from './connect.mjs';
+import { connect, idle, loadOf, waitFor } from './connect.mjs';
 
 const pie = connect();
 after(() => pie.close());
 
-const idle = (load) => load.requests_running === 0 && load.requests_waiting === 0
-  && load.kv_blocks_free === load.kv_blocks_total;
-
-async function load() {
-  return (await pie.modelInfo()).load;
-}
+const load = () => loadOf(pie);
 
 test('temperature -1: INVALID_ARGUMENT, reason INVALID_FIELD, BadRequest names sampling.temperature', async () => {
   const request = { prompt: 'hello', sampling: { temperature: -1 } };
