@@ -125,6 +125,13 @@ class _Packed:
                                  seq_lens=dev[self.seq_lens], query_start_loc=dev[self.query_start_loc], **facts)
 
 
+def _last_tokens(hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+    """Each sequence's last token's row of `hidden` (T, hidden) -> (B, hidden)."""
+    if metadata.max_query_len == 1:
+        return hidden  # pure decode: every token is its sequence's last
+    return hidden[metadata.query_start_loc[1:].to(torch.int64) - 1]
+
+
 @dataclass(slots=True)
 class _DecodeStaging:
     """What the last pure decode step left in the staging buffers: the next one over the same
@@ -247,17 +254,19 @@ class ModelRunner:
     @torch.inference_mode()
     def follow(self, numbers: list[int], link) -> None:
         """A tensor-parallel worker's step: receives the inputs rank 0 broadcast (Leader.forward)
-        and runs its share of the forward pass; the logits are rank 0's."""
+        and runs its share of the forward pass and of the LM head (the logits are rank 0's)."""
         facts = StepFacts(*numbers[:8])
         b, w = numbers[8:10]
         ints = link.recv(facts.n_ints, torch.int32)
         tables = link.recv(b * w, torch.int32).view(b, w)
         layout = _Packed(n_tok=facts.n_tok, rows=facts.rows)
-        self.attention.metadata = facts.metadata(ints, tables)
+        metadata = facts.metadata(ints, tables)
+        self.attention.metadata = metadata
         try:
-            self.model(ints[layout.ids], ints[layout.positions], self.attention)
+            hidden = self.model(ints[layout.ids], ints[layout.positions], self.attention)
         finally:
             self.attention.metadata = None
+        self.model.compute_logits(_last_tokens(hidden, metadata))
 
     # ---- inputs ---------------------------------------------------------------------------------
     def _stage(self, out: SchedulerOutput, block_tables: list[list[int]], graph_batch: int | None) -> _Step:
@@ -387,6 +396,9 @@ class ModelRunner:
             hidden = self.model(step.input_ids, step.positions, self.attention)  # (T, hidden)
         finally:
             self.attention.metadata = None
+        if self._tp is not None:  # the LM head is split by vocabulary: all ranks, every sequence
+            logits = self.model.compute_logits(_last_tokens(hidden, step.metadata))
+            return rows, (logits[rows] if len(rows) < step.num_seqs else logits) if rows else None
         if not rows:
             return rows, None
         qsl = step.metadata.query_start_loc

@@ -5,7 +5,9 @@ heads, and run every forward pass rank 0 runs, in lockstep.
 Rank 0 (`Leader`) schedules, samples and owns the block manager as with one process. Before each
 forward pass it broadcasts what the pass needs (a header of sizes and facts, the step's packed
 ints: ids, positions, slots, lengths, query starts, and the block tables), then runs its share;
-the all-reduces inside the model keep the ranks in step. Workers (`worker_main`) loop on that
+the collectives inside the model (the layers' all-reduces, the embedding's all-reduce, the
+logits' gather, which every rank runs on every sequence's last token) keep the ranks in step.
+Workers (`worker_main`) loop on that
 header. Besides FORWARD the header carries NEW_CACHE (build a KV pool of n blocks and a runner
 over it: KV sizing and the real pool), CALIBRATE (the int8 smoothing pass, whose forward is
 collective too) and STOP.

@@ -16,7 +16,7 @@ from torch import nn
 from model.attention import AttentionBackend, BatchedCausalAttention
 from model.config import ModelConfig
 from model.layers import FusedOps, RMSNorm, SelfAttention, SwiGLUMLP
-from model.parallel import TensorParallel, local_config
+from model.parallel import TensorParallel, local_config, vocab, vocab_per_rank
 from model.rope import RotaryEmbedding
 
 
@@ -55,17 +55,20 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         # Softmax scale an attention backend must use (backends are built with it).
         self.attn_scale = cfg.attn_scale
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # With tp, this rank's vocabulary rows (model/parallel.py); the last rank's tail is zeros.
+        self.vocab = range(cfg.vocab_size) if tp is None else vocab(self.full_config, tp)
+        rows = cfg.vocab_size if tp is None else vocab_per_rank(self.full_config, tp.size)
+        self.embed_tokens = nn.Embedding(rows, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, rows, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         """input_ids (T,) int64, positions (T,) int64 -> final-normed hidden states (T, hidden)."""
-        h = self.embed_tokens(input_ids)  # (T, hidden)
+        h = self.embed(input_ids)  # (T, hidden)
         rope = self.rotary.lookup(positions, h.dtype)  # once for all layers
         residual = None
         for layer in self.layers:
@@ -79,9 +82,23 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(m, (RMSNorm, SwiGLUMLP, SelfAttention)):
                 m.fused = ops
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids (T,) -> (T, hidden). With tp, each rank embeds the ids in its vocabulary rows,
+        zeros for the rest, and the all-reduce sums the one rank's row per token."""
+        if self.tp is None:
+            return self.embed_tokens(input_ids)
+        local = input_ids - self.vocab.start
+        outside = (local < 0) | (local >= len(self.vocab))
+        h = self.embed_tokens(local.masked_fill(outside, 0)).masked_fill_(outside[:, None], 0)
+        return self.tp.all_reduce(h)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden (N, hidden) -> logits (N, vocab_size) fp32."""
-        return self.lm_head(hidden).float()
+        """hidden (N, hidden) -> logits (N, vocab_size) fp32. With tp, a collective: every rank
+        calls it on the same rows and gets the whole logits."""
+        logits = self.lm_head(hidden)
+        if self.tp is not None:
+            logits = self.tp.gather_columns(logits, self.full_config.vocab_size)
+        return logits.float()
 
     def forward_train(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Training forward: input_ids (B, L) -> logits (B, L, vocab_size) in the compute dtype.

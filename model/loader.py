@@ -22,7 +22,7 @@ from torch import nn
 
 from model.config import ModelConfig
 from model.llama import LlamaForCausalLM
-from model.parallel import TensorParallel, check_shardable, intermediate, kv_heads, q_heads
+from model.parallel import TensorParallel, check_shardable, intermediate, kv_heads, q_heads, vocab, vocab_per_rank
 from model.rope import RotaryEmbedding
 
 # transformers module inside a layer -> (our fused module, index of its part, number of parts)
@@ -89,9 +89,15 @@ def _checkpoint_files(path: Path) -> dict[str, Path]:
 
 
 def _shard_slice(hf_name: str, cfg: ModelConfig, tp: TensorParallel | None) -> tuple[str, slice] | None:
-    """How rank `tp.rank` reads a tensor (model/parallel.py): ("rows" | "cols", the slice), ("zero",
-    ...) for a row-parallel bias that only rank 0 holds, or None for the whole tensor."""
-    if tp is None or tp.size == 1 or ".layers." not in f".{hf_name}":
+    """How rank `tp.rank` reads a tensor (model/parallel.py): ("rows" | "cols", the slice), ("vocab",
+    its rows) for the embedding and LM head, ("zero", ...) for a row-parallel bias that only rank 0
+    holds, or None for the whole tensor."""
+    if tp is None or tp.size == 1:
+        return None
+    if hf_name in ("model.embed_tokens.weight", "lm_head.weight"):
+        rows = vocab(cfg, tp)
+        return "vocab", slice(rows.start, rows.stop)
+    if ".layers." not in f".{hf_name}":
         return None
     d = cfg.head_dim
     module, leaf = hf_name.rsplit(".", 1)
@@ -130,6 +136,12 @@ def _read_tensors(files: dict[str, Path], names: list[str], device: torch.device
                     tensor = f.get_tensor(name)
                 elif how[0] == "zero":
                     tensor = f.get_tensor(name).zero_()
+                elif how[0] == "vocab":  # padded with zero rows to the share every rank holds
+                    assert tp is not None
+                    tensor = f.get_slice(name)[how[1]]
+                    pad = vocab_per_rank(cfg, tp.size) - tensor.shape[0]
+                    if pad:
+                        tensor = torch.cat([tensor, tensor.new_zeros(pad, tensor.shape[1])])
                 else:
                     part = f.get_slice(name)
                     tensor = part[how[1]] if how[0] == "rows" else part[:, how[1]]

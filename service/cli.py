@@ -78,9 +78,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--attention-backend", default=d.attention_backend, choices=ATTENTION_BACKENDS,
                    help="attention kernels: triton on cuda, torch reference on cpu (auto)")
     p.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size,
-                   help="GPUs (or CPU processes) sharing the model: attention heads and the MLP split over N "
-                        "processes, one all-reduce per layer each; on cuda rank r uses device index base + r, the "
-                        "base taken from --device")
+                   help="GPUs (or CPU processes) sharing the model: attention heads, the MLP, the embedding and "
+                        "the LM head split over N processes; on cuda rank r uses device index base + r, the base "
+                        "taken from --device")
     p.add_argument("--cpu-threads", type=int, default=None,
                    help="torch threads when the model runs on the CPU (default: the usable cores but one)")
     p.add_argument("--seed", type=int, default=d.seed, help="seeds the seeds of requests that bring none")

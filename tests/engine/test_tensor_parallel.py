@@ -70,6 +70,19 @@ def test_int8_pages_with_smoothing(rng, tmp_path) -> None:
     assert [w[0] for w in want] == [g[0] for g in got]
 
 
+def test_vocab_split_unevenly_and_seeded_sampling(rng, tmp_path) -> None:
+    """A prime vocabulary (the last rank's LM head rows padded) with tied embeddings: the gathered
+    logits are the whole distribution in order, so seeded sampling with top-k/top-p draws the
+    same tokens as one process."""
+    model_dir = make_hf_model_dir(tmp_path, "qwen3", weight_scale=4.0, vocab_size=509, tie_word_embeddings=True)
+    prompts = _prompts(rng, 4, vocab=509)
+    sampling = SamplingParams(max_tokens=12, temperature=0.9, top_k=50, top_p=0.95, seed=rng.randrange(2**31),
+                              ignore_eos=True)
+    want, _ = _generate(model_dir, 1, prompts, sampling)
+    got, _ = _generate(model_dir, 2, prompts, sampling)
+    assert got == want
+
+
 def test_preemption_and_prefix_caching(rng, tmp_path) -> None:
     """A pool too small for the batch preempts and recomputes; shared prefixes hit the cache. Both
     touch only rank 0's block manager: the workers' pools follow the same block ids."""
