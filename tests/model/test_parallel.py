@@ -4,6 +4,7 @@ families with grouped-query attention, including more ranks than KV heads (repli
 
 from __future__ import annotations
 
+import os
 import socket
 import traceback
 from pathlib import Path
@@ -39,11 +40,13 @@ def _rank_main(rank: int, size: int, port: int, model_dir: str, ids: list[int], 
             hidden = model(torch.tensor(ids, device=device), positions, DenseCausalAttention(lens, model.attn_scale))
             logits = model.compute_logits(hidden)
         torch.save(logits.cpu(), f"{out}.{rank}")
-        dist.barrier()  # nobody tears gloo down while a peer still talks to it
-        dist.destroy_process_group()
+        dist.barrier()  # every rank's logits are saved
     except BaseException:
         Path(f"{out}.{rank}.error").write_text(traceback.format_exc())
         raise
+    # Not destroy_process_group: gloo's teardown racing a peer's exit aborted a rank now and then
+    # ("terminate called without an active exception"); the results are on disk, so leave at once.
+    os._exit(0)
 
 
 def sharded_logits(model_dir: Path, size: int, ids: list[int], lens: list[int], tmp: Path,
