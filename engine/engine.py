@@ -90,11 +90,9 @@ class LLMEngine:
         self.runner = self._make_runner(self.kv_cache)
         if self.device.type == "cuda":
             self.runner.warm_up()
-            if config.enforce_eager:
-                pass
-            elif self._tp is not None:  # NCCL inside captured graphs is not done (or measured) yet
-                log.warning("cuda_graphs_off", reason="tensor parallelism runs decode steps eagerly")
-            else:
+            if not config.enforce_eager:
+                if self._tp is not None:
+                    self._tp.capture()  # every rank captures the same buckets, collectives inside
                 self.runner.capture_cuda_graphs()
         self._seed_source = random.Random(config.seed)
         self._async = (self.device.type == "cuda") if config.async_scheduling is None else config.async_scheduling
@@ -141,6 +139,7 @@ class LLMEngine:
         """Stops the tensor-parallel workers (nothing to do without them); the engine serves no
         more steps after this."""
         if self._tp is not None:
+            self.runner.drop_cuda_graphs()  # before the process group their collectives belong to
             self._tp.close()
 
     # ---- requests in and out -------------------------------------------------------------

@@ -19,6 +19,8 @@ max_num_seqs) into one memory pool, each reading its inputs from the same device
 offsets of its bucket size. A batch of B rows runs the smallest bucket >= B; padding rows have
 slot -1 (the cache write skips them) and length 0 (attention reads nothing). Other steps (prefill
 chunks, mixed batches, batches beyond the largest bucket) run eagerly.
+Under tensor parallelism every rank captures the same buckets, the collectives inside, and the
+workers replay theirs when rank 0 does (engine/tensor_parallel.py).
 
 Steady decode (the same requests as the last step, each one token further) costs the host little:
 the staging buffers still hold the last step's inputs, so only positions, slots, lengths and the
@@ -46,7 +48,7 @@ from engine.scheduler import BlockTables, ScheduledRequest, SchedulerOutput
 from model import LlamaForCausalLM
 
 if TYPE_CHECKING:
-    from engine.tensor_parallel import Leader
+    from engine.tensor_parallel import Leader, _Link
 
 log = structlog.get_logger(__name__)
 
@@ -252,11 +254,19 @@ class ModelRunner:
                    windows=[mc.layer_window(i) for i in range(mc.num_hidden_layers)], tp_leader=tp_leader)
 
     @torch.inference_mode()
-    def follow(self, numbers: list[int], link) -> None:
+    def follow(self, numbers: list[int], link: _Link) -> None:
         """A tensor-parallel worker's step: receives the inputs rank 0 broadcast (Leader.forward)
-        and runs its share of the forward pass and of the LM head (the logits are rank 0's)."""
+        and runs its share of the forward pass and of the LM head (the logits are rank 0's). A step
+        rank 0 replays from a graph replays this rank's graph of the same bucket, its inputs
+        received into the device buffers that graph reads."""
         facts = StepFacts(*numbers[:8])
-        b, w = numbers[8:10]
+        b, w, graph_batch = numbers[8:11]
+        if graph_batch:
+            assert self._dev_tables is not None and w == self._dev_tables.shape[1], "graph tables are whole-width"
+            link.recv_into(self._dev_ints[:facts.n_ints])
+            link.recv_into(self._dev_tables[:b])
+            self._graphs[graph_batch].graph.replay()
+            return
         ints = link.recv(facts.n_ints, torch.int32)
         tables = link.recv(b * w, torch.int32).view(b, w)
         layout = _Packed(n_tok=facts.n_tok, rows=facts.rows)
@@ -385,7 +395,7 @@ class ModelRunner:
         fp32 (None when no row samples). `eager` skips the CUDA graphs (tests compare the two)."""
         step = self._stage(out, self._block_tables.apply(out), None if eager else self._graph_batch(out))
         if self._tp is not None:
-            self._tp.forward(step.facts, step.ints, step.metadata.block_tables)
+            self._tp.forward(step.facts, step.ints, step.metadata.block_tables, step.graph_batch)
         rows = [i for i, s in enumerate(out.scheduled) if s.sample]
         if step.graph_batch is not None:
             g = self._graphs[step.graph_batch]
@@ -540,3 +550,9 @@ class ModelRunner:
         torch.cuda.synchronize()
         self._graphs = dict(sorted(self._graphs.items()))
         log.info("cuda_graphs_captured", batch_sizes=list(self._graphs))
+
+    def drop_cuda_graphs(self) -> None:
+        """Releases the captured graphs (decode steps run eagerly after this)."""
+        if self._graphs:
+            torch.cuda.synchronize(self.device)
+            self._graphs = {}

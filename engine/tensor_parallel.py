@@ -10,7 +10,14 @@ logits' gather, which every rank runs on every sequence's last token) keep the r
 Workers (`worker_main`) loop on that
 header. Besides FORWARD the header carries NEW_CACHE (build a KV pool of n blocks and a runner
 over it: KV sizing and the real pool), CALIBRATE (the int8 smoothing pass, whose forward is
-collective too) and STOP.
+collective too), CAPTURE and STOP.
+
+CUDA graphs: on CAPTURE every rank captures its decode graphs, bucket by bucket in the same order,
+with the layers' NCCL all-reduces and the logits' all-gather inside them (torch.distributed's NCCL
+collectives are capturable; they run when the graphs replay). A FORWARD header then names the
+bucket whose graph rank 0 replays (0: an eager step), and a worker receives the step's packed ints
+and block tables straight into the device buffers its own graph of that bucket reads, and replays
+it: the ranks' graphs meet in the same collectives in the same order.
 
 Process groups come from torch.distributed: gloo on the CPU, NCCL on CUDA (rank r on device
 index base + r), rendezvous through a TCPStore that rank 0 binds on a free loopback port. The
@@ -52,7 +59,7 @@ log = structlog.get_logger(__name__)
 
 BOOT = ("import sys; sys.path[:0] = sys.argv[4:]; "
         "from engine.tensor_parallel import worker_main; worker_main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))")
-OP_STOP, OP_FORWARD, OP_NEW_CACHE, OP_CALIBRATE = 0, 1, 2, 3
+OP_STOP, OP_FORWARD, OP_NEW_CACHE, OP_CALIBRATE, OP_CAPTURE = 0, 1, 2, 3, 4
 HEADER = 12  # int64 slots of the header: the op, then its numbers
 GROUP_TIMEOUT = datetime.timedelta(days=7)  # idle servers: a worker waits for the next step this long
 START_TIMEOUT_S = 600.0  # a worker that has not joined the group by then (loading aside) is lost
@@ -105,7 +112,10 @@ class _Link:
         dist.broadcast(tensor.contiguous(), src=0)
 
     def recv(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        out = torch.empty(numel, dtype=dtype, device=self.device)
+        return self.recv_into(torch.empty(numel, dtype=dtype, device=self.device))
+
+    def recv_into(self, out: torch.Tensor) -> torch.Tensor:
+        """Receives into `out` (contiguous: a view of a buffer a captured graph reads)."""
         dist.broadcast(out, src=0)
         return out
 
@@ -142,12 +152,17 @@ class Leader:
         self._conns.append(conn)
 
     # ---- what every rank does --------------------------------------------------------------
-    def forward(self, facts: StepFacts, ints: torch.Tensor, tables: torch.Tensor) -> None:
-        """Before rank 0's own forward pass: the workers start theirs on the same inputs."""
+    def forward(self, facts: StepFacts, ints: torch.Tensor, tables: torch.Tensor, graph_batch: int | None) -> None:
+        """Before rank 0's own forward pass: the workers start theirs on the same inputs, replaying
+        their graph of `graph_batch` (its rows of whole-width tables) or eagerly (None)."""
         b, w = tables.shape
-        self._link.send_header(OP_FORWARD, *facts.numbers(), b, w)
+        self._link.send_header(OP_FORWARD, *facts.numbers(), b, w, graph_batch or 0)
         self._link.send(ints)
         self._link.send(tables)
+
+    def capture(self) -> None:
+        """Before rank 0 captures its CUDA graphs: the workers capture theirs alongside."""
+        self._link.send_header(OP_CAPTURE)
 
     def new_cache(self, num_blocks: int) -> None:
         self._link.send_header(OP_NEW_CACHE, num_blocks)
@@ -189,10 +204,24 @@ class Leader:
                 p.wait()
         for conn in self._conns:
             conn.close()
+        destroy_group()
+
+
+def destroy_group(timeout_s: float = 10.0) -> None:
+    """Destroys the process group, waiting at most `timeout_s`: destroying one whose NCCL
+    collectives were captured in CUDA graphs has been seen to hang (pytorch/pytorch#115388), and
+    shutting down must not. A destroy still running then is left to the process's exit."""
+    def destroy() -> None:
         try:
             dist.destroy_process_group()
-        except Exception:
-            pass
+        except Exception as e:  # a group broken by a lost rank
+            log.info("process_group_destroy_failed", error=str(e))
+
+    thread = threading.Thread(target=destroy, name="destroy-process-group", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        log.warning("process_group_destroy_timed_out", timeout_s=timeout_s)
 
 
 # ---- the worker process ----------------------------------------------------------------------
@@ -257,6 +286,13 @@ def worker_main(parent_pid: int, rank: int, fd: int) -> None:
             elif op == OP_FORWARD:
                 assert runner is not None, "a forward pass before any KV pool"
                 runner.follow(numbers, link)
+            elif op == OP_CAPTURE:
+                assert runner is not None, "graphs before any KV pool"
+                runner.capture_cuda_graphs()
             else:
                 raise RuntimeError(f"unknown tensor-parallel op {op}")
-    dist.destroy_process_group()
+    runner = None  # its CUDA graphs go before the group they captured collectives of
+    destroy_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # not the interpreter's teardown: a destroy left running must not hold the exit

@@ -1,12 +1,15 @@
-"""Step inputs, CUDA-graph buckets and padding, and (on a GPU) graphs against the eager forward
-and the KV pool sized from free memory."""
+"""Step inputs, CUDA-graph buckets and padding, and (on a GPU) graphs against the eager forward,
+graphs under tensor parallelism (a worker's replay, NCCL collectives captured) and the KV pool
+sized from free memory."""
 
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
@@ -16,6 +19,8 @@ from engine.model_runner import ModelRunner, graph_buckets
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest, SchedulerOutput
+from engine.tensor_parallel import OP_FORWARD, Leader, destroy_group
+from model.parallel import TensorParallel
 from tests.helpers import make_hf_model_dir
 
 
@@ -141,6 +146,88 @@ def test_graphs_and_eager_generate_alike(rng, tmp_path):
         runs.append(engine.generate(prompts, sp))
     same = sum(a == b for ga, gb in zip(*runs) for a, b in zip(ga, gb))
     assert same / sum(len(g) for g in runs[1]) >= 0.9
+
+
+class _RecordingLink:
+    """Rank 0's broadcasts kept in order, then handed out to a follower as if it were a worker
+    (engine/tensor_parallel.py's _Link, without the process group)."""
+
+    def __init__(self) -> None:
+        self.headers: list[list[int]] = []
+        self.tensors: list[torch.Tensor] = []
+
+    def send_header(self, op: int, *numbers: int) -> None:
+        self.headers.append([op, *numbers])
+
+    def send(self, tensor: torch.Tensor) -> None:
+        self.tensors.append(tensor.clone())
+
+    def recv(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        t = self.tensors.pop(0)
+        assert t.numel() == numel and t.dtype == dtype
+        return t
+
+    def recv_into(self, out: torch.Tensor) -> torch.Tensor:
+        t = self.tensors.pop(0)
+        assert t.shape == out.shape and t.dtype == out.dtype
+        return out.copy_(t)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [5, 16])
+def test_a_worker_replays_the_graph_rank_0_replays(rng, tmp_path, batch):
+    """Tensor parallelism's step protocol with graphs: what rank 0 broadcasts before replaying its
+    graph (the header naming the bucket, the packed ints, the whole-width tables) lands in a
+    follower's own graph buffers, and the follower's graph of that bucket gives rank 0's logits.
+    The follower is a second runner over the same model and KV pool, on one GPU."""
+    engine, out = _decoding_engine(make_hf_model_dir(tmp_path, "llama", weight_scale=4.0), batch, rng,
+                                   kv_cache_dtype="int8")
+    follower = ModelRunner.for_model(engine.model, engine.kv_cache, engine.config, engine.device,
+                                     engine.max_model_len)
+    follower.capture_cuda_graphs()  # its dummy decodes write no slot (-1)
+    leader = Leader.__new__(Leader)  # only its link is used: a recording one
+    leader._link = link = _RecordingLink()  # type: ignore[assignment]
+    engine.runner._tp = leader
+    with torch.inference_mode():
+        rows, logits = engine.runner.forward_logits(out)
+        op, *numbers = link.headers[0]
+        assert op == OP_FORWARD and numbers[10] == {5: 8, 16: 16}[batch]
+        follower._graphs[numbers[10]].logits.fill_(float("nan"))
+        follower.follow(numbers, link)  # writes the same K/V to the same slots, reads the same pages
+        torch.cuda.synchronize()
+    assert rows == list(range(batch)) and not link.tensors
+    torch.testing.assert_close(follower._graphs[numbers[10]].logits[:batch], logits, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_graphs_capture_the_nccl_collectives(rng, tmp_path):
+    """Decode graphs with the layers' all-reduces and the logits' all-gather inside, through a
+    one-rank NCCL group on one GPU (as each rank captures them under tensor parallelism): the
+    replay gives the eager logits, which the gathered buffer, left unwritten by the capture, can
+    only hold if the captured collective runs; then the group is destroyed without hanging."""
+    engine, out = _decoding_engine(make_hf_model_dir(tmp_path, "qwen2", weight_scale=4.0), 6, rng,
+                                   kv_cache_dtype="int8", enforce_eager=True)
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1)
+    try:
+        tp = TensorParallel(0, 1)
+        for m in engine.model.modules():  # the one-rank share is the whole model: only the collectives differ
+            if hasattr(m, "tp"):
+                m.tp = tp
+        engine.runner.capture_cuda_graphs()
+        with torch.inference_mode():
+            torch.cuda.synchronize()
+            rows_g, graph_logits = engine.runner.forward_logits(out)
+            graph_logits = graph_logits.clone()
+            rows_e, eager_logits = engine.runner.forward_logits(out, eager=True)
+        assert rows_g == rows_e == list(range(6))
+        err = ((graph_logits - eager_logits).abs().max() / eager_logits.abs().max()).item()
+        assert err <= 2e-2, f"graph vs eager relative logit error {err:.3e}"
+        engine.runner.drop_cuda_graphs()
+    finally:
+        started = time.monotonic()
+        destroy_group(timeout_s=30.0)
+    assert not dist.is_initialized() and time.monotonic() - started < 30.0
 
 
 @pytest.mark.gpu
