@@ -82,3 +82,70 @@ def test_generation_config(tmp_path):
     assert read_generation_config(path)["eos_token_id"] == [2, 5]
     (path / "generation_config.json").unlink()
     assert read_generation_config(path) == {}
+
+
+class _CountingFile:
+    """A safe_open handle that counts the elements each read returns, by tensor name."""
+
+    def __init__(self, handle, reads: dict[str, int]) -> None:
+        self._f, self._reads = handle, reads
+
+    def __enter__(self):
+        self._f.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._f.__exit__(*exc)
+
+    def keys(self):
+        return self._f.keys()
+
+    def get_tensor(self, name):
+        t = self._f.get_tensor(name)
+        self._reads[name] = self._reads.get(name, 0) + t.numel()
+        return t
+
+    def get_slice(self, name):
+        part, reads = self._f.get_slice(name), self._reads
+
+        class _Slice:
+            def __getitem__(self, index):
+                t = part[index]
+                reads[name] = reads.get(name, 0) + t.numel()
+                return t
+
+        return _Slice()
+
+
+@pytest.mark.parametrize("size, overrides", [(2, {}), (4, {}), (2, {"num_key_value_heads": 1}),
+                                             (2, {"tie_word_embeddings": True})],
+                         ids=["tp2", "tp4-kv-replicated", "tp2-kv1", "tp2-tied"])
+def test_each_rank_reads_only_its_slices(tmp_path, monkeypatch, size, overrides):
+    """Under tensor parallelism a rank reads 1/N of every split tensor from the safetensors file
+    (a KV head shared by N/Hkv ranks: that head) and the norms whole, nothing more: counted from
+    what the reads return, against the checkpoint's own tensor sizes."""
+    import model.loader as loader
+    from model.parallel import TensorParallel
+
+    path = make_hf_model_dir(tmp_path, "llama", vocab_size=512, **overrides)  # N divides the vocabulary
+    checkpoint = load_file(path / "model.safetensors")
+    cfg = json.loads((path / "config.json").read_text())
+    kv_share = 1 / min(size, cfg["num_key_value_heads"])  # its 1/N of the KV heads, or the one head it shares
+
+    def expected_share(name: str) -> float:
+        if "norm" in name:
+            return 1.0
+        if "k_proj" in name or "v_proj" in name:
+            return kv_share
+        return 1 / size  # q/o by heads, gate/up/down by width, embedding and LM head by vocabulary
+
+    opened = loader.safe_open
+    for rank in range(size):
+        reads: dict[str, int] = {}
+        monkeypatch.setattr(loader, "safe_open", lambda *a, reads=reads, **kw: _CountingFile(opened(*a, **kw), reads))
+        load_model(path, tp=TensorParallel(rank, size))
+        read_names = set(reads)
+        want_names = set(checkpoint) - ({"lm_head.weight"} if cfg.get("tie_word_embeddings") else set())
+        assert read_names == want_names, f"rank {rank}: read {read_names ^ want_names} unexpectedly"
+        for name, n in reads.items():
+            assert n == checkpoint[name].numel() * expected_share(name), (rank, name, n, checkpoint[name].shape)
