@@ -5,6 +5,7 @@ same random-initialized model and the same requests, in one run.
     python benchmarks/throughput.py            # GPU: Llama-3.2-1B-shaped, 256 requests x 256 tokens
     python benchmarks/throughput.py --tiny     # CPU-sized smoke run of the same code path
     python benchmarks/throughput.py --tiny --skip-hf --repeats 1    # our engine only: no transformers needed
+    python benchmarks/throughput.py --skip-hf --kv int8 --shape 4b --tensor-parallel-size 2   # over GPUs 0 and 1
 
 Each engine runs the workload --repeats times after a short warm-up; the median run is reported,
 with the spread of all runs. With a small --kv-gib the pool, not the batch cap,
@@ -45,6 +46,10 @@ from training.export import export_hf  # noqa: E402
 
 LLAMA_1B = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
                 intermediate_size=8192, vocab_size=32000, tie_word_embeddings=True)
+# Qwen3-4B's dimensions in a Llama (no q/k norms: a step's work is the same to within them).
+LLAMA_4B = dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                intermediate_size=9728, vocab_size=151936, tie_word_embeddings=True)
+SHAPES = {"llama-1b": LLAMA_1B, "4b": LLAMA_4B}
 TINY = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
             intermediate_size=768, vocab_size=4096, tie_word_embeddings=True)
 # Next to nothing to compute: on the CPU, a step's time is then the engine's host (Python) work.
@@ -195,7 +200,7 @@ def roofline_tok_per_s(params: int, shape: dict, prompts, args, kv: str, copy_bw
     """Tokens/s if every decode step only moved the weights once and each sequence's K/V once, at
     the measured copy bandwidth (average context: prompt + half the generated tokens)."""
     weight_bytes = params * (2 if args.device == "cuda" else 4)
-    head_dim = shape["hidden_size"] // shape["num_attention_heads"]
+    head_dim = shape.get("head_dim", shape["hidden_size"] // shape["num_attention_heads"])
     per_token = KVCache.bytes_per_block(num_layers=shape["num_hidden_layers"], block_size=1,
                                         num_kv_heads=shape["num_key_value_heads"], head_dim=head_dim, kv_cache_dtype=kv)
     batch = min(args.max_num_seqs, len(prompts))
@@ -209,6 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny", action="store_true",
                     help="CPU-sized model (hidden 256, 4 layers, vocab 4096) and workload")
     ap.add_argument("--device", default=None, help=DEVICE_HELP)
+    ap.add_argument("--shape", default="llama-1b", choices=sorted(SHAPES),
+                    help="model shape: Llama-3.2-1B's (vocabulary 32,000), or Qwen3-4B's dimensions in a Llama; "
+                         "--tiny overrides it")
     sized = SizedFlags(ap)
     sized.add("--requests", 256, 16, "requests in the workload")
     sized.add("--min-prompt", 100, 16, "shortest prompt, in tokens")
@@ -231,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     sized.fill(args, args.tiny)
     args.device = args.device or default_device()
-    shape = TINY if args.tiny else LLAMA_1B
+    shape = TINY if args.tiny else SHAPES[args.shape]
     rng = random.Random(0)
     prompts = [[rng.randrange(3, shape["vocab_size"]) for _ in range(rng.randint(args.min_prompt, args.max_prompt))]
                for _ in range(args.requests)]

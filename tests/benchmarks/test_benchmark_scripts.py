@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import ast
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -155,3 +156,17 @@ def test_tiny_throughput_without_transformers(no_transformers_env: dict[str, str
     table = [line for line in run.stdout.splitlines() if line.startswith("| pie, ")]
     assert [line.split(" | ")[0] for line in table] == ["| pie, int8 KV cache", "| pie, bf16 KV cache"], run.stdout
     assert "transformers generate_batch" not in run.stdout
+
+
+def test_tensor_parallel_collectives_over_gloo(no_transformers_env: dict[str, str], tmp_path: Path) -> None:
+    """tp_collectives.py, which a two-GPU machine runs with NCCL, on two CPU ranks over gloo: each
+    rank's check of an all-reduce and a gather passes, and a row per shape and row count comes out."""
+    out = tmp_path / "collectives.json"
+    run = _run(["benchmarks/tp_collectives.py", "--device", "cpu", "--size", "2", "--rows", "1,3", "--iters", "1",
+                "--repeats", "1", "--out", str(out)], no_transformers_env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    assert [(r["shape"], r["rows"], r["all_reduces"]) for r in results] == [
+        ("Llama-3.2-1B", 1, 33), ("Llama-3.2-1B", 3, 33), ("Qwen3-4B", 1, 73), ("Qwen3-4B", 3, 73)]
+    assert all(r["step_ms"] > 0 and r["bus_gb_s"] > 0 for r in results)
+    assert sum(line.startswith("| Qwen3-4B | ") for line in run.stdout.splitlines()) == 2
