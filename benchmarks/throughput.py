@@ -82,10 +82,16 @@ def build_model(folder: Path, shape: dict, dtype: torch.dtype, *,
     cfg = ModelConfig.from_hf(dict(model_type="llama", architectures=["LlamaForCausalLM"], **shape,
                                    max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=10000.0,
                                    bos_token_id=1, eos_token_id=2, pad_token_id=0))
-    model = LlamaForCausalLM(cfg)
+    on_gpu = torch.cuda.is_available()  # initializing the 4B shape's weights takes minutes on a CPU
+    with torch.device("cuda" if on_gpu else "cpu"):
+        model = LlamaForCausalLM(cfg)
     model.init_weights()
     export_hf(model, cfg, DEFAULT_MODEL, folder, dtype=dtype)
-    return sum(p.numel() for p in model.parameters())
+    params = sum(p.numel() for p in model.parameters())
+    del model
+    if on_gpu:
+        torch.cuda.empty_cache()  # the engine sizes its KV pool from the memory left free
+    return params
 
 
 def copy_bandwidth(device: str) -> float:
