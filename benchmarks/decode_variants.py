@@ -50,7 +50,7 @@ VARIANTS = {
     "imma-w4-r96": C(64, 4, 2, maxnreg=96, k_mode="imma", v_mode="bias", tight_m=True, k_t=False, per_sm=5),
     "imma-w4-r72": C(64, 4, 2, maxnreg=72, k_mode="imma", v_mode="bias", tight_m=True, k_t=False, per_sm=7),
 }
-BF16 = {"bf16": None, "bf16-s512": None, "bf16-m": C(64, 4, 2, tight_m=True, k_t=False)}
+BF16 = {"bf16": None, "bf16-s512": None}
 
 
 def split_kw(name: str) -> dict:

@@ -15,7 +15,8 @@
 #             overrides its cases
 #   extend    benchmarks/extend_check.py (extend and cache-write kernels vs SDPA)
 # Add a suite as one more function and case arm below (engine, serving, tp, ...): one script,
-# not one per issue. Each suite runs under `timeout` (SUITE_TIMEOUT seconds, default 300).
+# not one per issue. Each suite runs under `timeout`: TIMEOUT_<suite> seconds, else SUITE_TIMEOUT,
+# else 300.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ -d .whl ]; then
@@ -25,27 +26,28 @@ else  # the kernel suites need no wheels when the machine has the service's pack
   export PYTHONPATH=$PWD:$PWD/clients HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1
 fi
 T=${SUITE_TIMEOUT:-300}
+t() { local v="TIMEOUT_$1"; echo "${!v:-$T}"; }
 
 suite_tests() {
   # the GPU-marked kernel tests, then the unmarked ones that exercise the int8 modes, split_tokens
   # and chunk invariance (on a GPU they run with bf16 queries and the PTX conversions)
-  timeout "$T" python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels 2>&1 | tail -15 | tee "$OUT/tests.log"
-  timeout "$T" python3 -m pytest -q -p no:cacheprovider tests/kernels -k "int8_modes or split_tokens or chunks_give" 2>&1 \
+  timeout "$(t tests)" python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels 2>&1 | tail -15 | tee "$OUT/tests.log"
+  timeout "$(t tests)" python3 -m pytest -q -p no:cacheprovider tests/kernels -k "int8_modes or split_tokens or chunks_give" 2>&1 \
     | tail -15 | tee -a "$OUT/tests.log"
 }
 suite_kernels() {
   # shellcheck disable=SC2086
-  timeout "$T" python3 benchmarks/attention.py --graphs --out "$OUT/kernels.json" ${KERNELS_ARGS:-} 2>&1 | tee "$OUT/kernels.md"
+  timeout "$(t kernels)" python3 benchmarks/attention.py --graphs --out "$OUT/kernels.json" ${KERNELS_ARGS:-} 2>&1 | tee "$OUT/kernels.md"
 }
 suite_variants() {
   # shellcheck disable=SC2086
-  timeout "$T" python3 benchmarks/decode_variants.py --out "$OUT" ${VARIANTS_ARGS:-} 2>&1 | grep -v "^check" | tail -120
+  timeout "$(t variants)" python3 benchmarks/decode_variants.py --out "$OUT" ${VARIANTS_ARGS:-} 2>&1 | grep -v "^check" | tail -120
   grep -c "FAIL" "$OUT/variants.md" | sed 's/^/variants failing their check: /'
 }
 suite_ncu() {
-  timeout "$T" python3 benchmarks/ncu_decode.py --profile --out "$OUT" ${NCU_CASES:+--cases "$NCU_CASES"} 2>&1 | tee "$OUT/ncu.log"
+  timeout "$(t ncu)" python3 benchmarks/ncu_decode.py --profile --out "$OUT" ${NCU_CASES:+--cases "$NCU_CASES"} 2>&1 | tee "$OUT/ncu.log"
 }
-suite_extend() { timeout "$T" python3 benchmarks/extend_check.py --out "$OUT" 2>&1 | tee "$OUT/extend.log" | tail -30; }
+suite_extend() { timeout "$(t extend)" python3 benchmarks/extend_check.py --out "$OUT" 2>&1 | tee "$OUT/extend.log" | tail -30; }
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv,noheader
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
