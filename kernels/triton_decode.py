@@ -10,14 +10,22 @@ Stage 1, one program per (sequence, kv head, split):
     keys of sequence b:  |<- split 0 ->|<- split 1 ->| ... |<- split S-1 ->|     (whole tiles)
     tile of BLOCK_N keys: page = block_tables[b, n // PAGE], row = page*PAGE + n % PAGE
 
-The G = Hq/Hkv query heads of the kv head are the M rows of `tl.dot` (padded to BLOCK_M >= 16), so
-each K/V tile is read once per kv head. Only the sequence's last tile is partial, so every other
-tile runs without masks. With one split the program writes `out` directly; otherwise it writes the
-normalized partial output and its base-2 log-sum-exp to an fp32 workspace, and stage 2 (one program
-per (sequence, query head)) merges the splits, weighting each by 2^(lse - max lse); an empty split
-has lse = -inf and weight 0. With a sliding window W the keys start at seq_len - W (every tile
-masked then). The tile update is triton_tile's, shared with the extend kernel; K is
-loaded transposed, (D, BLOCK_N), and V goes int8 -> fp16 in inline PTX on the GPU (V_ASM).
+The G = Hq/Hkv query heads of the kv head are the M rows of `tl.dot` (the group padded to a power
+of two; Triton pads the MMA's 16 rows without registers for them), so each K/V tile is read once per
+kv head. Only the sequence's last tile is partial, so every other tile runs without masks. With one
+split the program writes `out` directly; otherwise it writes the normalized partial output and its
+base-2 log-sum-exp to an fp32 workspace, and stage 2 (one program per (sequence, query head)) merges
+the splits in a fixed 64-row reduction, weighting each by 2^(lse - max lse); an empty split has
+lse = -inf and weight 0. Splits share a sequence's tiles evenly (a count set by the batch), or with
+`split_tokens` sit at fixed key positions (the same bits in any batch). With a sliding window W the
+keys start at seq_len - W (every tile masked then). The caches must be contiguous (their strides are
+compile-time constants).
+
+int8 pages (`DecodeConfig.k_mode` / `v_mode`, triton_tile's int8_scores / int8_pv): QK^T on int8
+tensor cores with q quantized per head in two int8 terms (K never converted), or K read as the fp16
+number 1152 + K with 1152 * rowsum(q) taken off; V read as 1152 + V by 3 integer instructions per 4
+values (inline PTX on the GPU) with 1152 * rowsum(P) taken off; the scales applied to the scores
+and to P, never to the tiles.
 """
 
 from __future__ import annotations
