@@ -11,7 +11,9 @@ BLOCK_Q tokens x G heads) and walk the keys in tiles of BLOCK_N:
     acc = acc 2^(m - m') + p V      int8 pages: p * v_scale[n] feeds the dot, l sums the unscaled p
 
 Head dims that are not a power of two run padded to D_PAD (the padding lanes load 0: they add
-nothing to any dot). Scales are fp16, one per (token, kv head).
+nothing to any dot). Scales are fp16, one per (token, kv head). int8_scores / int8_pv hold the
+cheaper int8 paths both kernels use on the GPU (K on int8 tensor cores or read as 1152 + K, V
+read as 1152 + V, the offsets taken off per row); tile_scores / accumulate_pv the plain casts.
 """
 
 from __future__ import annotations
