@@ -23,7 +23,6 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-os.environ.pop("TRITON_INTERPRET", None)
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -109,11 +108,13 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.decode_variants import VARIANTS
 
     ap = make_parser(__doc__)
-    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--head-dim", type=int, default=128, help="head dim of the compiled launch")
     ap.add_argument("--group", type=int, default=4, help="query heads per kv head")
-    ap.add_argument("--kv", choices=("int8", "bf16"), default="int8")
+    ap.add_argument("--kv", choices=("int8", "bf16"), default="int8", help="page dtype")
     ap.add_argument("--variants", default="default,old", help="names from benchmarks/decode_variants.py")
     args = ap.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        ap.exit(2, "kernel_asm.py compiles for the GPU: unset TRITON_INTERPRET\n")
     driver.set_active(_Sm90())
     print(f"triton {triton.__version__}, sm_90, head dim {args.head_dim}, group {args.group}, {args.kv} pages")
     for name in args.variants.split(","):
