@@ -51,6 +51,10 @@ SHAPES = {
     "qwen3-4b": ("qwen3", dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=32,
                                num_key_value_heads=8, head_dim=128, intermediate_size=9728,
                                vocab_size=151936, tie_word_embeddings=True)),
+    # Llama-3.1-8B: head dim 128, GQA 4:1, untied embeddings, 128k vocabulary.
+    "llama-8b": ("llama", dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                               num_key_value_heads=8, intermediate_size=14336, vocab_size=128256,
+                               tie_word_embeddings=False)),
     "llama-1b": ("llama", dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
                                num_key_value_heads=8, intermediate_size=8192, vocab_size=32000,
                                tie_word_embeddings=True)),
@@ -59,14 +63,15 @@ SHAPES = {
 }
 
 
-def build_model(folder: Path, arch: str, shape: dict, dtype: torch.dtype) -> int:
-    """A random-initialized model saved by transformers, with the bundled tokenizer."""
+def build_model(folder: Path, arch: str, shape: dict, dtype: torch.dtype, max_len: int = 4096) -> int:
+    """A random-initialized model saved by transformers, with the bundled tokenizer; returns its
+    parameter count. `max_len`: its context length."""
     import shutil
 
     import transformers
 
     cls = {"qwen3": transformers.Qwen3Config, "llama": transformers.LlamaConfig}[arch]
-    cfg = cls(**shape, max_position_embeddings=4096, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
+    cfg = cls(**shape, max_position_embeddings=max_len, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
               pad_token_id=0)
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # initializing 4B weights on a CPU takes minutes
@@ -78,14 +83,16 @@ def build_model(folder: Path, arch: str, shape: dict, dtype: torch.dtype) -> int
 
 
 def workload(n: int, vocab: int, prompt_median: int, prompt_max: int, prefix_len: int,
-             out_range: tuple[int, int], seed: int = 0) -> tuple[list[list[int]], list[int]]:
+             out_range: tuple[int, int], seed: int = 0, prefix_every: int = 4) -> tuple[list[list[int]], list[int]]:
+    """Prompts of log-normal length (sigma 0.8) clipped to [16, prompt_max], every
+    `prefix_every`-th one after a shared prefix; output lengths uniform in out_range."""
     rng = random.Random(seed)
     prefix = [rng.randrange(3, vocab) for _ in range(prefix_len)]
     prompts, outs = [], []
     for i in range(n):
         length = min(prompt_max, max(16, round(rng.lognormvariate(math.log(prompt_median), 0.8))))
         body = [rng.randrange(3, vocab) for _ in range(length)]
-        prompts.append(prefix + body if i % 4 == 0 else body)
+        prompts.append(prefix + body if i % prefix_every == 0 else body)
         outs.append(rng.randint(*out_range))
     return prompts, outs
 
@@ -282,6 +289,35 @@ def serve(folder: Path, prompts, outs, args) -> list[dict]:
     return rows
 
 
+def report(results: dict, prompts: list[list[int]], params: int, weight_bytes: int, copy_bw: float, tflops: float,
+           max_num_seqs: int, label: str = "") -> dict:
+    """Prints the table (tokens/s with its spread, the wall and ideal times of the median run, the
+    share of the ideal reached) and where each dtype's time went; returns the figures by dtype."""
+    print(f"| KV cache{label} | tokens/s (median) | spread | wall s | ideal s | achieved / ideal |")
+    print("|---|---|---|---|---|---|")
+    summary = {}
+    for kv, r in results.items():
+        mc = r["mc"]
+        rates = sorted(x["tok_per_s"] for x in r["runs"])
+        med = statistics.median(rates)
+        run = min(r["runs"], key=lambda x: abs(x["tok_per_s"] - med))
+        computed = sum(map(len, prompts)) - run["cached_prompt_tokens"]
+        attn = sum(4 * len(p) ** 2 / 2 * mc.num_attention_heads * mc.head_dim * mc.num_hidden_layers for p in prompts)
+        ideal = ideal_seconds(run["steps"], params, mc.num_hidden_layers, mc.q_size, r["kv_per_token"], computed,
+                              attn, copy_bw, tflops, weight_bytes)
+        print(f"| {kv} | {med:,.0f} | {rates[0]:,.0f}-{rates[-1]:,.0f} | {run['wall_s']:.2f} | {ideal:.2f} | "
+              f"{100 * ideal / run['wall_s']:.0f}% |")
+        summary[kv] = dict(tok_per_s_median=med, tok_per_s_all=rates, wall_s=run["wall_s"], ideal_s=ideal,
+                           breakdown=breakdown(run["steps"], run["wall_s"], max_num_seqs // 2),
+                           kv_blocks=r["kv_blocks"])
+    for kv, s in summary.items():
+        print(f"{kv}: {s['breakdown']}")
+    if "int8" in summary and "bf16" in summary:
+        print(f"int8 / bf16 tokens/s (medians): "
+              f"{summary['int8']['tok_per_s_median'] / summary['bf16']['tok_per_s_median']:.2f}x")
+    return summary
+
+
 def breakdown(steps: list[dict], wall: float, full_rows: int) -> str:
     prefill = [s for s in steps if s["prompt_tokens"] > 0]
     full = [s for s in steps if s["prompt_tokens"] == 0 and s["rows"] >= full_rows]
@@ -338,27 +374,7 @@ def main(argv: list[str] | None = None) -> int:
         hf = run_hf(Path(tmp), prompts[:args.hf], args.device) if args.hf else None
         served = serve(Path(tmp), prompts, outs, args) if args.serve else []
     weight_bytes = params * (2 if args.device == "cuda" else 4)
-    print("| KV cache | tokens/s (median) | spread | wall s | ideal s | achieved / ideal |")
-    print("|---|---|---|---|---|---|")
-    summary = {}
-    for kv, r in results.items():
-        mc = r["mc"]
-        rates = sorted(x["tok_per_s"] for x in r["runs"])
-        med = statistics.median(rates)
-        run = min(r["runs"], key=lambda x: abs(x["tok_per_s"] - med))
-        computed = sum(map(len, prompts)) - run["cached_prompt_tokens"]
-        attn = sum(4 * len(p) ** 2 / 2 * mc.num_attention_heads * mc.head_dim * mc.num_hidden_layers for p in prompts)
-        ideal = ideal_seconds(run["steps"], params, mc.num_hidden_layers, mc.q_size, r["kv_per_token"], computed,
-                              attn, copy_bw, args.tflops, weight_bytes)
-        print(f"| {kv} | {med:,.0f} | {rates[0]:,.0f}-{rates[-1]:,.0f} | {run['wall_s']:.2f} | {ideal:.2f} | "
-              f"{100 * ideal / run['wall_s']:.0f}% |")
-        summary[kv] = dict(tok_per_s_median=med, tok_per_s_all=rates, wall_s=run["wall_s"], ideal_s=ideal,
-                           breakdown=breakdown(run["steps"], run["wall_s"], args.max_num_seqs // 2),
-                           kv_blocks=r["kv_blocks"])
-    for kv, s in summary.items():
-        print(f"{kv}: {s['breakdown']}")
-    if "int8" in summary and "bf16" in summary:
-        print(f"int8 / bf16 tokens/s (medians): {summary['int8']['tok_per_s_median'] / summary['bf16']['tok_per_s_median']:.2f}x")
+    summary = report(results, prompts, params, weight_bytes, copy_bw, args.tflops, args.max_num_seqs)
     first = results[kvs[0]]
     extras: dict = {}
     if "single" in first:

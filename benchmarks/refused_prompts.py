@@ -38,7 +38,8 @@ def cpu_s(pid: int) -> float:
 def main(argv: list[str] | None = None) -> None:
     p = make_parser(__doc__)
     p.add_argument("--address", default="127.0.0.1:50051", help="the server to load")
-    p.add_argument("--pid", type=int, required=True, help="the server process's id (its RSS and CPU are read)")
+    p.add_argument("--pid", type=int, required=True,
+                   help="the server process's id, whose RSS and CPU time are read (default: none, it must be given)")
     p.add_argument("--bursts", type=int, default=4, help="bursts sent one after another")
     p.add_argument("--concurrency", type=int, default=16, help="prompts sent at once in each burst")
     p.add_argument("--chars", type=int, default=999_999, help="characters of each prompt")

@@ -11,7 +11,14 @@ Per step the runner fills `AttentionMetadata` for the packed batch. For sequence
     |<------ already computed (num_computed_tokens) ------>|<--- query_len_i (new) --->|
 
 The new tokens' K/V are written to their slots first, then their queries attend to all
-`seq_lens[i]` cached tokens causally.
+`seq_lens[i]` cached tokens causally, reading every key and value as stored.
+
+One answer per seed: what attention reads must not depend on whether a token's K/V were computed
+in this step or come back from the cache (a cached prefix, an earlier chunk, a recompute after
+preemption), or a seeded request changes its tokens when its prefix happens to be cached. So a
+prefill attends to its own new tokens' K/V as the cache stores them (an int8 cache: rounded), and
+it may take them from the step's tensors instead of the pages only where the cache holds them
+exactly (same dtype as the model's activations, or fp32): the same values, read faster.
 """
 
 from __future__ import annotations
@@ -91,10 +98,10 @@ class PagedAttention:
     "triton" on CPU tensors works only under Triton's interpreter (TRITON_INTERPRET=1, tests).
     Triton is imported only when chosen, so the CPU path never needs it.
 
-    Prefill work attends to the new tokens' K/V as computed (the cache's copy is for later steps:
-    an int8 cache's rounding then touches only earlier steps' tokens); decodes (a pure decode step,
-    or the running decodes a mixed step begins with) read everything from the cache through the
-    decode kernel. `windows[i]`: layer i's sliding window (None: all keys).
+    Prefill work attends to every key as stored (the module docstring: one answer per seed),
+    taking the new tokens' K/V from the step's tensors where the cache stores them exactly; decodes
+    (a pure decode step, or the running decodes a mixed step begins with) read everything from the
+    cache through the decode kernel. `windows[i]`: layer i's sliding window (None: all keys).
     """
 
     def __init__(self, kv_cache: KVCache, softmax_scale: float, impl: str = "auto",
@@ -135,17 +142,23 @@ class PagedAttention:
         cache = (k_cache, v_cache, k_scale, v_scale)
         if md.max_query_len == 1:  # one query per sequence: everything from the cache
             return self._attend_decode(q, cache, md.block_tables, md.seq_lens, md.max_seq_len, window)
+        k_new, v_new = (k, v) if self.holds_exactly(k.dtype) else (None, None)  # else the pages' copies
         nd = md.num_decodes
         if md.prefill_query_start_loc is None:
-            return self._attend_prefill(q, k, v, cache, md.block_tables, md.seq_lens, md.query_start_loc,
+            return self._attend_prefill(q, k_new, v_new, cache, md.block_tables, md.seq_lens, md.query_start_loc,
                                         md.max_query_len, window)
         # A mixed step: its running decodes (first) as in a decode step, the rest as a prefill.
         out = torch.empty_like(q)
         self._attend_decode(q[:nd], cache, md.block_tables[:nd], md.seq_lens[:nd], md.decode_max_seq_len,
                             window, out=out[:nd])
-        self._attend_prefill(q[nd:], k[nd:], v[nd:], cache, md.block_tables[nd:], md.seq_lens[nd:],
-                             md.prefill_query_start_loc, md.max_query_len, window, out=out[nd:])
+        self._attend_prefill(q[nd:], None if k_new is None else k_new[nd:], None if v_new is None else v_new[nd:], cache,
+                             md.block_tables[nd:], md.seq_lens[nd:], md.prefill_query_start_loc, md.max_query_len,
+                             window, out=out[nd:])
         return out
+
+    def holds_exactly(self, dtype: torch.dtype) -> bool:
+        """The cache stores K/V computed in `dtype` without changing them: the pages' dtype, or fp32."""
+        return self.kv_cache.k.dtype in (dtype, torch.float32)
 
     def _attend_decode(self, q: torch.Tensor, cache: _Cache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                        max_seq_len: int, window: int | None, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -157,10 +170,11 @@ class PagedAttention:
         return self._decode(q, *cache, block_tables, seq_lens, self.softmax_scale, max_seq_len=max_seq_len,
                             window=window, out=out)
 
-    def _attend_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: _Cache,
+    def _attend_prefill(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, cache: _Cache,
                         block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                         max_query_len: int, window: int | None, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Packed queries; the new tokens' K/V as computed, earlier ones from the cache."""
+        """Packed queries; earlier tokens' K/V from the cache, the new ones' from `k`, `v` (exactly
+        what the cache holds) or, when None, from the cache too."""
         if self.impl == "torch":
             res = reference.paged_attention(q, *cache, block_tables, seq_lens, query_start_loc, self.softmax_scale,
                                             max_query_len=max_query_len, k_new=k, v_new=v, window=window)

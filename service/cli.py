@@ -55,6 +55,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=KV_CACHE_DTYPES,
                    help="KV pages: int8 (one fp16 scale per token and head; ~2x the tokens of bf16) or exact")
     p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching,
+                   help="reuse the KV blocks of prompt prefixes already computed (a seeded request gives the same "
+                        "tokens either way; --no-enable-prefix-caching computes every prompt in full)")
     p.add_argument("--kv-cache-memory", type=float, default=None,
                    help="KV pool budget in GiB (default: from --gpu-memory-fraction on CUDA, 1 GiB on the CPU)")
     p.add_argument("--gpu-memory-fraction", type=float, default=d.gpu_memory_fraction,
@@ -242,7 +245,7 @@ def main(argv: list[str] | None = None, *, engine_setup: Callable[[LLMEngine], N
                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                 max_waiting=args.max_waiting, seed=args.seed,
                 attention_backend=args.attention_backend, cpu_threads=args.cpu_threads,
-                tensor_parallel_size=args.tensor_parallel_size)
+                tensor_parallel_size=args.tensor_parallel_size, enable_prefix_caching=args.enable_prefix_caching)
             server_config = dataclasses.replace(_server_config(args), engine_setup=engine_setup)
         except (ValueError, OSError) as e:
             parser.error(str(e))

@@ -6,7 +6,10 @@ Two figures per (model, cache dtype), both against transformers in fp32 on the s
   continuation's length, averaged over prompts (compounds: one near-tie flip ends the prefix);
 - teacher-forced top-1: at every position of the engine's own continuation, whether its token is
   transformers' argmax given the same context (does not compound);
-- first token: whether the first generated token is transformers' (the prefill alone decides it).
+- first token: whether the first generated token is transformers' (the prefill alone decides it);
+- KL to fp32: at every position of the engine's own continuation, KL(transformers' fp32
+  distribution || the engine's), in nats, averaged (how far the cache moves the distribution,
+  whether or not the argmax flips).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ class Fidelity:
     agreement: float  # mean common-prefix fraction with transformers' greedy continuation
     teacher_forced: float  # fraction of positions where the engine's token is transformers' argmax
     first_token: float  # fraction of prompts whose first generated token is transformers'
+    kl: float = 0.0  # mean KL(transformers fp32 || engine) over the positions of the engine's continuation
 
 
 def reference_greedy(hf, prompt: list[int], n: int) -> list[int]:
@@ -44,13 +48,33 @@ def reference_greedy(hf, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-def teacher_forced(hf, prompt: list[int], continuation: list[int]) -> list[bool]:
-    """For each token of `continuation`: is it transformers' argmax after what precedes it?"""
+def reference_logits(hf, prompt: list[int], continuation: list[int]) -> torch.Tensor:
+    """transformers' fp32 logits for each token of `continuation` given what precedes it: (n, V)."""
     ids = torch.tensor([prompt + continuation])
     with torch.inference_mode():
-        logits = hf(ids).logits[0]
-    best = logits[len(prompt) - 1:-1].argmax(-1).tolist()
+        return hf(ids).logits[0, len(prompt) - 1:-1].float()
+
+
+def teacher_forced(hf, prompt: list[int], continuation: list[int]) -> list[bool]:
+    """For each token of `continuation`: is it transformers' argmax after what precedes it?"""
+    best = reference_logits(hf, prompt, continuation).argmax(-1).tolist()
     return [b == t for b, t in zip(best, continuation)]
+
+
+def _recording_logits(engine: LLMEngine) -> dict[tuple[str, int], torch.Tensor]:
+    """From now on, the logits each (request, output index) is sampled from, as the engine ran them."""
+    seen: dict[tuple[str, int], torch.Tensor] = {}
+    forward = engine.runner.forward_logits
+
+    def recording(out, **kwargs):
+        rows, logits = forward(out, **kwargs)
+        for row, i in enumerate(rows):
+            r = out.scheduled[i].request
+            seen[(r.parent_id, r.num_output_tokens)] = logits[row].float().cpu()
+        return rows, logits
+
+    engine.runner.forward_logits = recording
+    return seen
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -71,11 +95,25 @@ def measure(model_dir: Path, kv_dtypes: tuple[str, ...], *, prompts: int, tokens
     for kv in kv_dtypes:
         engine = LLMEngine(EngineConfig(model=str(model_dir), device=device, dtype="fp32", kv_cache_dtype=kv,
                                         num_kv_blocks=256, max_num_seqs=32, **engine_kwargs))
-        got = engine.generate(ps, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
+        logits = _recording_logits(engine)
+        ids = [f"fid-{i}" for i in range(len(ps))]
+        for rid, p in zip(ids, ps):
+            engine.add_request(rid, p, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
+        got_by_id: dict[str, list[int]] = {rid: [] for rid in ids}
+        while engine.has_unfinished():
+            for o in engine.step():
+                got_by_id[o.request_id].extend(o.new_token_ids)
+        got = [got_by_id[rid] for rid in ids]
         agree = sum(common_prefix(g, w) / tokens for g, w in zip(got, want)) / len(ps)
-        forced = [ok for p, g in zip(ps, got) for ok in teacher_forced(hf, p, g)]
+        forced, kls = [], []
+        for rid, p, g in zip(ids, ps, got):
+            ref = reference_logits(hf, p, g)  # (n, V)
+            forced += (ref.argmax(-1) == torch.tensor(g)).tolist()
+            mine = torch.stack([logits[(rid, j)] for j in range(len(g))])
+            kls.append(torch.nn.functional.kl_div(mine.log_softmax(-1), ref.log_softmax(-1), log_target=True,
+                                                  reduction="none").sum(-1).mean().item())
         first = sum(g[0] == w[0] for g, w in zip(got, want)) / len(ps)
-        out[kv] = Fidelity(agree, sum(forced) / len(forced), first)
+        out[kv] = Fidelity(agree, sum(forced) / len(forced), first, sum(kls) / len(kls))
     return out
 
 

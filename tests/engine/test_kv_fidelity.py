@@ -1,8 +1,9 @@
 """INT8 pages against transformers on models whose K has massive channels (as real checkpoints
 do), for the four families at head dim 64: K/V smoothing (model/smoothing.py) must hold the int8
-cache's fidelity where per-(token, head) scales alone lose it, and the prompt's own K/V (read as
-computed in prefill) must give the first token exactly. Figures are measured on fresh random
-models each run; the seed is printed."""
+cache's fidelity where per-(token, head) scales alone lose it, the first token included (the
+prefill reads its own K/V as stored, rounded, like every later step: one answer per seed), and the
+KL to fp32 must stay small. Figures are measured on fresh random models each run; the seed is
+printed."""
 
 from __future__ import annotations
 
@@ -40,11 +41,14 @@ def test_smoothing_survives_massive_k_channels(massive_models):
     assert mean(smoothed, "bf16", "teacher_forced") >= 0.99
 
 
-def test_first_token_from_an_exact_prefill(massive_models):
-    """The first token depends only on the prompt's prefill, which attends to its own K/V as
-    computed: int8 pages give transformers' first token as bf16 pages do (a rounding-level near
-    tie between fp32 implementations may flip one of the 64 prompts)."""
+def test_first_token_and_kl_to_fp32(massive_models):
+    """The first token depends only on the prompt's prefill, which reads its own K/V as stored:
+    smoothed int8 pages give transformers' first token nearly as bf16 pages do, unsmoothed ones
+    lose more to the massive channels. Measured (fresh models per run, 4 families x 16 prompts):
+    first token 0.94-1.0 smoothed (bf16 1.0), 0.91-0.94 raw; KL to fp32 4e-5 smoothed int8, 9e-4
+    raw, 3e-6 bf16 (benchmarks/kv_fidelity.py, RESULTS.md)."""
     smoothed, raw = massive_models
-    for kv in ("int8", "bf16"):
-        assert mean(smoothed, kv, "first_token") >= 0.98, (kv, mean(smoothed, kv, "first_token"))
-    assert mean(raw, "int8", "first_token") >= 0.98  # exact whatever the smoothing
+    assert mean(smoothed, "int8", "first_token") >= 0.9, mean(smoothed, "int8", "first_token")
+    assert mean(smoothed, "bf16", "first_token") >= 0.98, mean(smoothed, "bf16", "first_token")
+    assert mean(smoothed, "int8", "kl") < mean(raw, "int8", "kl"), "smoothing did not bring int8 closer to fp32"
+    assert mean(smoothed, "bf16", "kl") < mean(smoothed, "int8", "kl")
