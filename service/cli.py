@@ -56,7 +56,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="KV pages: int8 (one fp16 scale per token and head; ~2x the tokens of bf16) or exact")
     p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
     p.add_argument("--kv-cache-memory", type=float, default=None,
-                   help="KV pool budget in GiB (default: from --gpu-memory-fraction on CUDA, 1 GiB on the CPU)")
+                   help="KV pool budget in GiB (default: from --gpu-memory-fraction on CUDA; on the CPU what "
+                        "--max-num-seqs sequences of the whole context can use, at most 1 GiB)")
     p.add_argument("--gpu-memory-fraction", type=float, default=d.gpu_memory_fraction,
                    help="share of the GPU's memory for weights, activations and the KV pool, which gets "
                         "what the weights and a profiling step leave")
