@@ -212,6 +212,7 @@ class PieServer:
             except TimeoutError:
                 log.warning("drain_timeout", still_in_flight=self.engine.num_in_flight)
         if self.server is not None:
+            self.servicer.shutting_down = True  # what gRPC cancels from here on, the shutdown cut
             await self.server.stop(max(0.0, deadline - loop.time()))
         if self.engine is not None:
             await asyncio.to_thread(self.engine.stop)
