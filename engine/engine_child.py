@@ -20,7 +20,7 @@ Messages (pickled over one socket pair):
                      module, working directory and sys.path),
                      ("init", config, step_timeout_s, log_setup, engine_setup), then
                      ("add", id, prompt, sampling) / ("abort", id) / ("stop",)
-    child -> parent: ("ready", EngineInfo, EngineStats) or ("failed", message), then
+    child -> parent: ("ready", EngineInfo, EngineStats) or ("failed", message, is a StartupError), then
                      ("out", wire outputs, stats, steps, taken) once per step with news,
                      ("hung", message) when the watchdog fires, ("died", message) on a crash
 """
@@ -138,6 +138,7 @@ def main(parent_pid: int, fd: int) -> None:
     import structlog
 
     from engine.engine import LLMEngine
+    from engine.errors import StartupError
     from engine.handle import EngineInfo
     from engine.loop import Inbox, StepClock, StepWatchdog, run_engine_loop
 
@@ -150,8 +151,10 @@ def main(parent_pid: int, fd: int) -> None:
         if engine_setup is not None:
             engine_setup(engine)
     except BaseException as e:
-        log.exception("engine_process_failed_to_start")
-        outbox.put(("failed", f"{type(e).__name__}: {e}"))
+        # The parent says it in one line (pie serve prints it); the traceback at --log-level debug.
+        log.debug("engine_process_failed_to_start", exc_info=True)
+        startup = isinstance(e, StartupError)  # its message already names the flag or file and the fix
+        outbox.put(("failed", str(e) if startup else f"{type(e).__name__}: {e}", startup))
         outbox.close()
         return
     outbox.put(("ready", EngineInfo.of(engine), engine.stats()))

@@ -61,7 +61,7 @@ def budget_blocks(config: EngineConfig, device: torch.device, block_bytes: int, 
         gib = config.kv_cache_memory_bytes / 2**30
         need = -(-max_model_len // config.block_size) * block_bytes / 2**30
         check_holds_one_sequence(blocks, config, max_model_len, f"--kv-cache-memory {gib:.4g} GiB holds",
-                                 f"raise --kv-cache-memory to at least {need:.3g} or lower --max-model-len")
+                                 f"raise --kv-cache-memory to at least {need:.3g} (GiB) or lower --max-model-len")
         return blocks
     if device.type == "cuda":
         return None
