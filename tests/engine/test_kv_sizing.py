@@ -51,7 +51,7 @@ def test_a_budget_below_one_sequence_is_refused_naming_the_flag():
         num_kv_blocks(cfg, CPU, MIB, 161, _no_runner)
     assert str(err.value) == ("--kv-cache-memory 0.009766 GiB holds 160 tokens of KV cache, fewer than one sequence "
                               "of 161 tokens (the context; --max-model-len): raise --kv-cache-memory to at least "
-                              "0.0107 or lower --max-model-len")
+                              "0.0107 (GiB) or lower --max-model-len")
     with pytest.raises(StartupError, match=r"^the CPU's default KV pool \(1 GiB at most\) holds 16384 tokens"):
         num_kv_blocks(EngineConfig(block_size=16), CPU, 1 << 20, 20000, _no_runner)
 
