@@ -214,6 +214,7 @@ def test_no_prompt_anywhere_is_a_usage_error(
     assert len(fake[0].requests) == sent
 
 
+@pytest.mark.slow
 def test_a_prompt_piped_into_the_command_line(fake: Fake) -> None:
     """`echo "Once upon a time" | pie-client generate -` as a shell runs it (a real pipe on stdin)."""
     root = Path(__file__).resolve().parents[2]
