@@ -173,7 +173,12 @@ def _train(argv: list[str]) -> int:
 
     parser = argparse.ArgumentParser(prog="pie")
     add_train_parser(parser.add_subparsers(dest="command", required=True), formatter_class=HelpFormatter)
-    return run(parser.parse_args(["train", *argv]))
+    args = parser.parse_args(["train", *argv])
+    try:
+        return run(args)
+    except KeyboardInterrupt:  # before training began, or a second Ctrl-C: the checkpoint on disk is what there is
+        print(f"\npie train: interrupted; {args.out} keeps what was written so far", file=sys.stderr)
+        return 130
 
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
