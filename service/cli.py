@@ -13,7 +13,7 @@ import runpy
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import structlog
 
@@ -50,7 +50,7 @@ class OneLineErrorParser(argparse.ArgumentParser):
     """A usage error is one line naming the flag, and where the flags are listed (argparse would
     print `pie serve`'s 30-line usage above it)."""
 
-    def error(self, message: str):  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help lists every flag)\n")
 
 

@@ -52,7 +52,7 @@ def run(node: str, *args: str) -> subprocess.CompletedProcess:
     (["--temperature", "1e39"], "--temperature must fit a 32-bit float (magnitude below 3.4e38), got 1e39"),
 ])
 def test_values_the_request_cannot_carry_never_reach_the_server(node, server_socket, flags, problem):
-    address = "127.0.0.1:%d" % server_socket.getsockname()[1]
+    address = f"127.0.0.1:{server_socket.getsockname()[1]}"
     done = run(node, address, "Once upon a time", *flags)
     assert done.returncode == 2, done.stderr
     assert done.stderr == f"example.mjs: error: {problem}{HINT}\n" and done.stdout == ""
