@@ -211,3 +211,22 @@ def test_notes_once_and_nothing_listens_before_the_checks_pass(model_dir, tmp_pa
     assert events.count("model_has_no_eos") == 1 and events.count("model_has_no_chat_template") == 1, events
     assert events.index("model_has_no_eos") < events.index("server_listening") < events.index("server_ready")
     assert server.event("model_has_no_eos")["level"] == "warning"
+
+
+def test_flag_values_the_engine_refuses_are_one_line_in_flag_words(model_dir):
+    assert one_line(serve("--model", str(model_dir), *ARGS, "--block-size", "3")) == \
+        "--block-size must be a power of two, got 3"
+
+
+def test_config_errors_name_the_flag_not_the_field(tmp_path):
+    from service.cli import _in_flag_words, _server_config, build_parser
+
+    assert _in_flag_words("max_num_seqs must be >= 1") == "--max-num-seqs must be >= 1"
+    assert _in_flag_words("kv_cache_memory_bytes must be >= 1") == "--kv-cache-memory must be >= 1"
+    assert _in_flag_words("the folder is gone") == "the folder is gone"  # not a field: left as it is
+    parser = build_parser()
+    with pytest.raises(ValueError, match=f"^--auth-token-file {tmp_path}/tokens: cannot read it "):
+        _server_config(parser.parse_args(["serve", "--auth-token-file", str(tmp_path / "tokens")]))
+    (tmp_path / "tokens").write_text("# none yet\n")
+    with pytest.raises(ValueError, match=f"^--auth-token-file {tmp_path}/tokens: no tokens"):
+        _server_config(parser.parse_args(["serve", "--auth-token-file", str(tmp_path / "tokens")]))
