@@ -1,17 +1,21 @@
-"""Scratch GPU script for kernels/triton_decode.py: correctness (bf16 q vs the fp32 reference),
-then timings of (BLOCK_N, num_stages, num_splits) variants against SDPA on contiguous bf16 K/V.
+"""GPU sweep of the paged decode kernel's launch variants (kernels/triton_decode.py `DecodeConfig`):
+each variant is first checked against the fp32 torch reference on fresh random ragged inputs
+(output poisoned with NaN; one and seven splits), then timed at the issue's shapes against SDPA on contiguous bf16 K/V
+and the copy bandwidth measured in the same run.
 
-    python3 benchmarks/decode_variants.py [--quick] [--out DIR]
-    python3 benchmarks/decode_variants.py --engine     # or --d64, --v3, --v2: a later round's sweep
+    python3 benchmarks/decode_variants.py [--repeats N] [--only NAME,...] [--out DIR]
 
-Median of triton.testing.do_bench (it zeroes a 256 MB buffer before every rep: L2 flushed).
-Bandwidth counts the K/V bytes (int8 plus fp16 scales, or bf16) once. Writes the table (and, for
-the first sweep and --v2, the stage-1 PTX of the gate config) to --out.
+Times: `triton.testing.do_bench` medians (L2 flushed; with --repeats N the median and the range
+of N such medians) and CUDA-graph replays (50 calls per graph, median of 10 replays: how the
+engine runs decode). Bytes: K and V once (int8 plus fp16 scales, or bf16), q and out. Writes
+variants.md (the tables) and variants.json to --out.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -26,6 +30,37 @@ from benchmarks.common import make_parser, require_cuda  # noqa: E402
 from kernels.reference import paged_attention_decode  # noqa: E402
 
 NEEDS_GPU = True  # read by `pie bench` (with ast, without importing this file)
+C = td.DecodeConfig
+# int8 variants: name -> config. "old" is the launch table before issue 26 (2 warps, 255 registers).
+VARIANTS = {
+    "default": None,  # the launch table (_config)
+    "default-s512": None,  # the same, split every 512 keys (split_tokens: the same bits in any batch)
+    "old": C(128, 2, 2, k_mode="cast", v_mode="asm"),
+    "bias-w2": C(128, 2, 2, k_mode="bias", v_mode="bias"),
+    "bias-w2-m": C(128, 2, 2, k_mode="bias", v_mode="bias", tight_m=True),
+    "bias-w4": C(64, 4, 2, k_mode="bias", v_mode="bias", tight_m=True, k_t=False),
+    "bias-w4-s3": C(64, 4, 3, k_mode="bias", v_mode="bias", tight_m=True, k_t=False),
+    "bias-w4-n128": C(128, 4, 2, k_mode="bias", v_mode="bias", tight_m=True),
+    "bias-w2-n64": C(64, 2, 2, k_mode="bias", v_mode="bias", tight_m=True, k_t=False),
+    "bias-w1-n32": C(32, 1, 3, k_mode="bias", v_mode="bias", tight_m=True, k_t=False),
+    "imma-w4": C(64, 4, 2, k_mode="imma", v_mode="bias", tight_m=True, k_t=False),
+    "imma-w2": C(128, 2, 2, k_mode="imma", v_mode="bias", tight_m=True),
+    "imma1-w4": C(64, 4, 2, k_mode="imma1", v_mode="bias", tight_m=True, k_t=False),
+    "old-w4": C(64, 4, 2, k_mode="cast", v_mode="asm"),
+    "imma-w4-r96": C(64, 4, 2, maxnreg=96, k_mode="imma", v_mode="bias", tight_m=True, k_t=False, per_sm=5),
+    "imma-w4-r72": C(64, 4, 2, maxnreg=72, k_mode="imma", v_mode="bias", tight_m=True, k_t=False, per_sm=7),
+}
+BF16 = {"bf16": None, "bf16-s512": None}
+
+
+def split_kw(name: str) -> dict:
+    """paged_decode's split arguments of a variant name ("-s512": split_tokens=512)."""
+    return {"split_tokens": 512} if name.endswith("-s512") else {}
+# (name, batch, ctx, head dim): the issue's rows (Hq 32, Hkv 8, page 16)
+SHAPES = [("B64 ctx4096 D128", 64, 4096, 128), ("B256 ctx4096 D128", 256, 4096, 128),
+          ("B8 ctx32k D128", 8, 32768, 128), ("B256 ctx512 D128", 256, 512, 128),
+          ("B256 ctx400 D64", 256, 400, 64), ("B64 ctx4096 D64", 64, 4096, 64)]
+HKV, GROUP, PAGE = 8, 4, 16
 LINES: list[str] = []
 
 
@@ -34,14 +69,9 @@ def log(msg: str) -> None:
     LINES.append(msg)
 
 
-def write_log(out_dir: str, name: str) -> None:
-    """Everything logged so far into out_dir/name."""
-    with open(os.path.join(out_dir, name), "w") as f:
-        f.write("\n".join(LINES) + "\n")
-
-
-def make(b, ctx, hkv, group, d, page, int8):
-    lens = [ctx] * b if isinstance(ctx, int) else ctx
+def make(lens: list[int], d: int, int8: bool, hkv: int = HKV, group: int = GROUP, page: int = PAGE):
+    """Random paged inputs (shuffled pages): (kernel args, K/V bytes that must move)."""
+    b = len(lens)
     nbs = [triton.cdiv(n, page) for n in lens]
     nb = sum(nbs)
     perm = torch.randperm(nb, device="cuda").int()
@@ -56,180 +86,19 @@ def make(b, ctx, hkv, group, d, page, int8):
         v = torch.randint(-127, 128, shape, dtype=torch.int8, device="cuda")
         ks = (torch.rand(nb, hkv, page, device="cuda") * 0.02 + 0.001).half()
         vs = (torch.rand(nb, hkv, page, device="cuda") * 0.02 + 0.001).half()
-        nbytes = 2 * k.numel() + 2 * ks.numel() * ks.element_size()
+        per_token = 2 * hkv * (d + 2)
     else:
         k = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
         v = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
         ks = vs = None
-        nbytes = 2 * k.numel() * 2
+        per_token = 2 * hkv * d * 2
     q = torch.randn(b, hkv * group, d, dtype=torch.bfloat16, device="cuda")
     lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    return (q, k, v, ks, vs, table, lens_t), nbytes * sum(lens) / (nb * page)
-
-
-def bench(fn) -> float:
-    return do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-
-def sdpa_ms(b, ctx, hkv, group, d) -> float:
-    q = torch.randn(b, hkv * group, 1, d, dtype=torch.bfloat16, device="cuda")
-    k = torch.randn(b, hkv, ctx, d, dtype=torch.bfloat16, device="cuda")
-    v = torch.randn(b, hkv, ctx, d, dtype=torch.bfloat16, device="cuda")
-    return bench(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
-
-
-def correctness(int8_only: bool = False) -> None:
-    cases = [  # (lens, hkv, group, d, page, int8, splits)
-        ([1, 17, 1000, 4095, 333], 8, 4, 128, 16, True, None),
-        ([1, 17, 1000, 4095, 333], 8, 4, 128, 16, False, None),
-        ([4096] * 64, 8, 4, 128, 16, True, 1),
-        ([32768], 8, 4, 128, 16, True, None),
-        ([32768], 8, 4, 128, 16, False, None),
-        ([7, 2000, 513], 4, 8, 64, 32, True, 5),
-        ([7, 2000, 513], 2, 16, 128, 16, True, 3),
-        ([7, 2000, 513], 8, 1, 128, 16, False, 1),
-    ]
-    for lens, hkv, group, d, page, int8, splits in cases:
-        if int8_only and not int8:
-            continue
-        args, _ = make(len(lens), lens, hkv, group, d, page, int8)
-        scale = d ** -0.5
-        out = torch.full_like(args[0], float("nan"))
-        td.paged_decode(*args, scale, num_splits=splits, out=out)
-        ref = paged_attention_decode(args[0].float(), *args[1:], scale)
-        err = ((out.float() - ref).norm() / ref.norm()).item()
-        ok = bool(torch.isfinite(out).all()) and err < 1e-2
-        log(f"check lens={lens[:5]} hkv={hkv} g={group} d={d} page={page} int8={int8} "
-            f"splits={splits}: rel_l2={err:.2e} {'OK' if ok else 'FAIL'}")
-
-
-class Capture:
-    """Stands in for the stage-1 kernel to keep the compiled kernel a launch returns."""
-
-    def __init__(self, kernel):
-        self.kernel, self.last = kernel, None
-
-    def __getitem__(self, grid):
-        def launch(*a, **kw):
-            self.last = self.kernel[grid](*a, **kw)
-            return self.last
-        return launch
-
-
-def ptx_report(args, tag: str, out_dir: str, **kw) -> None:
-    cap = Capture(td._decode_stage1)
-    td._decode_stage1 = cap
-    try:
-        td.paged_decode(*args, 0.1, **kw)
-    finally:
-        td._decode_stage1 = cap.kernel
-    c = cap.last
-    ptx = c.asm["ptx"]
-    with open(os.path.join(out_dir, f"stage1_{tag}.ptx"), "w") as f:
-        f.write(ptx)
-    cvts: dict[str, int] = {}
-    for line in ptx.splitlines():
-        tok = line.strip().split(" ")[0]
-        if tok.startswith("cvt") or tok.startswith("prmt") or tok.startswith("mma") or \
-                tok.startswith("sub.bf16") or tok.startswith("fma.rn.bf16"):
-            cvts[tok] = cvts.get(tok, 0) + 1
-    log(f"ptx {tag}: regs={getattr(c, 'n_regs', '?')} spills={getattr(c, 'n_spills', '?')} "
-        f"smem={getattr(c.metadata, 'shared', '?')} ops={cvts}")
-
-
-def sweep(name, b, ctx, hkv, group, d, page, int8, variants, sdpa, check: bool = False):
-    """Times each variant; `check`: also compares each with the fp32 reference."""
-    args, nbytes = make(b, ctx, hkv, group, d, page, int8)
-    scale = d ** -0.5
-    out = torch.empty_like(args[0])
-    ref = paged_attention_decode(args[0].float(), *args[1:], scale) if check else None
-    rows = []
-    for variant in variants:
-        bn, st, sp, nw = variant[:4]
-        regs = variant[4] if len(variant) > 4 else None
-        asm = variant[5] if len(variant) > 5 else True
-        cfg = None if bn is None else td.DecodeConfig(bn, nw, st, regs, asm)
-        if sp is None:
-            sp_used = td.default_num_splits(b, hkv, ctx, td._sm_count(0))
-        else:
-            sp_used = sp
-        try:
-            ms = bench(lambda: td.paged_decode(*args, scale, num_splits=sp_used, out=out,
-                                               config=cfg))
-        except Exception as e:  # noqa: BLE001 - a variant that fails to compile is reported
-            log(f"{name} {variant}: ERROR {type(e).__name__} {e}"[:300])
-            continue
-        err = float("nan")
-        if ref is not None:
-            out.fill_(float("nan"))
-            td.paged_decode(*args, scale, num_splits=sp_used, out=out, config=cfg)
-            err = ((out.float() - ref).norm() / ref.norm()).item()
-        rows.append((ms, bn or 0, st or 0, sp_used, nw or 0))
-        tag = "default" if bn is None else f"r{regs}" + ("" if asm else " noasm")
-        log(f"{name:20s} BN={bn} st={st} splits={sp_used:3d} w={nw} {tag:9s} {ms:.4f} ms "
-            f"{nbytes / ms / 1e9:.2f} TB/s  x{sdpa / ms:.2f} vs SDPA  err {err:.1e}")
-    best = min(rows)
-    log(f"BEST {name}: BN={best[1]} st={best[2]} splits={best[3]} w={best[4]} {best[0]:.4f} ms "
-        f"{nbytes / best[0] / 1e9:.2f} TB/s x{sdpa / best[0]:.2f}")
-    return args
-
-
-def main_v2(out_dir: str) -> None:
-    """int8 only, after the inline-PTX V conversion; SDPA times from the first run."""
-    log(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
-    correctness(int8_only=True)
-    gate_sdpa, long_sdpa, short_sdpa = 0.2548, 0.0500, 0.1382
-    gate = [(None, None, None, None), (64, 2, 1, 4), (64, 3, 2, 4), (64, 3, 1, 4, 128),
-            (64, 2, 1, 4, 128), (128, 3, 1, 4), (128, 3, 2, 4), (128, 2, 1, 8), (32, 3, 1, 4),
-            (32, 4, 2, 4), (64, 3, 1, 4, None, False)]
-    args = sweep("B64 ctx4096 int8", 64, 4096, 8, 4, 128, 16, True, gate, gate_sdpa)
-    ptx_report(args, "gate_int8_v2", out_dir, num_splits=1)
-    sweep("B1 ctx32768 int8", 1, 32768, 8, 4, 128, 16, True,
-          [(None, None, None, None), (64, 3, 64, 4), (128, 3, 32, 4), (128, 2, 64, 4),
-           (64, 3, 32, 4, 128)], long_sdpa)
-    sweep("B256 ctx512 int8", 256, 512, 8, 4, 128, 16, True,
-          [(None, None, None, None), (32, 3, 1, 4), (64, 3, 1, 4, 128)], short_sdpa)
-    write_log(out_dir, "decode_variants_v2.txt")
-
-
-def main_v3(out_dir: str) -> None:
-    """Register cap, grid order (kv head fastest vs sequence fastest), inline-PTX V on/off."""
-    log(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
-    correctness(int8_only=False)
-    gate_sdpa, long_sdpa, short_sdpa = 0.2548, 0.0500, 0.1382
-    gate = [(None, None, None, None), (64, 2, 1, 4, 128), (64, 2, 1, 4, 128, False),
-            (128, 3, 1, 4), (128, 3, 1, 4, None, False), (64, 3, 1, 4, 128), (64, 2, 2, 4, 128),
-            (64, 2, 8, 4, 128), (128, 3, 4, 4)]
-    sweep("B64 ctx4096 int8", 64, 4096, 8, 4, 128, 16, True, gate, gate_sdpa, check=True)
-    sweep("B1 ctx32768 int8", 1, 32768, 8, 4, 128, 16, True,
-          [(128, 3, 32, 4), (128, 3, 32, 4, None, False), (64, 2, 64, 4, 128),
-           (64, 2, 128, 4, 128), (128, 3, 64, 4)], long_sdpa, check=True)
-    sweep("B256 ctx512 int8", 256, 512, 8, 4, 128, 16, True,
-          [(64, 2, 1, 4, 128), (128, 3, 1, 4), (64, 2, 1, 4, 128, False)], short_sdpa, check=True)
-    sweep("B64 ctx4096 bf16", 64, 4096, 8, 4, 128, 16, False,
-          [(None, None, None, None), (128, 3, 1, 4)], gate_sdpa, check=True)
-    sweep("B1 ctx32768 bf16", 1, 32768, 8, 4, 128, 16, False, [(128, 3, 32, 4)], long_sdpa, check=True)
-    write_log(out_dir, "decode_variants_v3.txt")
-
-
-def main_d64(out_dir: str) -> None:
-    """Head dim 64 (Llama-3.2-1B: Hq 32, Hkv 8): the engine's decode shape, which the launch table
-    had not been measured on. B 256 x ctx 512 is the offline benchmark's steady state."""
-    log(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
-    correctness(int8_only=True)
-    int8 = [(None, None, None, None), (64, 3, 1, 4), (128, 2, 1, 4), (128, 4, 1, 4), (256, 2, 1, 4),
-            (256, 3, 1, 4), (256, 3, 1, 8), (128, 3, 1, 8), (512, 2, 1, 8), (128, 3, 1, 4, None, False),
-            (256, 3, 1, 4, None, False)]
-    bf16 = [(None, None, None, None), (64, 2, 1, 4), (128, 3, 1, 4), (256, 2, 1, 8)]
-    for b, ctx in ((256, 512), (64, 4096)):
-        sdpa = sdpa_ms(b, ctx, 8, 4, 64)
-        sweep(f"B{b} ctx{ctx} d64 int8", b, ctx, 8, 4, 64, 16, True, int8, sdpa, check=True)
-        sweep(f"B{b} ctx{ctx} d64 bf16", b, ctx, 8, 4, 64, 16, False, bf16, sdpa, check=True)
-    write_log(out_dir, "decode_variants_d64.txt")
+    return (q, k, v, ks, vs, table, lens_t), per_token * sum(lens) + 2 * q.numel() * 2
 
 
 def bench_graph(fn, calls: int = 50) -> float:
-    """ms per call replayed from one CUDA graph of `calls` calls (how the engine runs decode)."""
+    """ms per call replayed from one CUDA graph of `calls` calls (median of 10 replays)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -247,102 +116,124 @@ def bench_graph(fn, calls: int = 50) -> float:
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) / calls)
-    return sorted(times)[len(times) // 2]
+    return statistics.median(times)
 
 
-def main_engine(out_dir: str) -> None:
-    """The engine's decode shapes after issue 14's kernel changes (fp16 scales, padded head dims,
-    shared tile code): Llama-3.2-1B (D 64, B 256, ctx 400) and Qwen3-4B (D 128); one long
-    sequence timed from a CUDA graph, as the engine replays decode."""
-    log(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
-    correctness(int8_only=False)
-    d64_int8 = [(None, None, None, None), (32, 2, 1, 2), (64, 2, 1, 2), (128, 2, 1, 2), (128, 3, 1, 2)]
-    d64_bf16 = [(None, None, None, None), (64, 2, 1, 2), (128, 2, 1, 2), (32, 2, 1, 2)]
-    for b, ctx in ((256, 400), (64, 4096)):
-        sdpa = sdpa_ms(b, ctx, 8, 4, 64)
-        sweep(f"L1B B{b} ctx{ctx} int8", b, ctx, 8, 4, 64, 16, True, d64_int8, sdpa)
-        sweep(f"L1B B{b} ctx{ctx} bf16", b, ctx, 8, 4, 64, 16, False, d64_bf16, sdpa)
-    d128_int8 = [(None, None, None, None), (32, 2, 1, 2), (64, 2, 1, 2), (128, 2, 1, 2), (64, 3, 1, 2)]
-    for b, ctx in ((64, 4096), (256, 512)):
-        sdpa = sdpa_ms(b, ctx, 8, 4, 128)
-        sweep(f"Q4B B{b} ctx{ctx} int8", b, ctx, 8, 4, 128, 16, True, d128_int8, sdpa)
-        sweep(f"Q4B B{b} ctx{ctx} bf16", b, ctx, 8, 4, 128, 16, False,
-              [(None, None, None, None), (64, 2, 1, 2)], sdpa)
-    args, nbytes = make(1, 32768, 8, 4, 128, 16, True)
-    out = torch.empty_like(args[0])
-    for bn, st, sp, nw in ((None, None, None, None), (64, 2, 64, 2), (64, 2, 128, 2), (128, 2, 64, 2),
-                           (32, 2, 128, 2)):
-        cfg = None if bn is None else td.DecodeConfig(bn, nw, st)
-        splits = sp or td.default_num_splits(1, 8, 32768, td._sm_count(0))
-        ms = bench_graph(lambda: td.paged_decode(*args, 0.1, num_splits=splits, out=out, config=cfg))
-        log(f"B1 ctx32768 int8 graph BN={bn} st={st} w={nw} splits={splits}: {ms:.4f} ms {nbytes / ms / 1e9:.2f} TB/s")
-    write_log(out_dir, "decode_variants_engine.txt")
+def timed(fn, repeats: int) -> tuple[float, float, float]:
+    """(median, min, max) over `repeats` do_bench medians."""
+    t = [do_bench(fn, warmup=25, rep=100, return_mode="median") for _ in range(repeats)]
+    return statistics.median(t), min(t), max(t)
 
 
-def copy_ms(nbytes: int = 2 ** 30) -> float:
-    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    c = torch.empty_like(a)
-    return bench(lambda: c.copy_(a))
+def check(name: str, cfg, d: int, int8: bool) -> float:
+    """Max error relative to max |ref| on fresh ragged inputs, default and forced split counts;
+    inf when an output element is left unwritten (NaN)."""
+    worst = 0.0
+    for group, page in ((GROUP, PAGE), (8, 32)) if d >= 128 else ((GROUP, PAGE),):
+        args, _ = make([1, 17, 1000, 4095, 333], d, int8, group=group, page=page)
+        ref = paged_attention_decode(args[0].float(), *args[1:], d ** -0.5)
+        for splits in (1, 7) if not split_kw(name) else (None,):
+            out = torch.full_like(args[0], float("nan"))
+            td.paged_decode(*args, d ** -0.5, num_splits=splits, out=out, config=cfg, **split_kw(name))
+            if not bool(torch.isfinite(out).all()):
+                return float("inf")
+            worst = max(worst, ((out.float() - ref).abs().max() / ref.abs().max()).item())
+    return worst
+
+
+def sdpa_times(b: int, ctx: int, d: int, repeats: int) -> tuple[float, float, float, float]:
+    """SDPA decode on contiguous bf16 K/V (B, Hkv, ctx, D) with GQA: timed() and graph ms."""
+    q = torch.randn(b, HKV * GROUP, 1, d, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(b, HKV, ctx, d, dtype=torch.bfloat16, device="cuda")
+    v = torch.randn_like(k)
+
+    def sdpa():
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+    return (*timed(sdpa, repeats), bench_graph(sdpa))
+
+
+def copy_bandwidth() -> float:
+    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=100, return_mode="median")
+    return 2 * src.numel() / (ms * 1e-3)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = make_parser(__doc__)
-    rounds = ap.add_mutually_exclusive_group()
-    rounds.add_argument("--v2", action="store_true",
-                        help="instead of the first sweep: int8 only, after the inline-PTX V conversion")
-    rounds.add_argument("--v3", action="store_true",
-                        help="instead of the first sweep: register cap, grid order, inline-PTX V on/off "
-                             "(every variant checked against the fp32 reference)")
-    rounds.add_argument("--d64", action="store_true",
-                        help="instead of the first sweep: head dim 64, the Llama-3.2-1B decode shape "
-                             "(every variant checked against the fp32 reference)")
-    rounds.add_argument("--engine", action="store_true",
-                        help="instead of the first sweep: the engine's decode shapes after issue 14, "
-                             "one long sequence replayed from a CUDA graph")
-    ap.add_argument("--quick", action="store_true", help="the first sweep with a few variants only")
-    ap.add_argument("--out", default=None, metavar="DIR",
-                    help="folder for the log and the PTX (default: $OUT where set, else /tmp)")
+    ap.add_argument("--repeats", type=int, default=1, help="do_bench medians per figure")
+    ap.add_argument("--only", default=None, help="comma-separated variant names (default: all)")
+    ap.add_argument("--shapes", default=None, help="comma-separated shape indices into SHAPES (default: all)")
+    ap.add_argument("--out", default=None, metavar="DIR", help="folder for variants.md/json (default: $OUT, else /tmp)")
     args = ap.parse_args(argv)
     require_cuda(ap)
     out_dir = args.out or os.environ.get("OUT", "/tmp")
-    for mode, run in (("engine", main_engine), ("d64", main_d64), ("v3", main_v3), ("v2", main_v2)):
-        if getattr(args, mode):
-            run(out_dir)
-            return 0
-    main_sweep(args.quick, out_dir)
+    torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
+    variants = {k: v for k, v in VARIANTS.items() if args.only is None or k in args.only.split(",")}
+    shapes = SHAPES if args.shapes is None else [SHAPES[int(i)] for i in args.shapes.split(",")]
+    bw = copy_bandwidth()
+    log(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
+        f"copy bandwidth {bw / 1e12:.2f} TB/s")
+    results: dict = {"copy_tbs": bw / 1e12, "check": {}, "rows": [], "long": []}
+
+    log("\n## correctness: max |err| / max |ref| vs the fp32 reference (ragged lens, splits None/1/7, G 4 p16 and G 8 p32)")
+    for d in sorted({s[3] for s in shapes}):
+        for name, cfg in [*variants.items(), *BF16.items()]:
+            err = check(name, cfg, d, name in variants)
+            results["check"][f"{name} D{d}"] = err
+            log(f"check D{d} {name:14s} {err:.2e} {'ok' if err < 2.5e-2 else 'FAIL'}")
+
+    log("\n## timings (ms: do_bench median [range]; graph: CUDA-graph replay)")
+    log("| shape | variant | ms | range | graph ms | % copy (graph) | x SDPA (graph) |")
+    log("|---|---|---|---|---|---|---|")
+    for label, b, ctx, d in shapes:
+        s_ms, s_lo, s_hi, s_graph = sdpa_times(b, ctx, d, args.repeats)
+        log(f"| {label} | SDPA bf16 | {s_ms:.4f} | {s_lo:.4f}-{s_hi:.4f} | {s_graph:.4f} | | 1.00 |")
+        for int8, group in ((True, variants), (False, BF16)):
+            kargs, nbytes = make([ctx] * b, d, int8)
+            out = torch.empty_like(kargs[0])
+            for name, cfg in group.items():
+                fn = lambda: td.paged_decode(*kargs, d ** -0.5, max_seq_len=ctx, out=out, config=cfg,  # noqa: E731
+                                             **split_kw(name))
+                try:
+                    ms, lo, hi = timed(fn, args.repeats)
+                    g = bench_graph(fn)
+                except Exception as exc:  # noqa: BLE001 - a variant that does not compile is reported
+                    log(f"| {label} | {name} | error: {type(exc).__name__} {str(exc)[:120]} |")
+                    continue
+                frac = nbytes / (g * 1e-3) / bw
+                results["rows"].append(dict(shape=label, variant=name, ms=ms, lo=lo, hi=hi, graph_ms=g,
+                                            copy_frac=frac, vs_sdpa=s_graph / g, sdpa_ms=s_ms, sdpa_graph_ms=s_graph))
+                log(f"| {label} | {name} | {ms:.4f} | {lo:.4f}-{hi:.4f} | {g:.4f} | {100 * frac:.0f}% | {s_graph / g:.2f} |")
+            del kargs, out
+            torch.cuda.empty_cache()
+
+    log("\n## one sequence, B1 ctx32k D128, graph replay, by split count")
+    log("| variant | splits | graph ms | % copy |")
+    log("|---|---|---|---|")
+    for int8, group in ((True, variants), (False, BF16)):
+        kargs, nbytes = make([32768], 128, int8)
+        out = torch.empty_like(kargs[0])
+        for name, cfg in group.items():
+            per_sm = (cfg or td._config(128, PAGE, torch.int8 if int8 else torch.bfloat16, True)).per_sm
+            for splits in (None, 64, 128) if not split_kw(name) else (64,):
+                n = splits or td.default_num_splits(1, HKV, 32768, td._sm_count(0), per_sm)
+                fn = lambda: td.paged_decode(*kargs, 128 ** -0.5, num_splits=n, out=out, config=cfg,  # noqa: E731
+                                             max_seq_len=32768, **split_kw(name))
+                try:
+                    g = statistics.median(bench_graph(fn) for _ in range(args.repeats))
+                except Exception as exc:  # noqa: BLE001
+                    log(f"| {name} | {n} | error: {type(exc).__name__} |")
+                    continue
+                frac = nbytes / (g * 1e-3) / bw
+                results["long"].append(dict(variant=name, splits=n, graph_ms=g, copy_frac=frac))
+                log(f"| {name} | {n} | {g:.4f} | {100 * frac:.0f}% |")
+    with open(os.path.join(out_dir, "variants.md"), "w") as f:
+        f.write("\n".join(LINES) + "\n")
+    with open(os.path.join(out_dir, "variants.json"), "w") as f:
+        json.dump(results, f, indent=1)
     return 0
-
-
-def main_sweep(quick: bool, out_dir: str) -> None:
-    """The first round: a grid of (BLOCK_N, stages, splits) at three shapes, int8 and bf16."""
-    torch.manual_seed(0)
-    log(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
-    log(f"copy 1 GiB: {copy_ms():.3f} ms")
-    correctness()
-
-    gate_sdpa = sdpa_ms(64, 4096, 8, 4, 128)
-    long_sdpa = sdpa_ms(1, 32768, 8, 4, 128)
-    short_sdpa = sdpa_ms(256, 512, 8, 4, 128)
-    log(f"SDPA bf16 contiguous: B64 ctx4096 {gate_sdpa:.4f} ms; B1 ctx32768 {long_sdpa:.4f} ms; "
-        f"B256 ctx512 {short_sdpa:.4f} ms")
-
-    dflt = [(None, None, None, None)]
-    grid = [(bn, st, sp, 4) for bn in (32, 64, 128) for st in (2, 3, 4) for sp in (1, 2)]
-    grid += [(64, 3, 4, 4), (128, 3, 1, 8), (128, 2, 1, 8)]
-    if quick:
-        grid = [(64, 3, 1, 4), (128, 2, 1, 4)]
-    for int8 in (True, False):
-        kind = "int8" if int8 else "bf16"
-        gate_args = sweep(f"B64 ctx4096 {kind}", 64, 4096, 8, 4, 128, 16, int8, dflt + grid,
-                          gate_sdpa)
-        ptx_report(gate_args, f"gate_{kind}", out_dir, num_splits=1)
-        long_grid = [(bn, st, sp, 4) for bn in (64, 128) for st in (3,)
-                     for sp in (8, 16, 32, 48, 64, 96)]
-        sweep(f"B1 ctx32768 {kind}", 1, 32768, 8, 4, 128, 16, int8,
-              dflt + (long_grid[:2] if quick else long_grid), long_sdpa)
-        sweep(f"B256 ctx512 {kind}", 256, 512, 8, 4, 128, 16, int8,
-              dflt + [(64, 3, 1, 4), (32, 3, 1, 4), (64, 3, 2, 4)], short_sdpa)
-    write_log(out_dir, "decode_variants.txt")
 
 
 if __name__ == "__main__":

@@ -29,9 +29,10 @@ from kernels.triton_extend import paged_extend  # noqa: E402
 
 NEEDS_GPU = True  # read by `pie bench` (with ast, without importing this file)
 HQ, HKV, D, PAGE = 32, 8, 128, 16
-CONFIGS = {  # (BLOCK_M, BLOCK_N, num_warps, num_stages) tried at B=1; None = the default
+CONFIGS = {  # (BLOCK_M, BLOCK_N, warps, stages, int8 (k_mode, v_mode)) tried at B=1; None = the default
     torch.bfloat16: [None],
-    torch.int8: [None, (128, 128, 8, 3), (128, 128, 4, 2)],
+    torch.int8: [None, (128, 128, 8, 2, ("cast", "cast")), (128, 64, 8, 2, ("imma", "bias")),
+                 (128, 32, 8, 2, ("bias", "bias")), (64, 64, 4, 2, ("imma", "bias"))],
 }
 
 
@@ -114,10 +115,10 @@ def extend_rows(rows: list[str]) -> None:
         for dtype in (torch.bfloat16, torch.int8):
             kc, vc, ks, vs, tables = paged(k, v, [s] * b, dtype)
             for cfg in CONFIGS[dtype] if b == 1 else [None]:
-                bm, bn, w, st = cfg or (None,) * 4
+                bm, bn, w, st, modes = cfg or (None,) * 5
                 fn = lambda: paged_extend(q, kc, vc, ks, vs, tables, sl, qsl, scale,  # noqa
                                           max_query_len=lq, block_m=bm, block_n=bn,
-                                          num_warps=w, num_stages=st)
+                                          num_warps=w, num_stages=st, int8_modes=modes)
                 try:
                     err = rel(fn(), sdpa_out)
                     t = bench(fn)
@@ -129,6 +130,15 @@ def extend_rows(rows: list[str]) -> None:
                 rows.append(f"| extend {name} | "
                             f"{t:.3f} ms | {t / t_sdpa:.2f}x SDPA, {tf / t * 1e3:.0f} TFLOP/s, "
                             f"err vs SDPA {err:.1e} |")
+            if lq == s:  # no cached prefix: the engine passes the new K/V as computed (k_new)
+                kn = k.reshape(b * s, HKV, D)
+                vn = v.reshape(b * s, HKV, D)
+                fn = lambda: paged_extend(q, kc, vc, ks, vs, tables, sl, qsl, scale, max_query_len=lq,  # noqa
+                                          k_new=kn, v_new=vn)
+                err = rel(fn(), sdpa_out)
+                t = bench(fn)
+                rows.append(f"| extend {str(dtype)[6:]} pages, k_new (no cached prefix) B={b} q={lq} | {t:.3f} ms | "
+                            f"{t / t_sdpa:.2f}x SDPA, err vs SDPA {err:.1e} |")
         del kd, vd
 
 

@@ -18,11 +18,15 @@ parent's drain short. The parent ends this process with "stop" (after draining),
 Messages (pickled over one socket pair):
     parent -> child: ("prepare", multiprocessing's spawn preparation data: the parent's main
                      module, working directory and sys.path),
-                     ("init", config, step_timeout_s, log_setup, engine_setup), then
+                     ("init", config, heartbeat_s, log_setup, engine_setup), then
                      ("add", id, prompt, sampling) / ("abort", id) / ("stop",)
     child -> parent: ("ready", EngineInfo, EngineStats) or ("failed", message, is a StartupError), then
-                     ("out", wire outputs, stats, steps, taken) once per step with news,
-                     ("hung", message) when the watchdog fires, ("died", message) on a crash
+                     ("out", wire outputs, stats, steps, taken) once per step with news, and at
+                     least every heartbeat_s while the loop steps (what the parent's watchdog
+                     counts as progress), ("died", message) on a crash
+
+No watchdog runs here: a process that is stopped or frozen as a whole (SIGSTOP, a host stall, a
+deadlocked extension holding the GIL) would freeze it too. The parent watches instead.
 """
 
 from __future__ import annotations
@@ -128,7 +132,7 @@ def main(parent_pid: int, fd: int) -> None:
         # As multiprocessing's spawn does: the parent's __main__ is loaded as __mp_main__ (and
         # its working directory taken), so functions it defined can be unpickled here.
         multiprocessing.spawn.prepare(preparation)
-        kind, config, step_timeout_s, log_setup, engine_setup = conn.recv()
+        kind, config, heartbeat_s, log_setup, engine_setup = conn.recv()
     except (EOFError, OSError):
         os._exit(EXIT_ORPHANED)
     assert kind == "init", kind
@@ -140,7 +144,7 @@ def main(parent_pid: int, fd: int) -> None:
     from engine.engine import LLMEngine
     from engine.errors import StartupError
     from engine.handle import EngineInfo
-    from engine.loop import Inbox, StepClock, StepWatchdog, run_engine_loop
+    from engine.loop import Inbox, StepClock, run_engine_loop
 
     log = structlog.get_logger("engine.engine_child")
     inbox = Inbox()
@@ -159,20 +163,14 @@ def main(parent_pid: int, fd: int) -> None:
         return
     outbox.put(("ready", EngineInfo.of(engine), engine.stats()))
     clock = StepClock()
-    watchdog = None
-    if step_timeout_s is not None:
-        watchdog = StepWatchdog(clock, step_timeout_s, lambda err: outbox.put(("hung", str(err))))
-        watchdog.start()
 
     def emit(outputs, stats, steps, taken) -> None:
         outbox.put(("out", [o.to_wire() for o in outputs], stats, steps, taken))
 
     try:
-        run_engine_loop(engine, inbox, clock, emit)
+        run_engine_loop(engine, inbox, clock, emit, heartbeat_s=heartbeat_s)
     except BaseException as e:
         log.exception("engine_process_died")
         outbox.put(("died", f"{type(e).__name__}: {e}"))
     finally:
-        if watchdog is not None:
-            watchdog.stop()
         outbox.close()

@@ -11,7 +11,15 @@ the loop coalesces what it cannot send at once into larger messages.
       ProcessEngine.submit/abort -> sender thread --->     reader thread -> Inbox
                                     (never blocks the loop)  run_engine_loop (as on a thread)
       link thread: starts the child, then  <------------   outbox thread: ("out", ...) per step
-        hands each message to the loop (_on_step)           ("hung" / "died" when it fails)
+        hands each message to the loop (_on_step)           and heartbeat; ("died") on a crash
+      watchdog thread: requests in flight and nothing
+        heard for --step-timeout -> the engine stalled
+
+The watchdog lives here, outside the child, so it sees a child that is stopped or frozen as a
+whole (SIGSTOP, a host stall, a stuck driver call, a deadlocked extension): while requests are in
+flight, the child reports at least every heartbeat (engine/loop.py); silence longer than the step
+timeout declares the engine dead (requests fail UNAVAILABLE, readiness off, the server exits 3)
+and kills the child. An engine with nothing to do sends nothing and is not stalled.
 
 The parent keeps what the service reads without a round trip: its own tokenizer, the engine's
 facts (EngineInfo, sent once when the child is ready), and the stats the child sends with every
@@ -32,6 +40,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
@@ -42,6 +51,7 @@ from engine.engine import LLMEngine
 from engine.engine_child import BOOT
 from engine.errors import StartupError, StepTimeoutError
 from engine.handle import Command, HandleBase
+from engine.loop import Watchdog, heartbeat_interval
 from engine.outputs import RequestOutput
 from model import Tokenizer
 
@@ -57,8 +67,8 @@ class LaunchCancelled(RuntimeError):
 class ProcessEngine(HandleBase):
     """An EngineHandle whose LLMEngine runs in a child process. `launch()` (blocking: run it off
     the event loop) starts the child and waits until its model is loaded; `start(loop)` then
-    begins delivering outputs. `on_dead` hears when the child's step overruns the watchdog or the
-    child dies: it cannot recover by itself, so the owner should exit."""
+    begins delivering outputs. `on_dead` hears when the child stalls past `step_timeout_s` (the
+    watchdog, above) or dies: it cannot recover by itself, so the owner should exit."""
 
     def __init__(self, config: EngineConfig, *, step_timeout_s: float | None = None,
                  on_dead: Callable[[BaseException], None] | None = None,
@@ -67,7 +77,11 @@ class ProcessEngine(HandleBase):
         super().__init__(on_dead=on_dead)
         self.config = config
         self.pid: int | None = None  # the child's, once started
-        self._init = ("init", config, step_timeout_s, log_setup, engine_setup)
+        heartbeat_s = heartbeat_interval(step_timeout_s) if step_timeout_s is not None else 1.0
+        self._init = ("init", config, heartbeat_s, log_setup, engine_setup)
+        self._step_timeout_s = step_timeout_s
+        self._watchdog: Watchdog | None = None
+        self._last_heard = time.monotonic()  # when the child's latest message arrived (link thread)
         self._conn: Connection | None = None
         self._process: subprocess.Popen | None = None
         self._outgoing: queue.SimpleQueue[Command | None] = queue.SimpleQueue()  # None ends the sender
@@ -96,16 +110,38 @@ class ProcessEngine(HandleBase):
         self._loop = loop or asyncio.get_running_loop()
         self._sender = threading.Thread(target=self._run_sender, name="engine-sender", daemon=True)
         self._sender.start()
+        if self._step_timeout_s is not None:
+            self._watchdog = Watchdog(self._step_timeout_s, self._waiting_since, self._stall_message, self._stalled)
+            self._watchdog.start()
+
+    # ---- the watchdog ----------------------------------------------------------------------
+    def _waiting_since(self) -> float | None:
+        """Since when a message from the child is due: requests are in flight, and it has said
+        nothing since they became so (or since its last message). None while idle."""
+        if not self.num_in_flight:
+            return None
+        return max(self._last_heard, self._busy_since)
+
+    def _stall_message(self, waited_s: float) -> str:
+        return (f"engine stalled: the engine process (pid {self.pid}) finished no step in {waited_s:.1f} s "
+                f"(--step-timeout {self._step_timeout_s:g}) with {self.num_in_flight} requests in flight")
+
+    def _stalled(self, err: StepTimeoutError) -> None:
+        log.error("engine_stalled", pid=self.pid, error=str(err))
+        self.declare_dead(err)
+        self._kill()  # stopped or frozen, it cannot be asked; SIGKILL reaches a stopped process too
 
     def stop(self, timeout: float | None = 10.0) -> None:
         """Asks the child to stop after its current step (it aborts what is left) and waits for
         it; kills it when it does not end in time, is hung, or is still starting."""
         self._stopping = True
+        if self._watchdog is not None:
+            self._watchdog.stop()
         if not self.loaded or self.dead is not None or self._sender is None:
             self._kill()  # starting or never started (nothing to drain), or given up on
         else:
             self._outgoing.put(("stop",))
-            self._outgoing.put(None)
+        self._outgoing.put(None)  # the sender thread ends
         if self._process is not None:
             try:
                 self._process.wait(timeout)
@@ -180,6 +216,7 @@ class ProcessEngine(HandleBase):
         try:
             while True:
                 kind, *payload = conn.recv()
+                self._last_heard = time.monotonic()
                 if kind == "out":
                     # One hand-off per message: the child already merges what piled up while a
                     # send was under way. (Draining the pipe here first held outputs back for
@@ -188,9 +225,6 @@ class ProcessEngine(HandleBase):
                     # (Outputs come only after a submit, so start() has given the loop by then.)
                     self._event_loop().call_soon_threadsafe(
                         self._on_step, [RequestOutput.from_wire(o) for o in wire], stats, steps, taken)
-                elif kind == "hung":
-                    self.declare_dead(StepTimeoutError(payload[0]))
-                    return
                 elif kind == "died":
                     self.declare_dead(RuntimeError(f"the engine process failed: {payload[0]}"))
                     return

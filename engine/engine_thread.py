@@ -19,7 +19,7 @@ import structlog
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.handle import Command, EngineInfo, HandleBase
-from engine.loop import Inbox, StepClock, StepWatchdog, run_engine_loop
+from engine.loop import Inbox, StepClock, Watchdog, run_engine_loop, step_watchdog
 from engine.outputs import EngineStats, RequestOutput
 
 log = structlog.get_logger(__name__)
@@ -38,7 +38,7 @@ class ThreadEngine(HandleBase):
         self._step_timeout_s = step_timeout_s
         self._inbox = Inbox()
         self._clock = StepClock()
-        self._watchdog: StepWatchdog | None = None
+        self._watchdog: Watchdog | None = None
         self._thread: threading.Thread | None = None
 
     @classmethod
@@ -74,7 +74,7 @@ class ThreadEngine(HandleBase):
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
         if self._step_timeout_s is not None:
-            self._watchdog = StepWatchdog(self._clock, self._step_timeout_s, self.declare_dead)
+            self._watchdog = step_watchdog(self._clock, self._step_timeout_s, self.declare_dead)
             self._watchdog.start()
 
     def stop(self, timeout: float | None = 10.0) -> None:

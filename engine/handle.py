@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
@@ -143,6 +144,7 @@ class HandleBase:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._idle = asyncio.Event()  # set while no request is in flight (drain waits on it)
         self._idle.set()
+        self._busy_since = 0.0  # monotonic time the latest request arrived to no other in flight
         self._stopping = False
 
     # ---- what the service reads ------------------------------------------------------------
@@ -210,6 +212,8 @@ class HandleBase:
             raise QueueFullError(f"{waiting} requests are waiting (bound {cfg.max_waiting})")
         engine_id = f"r{next(self._ids)}"
         stream = RequestStream(engine_id, caller_id)
+        if not self._streams:
+            self._busy_since = time.monotonic()
         self._streams[engine_id] = stream
         self._idle.clear()
         self._sent += sampling.n

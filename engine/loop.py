@@ -8,6 +8,10 @@
 
 Commands are never read in the middle of a step: an abort takes effect before the next one, so a
 cancelled request's blocks are free within one step.
+
+The loop emits after every step with outputs, after every batch of commands, and at least every
+`heartbeat_s` while it steps without outputs (prefill chunks, a step that could schedule nothing):
+a step that finished is what a watchdog outside this process counts as progress.
 """
 
 from __future__ import annotations
@@ -74,20 +78,28 @@ class StepClock:
         self.dead: BaseException | None = None  # set by the watchdog: the loop ends after this step
 
 
-class StepWatchdog:
-    """Watches the engine loop from a thread of its own: when one step has run longer than
-    `timeout_s`, it marks the clock dead, calls `on_hang(error)` once and stops watching. A hung
-    step cannot be interrupted from Python (it may be stuck inside a CUDA call); the owner fails
-    the waiting RPCs, turns readiness off and lets the process exit for a supervisor to restart."""
+class Watchdog:
+    """Watches for progress from a thread of its own. `waiting_since()` says since when progress is
+    awaited (monotonic seconds), or None while nothing is (an idle engine is not a stall). Once the
+    wait exceeds `timeout_s`, `describe(waited_s)` names the stall, `on_stall(error)` is called once
+    and the watch ends. A stall cannot be interrupted from Python (a step stuck in a CUDA call, a
+    stopped process): the owner fails the waiting RPCs, turns readiness off and exits for a
+    supervisor to restart.
 
-    def __init__(self, clock: StepClock, timeout_s: float, on_hang: Callable[[StepTimeoutError], None]) -> None:
+    Two watch the engine: on a thread, `StepClock.step_started_at` (a step that runs too long);
+    in a child process, the parent's time since it last heard from the child while requests are in
+    flight (engine_process.py), which also sees a child that is stopped or frozen as a whole."""
+
+    def __init__(self, timeout_s: float, waiting_since: Callable[[], float | None],
+                 describe: Callable[[float], str], on_stall: Callable[[StepTimeoutError], None]) -> None:
         if timeout_s <= 0:
             raise ValueError(f"step timeout must be > 0, got {timeout_s}")
-        self.clock = clock
         self.timeout_s = timeout_s
-        self.on_hang = on_hang
+        self._waiting_since = waiting_since
+        self._describe = describe
+        self._on_stall = on_stall
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, name="step-watchdog", daemon=True)
+        self._thread = threading.Thread(target=self._watch, name="engine-watchdog", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
@@ -96,16 +108,30 @@ class StepWatchdog:
         self._stop.set()
 
     def _watch(self) -> None:
-        interval = min(1.0, self.timeout_s / 4)
-        while not self._stop.wait(interval):
-            started = self.clock.step_started_at
-            if started is None or time.monotonic() - started <= self.timeout_s:
+        while not self._stop.wait(heartbeat_interval(self.timeout_s)):
+            since = self._waiting_since()
+            if since is None or (waited := time.monotonic() - since) <= self.timeout_s:
                 continue
-            err = StepTimeoutError(f"engine step {self.clock.steps} has run for more than {self.timeout_s} s")
-            log.error("engine_step_hung", step=self.clock.steps, timeout_s=self.timeout_s)
-            self.clock.dead = err
-            self.on_hang(err)
+            self._on_stall(StepTimeoutError(self._describe(waited)))
             return
+
+
+def heartbeat_interval(timeout_s: float) -> float:
+    """How often a watchdog of `timeout_s` looks, and how often the loop reports while busy."""
+    return min(1.0, timeout_s / 4)
+
+
+def step_watchdog(clock: StepClock, timeout_s: float, on_hang: Callable[[StepTimeoutError], None]) -> Watchdog:
+    """The watchdog of a loop on a thread of this process: one step running past `timeout_s`
+    marks the clock dead (the loop ends after it, if it ever returns) and calls `on_hang`."""
+
+    def hung(err: StepTimeoutError) -> None:
+        log.error("engine_step_hung", step=clock.steps, timeout_s=timeout_s)
+        clock.dead = err
+        on_hang(err)
+
+    return Watchdog(timeout_s, lambda: clock.step_started_at,
+                    lambda waited: f"engine step {clock.steps} has run for more than {timeout_s} s", hung)
 
 
 def apply_commands(engine: LLMEngine, commands: list[Command]) -> tuple[list[RequestOutput], int]:
@@ -130,11 +156,14 @@ def apply_commands(engine: LLMEngine, commands: list[Command]) -> tuple[list[Req
     return refused, taken
 
 
-def run_engine_loop(engine: LLMEngine, inbox: Inbox, clock: StepClock, emit: Emit) -> None:
+def run_engine_loop(engine: LLMEngine, inbox: Inbox, clock: StepClock, emit: Emit, *,
+                    heartbeat_s: float = 1.0) -> None:
     """Steps the engine while it has work, applying commands between steps, until the inbox is
-    closed or the watchdog gives up on a step. Exceptions of the loop itself propagate; either
-    way every request left in the engine is aborted on the way out."""
+    closed or the watchdog gives up on a step. Emits what each step made, and at least every
+    `heartbeat_s` while stepping. Exceptions of the loop itself propagate; either way every request
+    left in the engine is aborted on the way out."""
     taken = 0
+    emitted_at = time.monotonic()
     try:
         while True:
             commands = inbox.take(block=not engine.has_unfinished())
@@ -151,8 +180,10 @@ def run_engine_loop(engine: LLMEngine, inbox: Inbox, clock: StepClock, emit: Emi
                     clock.step_started_at = None
             if clock.dead is not None:
                 return  # the watchdog gave up on this step; the owner failed its requests
-            if outputs or commands:
+            now = time.monotonic()
+            if outputs or commands or now - emitted_at >= heartbeat_s:
                 emit(outputs, engine.stats(), clock.steps, taken)
+                emitted_at = now
     finally:
         engine.abort_all()
         engine.close()

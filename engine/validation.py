@@ -9,9 +9,10 @@ from engine.errors import PromptError
 from engine.sampling_params import SamplingParams, SamplingParamsError
 
 
-def prompt_too_long(num_tokens: int, max_model_len: int) -> PromptError:
-    return PromptError("prompt", f"prompt has {num_tokens} tokens; the context length is {max_model_len} "
-                                 "and at least one token must be generated", "PROMPT_TOO_LONG")
+def prompt_too_long(num_tokens: int, max_model_len: int, *, at_least: bool = False) -> PromptError:
+    """`at_least`: `num_tokens` is a lower bound (the text was refused before it was tokenized)."""
+    return PromptError("prompt", f"prompt has {'at least ' if at_least else ''}{num_tokens} tokens; the context "
+                                 f"length is {max_model_len} and at least one token must be generated", "PROMPT_TOO_LONG")
 
 
 def check_request(prompt_token_ids: list[int], sampling: SamplingParams, *, config: EngineConfig,

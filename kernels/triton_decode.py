@@ -29,7 +29,16 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_tile import accumulate_pv, dot_types, load, online_softmax, pad_head_dim, paged_slots, tile_scores
+from kernels.triton_tile import (
+    INT8_BIAS,
+    dot_types,
+    int8_pv,
+    int8_scores,
+    load,
+    online_softmax,
+    pad_head_dim,
+    paged_slots,
+)
 
 LOG2E = 1.4426950408889634
 BLOCK_M = 16  # tl.dot needs M >= 16 on the GPU; G query heads are padded up to this
@@ -44,26 +53,42 @@ _CACHE_DTYPES = (torch.int8, torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit
-def _decode_tile(acc, m_i, l_i, q, k_base, v_base, ks_base, vs_base, bt_row, tile_start, lo, end,
-                 stride_kp, stride_kt, stride_sp, offs_d, d_ok,
-                 PAGE: tl.constexpr, BLOCK_N: tl.constexpr, IS_INT8: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                 PRECISION: tl.constexpr, V_ASM: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr):
+def _decode_tile(acc, m_i, l_i, q, q2, qa, qa2, k_base, v_base, ks_base, vs_base, bt_row, tile_start, lo, end,
+                 offs_d, d_ok, HKV: tl.constexpr, D: tl.constexpr, K_T: tl.constexpr,
+                 PAGE: tl.constexpr, BLOCK_N: tl.constexpr, IS_INT8: tl.constexpr, K_MODE: tl.constexpr,
+                 V_MODE: tl.constexpr, DOT_DTYPE: tl.constexpr, QK_DTYPE: tl.constexpr, PV_DTYPE: tl.constexpr,
+                 PRECISION: tl.constexpr, ASM: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr):
     """Keys [tile_start, tile_start + BLOCK_N) of one sequence's pages; when MASKED, only those in
     [lo, end) count."""
     offs_n = tile_start + tl.arange(0, BLOCK_N)
     key_ok = (offs_n >= lo) & (offs_n < end)
     page, slot = paged_slots(bt_row, offs_n, key_ok, PAGE, MASKED)
-    row = page * stride_kp + slot * stride_kt  # (BLOCK_N,) int64 element offset of each key
+    # contiguous caches: a page is PAGE rows of HKV * D elements; its scales HKV rows of PAGE
+    row = page * (PAGE * HKV * D) + slot * (HKV * D)  # (BLOCK_N,) int64 element offset of each key
     use_mask: tl.constexpr = MASKED or not EVEN_D
-    kt = load(k_base + row[None, :] + offs_d[:, None], key_ok[None, :] & d_ok[:, None], 0.0, use_mask)  # (D, N)
-    srow = page * stride_sp + slot  # (BLOCK_N,) offset into this kv head's scale pages (int8 only)
-    s = tile_scores(q, kt, ks_base + srow, key_ok, key_ok[None, :], True, IS_INT8, MASKED, DOT_DTYPE, PRECISION)
+    kv_off = row[:, None] + offs_d[None, :]  # (N, D): K and V share their offsets
+    kv_ok = key_ok[:, None] & d_ok[None, :]
+    if K_T:  # K loaded as (D, N) (a layout of its own)
+        kt = load(k_base + row[None, :] + offs_d[:, None], key_ok[None, :] & d_ok[:, None], 0, use_mask)
+    else:
+        kt = tl.trans(load(k_base + kv_off, kv_ok, 0, use_mask))  # (D, N)
+    srow = page * (HKV * PAGE) + slot  # (BLOCK_N,) offset into this kv head's scale pages (int8 only)
+    if IS_INT8:
+        s = int8_scores(q, q2, qa, qa2, kt, K_MODE, QK_DTYPE, PRECISION, ASM)
+        # the scales are loaded after the dot: before it they stay live across it (registers)
+        s = s * load(ks_base + srow, key_ok, 0.0, MASKED).to(tl.float32)[None, :]
+    else:
+        s = tl.dot(q, kt.to(DOT_DTYPE), input_precision=PRECISION)
+    if MASKED:
+        s = tl.where(key_ok[None, :], s, float("-inf"))
     p, alpha, m_i, l_i = online_softmax(s, m_i, l_i, False)  # every split's first tile shows a key
-    v = load(v_base + row[:, None] + offs_d[None, :], key_ok[:, None] & d_ok[None, :], 0.0, use_mask)  # (N, D)
-    v_s = 0.0
+    v = load(v_base + kv_off, kv_ok, 0, use_mask)  # (N, D)
+    acc = acc * alpha[:, None]
     if IS_INT8:
         v_s = load(vs_base + srow, key_ok, 0.0, MASKED).to(tl.float32)
-    acc = accumulate_pv(acc, alpha, p, v, v_s, IS_INT8, V_ASM, DOT_DTYPE, PRECISION)
+        acc += int8_pv(p, v, v_s, V_MODE, PV_DTYPE, PRECISION, ASM)
+    else:
+        acc += tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=PRECISION)
     return acc, m_i, l_i
 
 
@@ -74,14 +99,13 @@ def _decode_stage1(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, lse_ptr,
     qk_scale,
     stride_qb, stride_qh,
-    stride_kp, stride_kt, stride_kh,
-    stride_sp, stride_sh,
     stride_btb,
     stride_ob, stride_oh,
     num_splits,
-    G: tl.constexpr, HQ: tl.constexpr, DIRECT: tl.constexpr, WINDOW: tl.constexpr,
+    G: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, K_T: tl.constexpr, SPLIT_TOKENS: tl.constexpr, DIRECT: tl.constexpr, WINDOW: tl.constexpr,
     PAGE: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_INT8: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, V_ASM: tl.constexpr,
+    IS_INT8: tl.constexpr, K_MODE: tl.constexpr, V_MODE: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    QK_DTYPE: tl.constexpr, PV_DTYPE: tl.constexpr, PRECISION: tl.constexpr, ASM: tl.constexpr,
 ):
     h = tl.program_id(0)  # kv head: a sequence's Hkv programs launch side by side
     b = tl.program_id(1)
@@ -93,9 +117,13 @@ def _decode_stage1(
         lo = tl.maximum(seq_len - WINDOW, 0)  # the oldest key the query still sees
     first = lo // BLOCK_N * BLOCK_N
     num_tiles = tl.cdiv(seq_len - first, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_tiles, num_splits)
-    start = first + split * tiles_per_split * BLOCK_N
-    end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
+    if SPLIT_TOKENS > 0:  # splits at fixed key positions: the same for a sequence in any batch
+        start = tl.maximum(split * SPLIT_TOKENS, first)
+        end = tl.minimum((split + 1) * SPLIT_TOKENS, seq_len)
+    else:  # the sequence's tiles shared out evenly over num_splits
+        tiles_per_split = tl.cdiv(num_tiles, num_splits)
+        start = first + split * tiles_per_split * BLOCK_N
+        end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
     full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N  # unmasked tiles stop here
 
     EVEN_D: tl.constexpr = D == D_PAD
@@ -106,12 +134,28 @@ def _decode_stage1(
     heads = h * G + offs_m  # query heads of this kv head, (BLOCK_M,)
     q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # padded rows are 0: their scores are finite
-    q = (q.to(tl.float32) * qk_scale).to(DOT_DTYPE)
+    qf = q.to(tl.float32) * qk_scale  # (BLOCK_M, D_PAD), log2(e) folded in: exp2 below
+    # Per-row terms of the int8 score modes (see _int8_scores); unused ones are placeholders.
+    qa = tl.zeros((BLOCK_M,), tl.float32)
+    qa2 = qa
+    if IS_INT8 and K_MODE == 1:
+        q = qf.to(QK_DTYPE)
+        q2 = q
+        qa = INT8_BIAS * tl.sum(q.to(tl.float32), axis=1)
+    elif IS_INT8 and K_MODE >= 2:
+        qa = tl.maximum(tl.max(tl.abs(qf), axis=1), 1e-30) / 127.0  # per query head
+        q1f = tl.floor(qf / qa[:, None] + 0.5)  # |q1| <= 127
+        qa2 = qa / 254.0
+        q2 = tl.floor((qf - q1f * qa[:, None]) / qa2[:, None] + 0.5).to(tl.int8)  # remainder <= qa / 2
+        q = q1f.to(tl.int8)
+    else:
+        q = qf.to(QK_DTYPE)
+        q2 = q
 
-    k_base = k_ptr + h.to(tl.int64) * stride_kh
-    v_base = v_ptr + h.to(tl.int64) * stride_kh
-    ks_base = ks_ptr + h.to(tl.int64) * stride_sh
-    vs_base = vs_ptr + h.to(tl.int64) * stride_sh
+    k_base = k_ptr + h * D
+    v_base = v_ptr + h * D
+    ks_base = ks_ptr + h * PAGE
+    vs_base = vs_ptr + h * PAGE
     bt_row = bt_ptr + b.to(tl.int64) * stride_btb
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
@@ -120,20 +164,20 @@ def _decode_stage1(
     if WINDOW > 0:  # the window's first tile starts mid-tile: mask every tile (a rare model kind)
         for tile_start in range(start, end, BLOCK_N):
             acc, m_i, l_i = _decode_tile(
-                acc, m_i, l_i, q, k_base, v_base, ks_base, vs_base, bt_row, tile_start, lo, end,
-                stride_kp, stride_kt, stride_sp, offs_d, d_ok,
-                PAGE, BLOCK_N, IS_INT8, DOT_DTYPE, PRECISION, V_ASM, True, EVEN_D)
+                acc, m_i, l_i, q, q2, qa, qa2, k_base, v_base, ks_base, vs_base, bt_row, tile_start, lo, end,
+                offs_d, d_ok, HKV, D, K_T,
+                PAGE, BLOCK_N, IS_INT8, K_MODE, V_MODE, DOT_DTYPE, QK_DTYPE, PV_DTYPE, PRECISION, ASM, True, EVEN_D)
     else:
         for tile_start in range(start, full_end, BLOCK_N):
             acc, m_i, l_i = _decode_tile(
-                acc, m_i, l_i, q, k_base, v_base, ks_base, vs_base, bt_row, tile_start, lo, end,
-                stride_kp, stride_kt, stride_sp, offs_d, d_ok,
-                PAGE, BLOCK_N, IS_INT8, DOT_DTYPE, PRECISION, V_ASM, False, EVEN_D)
+                acc, m_i, l_i, q, q2, qa, qa2, k_base, v_base, ks_base, vs_base, bt_row, tile_start, lo, end,
+                offs_d, d_ok, HKV, D, K_T,
+                PAGE, BLOCK_N, IS_INT8, K_MODE, V_MODE, DOT_DTYPE, QK_DTYPE, PV_DTYPE, PRECISION, ASM, False, EVEN_D)
         if full_end < end:
             acc, m_i, l_i = _decode_tile(
-                acc, m_i, l_i, q, k_base, v_base, ks_base, vs_base, bt_row, full_end, lo, end,
-                stride_kp, stride_kt, stride_sp, offs_d, d_ok,
-                PAGE, BLOCK_N, IS_INT8, DOT_DTYPE, PRECISION, V_ASM, True, EVEN_D)
+                acc, m_i, l_i, q, q2, qa, qa2, k_base, v_base, ks_base, vs_base, bt_row, full_end, lo, end,
+                offs_d, d_ok, HKV, D, K_T,
+                PAGE, BLOCK_N, IS_INT8, K_MODE, V_MODE, DOT_DTYPE, QK_DTYPE, PV_DTYPE, PRECISION, ASM, True, EVEN_D)
 
     # An empty split (or a zero-length padding sequence) has l = 0: write 0 and lse = -inf.
     has = l_i > 0.0
@@ -178,15 +222,19 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def default_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, sm_count: int) -> int:
-    """Splits per sequence so that B * Hkv * splits stage-1 programs give every SM about WAVES of
-    them, but no split is shorter than MIN_SPLIT_TOKENS (stage 2 and the workspace would then cost
-    more than the extra programs gain). B * Hkv >= WAVES * SMs already fills the chip: 1 split, and
-    no stage 2."""
+def default_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, sm_count: int, per_sm: float = WAVES) -> int:
+    """Splits per sequence so that B * Hkv * splits stage-1 programs give every SM about `per_sm`
+    of them (the programs a config keeps resident per SM; WAVES for the 16-bit tables), but no split
+    is shorter than MIN_SPLIT_TOKENS (stage 2 and the workspace would then cost more than the extra
+    programs gain). B * Hkv >= per_sm * SMs already fills the chip: 1 split, and no stage 2."""
     programs = batch * num_kv_heads
-    want = triton.cdiv(WAVES * sm_count, programs)
+    want = max(1, round(per_sm * sm_count / programs))
     cap = max(1, triton.cdiv(max_seq_len, MIN_SPLIT_TOKENS))
     return max(1, min(want, cap, MAX_SPLITS))
+
+
+K_MODES = {"cast": 0, "bias": 1, "imma": 2, "imma1": 3}  # see _int8_scores
+V_MODES = {"cast": 0, "asm": 1, "bias": 2}  # see _int8_pv
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,25 +245,32 @@ class DecodeConfig:
     num_warps: int = 4
     num_stages: int = 3  # software-pipelining depth of the K/V loads
     maxnreg: int | None = None  # register cap per thread (None: the compiler's choice)
-    v_asm: bool = True  # int8 V to fp16 in inline PTX before shared memory (GPU only)
+    k_mode: str = "cast"  # int8 scores: one of K_MODES
+    v_mode: str = "asm"  # int8 P V: one of V_MODES (the PTX conversions only on the GPU)
+    tight_m: bool = False  # dot rows = the GQA group (padded to a power of two), not >= 16
+    k_t: bool = True  # K loaded as (D, N) (its own addresses) rather than (N, D) like V
+    per_sm: float = WAVES  # stage-1 programs resident per SM, for the split-count heuristic
 
 
 def _config(d_pad: int, page: int, cache_dtype: torch.dtype, on_gpu: bool) -> DecodeConfig:
     """Launch table, by the padded head dim. Interpreter: small tiles keep masked work low. GPU:
-    measured on an H200 with benchmarks/decode_variants.py (B=64 ctx 4096 / B=1 ctx 32768 / B=256
-    ctx 512; Hq 32, Hkv 8, D 128, page 16). int8: BLOCK_N 128 / 3 stages beat 64 / 2-3 stages by
-    10-40 % (twice the bytes per tile for the same per-tile overhead; 255 registers, 2 programs per
-    SM, and 512 programs fill two whole waves); 32 was 2x slower. 16-bit pages: BLOCK_N 64 / 2
-    stages (4.1 TB/s), 128 within 1 %. D=64 int8: see below. Head dims past 128 halve the tile so
-    that a tile's registers stay those of D 128."""
+    measured on an H200 with benchmarks/decode_variants.py (RESULTS.md, issue 26: Hq 32, Hkv 8,
+    page 16, the issue's shapes). int8 at head dim 128: 4 warps over 64-key tiles, the group's 4
+    query rows without padding registers (128 registers, 4 programs and 16 warps per SM; the old
+    2-warp table used 255 and spilled), scores on int8 tensor cores, V read as 1152 + V. Head dim
+    64: 2 warps over 128-key tiles (the 4-warp table lost at 400-token contexts). Head dims past
+    128 keep the old table (halved tiles, not measured again). 16-bit pages: BLOCK_N 64 / 2 stages
+    (4.1-4.5 TB/s)."""
     if not on_gpu:
-        return DecodeConfig(block_n=max(16, min(page, 32)), num_stages=1)
+        return DecodeConfig(block_n=max(16, min(page, 32)), num_stages=1, k_mode="cast", v_mode="cast")
     wide = d_pad > 128
     if cache_dtype == torch.int8:
-        # 2 warps (2026-12-01, same H200, decode_variants.py --engine, fp16 scales): at D 128
-        # 0.248 ms (B64 ctx4096) and 0.122 ms (B256 ctx512) against 0.287 / 0.154 with 4 warps;
-        # at D 64 0.089 (B256 ctx400) and 0.123 (B64 ctx4096) against 0.095 / 0.146.
-        return DecodeConfig(block_n=64 if wide else 128, num_warps=2, num_stages=2)
+        if wide:
+            return DecodeConfig(block_n=64, num_warps=2, num_stages=2, k_mode="cast", v_mode="asm")
+        k_mode = "imma" if d_pad >= 32 else "bias"
+        if d_pad >= 128:
+            return DecodeConfig(64, 4, 2, k_mode=k_mode, v_mode="bias", tight_m=True, k_t=False, per_sm=4)
+        return DecodeConfig(128, 2, 2, k_mode=k_mode, v_mode="bias", tight_m=True)
     if cache_dtype == torch.float32:
         return DecodeConfig(block_n=16 if wide else 32 if d_pad >= 128 else 64, num_stages=2)
     return DecodeConfig(block_n=32 if wide else 64 if d_pad >= 128 else 128, num_stages=2)
@@ -234,6 +289,7 @@ def paged_decode(
     max_seq_len: int | None = None,
     num_splits: int | None = None,
     window: int | None = None,
+    split_tokens: int | None = None,
     out: torch.Tensor | None = None,
     config: DecodeConfig | None = None,
 ) -> torch.Tensor:
@@ -244,8 +300,12 @@ def paged_decode(
     PAGE) fp16 iff int8; block_tables (B, max_blocks) int32 (entries past a sequence's last page
     are never read); seq_lens (B,) int32, >= 1. max_seq_len: a host bound on seq_lens, saves a
     device sync when num_splits is not given. num_splits: force the split count (1 = no stage 2).
-    window: sliding-window width (the query sees its last `window` keys), None = all. out: (B, Hq,
-    D) q.dtype, written in full. config: overrides the launch table (benchmarks). Returns out.
+    window: sliding-window width (the query sees its last `window` keys), None = all.
+    split_tokens: split each sequence at fixed key positions, every `split_tokens` keys (a multiple
+    of the tile, e.g. 512), and merge the splits in a fixed order: a sequence's output is then the
+    same bits in any batch (the default split count depends on the batch size and the longest
+    sequence; with split_tokens only on the sequence itself, up to MAX_SPLITS splits). out: (B,
+    Hq, D) q.dtype, written in full. config: overrides the launch table (benchmarks). Returns out.
     """
     assert q.dim() == 3, f"q must be (B, Hq, D), got {tuple(q.shape)}"
     assert q.dtype in _Q_DTYPES, f"unsupported q dtype {q.dtype}"
@@ -261,8 +321,7 @@ def paged_decode(
     group = hq // hkv
     assert 1 <= group <= MAX_GROUP, f"GQA group {group} outside 1..{MAX_GROUP}"
     assert q.stride(2) == 1, "q's last dim must be contiguous"
-    assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1, (
-        "caches need equal strides and a contiguous last dim")
+    assert k_cache.is_contiguous() and v_cache.is_contiguous(), "caches must be contiguous"
     assert window is None or window >= 1, f"window {window} must be >= 1"
     is_int8 = k_cache.dtype == torch.int8
     if is_int8:
@@ -270,12 +329,9 @@ def paged_decode(
         for s in (k_scale, v_scale):
             assert s is not None and s.dtype == torch.float16 and tuple(s.shape) == want, (
                 f"int8 cache needs fp16 scales of shape {want}")
-            assert s.stride(2) == 1, "scales' last dim must be contiguous"
-        assert k_scale.stride() == v_scale.stride(), "k_scale and v_scale need equal strides"
-        sp, sh = k_scale.stride(0), k_scale.stride(1)
+            assert s.is_contiguous(), "scales must be contiguous"
     else:
         assert k_scale is None and v_scale is None, "scales are only for int8 caches"
-        sp, sh = 0, 0
     assert block_tables.dim() == 2 and block_tables.shape[0] == b and block_tables.stride(1) == 1, (
         f"block_tables must be ({b}, max_blocks), rows contiguous")
     assert block_tables.dtype == torch.int32, f"block_tables must be int32: {block_tables.dtype}"
@@ -296,15 +352,31 @@ def paged_decode(
     dot_dtype, precision = dot_types(q.dtype, on_gpu)
     d_pad = pad_head_dim(d)
     cfg = config or _config(d_pad, page, k_cache.dtype, on_gpu)
+    assert cfg.k_mode in K_MODES and cfg.v_mode in V_MODES, f"unknown int8 modes {cfg.k_mode}, {cfg.v_mode}"
+    assert not (is_int8 and cfg.k_mode.startswith("imma") and d_pad < 32), "int8 tensor-core scores need D >= 32"
+    assert on_gpu or cfg.v_mode != "asm", "v_mode 'asm' is inline PTX: GPU only"
+    # The int8 modes that read K or V as fp16 do so in fp16 on the GPU; the interpreter keeps the
+    # dot dtype (its fp32 dots check the same algebra exactly).
+    half = tl.float16 if on_gpu else dot_dtype
     extra = {} if cfg.maxnreg is None or not on_gpu else {"maxnreg": cfg.maxnreg}
 
+    if split_tokens is not None:
+        assert split_tokens % cfg.block_n == 0, f"split_tokens {split_tokens} not a multiple of {cfg.block_n}"
+        if max_seq_len is None:
+            max_seq_len = int(seq_lens.max())  # device sync; callers pass max_seq_len to avoid it
+        need = triton.cdiv(max_seq_len, split_tokens)
+        assert need <= MAX_SPLITS, f"{need} splits of {split_tokens} tokens: more than {MAX_SPLITS}"
+        assert num_splits is None or num_splits >= need, f"num_splits {num_splits} < {need}"
+        num_splits = num_splits or need
     if num_splits is None:
         if max_seq_len is None:
             max_seq_len = int(seq_lens.max())  # device sync; callers pass max_seq_len to avoid it
         sms = _sm_count(q.device.index or 0) if on_gpu else 1
-        num_splits = default_num_splits(b, hkv, min(max_seq_len, window or max_seq_len), sms)
+        num_splits = default_num_splits(b, hkv, min(max_seq_len, window or max_seq_len), sms, cfg.per_sm)
     assert num_splits >= 1, f"num_splits {num_splits} < 1"
-    block_m = max(BLOCK_M, triton.next_power_of_2(group))
+    # M rows of the dots: the group padded to a power of two (the layout pads to the MMA's 16 rows
+    # itself, without registers for the padding), or at least BLOCK_M (the old layout).
+    block_m = triton.next_power_of_2(group) if cfg.tight_m else max(BLOCK_M, triton.next_power_of_2(group))
 
     if num_splits == 1:
         part = lse = out  # unused by the kernel
@@ -317,20 +389,20 @@ def paged_decode(
         q, k_cache, v_cache, ks, vs, block_tables, seq_lens, out, part, lse,
         softmax_scale * LOG2E,
         q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        sp, sh,
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         num_splits,
-        G=group, HQ=hq, DIRECT=num_splits == 1, WINDOW=window or 0,
+        G=group, HQ=hq, HKV=hkv, K_T=cfg.k_t, SPLIT_TOKENS=split_tokens or 0, DIRECT=num_splits == 1, WINDOW=window or 0,
         PAGE=page, D=d, D_PAD=d_pad, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
-        IS_INT8=is_int8, DOT_DTYPE=dot_dtype, PRECISION=precision, V_ASM=is_int8 and on_gpu and cfg.v_asm,
+        IS_INT8=is_int8, K_MODE=K_MODES[cfg.k_mode], V_MODE=V_MODES[cfg.v_mode], DOT_DTYPE=dot_dtype,
+        QK_DTYPE=half if is_int8 and cfg.k_mode == "bias" else dot_dtype,
+        PV_DTYPE=half if is_int8 and cfg.v_mode != "cast" else dot_dtype, PRECISION=precision, ASM=on_gpu,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
     )
     if num_splits > 1:
         _decode_stage2[(b, hq)](
             part, lse, out, out.stride(0), out.stride(1), num_splits,
-            HQ=hq, SPLITS_P2=triton.next_power_of_2(num_splits), D=d, D_PAD=d_pad,
+            HQ=hq, SPLITS_P2=max(MAX_SPLITS, triton.next_power_of_2(num_splits)), D=d, D_PAD=d_pad,
             num_warps=4 if d_pad >= 128 else 2,
         )
     return out

@@ -40,7 +40,18 @@ import triton
 import triton.language as tl
 
 from kernels.reference import _check_cache
-from kernels.triton_tile import accumulate_pv, dot_types, load, online_softmax, pad_head_dim, paged_slots, tile_scores
+from kernels.triton_tile import (
+    INT8_BIAS,
+    accumulate_pv,
+    dot_types,
+    int8_pv,
+    int8_scores,
+    load,
+    online_softmax,
+    pad_head_dim,
+    paged_slots,
+    tile_scores,
+)
 
 _LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256
@@ -71,12 +82,15 @@ def _visible(key_pos, key_ok, pos, WINDOW: tl.constexpr):
 
 
 @triton.jit
-def _cache_tile(acc, m_i, l_i, q, pos, start, key_end, bt_row, k_cache_ptr, v_cache_ptr, k_scale_ptr,
+def _cache_tile(acc, m_i, l_i, q, q2, qa, qa2, pos, start, key_end, bt_row, k_cache_ptr, v_cache_ptr, k_scale_ptr,
                 v_scale_ptr, kv_head_off, scale_head_off, stride_cb, stride_ct, offs_d, d_ok,
                 HKV: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr,
                 WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
-                MASKED: tl.constexpr, EVEN_D: tl.constexpr):
-    """Cached keys [start, start + BLOCK_N) (those < key_end), read through the block table."""
+                MASKED: tl.constexpr, EVEN_D: tl.constexpr, K_MODE: tl.constexpr, V_MODE: tl.constexpr,
+                QK_DTYPE: tl.constexpr, PV_DTYPE: tl.constexpr, ASM: tl.constexpr):
+    """Cached keys [start, start + BLOCK_N) (those < key_end), read through the block table. int8
+    pages with K_MODE / V_MODE > 0 take triton_tile's int8_scores / int8_pv paths (q, q2, qa, qa2
+    prepared for K_MODE as the decode kernel does)."""
     offs_n = start + tl.arange(0, BLOCK_N)
     key_ok = offs_n < key_end
     page, slot = paged_slots(bt_row, offs_n, key_ok, BLOCK_SIZE, MASKED)
@@ -85,13 +99,21 @@ def _cache_tile(acc, m_i, l_i, q, pos, start, key_end, bt_row, k_cache_ptr, v_ca
     kv_mask = key_ok[:, None] & d_ok[None, :]
     k = load(k_cache_ptr + row[:, None] + offs_d[None, :], kv_mask, 0.0, use_mask)
     scale_off = page * (HKV * BLOCK_SIZE) + scale_head_off + slot  # int8 only
-    s = tile_scores(q, k, k_scale_ptr + scale_off, key_ok, _visible(offs_n, key_ok, pos, WINDOW), False, QUANT,
-                    MASKED, DOT_DTYPE, PRECISION)
+    if QUANT and K_MODE > 0:
+        s = int8_scores(q, q2, qa, qa2, tl.trans(k), K_MODE, QK_DTYPE, PRECISION, ASM)
+        s = s * load(k_scale_ptr + scale_off, key_ok, 0.0, MASKED).to(tl.float32)[None, :]
+        if MASKED:
+            s = tl.where(_visible(offs_n, key_ok, pos, WINDOW), s, float("-inf"))
+    else:
+        s = tile_scores(q, k, k_scale_ptr + scale_off, key_ok, _visible(offs_n, key_ok, pos, WINDOW), False, QUANT,
+                        MASKED, DOT_DTYPE, PRECISION)
     p, alpha, m_i, l_i = online_softmax(s, m_i, l_i, WINDOW > 0)
-    v = load(v_cache_ptr + row[:, None] + offs_d[None, :], kv_mask, 0.0, use_mask)
+    v = load(v_cache_ptr + row[:, None] + offs_d[None, :], kv_mask, 0, use_mask)
     v_s = 0.0
     if QUANT:
         v_s = load(v_scale_ptr + scale_off, key_ok, 0.0, MASKED).to(tl.float32)
+    if QUANT and V_MODE > 0:
+        return acc * alpha[:, None] + int8_pv(p, v, v_s, V_MODE, PV_DTYPE, PRECISION, ASM), m_i, l_i
     return accumulate_pv(acc, alpha, p, v, v_s, QUANT, False, DOT_DTYPE, PRECISION), m_i, l_i
 
 
@@ -127,7 +149,8 @@ def _extend_kernel(q_ptr, kn_ptr, vn_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr,
                    HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, QUANT: tl.constexpr, NEW_KV: tl.constexpr, WINDOW: tl.constexpr,
-                   DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+                   DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, K_MODE: tl.constexpr, V_MODE: tl.constexpr,
+                   QK_DTYPE: tl.constexpr, PV_DTYPE: tl.constexpr, ASM: tl.constexpr):
     pid = tl.program_id(0)
     kv_head = pid % HKV
     block_idx = num_q_blocks - 1 - pid // HKV  # longest q-blocks first
@@ -150,7 +173,24 @@ def _extend_kernel(q_ptr, kn_ptr, vn_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr,
     d_ok = offs_d < D
     q_rows = (q_start + tok).to(tl.int64) * stride_qt + q_head.to(tl.int64) * stride_qh
     q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    q = (q.to(tl.float32) * qk_scale).to(DOT_DTYPE)  # log2(e) folded in: exp2 below
+    qf = q.to(tl.float32) * qk_scale  # log2(e) folded in: exp2 below
+    # int8 score modes for the cached tiles (see triton_tile.int8_scores); K_MODE > 0 only without
+    # new K/V, so every tile reads q in the one form
+    qa = tl.zeros([BLOCK_M], dtype=tl.float32)
+    qa2 = qa
+    if K_MODE == 1:
+        q = qf.to(QK_DTYPE)
+        q2 = q
+        qa = INT8_BIAS * tl.sum(q.to(tl.float32), axis=1)
+    elif K_MODE >= 2:
+        qa = tl.maximum(tl.max(tl.abs(qf), axis=1), 1e-30) / 127.0
+        q1f = tl.floor(qf / qa[:, None] + 0.5)
+        qa2 = qa / 254.0
+        q2 = tl.floor((qf - q1f * qa[:, None]) / qa2[:, None] + 0.5).to(tl.int8)
+        q = q1f.to(tl.int8)
+    else:
+        q = qf.to(DOT_DTYPE)
+        q2 = q
     pos = ctx + tok  # position of each row's query; a padding row's is past its block's keys
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -169,22 +209,22 @@ def _extend_kernel(q_ptr, kn_ptr, vn_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr,
         # Cached keys [key_lo, ctx): before every row's query.
         if WINDOW > 0:
             for start in range(tile_lo, ctx, BLOCK_N):
-                acc, m_i, l_i = _cache_tile(acc, m_i, l_i, q, pos, start, ctx, bt_row, k_cache_ptr, v_cache_ptr,
+                acc, m_i, l_i = _cache_tile(acc, m_i, l_i, q, q2, qa, qa2, pos, start, ctx, bt_row, k_cache_ptr, v_cache_ptr,
                                             k_scale_ptr, v_scale_ptr, kv_head_off, scale_head_off, stride_cb,
                                             stride_ct, offs_d, d_ok, HKV, BLOCK_SIZE, BLOCK_N, QUANT, WINDOW,
-                                            DOT_DTYPE, PRECISION, True, EVEN_D)
+                                            DOT_DTYPE, PRECISION, True, EVEN_D, K_MODE, V_MODE, QK_DTYPE, PV_DTYPE, ASM)
         else:
             full = ctx // BLOCK_N * BLOCK_N
             for start in range(0, full, BLOCK_N):
-                acc, m_i, l_i = _cache_tile(acc, m_i, l_i, q, pos, start, ctx, bt_row, k_cache_ptr, v_cache_ptr,
+                acc, m_i, l_i = _cache_tile(acc, m_i, l_i, q, q2, qa, qa2, pos, start, ctx, bt_row, k_cache_ptr, v_cache_ptr,
                                             k_scale_ptr, v_scale_ptr, kv_head_off, scale_head_off, stride_cb,
                                             stride_ct, offs_d, d_ok, HKV, BLOCK_SIZE, BLOCK_N, QUANT, WINDOW,
-                                            DOT_DTYPE, PRECISION, False, EVEN_D)
+                                            DOT_DTYPE, PRECISION, False, EVEN_D, K_MODE, V_MODE, QK_DTYPE, PV_DTYPE, ASM)
             if full < ctx:
-                acc, m_i, l_i = _cache_tile(acc, m_i, l_i, q, pos, full, ctx, bt_row, k_cache_ptr, v_cache_ptr,
+                acc, m_i, l_i = _cache_tile(acc, m_i, l_i, q, q2, qa, qa2, pos, full, ctx, bt_row, k_cache_ptr, v_cache_ptr,
                                             k_scale_ptr, v_scale_ptr, kv_head_off, scale_head_off, stride_cb,
                                             stride_ct, offs_d, d_ok, HKV, BLOCK_SIZE, BLOCK_N, QUANT, WINDOW,
-                                            DOT_DTYPE, PRECISION, True, EVEN_D)
+                                            DOT_DTYPE, PRECISION, True, EVEN_D, K_MODE, V_MODE, QK_DTYPE, PV_DTYPE, ASM)
         # New keys j in [0, j_end): key j sits at position ctx + j.
         kn_base = kn_ptr + kv_head.to(tl.int64) * stride_kh
         vn_base = vn_ptr + kv_head.to(tl.int64) * stride_vh
@@ -210,15 +250,15 @@ def _extend_kernel(q_ptr, kn_ptr, vn_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr,
         if WINDOW == 0:
             free_end = (ctx + first_tok + 1) // BLOCK_N * BLOCK_N
             for start in range(0, free_end, BLOCK_N):
-                acc, m_i, l_i = _cache_tile(acc, m_i, l_i, q, pos, start, last_key, bt_row, k_cache_ptr,
+                acc, m_i, l_i = _cache_tile(acc, m_i, l_i, q, q2, qa, qa2, pos, start, last_key, bt_row, k_cache_ptr,
                                             v_cache_ptr, k_scale_ptr, v_scale_ptr, kv_head_off, scale_head_off,
                                             stride_cb, stride_ct, offs_d, d_ok, HKV, BLOCK_SIZE, BLOCK_N, QUANT,
-                                            WINDOW, DOT_DTYPE, PRECISION, False, EVEN_D)
+                                            WINDOW, DOT_DTYPE, PRECISION, False, EVEN_D, K_MODE, V_MODE, QK_DTYPE, PV_DTYPE, ASM)
         for start in range(free_end, last_key, BLOCK_N):
-            acc, m_i, l_i = _cache_tile(acc, m_i, l_i, q, pos, start, last_key, bt_row, k_cache_ptr, v_cache_ptr,
+            acc, m_i, l_i = _cache_tile(acc, m_i, l_i, q, q2, qa, qa2, pos, start, last_key, bt_row, k_cache_ptr, v_cache_ptr,
                                         k_scale_ptr, v_scale_ptr, kv_head_off, scale_head_off, stride_cb,
                                         stride_ct, offs_d, d_ok, HKV, BLOCK_SIZE, BLOCK_N, QUANT, WINDOW,
-                                        DOT_DTYPE, PRECISION, True, EVEN_D)
+                                        DOT_DTYPE, PRECISION, True, EVEN_D, K_MODE, V_MODE, QK_DTYPE, PV_DTYPE, ASM)
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     o_rows = (q_start + tok).to(tl.int64) * stride_ot + q_head.to(tl.int64) * stride_oh
     tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
@@ -232,9 +272,8 @@ def _interpreting() -> bool:
 def _default_config(d_pad: int, quant: bool, new_kv: bool, interpret: bool) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages). BLOCK_M 128 puts the dots on wgmma (M % 64 == 0,
     warps a multiple of 4). Measured on an H200 at D=128, 4k-token prompts (benchmarks/
-    extend_check.py), every key from the cache: 16-bit caches best at (128, 32, 4, 3); int8 caches
-    at (128, 128, 8, 2), whose wider tile spreads the int8 -> bf16 conversion (not pipelined into
-    shared memory like a 16-bit tile) over more keys. With the new keys read as computed (new_kv),
+    extend_check.py), every key from the cache: 16-bit caches best at (128, 32, 4, 3); int8 caches:
+    see below (they read K on int8 tensor cores and V as 1152 + V, int8_modes). With the new keys read as computed (new_kv),
     a prefill without a cached prefix is 16-bit work: the 16-bit tiles. Head dims past 128 halve
     BLOCK_M so the accumulator keeps its register budget."""
     if interpret:
@@ -242,7 +281,8 @@ def _default_config(d_pad: int, quant: bool, new_kv: bool, interpret: bool) -> t
     if d_pad > 128:
         return 64, 32, 8, 2
     if quant and not new_kv:
-        return (128, 128, 8, 2) if d_pad > 64 else (128, 128, 4, 2)
+        # issue 26: (128, 128, 8, 2) spilled 352 bytes of registers a thread (Triton 3.6, sm_90)
+        return (128, 32, 8, 2) if d_pad > 64 else (128, 64, 4, 2)
     return 128, 32, 4, 3
 
 
@@ -266,6 +306,7 @@ def paged_extend(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    int8_modes: tuple[str, str] | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed queries over the paged cache; contract of
     `kernels.reference.paged_attention`.
@@ -273,12 +314,19 @@ def paged_extend(
     q (T, Hq, D) fp32/fp16/bf16 with unit stride along D, D even and <= 256; caches (num_blocks,
     block_size, Hkv, D) int8 (with fp16 scales (num_blocks, Hkv, block_size)) or float;
     block_tables (B, max_blocks) int32; seq_lens (B,) int32 tokens in the cache incl. the new
-    ones; query_start_loc (B+1,) int32; max_query_len: the largest q_len (a host int: it only sizes
-    BLOCK_M, no sync here). k_new, v_new (T, Hkv, D), unit stride along D: the new
+    ones; query_start_loc (B+1,) int32; max_query_len: a bound on the largest q_len (a host int: it
+    only sizes BLOCK_M, no sync here; short chunks get fewer rows per program, so pass the same
+    bound, e.g. the step's token budget, where outputs must not depend on the batch). k_new, v_new (T, Hkv, D), unit stride along D: the new
     tokens' K/V as computed, read instead of their cached copies. window: sliding-window width
     (each query sees its last `window` keys), None = all. Returns `out` (T, Hq, D) in q.dtype
     (written into `out` when given). block_m/block_n/num_warps/num_stages override the tile
-    configuration (tests, benchmarks).
+    configuration (tests, benchmarks). int8_modes: (k_mode, v_mode) of the cached int8 tiles, as
+    in triton_decode's DecodeConfig, without k_new only (default on the GPU: ("imma", "bias"); the
+    interpreter: ("cast", "cast")).
+
+    Without k_new every key is read as stored, in tiles at fixed key positions (multiples of
+    BLOCK_N from key 0), so a query's output does not depend on where its chunk starts (given the
+    same max_query_len, hence the same tile shapes).
     """
     _check_cache(k_cache, k_scale)
     _check_cache(v_cache, v_scale)
@@ -322,7 +370,14 @@ def paged_extend(
     block_m = max(g_pad, 16, min(block_m, g_pad * triton.next_power_of_2(max_query_len)))
     block_q = block_m // g_pad
     block_n = block_n or cfg_n
-    dot_dtype, precision = dot_types(q.dtype, on_gpu=not interpret and q.is_cuda)
+    on_gpu = not interpret and q.is_cuda
+    dot_dtype, precision = dot_types(q.dtype, on_gpu=on_gpu)
+    if int8_modes is None:
+        int8_modes = ("imma" if d_pad >= 32 else "bias", "bias") if on_gpu and quant and not new_kv else ("cast", "cast")
+    k_mode, v_mode = int8_modes
+    assert not (new_kv and int8_modes != ("cast", "cast")), "int8 modes apply without k_new only"
+    assert k_mode in ("cast", "bias", "imma") and v_mode in ("cast", "bias"), f"int8 modes {int8_modes}"
+    half = tl.float16 if on_gpu else dot_dtype
     num_q_blocks = num_tokens // block_q + num_seqs
     grid = (num_q_blocks * hkv,)
     kn, vn = (k_new, v_new) if new_kv else (q, q)  # unused unless new_kv
@@ -336,6 +391,8 @@ def paged_extend(
         HKV=hkv, G=group, G_PAD=g_pad, D=d, D_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_Q=block_q,
         BLOCK_M=block_m, BLOCK_N=block_n, QUANT=quant, NEW_KV=new_kv, WINDOW=window or 0,
         DOT_DTYPE=dot_dtype, PRECISION=precision,
+        K_MODE={"cast": 0, "bias": 1, "imma": 2}[k_mode] if quant else 0, V_MODE=2 if quant and v_mode == "bias" else 0,
+        QK_DTYPE=half, PV_DTYPE=half, ASM=on_gpu,
         num_warps=num_warps or cfg_warps, num_stages=num_stages or cfg_stages,
     )
     return out

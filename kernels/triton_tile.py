@@ -41,6 +41,32 @@ def int8_to_f16(x):
         constraints="=r,=r,r", args=[x], dtype=tl.float16, is_pure=False, pack=4)
 
 
+INT8_BIAS = tl.constexpr(1152.0)  # int8 x is read as the fp16 number 1152 + x (exact: 1025..1279 are integers in fp16)
+
+
+@triton.jit
+def int8_biased(x, DTYPE: tl.constexpr, ASM: tl.constexpr, PURE: tl.constexpr):
+    """int8 -> DTYPE holding 1152 + x, exactly; the caller subtracts 1152 * (sum of the other dot
+    operand), once per row, so the per-element subtraction of `int8_to_f16` is gone: 3 integer
+    instructions per 4 values (xor 0x80808080 maps x to the byte x + 128; prmt puts it under the
+    fp16 exponent of 1024) instead of 5. ASM: that PTX (fp16 only, GPU only); else plain casts
+    (the interpreter, and any DTYPE). PURE lets Triton apply the conversion where it likes, e.g.
+    after loading K from shared memory in the dot-operand layout (K is contiguous along the dot's
+    reduction, so that load is 32-bit wide); V (reduced along its rows) must convert before its
+    fp16 shared-memory copy, so it is not pure."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 u;
+            xor.b32 u, $2, 0x80808080;
+            prmt.b32 $0, u, 0x64646464, 0x4140;
+            prmt.b32 $1, u, 0x64646464, 0x4342;
+            }""",
+            constraints="=r,=r,r", args=[x], dtype=tl.float16, is_pure=PURE, pack=4)
+    else:
+        return (x.to(tl.float32) + INT8_BIAS).to(DTYPE)
+
+
 @triton.jit
 def load(ptrs, mask, other, USE_MASK: tl.constexpr):
     """tl.load, masked only when USE_MASK (unmasked loads vectorize best)."""
@@ -75,6 +101,41 @@ def tile_scores(q, k, ks_ptrs, key_ok, visible, K_TRANSPOSED: tl.constexpr, QUAN
     if MASKED:
         s = tl.where(visible, s, float("-inf"))
     return s
+
+
+@triton.jit
+def int8_scores(q, q2, qa, qa2, kt, K_MODE: tl.constexpr, QK_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+                 ASM: tl.constexpr):
+    """q K^T of one tile over int8 keys kt (D_PAD, BLOCK_N) (a view), before the keys' scales (K_MODE):
+    0 K cast to QK_DTYPE; 1 K read as 1152 + K (int8_biased) and qa = 1152 * rowsum(q) taken off;
+    2 int8 tensor cores, q = qa * q + qa2 * q2 in two int8 terms; 3 the same with one term."""
+    if K_MODE == 1:
+        return tl.dot(q, int8_biased(kt, QK_DTYPE, ASM, True), input_precision=PRECISION) - qa[:, None]
+    elif K_MODE == 2:
+        s = tl.dot(q, kt, out_dtype=tl.int32).to(tl.float32) * qa[:, None]
+        return s + tl.dot(q2, kt, out_dtype=tl.int32).to(tl.float32) * qa2[:, None]
+    elif K_MODE == 3:
+        return tl.dot(q, kt, out_dtype=tl.int32).to(tl.float32) * qa[:, None]
+    else:
+        return tl.dot(q, kt.to(QK_DTYPE), input_precision=PRECISION)
+
+
+@triton.jit
+def int8_pv(p, v, v_s, V_MODE: tl.constexpr, PV_DTYPE: tl.constexpr, PRECISION: tl.constexpr, ASM: tl.constexpr):
+    """P V of one tile over int8 values v (BLOCK_N, D_PAD) with scales v_s (BLOCK_N,) fp32 (V_MODE):
+    0 P * v_s and V cast to PV_DTYPE; 1 V to fp16 by `int8_to_f16`; 2 V read as 1152 + V
+    (int8_biased) and 1152 * rowsum(P) taken off. 1 and 2 feed P * v_s / max(v_s) in [0, 1] to
+    the dot (no fp16 underflow for small scales) and put max(v_s) back after."""
+    if V_MODE == 0:
+        return tl.dot((p * v_s[None, :]).to(PV_DTYPE), v.to(PV_DTYPE), input_precision=PRECISION)
+    vs_max = tl.maximum(tl.max(v_s, axis=0), 1e-30)
+    p16 = (p * (v_s / vs_max)[None, :]).to(PV_DTYPE)
+    if V_MODE == 1:
+        pv = tl.dot(p16, int8_to_f16(v), input_precision=PRECISION)
+    else:
+        pv = tl.dot(p16, int8_biased(v, PV_DTYPE, ASM, False), input_precision=PRECISION)
+        pv -= INT8_BIAS * tl.sum(p16.to(tl.float32), axis=1)[:, None]
+    return pv * vs_max
 
 
 @triton.jit

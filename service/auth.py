@@ -14,7 +14,7 @@ from pathlib import Path
 
 import grpc
 
-from service.errors import ServiceError
+from service.errors import ServiceError, send_error
 
 # Method prefixes that need no token.
 OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.v1alpha.ServerReflection/",
@@ -33,12 +33,18 @@ def read_token_file(path: str | Path) -> tuple[str, ...]:
 _DENIED = ServiceError(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token", reason="UNAUTHENTICATED")
 
 
-def _deny_unary(request, context: grpc.aio.ServicerContext):
-    return context.abort(_DENIED.code, _DENIED.message, trailing_metadata=_DENIED.trailing_metadata(None))
+def _ignore(data: bytes) -> None:
+    """A refused caller's request is never parsed (it may be a 16 MiB message)."""
+    return None
+
+
+async def _deny_unary(request, context: grpc.aio.ServicerContext) -> None:
+    send_error(context, _DENIED, None)
 
 
 async def _deny_stream(request, context: grpc.aio.ServicerContext):
-    await context.abort(_DENIED.code, _DENIED.message, trailing_metadata=_DENIED.trailing_metadata(None))
+    send_error(context, _DENIED, None)
+    return
     yield  # never reached; makes this an async generator like the handler it stands in for
 
 
@@ -64,19 +70,15 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
             return handler
         if self._authorized(handler_call_details.invocation_metadata):
             return handler
-        # Same kind of handler as the real one, so the request still deserializes normally.
+        # Same kind of handler as the real one, its request left unparsed.
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
-                _deny_unary, request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
+                _deny_unary, request_deserializer=_ignore, response_serializer=handler.response_serializer)
         if handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(
-                _deny_stream, request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
+                _deny_stream, request_deserializer=_ignore, response_serializer=handler.response_serializer)
         if handler.stream_unary is not None:
             return grpc.stream_unary_rpc_method_handler(
-                _deny_unary, request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
+                _deny_unary, request_deserializer=_ignore, response_serializer=handler.response_serializer)
         return grpc.stream_stream_rpc_method_handler(
-            _deny_stream, request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer)
+            _deny_stream, request_deserializer=_ignore, response_serializer=handler.response_serializer)

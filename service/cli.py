@@ -130,8 +130,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-concurrent-rpcs", type=int, default=None,
                    help="RPCs in progress at most (streams included); beyond it RESOURCE_EXHAUSTED (default: no cap)")
     p.add_argument("--step-timeout", type=float, default=60.0,
-                   help="watchdog: an engine step longer than this fails every RPC with UNAVAILABLE, turns "
-                        "readiness off and exits with status 3 (0 = off)")
+                   help="watchdog, in the server process: with requests in flight and no engine step finished for "
+                        "this long (a hung step, a stopped or frozen engine process), every RPC fails with "
+                        "UNAVAILABLE, readiness turns off and the server exits with status 3 (0 = off)")
     p.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve TLS (needs --tls-key) (default: plaintext)")
     p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert (default: none)")
     p.add_argument("--tls-client-ca", default=None,

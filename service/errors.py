@@ -67,6 +67,16 @@ def _pack(status: status_pb2.Status, detail) -> None:
     status.details.append(wrapped)
 
 
+def send_error(context, err: ServiceError, request_id: str | None) -> None:
+    """Ends the RPC with `err` once its method returns: status, message and trailing details set on
+    the context. Not `context.abort()`: that raises an exception grpc.aio keeps with the call, and
+    with it, through its traceback, every frame's locals (the request message, the prompt, what
+    tokenizing it built): measured, 16 refused 1M-character prompts kept ~700 MB alive."""
+    context.set_code(err.code)
+    context.set_details(err.message)
+    context.set_trailing_metadata(err.trailing_metadata(request_id))
+
+
 def invalid_argument(field: str, description: str, reason: str = "INVALID_FIELD") -> ServiceError:
     return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {description}", reason=reason, field=field,
                         description=description)

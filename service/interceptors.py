@@ -13,7 +13,7 @@ import inspect
 import grpc
 from google.protobuf.message import DecodeError
 
-from service.errors import ServiceError
+from service.errors import ServiceError, send_error
 
 
 class _Undecodable:
@@ -36,17 +36,17 @@ def _safe(deserializer):
     return parse
 
 
-async def _reject(request: _Undecodable, context: grpc.aio.ServicerContext) -> None:
-    err = ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"the request message does not parse: {request.error}",
-                       reason="MALFORMED_MESSAGE")
-    await context.abort(err.code, err.message, trailing_metadata=err.trailing_metadata(None))
+def _reject(request: _Undecodable, context: grpc.aio.ServicerContext) -> None:
+    send_error(context, ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                                     f"the request message does not parse: {request.error}",
+                                     reason="MALFORMED_MESSAGE"), None)
 
 
 def _guard(behavior):
     """For a coroutine method (unary responses, or streams written with context.write)."""
     async def call(request, context):
         if isinstance(request, _Undecodable):
-            return await _reject(request, context)
+            return _reject(request, context)
         result = behavior(request, context)
         return await result if inspect.isawaitable(result) else result
 
@@ -57,7 +57,7 @@ def _guard_async_gen(behavior):
     """For a method that is an async generator of responses."""
     async def call(request, context):
         if isinstance(request, _Undecodable):
-            await _reject(request, context)
+            _reject(request, context)
             return
         async for item in behavior(request, context):
             yield item

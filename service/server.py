@@ -33,6 +33,11 @@ log = structlog.get_logger(__name__)
 
 
 EXIT_ENGINE_DEAD = 3  # process exit status after the engine hung (step watchdog) or its process died
+# After the engine died the server answers this long before it stops (readiness already off):
+# RPCs in flight send the status they were failed with, and requests arriving meanwhile are refused
+# with the engine's cause, the one the log records. Stopping at once, grpc would cancel them
+# ("Cancelling all calls") or refuse the connection, and the caller would never see why.
+FATAL_GRACE_S = 2.0
 
 
 @dataclass(slots=True, frozen=True)
@@ -261,6 +266,7 @@ class PieServer:
             raise error
         await asyncio.wait([stopped, asyncio.create_task(self.fatal.wait())], return_when=asyncio.FIRST_COMPLETED)
         if self.fatal.is_set():
+            await asyncio.sleep(min(self.config.grace_s, FATAL_GRACE_S))
             await self.stop(0)
             return EXIT_ENGINE_DEAD
         await self.stop()

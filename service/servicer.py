@@ -7,7 +7,6 @@ import functools
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import NoReturn
 
 import grpc
 import structlog
@@ -22,8 +21,9 @@ from engine.validation import prompt_too_long
 from model import Tokenizer, TooManyTokens
 from pie.v1 import generate_pb2 as pb
 from pie.v1 import generate_pb2_grpc
-from service.errors import ServiceError, invalid_argument
+from service.errors import ServiceError, invalid_argument, send_error
 from service.logging import RequestSummary
+from service.memory import release_free_memory
 from service.metrics import ServiceMetrics
 from service.validation import FieldError, Limits, prompt_from_proto, qualify, request_id_from, sampling_from_proto
 
@@ -32,6 +32,8 @@ log = structlog.get_logger(__name__)
 # Texts up to this many characters are tokenized on the event loop (~1 ms at most); longer ones on
 # a worker thread, with the GIL released (model.Tokenizer.encode), so the loop keeps serving.
 INLINE_TOKENIZE_CHARS = 2048
+# After tokenizing a text this long the worker hands freed heap pages back (service/memory.py).
+RELEASE_MEMORY_CHARS = 65536
 # A unary answer with more logprob entries than this is assembled on a worker thread: building
 # the messages is Python work the loop would otherwise do in one piece (4,096 entries take ~3 ms
 # on this 2-core machine; 16 samples x 2,048 tokens x 21 entries would take ~0.5 s).
@@ -86,8 +88,11 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         # Long tokenizations and large answers run here. One core is left to the event loop: with
         # every core busy tokenizing, the loop waited for a CPU (health checks' p99 38-47 ms with
         # 2 workers on 2 cores while 24 prompts of 1M characters arrived).
-        self._workers = ThreadPoolExecutor(max_workers=max(1, min(4, usable_cores() - 1)),
-                                           thread_name_prefix="servicer-worker")
+        workers = max(1, min(4, usable_cores() - 1))
+        self._workers = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="servicer-worker")
+        # Long tokenizations wait their turn here, on the loop: a burst of long prompts queues
+        # coroutines, not executor jobs, so a caller that cancels while it waits costs nothing.
+        self._tokenize_slots = asyncio.Semaphore(workers)
 
     def close(self) -> None:
         """Lets the worker threads go (after the server stopped)."""
@@ -95,13 +100,16 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
 
     # ---- helpers -------------------------------------------------------------------------
     def _ready_engine(self) -> EngineHandle:
+        # A dead engine first: the server is then shutting down because of it, and the caller
+        # gets the cause the log records, not "shutting down".
+        if self.engine is not None and self.engine.dead is not None:
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"the engine has stopped: {self.engine.dead}",
+                               reason="ENGINE_STOPPED")
         if self.draining:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down", reason="DRAINING")
         if self.engine is None:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, "the model is still loading", reason="MODEL_LOADING",
                                retry_after_s=5.0)
-        if self.engine.dead is not None:
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE, "the engine has stopped", reason="ENGINE_STOPPED")
         return self.engine
 
     @staticmethod
@@ -115,7 +123,10 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     async def _encode(self, engine: EngineHandle, text: str, add_special_tokens: bool = True,
                       max_tokens: int | None = None) -> list[int]:
         encode = functools.partial(engine.tokenizer.encode, text, add_special_tokens, max_tokens=max_tokens)
-        return encode() if len(text) <= INLINE_TOKENIZE_CHARS else await self._off_loop(encode)
+        if len(text) <= INLINE_TOKENIZE_CHARS:
+            return encode()
+        async with self._tokenize_slots:
+            return await self._off_loop(_encode_and_release, encode, len(text) >= RELEASE_MEMORY_CHARS)
 
     async def _submit(self, request, rid: str) -> tuple[EngineHandle, list[int], SamplingParams, RequestStream]:
         engine = self._ready_engine()
@@ -126,7 +137,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             try:  # a prompt must leave room for one token: longer ones are refused uncounted
                 prompt = await self._encode(engine, prompt, max_tokens=max_len - 1)
             except TooManyTokens as e:
-                raise invalid_argument("prompt", prompt_too_long(e.count, max_len).message, "PROMPT_TOO_LONG") from e
+                raise invalid_argument("prompt", prompt_too_long(e.count, max_len, at_least=e.at_least).message,
+                                       "PROMPT_TOO_LONG") from None
             if not prompt:
                 raise FieldError("prompt", "tokenizes to no tokens")
             engine = self._ready_engine()  # it may have stopped while the text was tokenized
@@ -142,11 +154,6 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         except EngineDeadError as e:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, str(e), reason="ENGINE_STOPPED") from e
         return engine, prompt, sampling, stream
-
-    @staticmethod
-    async def _abort(context, err: ServiceError, rid: str | None) -> NoReturn:
-        await context.abort(err.code, err.message, trailing_metadata=err.trailing_metadata(rid))
-        raise AssertionError("context.abort returned")  # it raises to end the RPC
 
     @staticmethod
     def _logprobs(outputs: list[RequestOutput], tokenizer: Tokenizer) -> list[pb.TokenLogprob]:
@@ -194,17 +201,26 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             finished_reason=s.finish_reason, e2e_s=s.total_s if s.finish_reason is not None else None)
         s.emit(log)
 
-    async def _reject(self, context, s: RequestSummary, err: ServiceError) -> NoReturn:
+    def _fail(self, s: RequestSummary, err: ServiceError) -> ServiceError:
+        """Ends the RPC's summary with `err` (the error to raise next: the RPC's wrapper sends it)."""
         self._end(s, err.code, err.message)
-        await self._abort(context, err, s.request_id)
+        return err
+
+    def _refuse(self, context, s: RequestSummary, err: ServiceError | FieldError) -> None:
+        """A generation RPC ends with `err`: its summary line (unless written) and its status."""
+        if isinstance(err, FieldError):
+            err = invalid_argument(err.field, err.description)
+        if not s.ended:
+            self._end(s, err.code, err.message)
+        send_error(context, err, s.request_id)
 
     @staticmethod
     def _failure(engine: EngineHandle, rid: str, failed: RequestOutput) -> ServiceError:
         """The status a caller gets for an engine-side failure (`failed` has FINISHED_ERROR)."""
-        if engine.dead is not None:  # hung or crashed: try another replica
+        if engine.dead is not None:  # hung, stalled or crashed: try another replica
             return ServiceError(grpc.StatusCode.UNAVAILABLE,
-                                f"the engine stopped while serving request {rid}; search the server log for this id",
-                                reason="ENGINE_STOPPED")
+                                f"the engine stopped while serving request {rid} ({engine.dead}); "
+                                "search the server log for this id", reason="ENGINE_STOPPED")
         if failed.out_of_memory:
             return ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"out of device memory while serving request {rid}; retry later",
@@ -214,15 +230,20 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                             reason="ENGINE_FAULT")
 
     # ---- RPCs ----------------------------------------------------------------------------
+    # The RPCs end with an error by raising ServiceError (or FieldError); their wrappers turn it
+    # into the call's status (`send_error`), never `context.abort`.
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
         s = RequestSummary("Generate", context.peer())
         try:
-            s.request_id = rid = self._request_id(request, context)
-            engine, prompt, sampling, stream = await self._submit(request, rid)
-        except FieldError as e:
-            await self._reject(context, s, invalid_argument(e.field, e.description))
-        except ServiceError as e:
-            await self._reject(context, s, e)
+            return await self._generate(request, context, s)
+        except (ServiceError, FieldError) as e:
+            self._refuse(context, s, e)
+            return None  # type: ignore[return-value]  # the status set above is what the caller gets
+
+    async def _generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext,
+                        s: RequestSummary) -> pb.GenerateResponse:
+        s.request_id = rid = self._request_id(request, context)
+        engine, prompt, sampling, stream = await self._submit(request, rid)
         s.prompt_tokens = len(prompt)
         s.engine_request_id = stream.engine_id
         outputs: list[RequestOutput] = []
@@ -241,7 +262,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         failed = next((o for o in outputs if o.status == RequestStatus.FINISHED_ERROR), None)
         if failed is not None:
             log.error("request_failed", request_id=rid, engine_request_id=stream.engine_id, error=failed.error)
-            await self._reject(context, s, self._failure(engine, rid, failed))
+            raise self._fail(s, self._failure(engine, rid, failed))
         groups = sorted(_by_index(outputs).items())
         tokenizer = engine.tokenizer if sampling.logprobs else None
         if sampling.logprobs and len(outputs) * (1 + sampling.logprobs) > INLINE_LOGPROB_ENTRIES:
@@ -276,13 +297,21 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
 
     async def GenerateStream(self, request: pb.GenerateStreamRequest, context: grpc.aio.ServicerContext):
         s = RequestSummary("GenerateStream", context.peer())
+        messages = self._generate_stream(request, context, s)
         try:
-            s.request_id = rid = self._request_id(request, context)
-            engine, prompt, sampling, stream = await self._submit(request, rid)
-        except FieldError as e:
-            await self._reject(context, s, invalid_argument(e.field, e.description))
-        except ServiceError as e:
-            await self._reject(context, s, e)
+            async for message in messages:
+                yield message
+        except (ServiceError, FieldError) as e:
+            self._refuse(context, s, e)
+        finally:
+            # Closed here, not whenever it is collected: a cancelled call's request is aborted (its
+            # KV blocks freed) and its summary written at once.
+            await messages.aclose()
+
+    async def _generate_stream(self, request: pb.GenerateStreamRequest, context: grpc.aio.ServicerContext,
+                               s: RequestSummary):
+        s.request_id = rid = self._request_id(request, context)
+        engine, prompt, sampling, stream = await self._submit(request, rid)
         s.prompt_tokens = len(prompt)
         s.engine_request_id = stream.engine_id
         finished = False
@@ -301,7 +330,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                 if failed is not None:
                     log.error("request_failed", request_id=rid, engine_request_id=stream.engine_id,
                               error=failed.error)
-                    await self._reject(context, s, self._failure(engine, rid, failed))
+                    raise self._fail(s, self._failure(engine, rid, failed))
                 self._observe(s, batch)
                 cached = max(cached, _cached(batch))
                 # One message per choice present in this hand-off (one message when n == 1).
@@ -332,12 +361,15 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
         try:
-            engine = self._ready_engine()
+            return await self._tokenize(request)
         except ServiceError as e:
-            await self._abort(context, e, None)
+            send_error(context, e, None)
+            return None  # type: ignore[return-value]
+
+    async def _tokenize(self, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
+        engine = self._ready_engine()
         if len(request.text) > self.limits.max_prompt_chars:
-            await self._abort(context, invalid_argument(
-                "text", f"is longer than {self.limits.max_prompt_chars} characters"), None)
+            raise invalid_argument("text", f"is longer than {self.limits.max_prompt_chars} characters")
         add = request.add_special_tokens if request.HasField("add_special_tokens") else True
         ids = await self._encode(engine, request.text, add)
         tok = engine.tokenizer
@@ -347,7 +379,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         try:
             engine = self._ready_engine()
         except ServiceError as e:
-            await self._abort(context, e, None)
+            send_error(context, e, None)
+            return None  # type: ignore[return-value]
         info = engine.info
         mc, cfg = info.model_config, info.config
         stats = engine.stats()
@@ -364,3 +397,13 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         if engine.tokenizer.bos_token_id is not None:
             resp.bos_token_id = engine.tokenizer.bos_token_id
         return resp
+
+
+def _encode_and_release(encode, release: bool) -> list[int]:
+    """On a worker thread: `encode()`, then (for a long text) the heap pages it freed go back to the
+    OS, refused or not (service/memory.py)."""
+    try:
+        return encode()
+    finally:
+        if release:
+            release_free_memory()

@@ -21,7 +21,7 @@ if not HAS_CUDA:
 import pytest  # noqa: E402
 
 from kernels.reference import paged_attention_decode, quantize_per_token_head  # noqa: E402
-from kernels.triton_decode import default_num_splits, paged_decode  # noqa: E402
+from kernels.triton_decode import DecodeConfig, default_num_splits, paged_decode  # noqa: E402
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 # (q dtype, tolerance on max |err| / max |ref|): the interpreter's fp32 dot is exact; fp16/bf16
@@ -192,9 +192,67 @@ def test_rejects_bad_inputs():
 def test_default_num_splits():
     sms = 132
     assert default_num_splits(64, 8, 4096, sms) == 1  # 512 programs already fill the chip
+    assert default_num_splits(64, 8, 4096, sms, per_sm=4) == 1  # ~1 wave of 4-warp programs
+    assert default_num_splits(8, 8, 32768, sms, per_sm=4) == 8  # 64 sequence-heads: 8 splits, 512 programs
     assert default_num_splits(1, 8, 32768, sms) > 16  # one sequence: split-K must fill the SMs
     assert default_num_splits(1, 8, 100, sms) == 1  # too short to split
-    assert all(default_num_splits(b, 8, n, sms) >= 1 for b in (1, 7, 300) for n in (1, 10**6))
+    assert all(default_num_splits(b, 8, n, sms, p) >= 1 for b in (1, 7, 300) for n in (1, 10**6) for p in (1, 4))
+
+
+# The int8 paths of the decode kernel (DecodeConfig k_mode / v_mode), as the GPU runs them: K cast
+# or read as 1152 + K, or QK^T on int8 tensor cores with q in two int8 terms; V cast or read as
+# 1152 + V; dot rows tight (the group) or >= 16; K loaded (D, N) or (N, D). The interpreter checks
+# the algebra (its casts stand for the PTX conversions); fp32 q loses ~1e-4 to the 1152 offsets.
+MODES = [("cast", "cast", False, True), ("bias", "bias", True, False), ("imma", "bias", True, False),
+         ("imma", "cast", False, True), ("bias", "cast", True, True)]
+MODE_TOL = {torch.float32: 1e-3, torch.float16: 4e-3, torch.bfloat16: 2.5e-2}
+
+
+@pytest.mark.parametrize("q_dtype", Q_DTYPES, ids=str)
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: f"k{m[0]}-v{m[1]}-tight{int(m[2])}-kt{int(m[3])}")
+@pytest.mark.parametrize("group,d,page", [(4, 64, 16), (1, 128, 32), (8, 48, 16)])
+def test_int8_modes(mode, group, d, page, q_dtype):
+    k_mode, v_mode, tight, k_t = mode
+    kernel_args, ref_args = make_case([1, 37, 70], 2, group, d, page, torch.int8, q_dtype, outliers=True)
+    q = kernel_args[0]
+    ref = paged_attention_decode(*ref_args, d ** -0.5)
+    for splits in (1, 3):
+        block_n = 32 if not HAS_CUDA else 64
+        cfg = DecodeConfig(block_n, 4 if HAS_CUDA else 1, 2 if HAS_CUDA else 1, k_mode=k_mode, v_mode=v_mode,
+                           tight_m=tight, k_t=k_t)
+        out = torch.full_like(q, float("nan"))
+        paged_decode(*kernel_args, d ** -0.5, num_splits=splits, out=out, config=cfg)
+        assert torch.isfinite(out).all(), "unwritten or NaN output"
+        err = (out.float() - ref).abs().max().item() / ref.abs().max().item()
+        assert err < MODE_TOL[q.dtype], f"relative max error {err:.2e}"
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float32 if not HAS_CUDA else torch.bfloat16], ids=str)
+def test_split_tokens_same_bits_in_any_batch(cache_dtype):
+    """With split_tokens the splits sit at fixed key positions and merge in a fixed order: each
+    sequence's output is the same bits alone, with shorter or longer companions (other split
+    counts, the one-split path without stage 2), and matches the reference."""
+    q_dtype = Q_DTYPES[0]
+    lens = [50, 300, 129, 1]
+    kernel_args, ref_args = make_case(lens, 2, 4, 64, 16, cache_dtype, q_dtype)
+    scale = 64 ** -0.5
+    split = 64 if not HAS_CUDA else 256
+    q, k, v, ks, vs, table, seq_lens = kernel_args
+
+    def run(rows):
+        sub = [q[rows], k, v, ks, vs, table[rows], seq_lens[rows]]
+        out = torch.full_like(sub[0], float("nan"))
+        return paged_decode(*sub, scale, split_tokens=split, max_seq_len=max(lens[i] for i in rows), out=out)
+
+    together = run([0, 1, 2, 3])
+    ref = paged_attention_decode(*ref_args, scale)
+    err = (together.float() - ref).abs().max().item() / ref.abs().max().item()
+    assert err < TOL[q_dtype], f"relative max error {err:.2e}"
+    for i in range(len(lens)):
+        assert torch.equal(run([i])[0], together[i]), f"sequence {i} alone differs"
+    assert torch.equal(run([0, 2])[1], together[2])
+    with pytest.raises(AssertionError, match="multiple"):
+        paged_decode(q, k, v, ks, vs, table, seq_lens, scale, split_tokens=split + 1)
 
 
 @pytest.mark.gpu

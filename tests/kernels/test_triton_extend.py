@@ -167,6 +167,40 @@ def test_extend_tile_shapes(block_m: int, block_n: int) -> None:
     assert rel_err(out, batch.expected()) <= 2e-5
 
 
+# (k_mode, v_mode) of the int8 cached tiles without k_new (triton_tile.int8_scores / int8_pv): K read
+# as 1152 + K or on int8 tensor cores (q in two int8 terms), V read as 1152 + V or cast.
+INT8_MODES = [("bias", "bias"), ("imma", "bias"), ("imma", "cast"), ("cast", "bias")]
+
+
+@pytest.mark.parametrize("modes", INT8_MODES, ids=lambda m: f"k{m[0]}-v{m[1]}")
+@pytest.mark.parametrize("shape", ["prefill", "mixed"])
+def test_extend_int8_modes(modes, shape: str) -> None:
+    batch = Batch(*SHAPES[shape], block_size=16, hkv=2, group=4, d=64, cache_dtype=torch.int8)
+    # the 1152 offsets cost fp32 ~1e-4 of cancellation; q in two int8 terms ~1e-5
+    assert rel_err(batch.run(int8_modes=modes), batch.expected()) <= 1e-3
+    with pytest.raises(AssertionError, match="without k_new"):
+        Batch(*SHAPES[shape], block_size=16, hkv=2, group=4, d=64, cache_dtype=torch.int8,
+              new_kv=True).run(int8_modes=modes)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float32])
+def test_extend_chunks_give_the_same_bits(cache_dtype) -> None:
+    """Every key read as stored (no k_new), tiles at fixed key positions: a prompt attended whole
+    and the same prompt in chunks (each chunk after its cached prefix) give each query the same
+    bits, given the same max_query_len (hence the same tile shapes)."""
+    n, chunk = 45, 13
+    whole = Batch([n], [n], block_size=16, hkv=2, group=2, d=32, cache_dtype=cache_dtype)
+    want = whole.run()
+    for lo in range(0, n, chunk):
+        hi = min(n, lo + chunk)
+        q = whole.q[lo:hi]
+        out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=DEVICE)
+        paged_extend(q, *whole.poisoned, whole.block_tables, torch.tensor([hi], dtype=torch.int32, device=DEVICE),
+                     torch.tensor([0, hi - lo], dtype=torch.int32, device=DEVICE), whole.scale, max_query_len=n,
+                     out=out)
+        assert torch.equal(out, want[lo:hi]), f"chunk [{lo}, {hi}) differs from the whole prompt"
+
+
 def test_extend_strided_half_q() -> None:
     """fp16 q as a slice of a fused qkv buffer (row stride past Hq * D); output in fp16."""
     batch = Batch([30, 18], [11, 18], block_size=16, hkv=2, group=2, d=64,
@@ -201,6 +235,40 @@ def test_extend_gpu_bf16(cache_dtype: torch.dtype, d: int, new_kv: bool) -> None
                   group=4, d=d, cache_dtype=cache_dtype, q_dtype=torch.bfloat16, new_kv=new_kv)
     out = batch.run()
     assert rel_err(out, batch.expected()) <= 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiles", [(128, 32, 8, 2), (128, 64, 8, 2), (64, 64, 4, 2)])
+@pytest.mark.parametrize("modes", [("imma", "bias"), ("bias", "bias")], ids=str)
+@pytest.mark.parametrize("d", [128])
+def test_extend_gpu_int8_tiles(tiles, modes, d: int) -> None:
+    """The int8 tile shapes and modes benchmarks/extend_check.py times, every key from the pages."""
+    batch = Batch([1000, 517, 300, 77, 1], [1000, 130, 1, 77, 1], block_size=16, hkv=8, group=4, d=d,
+                  cache_dtype=torch.int8, q_dtype=torch.bfloat16)
+    bm, bn, w, st = tiles
+    out = batch.run(block_m=bm, block_n=bn, num_warps=w, num_stages=st, int8_modes=modes)
+    assert rel_err(out, batch.expected()) <= 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.bfloat16])
+def test_extend_gpu_chunks_give_the_same_bits(cache_dtype) -> None:
+    """As test_extend_chunks_give_the_same_bits, on the GPU's tensor cores: chunks of 64, 100 and
+    1 token against the whole 1000-token prompt."""
+    n = 1000
+    whole = Batch([n], [n], block_size=16, hkv=8, group=4, d=128, cache_dtype=cache_dtype, q_dtype=torch.bfloat16)
+    want = whole.run()
+    for chunk in (64, 100, 1):
+        for lo in (0, 300, 999) if chunk > 1 else (5, 998):
+            hi = min(n, lo + chunk)
+            q = whole.q[lo:hi]
+            out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=DEVICE)
+            paged_extend(q, *whole.poisoned, whole.block_tables,
+                         torch.tensor([hi], dtype=torch.int32, device=DEVICE),
+                         torch.tensor([0, hi - lo], dtype=torch.int32, device=DEVICE), whole.scale, max_query_len=n,
+                         out=out)
+            diff = (out.float() - want[lo:hi].float()).abs().max().item()
+            assert torch.equal(out, want[lo:hi]), f"chunk [{lo}, {hi}) differs by up to {diff:.2e}"
 
 
 @pytest.mark.gpu
