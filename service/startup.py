@@ -128,13 +128,20 @@ def check_ports(host: str, ports: dict[str, int | None]) -> None:
             raise StartupError(f"{flag} {port} is also {seen[port]}'s port; give each its own")
         seen[port] = flag
     for flag, port in given.items():
-        for family, kind, proto, sockaddr in _addresses(host, port):
+        errors: list[OSError] = []
+        addresses = _addresses(host, port)
+        for family, kind, proto, sockaddr in addresses:
             with socket.socket(family, kind, proto) as s:
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC's own listener does
                 try:
                     s.bind(sockaddr)
                 except OSError as e:
-                    raise bind_error(e, host, port, flag) from e
+                    errors.append(e)
+        # gRPC serves when one of a name's addresses binds (localhost's ::1 may not exist); a port
+        # in use on any of them would send some clients to the other process, so that is refused.
+        taken = [e for e in errors if e.errno in (errno.EADDRINUSE, errno.EACCES)]
+        if taken or (errors and len(errors) == len(addresses)):
+            raise bind_error((taken or errors)[0], host, port, flag)
 
 
 def _addresses(host: str, port: int) -> list[tuple[socket.AddressFamily, socket.SocketKind, int, tuple]]:
