@@ -154,7 +154,7 @@ def cache_write_rows(rows: list[str]) -> None:
             vc = torch.zeros_like(kc)
             ks = vs = None
             if dtype == torch.int8:
-                ks = torch.zeros(num_blocks, HKV, PAGE, device="cuda")
+                ks = torch.zeros(num_blocks, HKV, PAGE, device="cuda", dtype=torch.float16)
                 vs = torch.zeros_like(ks)
             fn = lambda: write_kv_cache(k, v, kc, vc, ks, vs, slots)  # noqa: E731
             fn()

@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-NEEDS_GPU = True  # read by `pie bench` (with ast, without importing this file)
+NEEDS_GPU = False  # read by `pie bench`: --report runs anywhere; --profile checks for a GPU itself
 DEFAULT_CASES = ("int8:old,int8:default,bf16:default,int8:old@256x400x64,int8:default@256x400x64,"
                  "bf16:default@256x400x64")
 
@@ -137,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cases", default=DEFAULT_CASES, help="comma-separated DTYPE:VARIANT[@BxCTXxD]")
     ap.add_argument("--profile", action="store_true", help="run the cases under ncu and print the table")
     ap.add_argument("--launch", action="store_true", help="(internal) launch the cases; what ncu runs")
-    ap.add_argument("--report", default=None, metavar="CSV", help="print the table of a raw CSV")
+    ap.add_argument("--report", default=None, metavar="CSV",
+                    help="print the table of a raw CSV (default: none; --profile makes one)")
     ap.add_argument("--out", default=None, metavar="DIR", help="folder for ncu_raw.csv and ncu.md (default: $OUT)")
     args = ap.parse_args(argv)
     cases = args.cases.split(",")
@@ -147,6 +148,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.report:
         print(report(args.report, cases))
         return 0
+    if not args.profile:
+        ap.error("give --profile (on the GPU machine) or --report CSV")
+    from benchmarks.common import require_cuda
+
+    require_cuda(ap)
     out_dir = args.out or os.environ.get("OUT", "/tmp")
     raw = os.path.join(out_dir, "ncu_raw.csv")
     ncu = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"

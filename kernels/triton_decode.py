@@ -10,14 +10,22 @@ Stage 1, one program per (sequence, kv head, split):
     keys of sequence b:  |<- split 0 ->|<- split 1 ->| ... |<- split S-1 ->|     (whole tiles)
     tile of BLOCK_N keys: page = block_tables[b, n // PAGE], row = page*PAGE + n % PAGE
 
-The G = Hq/Hkv query heads of the kv head are the M rows of `tl.dot` (padded to BLOCK_M >= 16), so
-each K/V tile is read once per kv head. Only the sequence's last tile is partial, so every other
-tile runs without masks. With one split the program writes `out` directly; otherwise it writes the
-normalized partial output and its base-2 log-sum-exp to an fp32 workspace, and stage 2 (one program
-per (sequence, query head)) merges the splits, weighting each by 2^(lse - max lse); an empty split
-has lse = -inf and weight 0. With a sliding window W the keys start at seq_len - W (every tile
-masked then). The tile update is triton_tile's, shared with the extend kernel; K is
-loaded transposed, (D, BLOCK_N), and V goes int8 -> fp16 in inline PTX on the GPU (V_ASM).
+The G = Hq/Hkv query heads of the kv head are the M rows of `tl.dot` (the group padded to a power
+of two; Triton pads the MMA's 16 rows without registers for them), so each K/V tile is read once per
+kv head. Only the sequence's last tile is partial, so every other tile runs without masks. With one
+split the program writes `out` directly; otherwise it writes the normalized partial output and its
+base-2 log-sum-exp to an fp32 workspace, and stage 2 (one program per (sequence, query head)) merges
+the splits in a fixed 64-row reduction, weighting each by 2^(lse - max lse); an empty split has
+lse = -inf and weight 0. Splits share a sequence's tiles evenly (a count set by the batch), or with
+`split_tokens` sit at fixed key positions (the same bits in any batch). With a sliding window W the
+keys start at seq_len - W (every tile masked then). The caches must be contiguous (their strides are
+compile-time constants).
+
+int8 pages (`DecodeConfig.k_mode` / `v_mode`, triton_tile's int8_scores / int8_pv): QK^T on int8
+tensor cores with q quantized per head in two int8 terms (K never converted), or K read as the fp16
+number 1152 + K with 1152 * rowsum(q) taken off; V read as 1152 + V by 3 integer instructions per 4
+values (inline PTX on the GPU) with 1152 * rowsum(P) taken off; the scales applied to the scores
+and to P, never to the tiles.
 """
 
 from __future__ import annotations
@@ -86,7 +94,7 @@ def _decode_tile(acc, m_i, l_i, q, q2, qa, qa2, k_base, v_base, ks_base, vs_base
     acc = acc * alpha[:, None]
     if IS_INT8:
         v_s = load(vs_base + srow, key_ok, 0.0, MASKED).to(tl.float32)
-        acc += int8_pv(p, v, v_s, V_MODE, PV_DTYPE, PRECISION, ASM)
+        acc += int8_pv(p, v, v_s, V_MODE, PV_DTYPE, PRECISION, ASM, False)
     else:
         acc += tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=PRECISION)
     return acc, m_i, l_i
@@ -252,15 +260,20 @@ class DecodeConfig:
     per_sm: float = WAVES  # stage-1 programs resident per SM, for the split-count heuristic
 
 
-def _config(d_pad: int, page: int, cache_dtype: torch.dtype, on_gpu: bool) -> DecodeConfig:
+MANY_PROGRAMS = 8  # (sequence, kv head) pairs per SM from which head dim 64 runs one warp per program
+
+
+def _config(d_pad: int, page: int, cache_dtype: torch.dtype, on_gpu: bool, programs_per_sm: float = 0.0) -> DecodeConfig:
     """Launch table, by the padded head dim. Interpreter: small tiles keep masked work low. GPU:
     measured on an H200 with benchmarks/decode_variants.py (RESULTS.md, issue 26: Hq 32, Hkv 8,
     page 16, the issue's shapes). int8 at head dim 128: 4 warps over 64-key tiles, the group's 4
     query rows without padding registers (128 registers, 4 programs and 16 warps per SM; the old
     2-warp table used 255 and spilled), scores on int8 tensor cores, V read as 1152 + V. Head dim
-    64: 2 warps over 128-key tiles (the 4-warp table lost at 400-token contexts). Head dims past
-    128 keep the old table (halved tiles, not measured again). 16-bit pages: BLOCK_N 64 / 2 stages
-    (4.1-4.5 TB/s)."""
+    64: 2 warps over 128-key tiles (the 4-warp table lost at 400-token contexts), and with at least
+    MANY_PROGRAMS (sequence, kv head) pairs per SM (`programs_per_sm`, 0 = unknown) one warp over
+    32-key tiles (B256 ctx400: 0.044 against 0.054 ms; with few programs it starves the SMs: 0.24
+    against 0.10 ms at B64 ctx4096). Head dims past 128 keep the old table (halved tiles, not
+    measured again). 16-bit pages: BLOCK_N 64 / 2 stages (4.1-4.5 TB/s)."""
     if not on_gpu:
         return DecodeConfig(block_n=max(16, min(page, 32)), num_stages=1, k_mode="cast", v_mode="cast")
     wide = d_pad > 128
@@ -270,6 +283,8 @@ def _config(d_pad: int, page: int, cache_dtype: torch.dtype, on_gpu: bool) -> De
         k_mode = "imma" if d_pad >= 32 else "bias"
         if d_pad >= 128:
             return DecodeConfig(64, 4, 2, k_mode=k_mode, v_mode="bias", tight_m=True, k_t=False, per_sm=4)
+        if programs_per_sm >= MANY_PROGRAMS:
+            return DecodeConfig(32, 1, 3, k_mode="bias", v_mode="bias", tight_m=True, k_t=False, per_sm=10)
         return DecodeConfig(128, 2, 2, k_mode=k_mode, v_mode="bias", tight_m=True)
     if cache_dtype == torch.float32:
         return DecodeConfig(block_n=16 if wide else 32 if d_pad >= 128 else 64, num_stages=2)
@@ -351,10 +366,16 @@ def paged_decode(
     on_gpu = q.device.type == "cuda"
     dot_dtype, precision = dot_types(q.dtype, on_gpu)
     d_pad = pad_head_dim(d)
-    cfg = config or _config(d_pad, page, k_cache.dtype, on_gpu)
+    # The one-warp table needs many programs; with split_tokens the table must not depend on the
+    # batch (the same bits in any batch), so it is not chosen then.
+    programs_per_sm = b * hkv / _sm_count(q.device.index or 0) if on_gpu and split_tokens is None else 0.0
+    cfg = config or _config(d_pad, page, k_cache.dtype, on_gpu, programs_per_sm)
     assert cfg.k_mode in K_MODES and cfg.v_mode in V_MODES, f"unknown int8 modes {cfg.k_mode}, {cfg.v_mode}"
     assert not (is_int8 and cfg.k_mode.startswith("imma") and d_pad < 32), "int8 tensor-core scores need D >= 32"
     assert on_gpu or cfg.v_mode != "asm", "v_mode 'asm' is inline PTX: GPU only"
+    # int8 V cast to bf16 in the dot-operand layout failed the kernel tests on the H200 (2026-12-02,
+    # cause not found; no launch table used it): refused there
+    assert not (on_gpu and is_int8 and cfg.v_mode == "cast"), "v_mode 'cast' is not for int8 pages on the GPU"
     # The int8 modes that read K or V as fp16 do so in fp16 on the GPU; the interpreter keeps the
     # dot dtype (its fp32 dots check the same algebra exactly).
     half = tl.float16 if on_gpu else dot_dtype

@@ -113,7 +113,7 @@ def _cache_tile(acc, m_i, l_i, q, q2, qa, qa2, pos, start, key_end, bt_row, k_ca
     if QUANT:
         v_s = load(v_scale_ptr + scale_off, key_ok, 0.0, MASKED).to(tl.float32)
     if QUANT and V_MODE > 0:
-        return acc * alpha[:, None] + int8_pv(p, v, v_s, V_MODE, PV_DTYPE, PRECISION, ASM), m_i, l_i
+        return acc * alpha[:, None] + int8_pv(p, v, v_s, V_MODE, PV_DTYPE, PRECISION, ASM, True), m_i, l_i
     return accumulate_pv(acc, alpha, p, v, v_s, QUANT, False, DOT_DTYPE, PRECISION), m_i, l_i
 
 
@@ -281,8 +281,9 @@ def _default_config(d_pad: int, quant: bool, new_kv: bool, interpret: bool) -> t
     if d_pad > 128:
         return 64, 32, 8, 2
     if quant and not new_kv:
-        # issue 26: (128, 128, 8, 2) spilled 352 bytes of registers a thread (Triton 3.6, sm_90)
-        return (128, 32, 8, 2) if d_pad > 64 else (128, 64, 4, 2)
+        # issue 26: (128, 128, 8, 2) spilled 352 bytes of registers a thread (Triton 3.6, sm_90);
+        # (128, 32, 8, 2) keeps 246 (D 128) / 160 (D 64) and spills nothing
+        return 128, 32, 8, 2
     return 128, 32, 4, 3
 
 

@@ -11,7 +11,9 @@ BLOCK_Q tokens x G heads) and walk the keys in tiles of BLOCK_N:
     acc = acc 2^(m - m') + p V      int8 pages: p * v_scale[n] feeds the dot, l sums the unscaled p
 
 Head dims that are not a power of two run padded to D_PAD (the padding lanes load 0: they add
-nothing to any dot). Scales are fp16, one per (token, kv head).
+nothing to any dot). Scales are fp16, one per (token, kv head). int8_scores / int8_pv hold the
+cheaper int8 paths both kernels use on the GPU (K on int8 tensor cores or read as 1152 + K, V
+read as 1152 + V, the offsets taken off per row); tile_scores / accumulate_pv the plain casts.
 """
 
 from __future__ import annotations
@@ -121,21 +123,33 @@ def int8_scores(q, q2, qa, qa2, kt, K_MODE: tl.constexpr, QK_DTYPE: tl.constexpr
 
 
 @triton.jit
-def int8_pv(p, v, v_s, V_MODE: tl.constexpr, PV_DTYPE: tl.constexpr, PRECISION: tl.constexpr, ASM: tl.constexpr):
+def int8_pv(p, v, v_s, V_MODE: tl.constexpr, PV_DTYPE: tl.constexpr, PRECISION: tl.constexpr, ASM: tl.constexpr,
+            ROW_NORM: tl.constexpr):
     """P V of one tile over int8 values v (BLOCK_N, D_PAD) with scales v_s (BLOCK_N,) fp32 (V_MODE):
     0 P * v_s and V cast to PV_DTYPE; 1 V to fp16 by `int8_to_f16`; 2 V read as 1152 + V
-    (int8_biased) and 1152 * rowsum(P) taken off. 1 and 2 feed P * v_s / max(v_s) in [0, 1] to
-    the dot (no fp16 underflow for small scales) and put max(v_s) back after."""
+    (int8_biased) and 1152 * rowsum(P) taken off. 1 and 2 feed P * v_s / c in [0, 1] to the fp16
+    dot (no underflow for small scales) and put c back after: c = max(v_s) over the tile, or with
+    ROW_NORM the row's max of P * v_s, which does not depend on which invisible keys the tile
+    loaded (masked to 0 or not): a query's output then does not depend on its chunk (extend)."""
     if V_MODE == 0:
         return tl.dot((p * v_s[None, :]).to(PV_DTYPE), v.to(PV_DTYPE), input_precision=PRECISION)
-    vs_max = tl.maximum(tl.max(v_s, axis=0), 1e-30)
-    p16 = (p * (v_s / vs_max)[None, :]).to(PV_DTYPE)
+    if ROW_NORM:
+        pw = p * v_s[None, :]
+        c = tl.maximum(tl.max(pw, axis=1), 1e-30)  # (BLOCK_M,)
+        p16 = (pw / c[:, None]).to(PV_DTYPE)
+    else:
+        vs_max = tl.maximum(tl.max(v_s, axis=0), 1e-30)
+        p16 = (p * (v_s / vs_max)[None, :]).to(PV_DTYPE)
     if V_MODE == 1:
         pv = tl.dot(p16, int8_to_f16(v), input_precision=PRECISION)
     else:
         pv = tl.dot(p16, int8_biased(v, PV_DTYPE, ASM, False), input_precision=PRECISION)
         pv -= INT8_BIAS * tl.sum(p16.to(tl.float32), axis=1)[:, None]
-    return pv * vs_max
+    if ROW_NORM:
+        pv = pv * c[:, None]
+    else:
+        pv = pv * vs_max
+    return pv
 
 
 @triton.jit

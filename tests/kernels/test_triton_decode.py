@@ -199,12 +199,30 @@ def test_default_num_splits():
     assert all(default_num_splits(b, 8, n, sms, p) >= 1 for b in (1, 7, 300) for n in (1, 10**6) for p in (1, 4))
 
 
+def test_launch_table():
+    """The GPU launch table (no GPU needed): int8 at head dim 128 on 4 warps without padding
+    registers; head dim 64 on one warp only with many programs per SM; 16-bit pages unchanged."""
+    from kernels.triton_decode import MANY_PROGRAMS, _config
+
+    d128 = _config(128, 16, torch.int8, True)
+    assert (d128.block_n, d128.num_warps, d128.k_mode, d128.v_mode, d128.tight_m) == (64, 4, "imma", "bias", True)
+    assert _config(64, 16, torch.int8, True).num_warps == 2
+    assert _config(64, 16, torch.int8, True, MANY_PROGRAMS).num_warps == 1
+    assert _config(128, 16, torch.int8, True, MANY_PROGRAMS).num_warps == 4
+    assert _config(16, 16, torch.int8, True).k_mode == "bias"  # int8 tensor cores need D >= 32
+    assert _config(256, 16, torch.int8, True).v_mode == "asm"
+    assert _config(128, 16, torch.bfloat16, True).block_n == 64
+    assert _config(128, 16, torch.int8, False).k_mode == "cast"  # the interpreter: plain casts
+
+
 # The int8 paths of the decode kernel (DecodeConfig k_mode / v_mode), as the GPU runs them: K cast
 # or read as 1152 + K, or QK^T on int8 tensor cores with q in two int8 terms; V cast or read as
 # 1152 + V; dot rows tight (the group) or >= 16; K loaded (D, N) or (N, D). The interpreter checks
 # the algebra (its casts stand for the PTX conversions); fp32 q loses ~1e-4 to the 1152 offsets.
 MODES = [("cast", "cast", False, True), ("bias", "bias", True, False), ("imma", "bias", True, False),
          ("imma", "cast", False, True), ("bias", "cast", True, True)]
+if HAS_CUDA:  # V cast to bf16 in the dot layout failed this test on the H200 (2026-12-02): refused there
+    MODES = [m for m in MODES if m[1] != "cast"] + [("cast", "asm", False, True), ("imma", "asm", True, False)]
 MODE_TOL = {torch.float32: 1e-3, torch.float16: 4e-3, torch.bfloat16: 2.5e-2}
 
 

@@ -183,21 +183,23 @@ def test_extend_int8_modes(modes, shape: str) -> None:
               new_kv=True).run(int8_modes=modes)
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float32])
-def test_extend_chunks_give_the_same_bits(cache_dtype) -> None:
+@pytest.mark.parametrize("cache_dtype,modes", [(torch.int8, None), (torch.int8, ("imma", "bias")),
+                                               (torch.int8, ("bias", "bias")), (torch.float32, None)], ids=str)
+def test_extend_chunks_give_the_same_bits(cache_dtype, modes) -> None:
     """Every key read as stored (no k_new), tiles at fixed key positions: a prompt attended whole
     and the same prompt in chunks (each chunk after its cached prefix) give each query the same
-    bits, given the same max_query_len (hence the same tile shapes)."""
+    bits, given the same max_query_len (hence the same tile shapes). The int8 modes scale P per
+    row (a per-tile max of the V scales changed with the keys a chunk's last tile loads)."""
     n, chunk = 45, 13
     whole = Batch([n], [n], block_size=16, hkv=2, group=2, d=32, cache_dtype=cache_dtype)
-    want = whole.run()
+    want = whole.run(int8_modes=modes)
     for lo in range(0, n, chunk):
         hi = min(n, lo + chunk)
         q = whole.q[lo:hi]
         out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=DEVICE)
         paged_extend(q, *whole.poisoned, whole.block_tables, torch.tensor([hi], dtype=torch.int32, device=DEVICE),
                      torch.tensor([0, hi - lo], dtype=torch.int32, device=DEVICE), whole.scale, max_query_len=n,
-                     out=out)
+                     out=out, int8_modes=modes)
         assert torch.equal(out, want[lo:hi]), f"chunk [{lo}, {hi}) differs from the whole prompt"
 
 

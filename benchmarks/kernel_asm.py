@@ -1,0 +1,136 @@
+"""Compile the paged decode kernel for the H200 (sm_90) on a machine without a GPU, and report what
+the GPU would run: registers, spilled stack, shared memory, and the SASS of the main loop.
+
+    python benchmarks/kernel_asm.py [--head-dim 128] [--kv int8] [--variants default,old,...]
+
+Uses Triton's own compiler and the ptxas / cuobjdump its wheel ships, with a stand-in driver that
+only names the target, so no CUDA device or driver is needed (`TRITON_INTERPRET` must be unset).
+Match the GPU machine's Triton version for exact figures (it runs 3.6: `pip install --target DIR
+triton==3.6.0`, then PYTHONPATH=DIR). Per variant: `regs`, `stack` (bytes of spilled registers;
+0 is what you want), `smem` (bytes per program), and the instructions of the largest loop
+(per thread per tile, and warp instructions per key).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime import driver  # noqa: E402
+
+from benchmarks.common import make_parser  # noqa: E402
+
+BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+
+
+class _Sm90:
+    """Stand-in driver: names the target, launches nothing."""
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+
+def sass_report(cubin: bytes) -> tuple[dict, list[tuple[int, dict]]]:
+    """cuobjdump's resource usage and, per backward-branch loop, (instruction count, opcode counts)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    res = subprocess.run([BIN / "cuobjdump", "-res-usage", f.name], capture_output=True, text=True).stdout
+    usage = {k.lower(): int(v) for k, v in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", res)}
+    sass = subprocess.run([BIN / "cuobjdump", "-sass", f.name], capture_output=True, text=True).stdout
+    os.unlink(f.name)
+    ins = []
+    for line in sass.splitlines():
+        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*\S*)\s*(.*?);", line)
+        if m:
+            ins.append((int(m.group(1), 16), m.group(2), m.group(3)))
+    loops = []
+    for addr, op, rest in ins:
+        target = re.search(r"0x([0-9a-f]+)", rest) if op.startswith("BRA") else None
+        if target and int(target.group(1), 16) < addr:
+            lo = int(target.group(1), 16)
+            counts: dict[str, int] = {}
+            for a, o, _ in ins:
+                if lo <= a <= addr:
+                    counts[o] = counts.get(o, 0) + 1
+            loops.append((sum(counts.values()), counts))
+    return usage, sorted(loops, key=lambda x: -x[0])
+
+
+def compile_decode(cfg, d: int, group: int, int8: bool, page: int = 16, hkv: int = 8):
+    """The stage-1 kernel as paged_decode would launch it for one split (DIRECT), compiled only:
+    (compiled kernel, the DecodeConfig used)."""
+    import kernels.triton_decode as td
+
+    d_pad = max(16, triton.next_power_of_2(d))
+    cfg = cfg or td._config(d_pad, page, torch.int8 if int8 else torch.bfloat16, True)
+    b, nb = 4, 64
+    q = torch.empty(b, hkv * group, d, dtype=torch.bfloat16)
+    k = torch.empty(nb, page, hkv, d, dtype=torch.int8 if int8 else torch.bfloat16)
+    ks = torch.empty(nb, hkv, page, dtype=torch.float16) if int8 else k
+    table = torch.empty(b, 16, dtype=torch.int32)
+    lens = torch.empty(b, dtype=torch.int32)
+    block_m = triton.next_power_of_2(group) if cfg.tight_m else max(16, triton.next_power_of_2(group))
+    half = tl.float16
+    kernel = td._decode_stage1.warmup(
+        q, k, k, ks, ks, table, lens, q, q, q, 0.1, q.stride(0), q.stride(1), table.stride(0), q.stride(0),
+        q.stride(1), 1,
+        G=group, HQ=hkv * group, HKV=hkv, K_T=cfg.k_t, SPLIT_TOKENS=0, DIRECT=True, WINDOW=0, PAGE=page, D=d,
+        D_PAD=d_pad, BLOCK_M=block_m, BLOCK_N=cfg.block_n, IS_INT8=int8, K_MODE=td.K_MODES[cfg.k_mode],
+        V_MODE=td.V_MODES[cfg.v_mode], DOT_DTYPE=tl.bfloat16,
+        QK_DTYPE=half if int8 and cfg.k_mode == "bias" else tl.bfloat16,
+        PV_DTYPE=half if int8 and cfg.v_mode != "cast" else tl.bfloat16, PRECISION=None, ASM=True,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, grid=(1,),
+        **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}))
+    return kernel, cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    from benchmarks.decode_variants import VARIANTS
+
+    ap = make_parser(__doc__)
+    ap.add_argument("--head-dim", type=int, default=128, help="head dim of the compiled launch")
+    ap.add_argument("--group", type=int, default=4, help="query heads per kv head")
+    ap.add_argument("--kv", choices=("int8", "bf16"), default="int8", help="page dtype")
+    ap.add_argument("--variants", default="default,old", help="names from benchmarks/decode_variants.py")
+    args = ap.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        ap.exit(2, "kernel_asm.py compiles for the GPU: unset TRITON_INTERPRET\n")
+    driver.set_active(_Sm90())
+    print(f"triton {triton.__version__}, sm_90, head dim {args.head_dim}, group {args.group}, {args.kv} pages")
+    for name in args.variants.split(","):
+        cfg = VARIANTS[name] if args.kv == "int8" else None
+        kernel, cfg = compile_decode(cfg, args.head_dim, args.group, args.kv == "int8")
+        usage, loops = sass_report(kernel.asm["cubin"])
+        line = (f"{name:14s} regs {usage.get('reg')} stack {usage.get('stack')} smem {kernel.metadata.shared} "
+                f"warps {kernel.metadata.num_warps}")
+        if loops:
+            n, counts = loops[0]
+            top = " ".join(f"{op}:{c}" for op, c in sorted(counts.items(), key=lambda x: -x[1])[:8])
+            line += (f" | loop {n} instr/thread ({n * kernel.metadata.num_warps / cfg.block_n:.1f} warp-instr/key)"
+                     f" | {top}")
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
