@@ -26,7 +26,8 @@ class EngineConfig:
     kv_cache_dtype: str = "int8"  # int8: K/V quantized per (token, kv head); bf16/fp16/fp32 baselines
     block_size: int = 16  # tokens per KV block (page)
     # KV pool budget when num_kv_blocks is not given. None: on CUDA, what gpu_memory_fraction of the
-    # device leaves after the weights and a profiling forward's peak; on the CPU, 1 GiB.
+    # device leaves after the weights and a profiling forward's peak; on the CPU, what max_num_seqs
+    # sequences of the whole context can use, at most 1 GiB (engine/kv_sizing.py).
     kv_cache_memory_bytes: int | None = None
     gpu_memory_fraction: float = 0.9  # share of the whole device memory this engine may use (CUDA)
     # Queue step N on the device before reading step N-1's tokens back (see LLMEngine.step).

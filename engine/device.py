@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine.config import MODEL_DTYPES
+from engine.errors import StartupError
 from model import ModelConfig
 
 # Model dtype names (EngineConfig.dtype, --dtype) and the torch dtypes they stand for.
@@ -34,9 +35,16 @@ def auto_dtype(device: torch.device, model_config: ModelConfig) -> str:
 
 
 def resolve_device(name: str) -> torch.device:
+    """The torch device of `--device NAME`; StartupError when it names a GPU this process cannot use."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device cuda was asked for but CUDA is not available")
+        build = "a CPU-only build of torch" if torch.version.cuda is None else "no usable GPU or driver"
+        raise StartupError(f"--device {name}: CUDA is not available here ({build}, torch {torch.__version__}); "
+                           "use --device cpu (or auto), or run where a GPU and a CUDA build of torch are")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise StartupError(f"--device {name}: this process sees {torch.cuda.device_count()} GPU(s), "
+                           f"cuda:0..cuda:{torch.cuda.device_count() - 1}; pick one of them (CUDA_VISIBLE_DEVICES "
+                           "decides which are seen)")
     return device

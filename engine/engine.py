@@ -21,6 +21,7 @@ from engine.device import TORCH_DTYPES, auto_dtype, resolve_device
 from engine.errors import EngineDeadError
 from engine.kv_cache import KVCache
 from engine.kv_sizing import num_kv_blocks
+from engine.model_check import check_vocab, read_model_config, read_tokenizer
 from engine.model_runner import ModelRunner, PendingSample
 from engine.outputs import EngineStats, RequestOutput, SampledToken
 from engine.request import Request, RequestStatus
@@ -28,7 +29,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.tensor_parallel import Leader, check_devices
 from engine.validation import check_request
-from model import ModelConfig, Tokenizer, load_model, smoothing
+from model import ModelConfig, load_model, smoothing
 from model.parallel import TensorParallel, check_shardable
 
 log = structlog.get_logger(__name__)
@@ -40,7 +41,7 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         if self.device.type == "cpu":
             torch.set_num_threads(config.cpu_threads or max(1, usable_cores() - 1))
-        full = ModelConfig.from_hf(config.model)
+        full = read_model_config(config.model)  # StartupError naming the folder when it cannot be served
         dtype_name = config.dtype if config.dtype != "auto" else auto_dtype(self.device, full)
         self.dtype_name = dtype_name
         # Tensor parallelism: this is rank 0; the workers start now and load their shares alongside.
@@ -67,8 +68,9 @@ class LLMEngine:
             from kernels import triton_fused
 
             self.model.use_fused_ops(triton_fused)  # one Triton kernel per norm / SwiGLU / RoPE
-        self.tokenizer = Tokenizer.from_pretrained(config.model, self.model_config)
+        self.tokenizer = read_tokenizer(config.model, self.model_config)
         mc: ModelConfig = self.model_config
+        check_vocab(config.model, mc, self.tokenizer)
         if config.kv_cache_dtype == "int8" and config.kv_smoothing:
             self._smooth_kv()
         self.vocab_size = mc.vocab_size

@@ -20,7 +20,7 @@ Messages (pickled over one socket pair):
                      module, working directory and sys.path),
                      ("init", config, heartbeat_s, log_setup, engine_setup), then
                      ("add", id, prompt, sampling) / ("abort", id) / ("stop",)
-    child -> parent: ("ready", EngineInfo, EngineStats) or ("failed", message), then
+    child -> parent: ("ready", EngineInfo, EngineStats) or ("failed", message, is a StartupError), then
                      ("out", wire outputs, stats, steps, taken) once per step with news, and at
                      least every heartbeat_s while the loop steps (what the parent's watchdog
                      counts as progress), ("died", message) on a crash
@@ -142,6 +142,7 @@ def main(parent_pid: int, fd: int) -> None:
     import structlog
 
     from engine.engine import LLMEngine
+    from engine.errors import StartupError
     from engine.handle import EngineInfo
     from engine.loop import Inbox, StepClock, run_engine_loop
 
@@ -154,8 +155,10 @@ def main(parent_pid: int, fd: int) -> None:
         if engine_setup is not None:
             engine_setup(engine)
     except BaseException as e:
-        log.exception("engine_process_failed_to_start")
-        outbox.put(("failed", f"{type(e).__name__}: {e}"))
+        # The parent says it in one line (pie serve prints it); the traceback at --log-level debug.
+        log.debug("engine_process_failed_to_start", exc_info=True)
+        startup = isinstance(e, StartupError)  # its message already names the flag or file and the fix
+        outbox.put(("failed", str(e) if startup else f"{type(e).__name__}: {e}", startup))
         outbox.close()
         return
     outbox.put(("ready", EngineInfo.of(engine), engine.stats()))

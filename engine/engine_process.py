@@ -49,7 +49,7 @@ import structlog
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.engine_child import BOOT
-from engine.errors import StepTimeoutError
+from engine.errors import StartupError, StepTimeoutError
 from engine.handle import Command, HandleBase
 from engine.loop import Watchdog, heartbeat_interval
 from engine.outputs import RequestOutput
@@ -184,7 +184,8 @@ class ProcessEngine(HandleBase):
             conn = self._spawn()
             kind, *payload = conn.recv()
             if kind == "failed":
-                raise RuntimeError(f"the engine process failed to start: {payload[0]}")
+                message, startup = payload
+                raise StartupError(message) if startup else RuntimeError(f"the engine process failed to start: {message}")
             self._info, self._stats = payload
         except BaseException as e:
             if isinstance(e, (EOFError, OSError)):

@@ -24,3 +24,8 @@ class EngineDeadError(RuntimeError):
 
 class StepTimeoutError(RuntimeError):
     """One engine step ran past the watchdog's limit; the engine is presumed hung."""
+
+
+class StartupError(ValueError):
+    """The engine cannot start as configured. The message names the `pie serve` flag or the file at
+    fault and what to do, in one line: `pie serve` prints it as its whole answer (no traceback)."""

@@ -13,9 +13,12 @@ import runpy
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
+
+import structlog
 
 from engine.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, MODEL_DTYPES, EngineConfig
+from engine.errors import StartupError
 from service.auth import read_token_file
 from service.logging import configure_logging
 from service.packages import ForeignPackageError, check_own_packages
@@ -24,6 +27,8 @@ from service.validation import Limits
 
 if TYPE_CHECKING:
     from engine.engine import LLMEngine
+
+log = structlog.get_logger(__name__)
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -41,13 +46,44 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
         return text + " (default: %(default)s)"
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """A usage error is one line naming the flag, and where the flags are listed (argparse would
+    print `pie serve`'s 30-line usage above it)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help lists every flag)\n")
+
+
+def _port(text: str) -> int:
+    """argparse type of --port and --metrics-port: a TCP port, refused outside 0..65535 (gRPC
+    would take 70000 modulo 65536, and -1 as 65535)."""
+    port = int(text)  # a ValueError is argparse's "invalid port value: 'x'"
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port in 0..65535 (0: any free port), got {port}")
+    return port
+
+
+_port.__name__ = "port"
+
+
+def _gib(text: str) -> float:
+    """argparse type of --kv-cache-memory: a positive, finite number of GiB."""
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of GiB, got {text}")
+    return value
+
+
+_gib.__name__ = "GiB"
+
+
 def _add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve a model over gRPC", formatter_class=HelpFormatter)
     d = EngineConfig()
     p.add_argument("--model", default=d.model,
                    help="Hugging Face-layout model folder (default: the bundled story model)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (loopback unless told otherwise)")
-    p.add_argument("--port", type=int, default=50051, help="port to bind (0 = any free port)")
+    p.add_argument("--port", type=_port, default=50051, help="port to bind, 0..65535 (0 = any free port)")
     p.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N")
     p.add_argument("--dtype", default=d.dtype, choices=MODEL_DTYPES,
                    help="weights/activations dtype (auto: bf16 on cuda; on the cpu bf16 for a bf16 checkpoint "
@@ -58,8 +94,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching,
                    help="reuse the KV blocks of prompt prefixes already computed (a seeded request gives the same "
                         "tokens either way; --no-enable-prefix-caching computes every prompt in full)")
-    p.add_argument("--kv-cache-memory", type=float, default=None,
-                   help="KV pool budget in GiB (default: from --gpu-memory-fraction on CUDA, 1 GiB on the CPU)")
+    p.add_argument("--kv-cache-memory", type=_gib, default=None,
+                   help="KV pool budget in GiB (default: from --gpu-memory-fraction on CUDA; on the CPU what "
+                        "--max-num-seqs sequences of the whole context can use, at most 1 GiB)")
     p.add_argument("--gpu-memory-fraction", type=float, default=d.gpu_memory_fraction,
                    help="share of the GPU's memory for weights, activations and the KV pool, which gets "
                         "what the weights and a profiling step leave")
@@ -106,7 +143,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--auth-token-file", default=None,
                    help="file of accepted bearer tokens, one per line: every RPC but health and reflection "
                         "needs `authorization: Bearer <token>` metadata (default: no authentication)")
-    p.add_argument("--metrics-port", type=int, default=None,
+    p.add_argument("--metrics-port", type=_port, default=None,
                    help="serve Prometheus metrics at http://HOST:PORT/metrics; 0 = any free port (default: off)")
     c = ConnectionConfig()
     p.add_argument("--keepalive-time", type=float, default=c.keepalive_time_s,
@@ -140,7 +177,12 @@ def _train(argv: list[str]) -> int:
 
     parser = argparse.ArgumentParser(prog="pie")
     add_train_parser(parser.add_subparsers(dest="command", required=True), formatter_class=HelpFormatter)
-    return run(parser.parse_args(["train", *argv]))
+    args = parser.parse_args(["train", *argv])
+    try:
+        return run(args)
+    except KeyboardInterrupt:  # before training began, or a second Ctrl-C: the checkpoint on disk is what there is
+        print(f"\npie train: interrupted; {args.out} keeps what was written so far", file=sys.stderr)
+        return 130
 
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -206,7 +248,7 @@ def build_parser(*, with_train: bool = False) -> argparse.ArgumentParser:
     over before this parser runs); `with_train` adds train's real parser (it imports training/),
     for tests of the whole help."""
     parser = argparse.ArgumentParser(prog="pie", description="Paged INT8 LLM inference over gRPC")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineErrorParser)
     _add_serve(sub)
     if with_train:
         from training.cli import add_train_parser
@@ -236,28 +278,70 @@ def main(argv: list[str] | None = None, *, engine_setup: Callable[[LLMEngine], N
     args = parser.parse_args(argv)
     configure_logging(json=None if args.log_format == "auto" else args.log_format == "json", level=args.log_level)
     if args.command == "serve":
-        try:
-            engine_config = EngineConfig(
-                model=args.model, device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-                block_size=args.block_size, kv_cache_memory_bytes=None if args.kv_cache_memory is None else int(args.kv_cache_memory * 2**30),
-                gpu_memory_fraction=args.gpu_memory_fraction, enforce_eager=args.enforce_eager,
-                num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                max_waiting=args.max_waiting, seed=args.seed,
-                attention_backend=args.attention_backend, cpu_threads=args.cpu_threads,
-                tensor_parallel_size=args.tensor_parallel_size, enable_prefix_caching=args.enable_prefix_caching)
-            server_config = dataclasses.replace(_server_config(args), engine_setup=engine_setup)
-        except (ValueError, OSError) as e:
-            parser.error(str(e))
-        server = PieServer(server_config, engine_config)
-        code = asyncio.run(server.serve_forever())
-        if code or server.load_interrupted:
-            # The engine thread may be stuck inside a device call, or still loading a model: do
-            # not wait for it at exit.
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
+        return _serve(args, engine_setup)
     return 0
+
+
+def _serve(args: argparse.Namespace, engine_setup: Callable[[LLMEngine], None] | None) -> int:
+    """`pie serve`: the exit status. A start-up failure is one line on stderr naming the flag or
+    path and what to do (exit 2: the flags, files or machine cannot work; exit 1: the engine
+    failed to load anyway); --log-level debug adds its traceback."""
+    try:
+        engine_config = EngineConfig(
+            model=args.model, device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+            block_size=args.block_size, kv_cache_memory_bytes=None if args.kv_cache_memory is None else int(args.kv_cache_memory * 2**30),
+            gpu_memory_fraction=args.gpu_memory_fraction, enforce_eager=args.enforce_eager,
+            num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+            max_waiting=args.max_waiting, seed=args.seed,
+            attention_backend=args.attention_backend, cpu_threads=args.cpu_threads,
+            tensor_parallel_size=args.tensor_parallel_size, enable_prefix_caching=args.enable_prefix_caching)
+        server_config = dataclasses.replace(_server_config(args), engine_setup=engine_setup)
+    except ValueError as e:
+        return _startup_failed(_in_flag_words(str(e)), 2)
+    server = PieServer(server_config, engine_config)
+    try:
+        code = asyncio.run(server.serve_forever())
+    except StartupError as e:
+        return _startup_failed(str(e), 2)
+    except Exception as e:  # the checks passed, and loading the model failed all the same
+        return _startup_failed(f"the engine failed to start with --model {args.model}: {_one_line(e)} "
+                               "(--log-level debug shows the traceback)", 1)
+    if code or server.load_interrupted:
+        # The engine thread may be stuck inside a device call, or still loading a model: do
+        # not wait for it at exit.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return 0
+
+
+def _startup_failed(message: str, code: int) -> int:
+    """Writes the one line (the traceback, at --log-level debug, goes to the log before it)."""
+    log.debug("startup_failed", exc_info=True)
+    print(f"pie serve: error: {message}", file=sys.stderr)
+    return code
+
+
+def _one_line(error: BaseException) -> str:
+    """An exception as one line: its message's lines joined, after its type's name (an engine
+    process's failure names the type of what failed in it already)."""
+    text = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+    if isinstance(error, RuntimeError) and text.startswith("the engine process"):
+        return text.removeprefix("the engine process failed to start: ")
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+# EngineConfig's fields whose flag is not the field's name with dashes.
+_FIELD_FLAGS = {"kv_cache_memory_bytes": "--kv-cache-memory"}
+
+
+def _in_flag_words(message: str) -> str:
+    """EngineConfig says "block_size must be ..."; the operator typed --block-size."""
+    field_name, sep, rest = message.partition(" ")
+    if sep and field_name in {f.name for f in dataclasses.fields(EngineConfig)}:
+        return f"{_FIELD_FLAGS.get(field_name, '--' + field_name.replace('_', '-'))} {rest}"
+    return message
 
 
 def _server_config(args: argparse.Namespace) -> ServerConfig:
@@ -270,8 +354,6 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if args.max_concurrent_rpcs is not None and args.max_concurrent_rpcs < 1:
         raise ValueError("--max-concurrent-rpcs must be >= 1")
-    if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
-        raise ValueError("--metrics-port must be in [0, 65535]")
     if args.stream_interval < 1:
         raise ValueError("--stream-interval must be >= 1")
     if args.step_timeout < 0:
@@ -288,13 +370,17 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
         max_connection_age_s=args.max_connection_age or None, max_connection_age_grace_s=args.max_connection_age_grace,
         compression=args.compression)
     tls = TlsConfig(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
-    if tls is not None:
-        tls.credentials()  # fail at start on an unreadable file, not on the first connection
+    try:
+        tokens = read_token_file(args.auth_token_file) if args.auth_token_file else ()
+    except OSError as e:
+        raise ValueError(f"--auth-token-file {args.auth_token_file}: cannot read it ({e.strerror or e})") from e
+    except ValueError as e:
+        raise ValueError(f"--auth-token-file {e}") from e
     return ServerConfig(
         host=args.host, port=args.port, grace_s=args.grace, model_name=args.model_name,
         max_message_bytes=args.max_message_bytes, limits=Limits(max_prompt_chars=args.max_prompt_chars),
         max_concurrent_rpcs=args.max_concurrent_rpcs, step_timeout_s=args.step_timeout or None, tls=tls,
-        auth_tokens=read_token_file(args.auth_token_file) if args.auth_token_file else (), connection=connection,
+        auth_tokens=tokens, connection=connection,
         metrics_port=args.metrics_port, engine_process=args.engine_process, stream_interval=args.stream_interval,
         log_setup=functools.partial(configure_logging, json=None if args.log_format == "auto" else args.log_format == "json",
                                     level=args.log_level))

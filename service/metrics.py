@@ -16,11 +16,14 @@ decode time.
 
 from __future__ import annotations
 
+import socket
 import threading
-from collections.abc import Callable
-from wsgiref.simple_server import WSGIServer
+from collections.abc import Callable, Iterable
+from socketserver import ThreadingMixIn
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -36,6 +39,7 @@ REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
 FINISHED_REASONS = ("stop", "length", "abort")  # request_success label values, as in vLLM
+METRICS_PATH = "/metrics"  # the one path the HTTP endpoint answers; any other is 404
 
 
 class _EngineCollector(Collector):
@@ -157,8 +161,14 @@ class ServiceMetrics:
 
     # ---- the HTTP endpoint -------------------------------------------------------------------
     def serve_http(self, host: str, port: int) -> int:
-        """Serves /metrics on a daemon thread; returns the bound port (port 0 = any free port)."""
-        self._http, self._http_thread = start_http_server(port, addr=host, registry=self.registry)
+        """Serves /metrics (and nothing else: 404) on a daemon thread; returns the bound port
+        (port 0 = any free port). Raises OSError when the address cannot be bound."""
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+        server_class = type("_MetricsServer", (_ThreadingWSGIServer,), {"address_family": family})
+        self._http = make_server(host, port, _only_metrics_path(make_wsgi_app(self.registry)), server_class,
+                                 handler_class=_QuietHandler)
+        self._http_thread = threading.Thread(target=self._http.serve_forever, name="metrics-http", daemon=True)
+        self._http_thread.start()
         return self._http.server_port
 
     def stop_http(self) -> None:
@@ -166,3 +176,29 @@ class ServiceMetrics:
             self._http.shutdown()
             self._http.server_close()
             self._http = None
+
+
+class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
+    """A thread per scrape; daemon threads, so none is waited for at exit."""
+
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """No access-log line per scrape on stderr (the server's log is structlog's)."""
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def _only_metrics_path(app: Callable) -> Callable:
+    """The WSGI app answers METRICS_PATH only: Prometheus' own handler serves every path, so a
+    mistyped scrape target (or a probe of `/`) would look healthy."""
+
+    def route(environ: dict[str, Any], start_response: Callable) -> Iterable[bytes]:
+        if environ.get("PATH_INFO") != METRICS_PATH:
+            start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
+            return [f"not found: metrics are served at {METRICS_PATH}\n".encode()]
+        return app(environ, start_response)
+
+    return route

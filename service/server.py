@@ -19,13 +19,14 @@ from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.engine_process import LaunchCancelled, ProcessEngine
 from engine.engine_thread import ThreadEngine
-from engine.errors import StepTimeoutError
+from engine.errors import StartupError, StepTimeoutError
 from engine.handle import EngineHandle
 from pie.v1 import generate_pb2_grpc
 from service.auth import BearerTokenInterceptor
 from service.interceptors import UndecodableRequestInterceptor
 from service.metrics import ServiceMetrics
 from service.servicer import SERVICE_NAME, GenerateServicer
+from service.startup import bind_error, check_startup
 from service.validation import Limits
 
 log = structlog.get_logger(__name__)
@@ -138,6 +139,13 @@ class PieServer:
         return self.engine.stats()
 
     async def start(self) -> int:
+        """Checks what can be checked before binding (service/startup.py), binds /metrics and the
+        gRPC port, and serves (readiness NOT_SERVING until load()). A StartupError (its message
+        names the flag or path and the fix) comes before anything is bound or logged as listening."""
+        host, tls = self.config.host, self.config.tls
+        check_startup(self.engine_config, host=host,
+                      ports={"--port": self.config.port, "--metrics-port": self.config.metrics_port},
+                      tls=None if tls is None else (tls.cert, tls.key, tls.client_ca))
         opts = [("grpc.max_receive_message_length", self.config.max_message_bytes),
                 ("grpc.max_send_message_length", self.config.max_message_bytes),
                 ("grpc.so_reuseport", 0), *self.config.connection.options()]
@@ -152,19 +160,27 @@ class PieServer:
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             self.server)
-        address = f"{self.config.host}:{self.config.port}"
-        if self.config.tls is not None:
-            self.port = self.server.add_secure_port(address, self.config.tls.credentials())
-        else:
-            self.port = self.server.add_insecure_port(address)
+        if self.config.metrics_port is not None:  # bound first: a failure here leaves nothing to undo
+            try:
+                self.metrics_port = self.metrics.serve_http(host, self.config.metrics_port)
+            except OSError as e:
+                raise bind_error(e, host, self.config.metrics_port, "--metrics-port") from e
+        address = f"{host}:{self.config.port}"
+        try:
+            self.port = (self.server.add_secure_port(address, tls.credentials()) if tls is not None
+                         else self.server.add_insecure_port(address))
+        except RuntimeError:  # gRPC's "Failed to bind": the port was taken since it was checked
+            self.port = 0
         if self.port == 0:
-            raise RuntimeError(f"could not bind {self.config.host}:{self.config.port}")
+            self.metrics.stop_http()
+            raise StartupError(f"--port {self.config.port}: gRPC could not bind {address}"
+                               f"{' with --tls-cert and --tls-key' if tls is not None else ''} (the port is "
+                               "in use, or --host is not an address of this machine); pick another port or host")
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)  # liveness
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)  # readiness
         await self.server.start()
-        if self.config.metrics_port is not None:
-            self.metrics_port = self.metrics.serve_http(self.config.host, self.config.metrics_port)
-            log.info("metrics_listening", host=self.config.host, port=self.metrics_port, path="/metrics")
+        if self.metrics_port is not None:
+            log.info("metrics_listening", host=host, port=self.metrics_port, path="/metrics")
         log.info("server_listening", host=self.config.host, port=self.port, tls=self.config.tls is not None,
                  auth=bool(self.config.auth_tokens))
         return self.port
@@ -217,6 +233,7 @@ class PieServer:
             except TimeoutError:
                 log.warning("drain_timeout", still_in_flight=self.engine.num_in_flight)
         if self.server is not None:
+            self.servicer.shutting_down = True  # what gRPC cancels from here on, the shutdown cut
             await self.server.stop(max(0.0, deadline - loop.time()))
         if self.engine is not None:
             await asyncio.to_thread(self.engine.stop)

@@ -82,6 +82,9 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         self.metrics = metrics or ServiceMetrics(model_name)
         self.engine: EngineHandle | None = None  # set once the model is loaded
         self.draining = False
+        # Set by the server's stop when it lets gRPC cut what still runs (its grace is over): an
+        # RPC cancelled from then on was ended by the shutdown, not by its caller.
+        self.shutting_down = False
         # Long tokenizations and large answers run here. One core is left to the event loop: with
         # every core busy tokenizing, the loop waited for a CPU (health checks' p99 38-47 ms with
         # 2 workers on 2 cores while 24 prompts of 1M characters arrived).
@@ -168,6 +171,9 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         return grpc.StatusCode.CANCELLED
 
     def _gone(self, context, s: RequestSummary) -> None:
+        if self.shutting_down:  # the caller gets UNAVAILABLE from gRPC; the reason is DRAINING's
+            self._end(s, grpc.StatusCode.UNAVAILABLE, "server shutting down (DRAINING): the grace period ended first")
+            return
         code = self._gone_code(context)
         self._end(s, code, "the deadline passed" if code == grpc.StatusCode.DEADLINE_EXCEEDED
                   else "cancelled by the caller")

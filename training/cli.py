@@ -13,8 +13,12 @@ needs the `train` extra, and says so. service/cli.py puts this parser under `pie
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -52,7 +56,8 @@ _FIELD_HELP = {
     "grad_clip": "largest global gradient norm (0 = no clipping)",
     "eval_every": "optimizer steps between eval passes (0 = only at the start and the end)",
     "eval_steps": "batches per eval pass",
-    "save_every": "optimizer steps between checkpoints (0 = only at the end)",
+    "save_every": "optimizer steps between checkpoints; 0 = only at the end (default: a tenth of --max-steps; "
+                  "Ctrl-C or SIGTERM saves one too, and exports what the run has)",
     "log_every": "optimizer steps between metrics.jsonl rows and progress lines",
     "seed": "seeds the model init, the batch order, the generated corpus and the held-out documents",
     "device": "auto (cuda when available, else cpu), cpu, cuda or cuda:N",
@@ -106,7 +111,7 @@ def add_train_parser(subparsers: argparse._SubParsersAction, *,
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=_FIELD_HELP[f.name])
         else:
             kind = float if isinstance(default, float) else int if isinstance(default, int) else str
-            if f.name == "lr_decay_steps":
+            if f.name in ("lr_decay_steps", "save_every"):  # None by default: no type to read off it
                 kind = int
             p.add_argument(flag, type=kind, default=default, dest=f.name, choices=_FIELD_CHOICES.get(f.name),
                            help=_FIELD_HELP[f.name])
@@ -202,12 +207,54 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"pie train: {e}", file=sys.stderr)
         return 2
-    result = train(cfg, splits)
+    with _stop_on_signals() as stop:
+        result = train(cfg, splits, stop=stop.event)
+    if result["interrupted"] and result["step"] == 0:
+        print(f"pie train: stopped by {stop.name} before the first step; nothing to save or export", file=sys.stderr)
+        return 128 + stop.signum
     print(f"step {result['step']}: train loss {result['train_loss']:.4f}, eval loss {result['eval_loss']:.4f} "
           f"(ppl {result['eval_ppl']:.2f}), {result['tokens_per_s']:,.0f} tok/s; run folder {out}",
           file=sys.stderr)
     if args.export:
         dtype = getattr(torch, _DTYPES[args.export_dtype])
+        print(f"exporting step {result['step']} to {args.export} ({args.export_dtype})", file=sys.stderr)
         path = export_hf(result["model"], cfg, tok_path, args.export, dtype=dtype)
         print(f"exported to {path}", file=sys.stderr)
+    if result["interrupted"]:
+        print(f"pie train: stopped by {stop.name} at step {result['step']} of {cfg.max_steps}; the run continues "
+              f"with: pie train ... --out {out} --resume", file=sys.stderr)
+        return 128 + stop.signum
     return 0
+
+
+class _StopRequest:
+    """The first SIGINT or SIGTERM sets `event` (training stops after its step, saves and exports);
+    a second one acts as the signal does by default (SIGINT: KeyboardInterrupt, SIGTERM: exit)."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.signum = 0
+        self.name = ""
+
+    def handle(self, signum: int, frame) -> None:
+        self.signum, self.name = signum, signal.Signals(signum).name
+        signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
+        print(f"{chr(10) if sys.stderr.isatty() else ''}pie train: {self.name}: stopping after this step, then "
+              "saving a checkpoint (and the export); send it again to quit at once", file=sys.stderr)
+        self.event.set()
+
+
+@contextlib.contextmanager
+def _stop_on_signals() -> Iterator[_StopRequest]:
+    """SIGINT and SIGTERM become a stop request while training runs (main thread only: signal
+    handlers cannot be set elsewhere, and then the signals keep their default)."""
+    request = _StopRequest()
+    if threading.current_thread() is not threading.main_thread():
+        yield request
+        return
+    previous = {sig: signal.signal(sig, request.handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield request
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

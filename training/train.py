@@ -14,7 +14,9 @@ import json
 import math
 import os
 import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -59,7 +61,9 @@ class TrainConfig:
     # --- bookkeeping ---
     eval_every: int = 200  # steps between eval passes (0 = only at the start and the end)
     eval_steps: int = 20  # batches per eval pass (fixed batches: comparable across evals)
-    save_every: int = 500  # steps between checkpoints (0 = only at the end)
+    # steps between checkpoints (0 = only at the end; None = a tenth of max_steps, so that a run that
+    # is killed keeps most of its work; Ctrl-C and SIGTERM save one anyway)
+    save_every: int | None = None
     log_every: int = 10  # steps between metrics.jsonl rows / progress updates
     seed: int = 0  # model init, batch order
     device: str = "auto"  # auto: cuda when available, else cpu
@@ -76,7 +80,7 @@ class TrainConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("warmup_steps", "eval_every", "save_every", "weight_decay", "grad_clip", "min_lr"):
-            if getattr(self, name) < 0:
+            if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 2:
             raise ValueError(f"hidden_size {self.hidden_size} must split into {self.num_heads} heads of even size")
@@ -106,6 +110,19 @@ class TrainConfig:
             max_position_embeddings=self.max_seq_len, tie_word_embeddings=self.tie_embeddings,
             attention_bias=False, o_proj_bias=False, mlp_bias=False, qk_norm=False, sliding_window=None,
             dtype="float32", bos_token_id=BOS_ID, eos_token_ids=(EOS_ID,))
+
+    @property
+    def save_interval(self) -> int:
+        """Steps between checkpoints: save_every, or a tenth of max_steps when it is None (0: only at the end)."""
+        return self.save_every if self.save_every is not None else max(1, self.max_steps // 10)
+
+    def evals_left(self, step: int) -> int:
+        """Eval passes still to run once optimizer step `step` is done (its own included): those at
+        multiples of eval_every and the one at max_steps."""
+        if not self.eval_every:
+            return 1
+        at_multiples = self.max_steps // self.eval_every - (step - 1) // self.eval_every
+        return at_multiples + (self.max_steps % self.eval_every != 0)
 
     def lr_at(self, step: int) -> float:
         """Learning rate of optimizer step `step` (0-based): linear warmup, then cosine to min_lr."""
@@ -165,16 +182,22 @@ def _loss(forward, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def evaluate(forward, model: torch.nn.Module, tokens: np.ndarray, cfg: TrainConfig, device: torch.device,
-             autocast) -> float:
-    """Mean loss over cfg.eval_steps batches drawn with a fixed seed: the same batches every time."""
+             autocast, on_batch: Callable[[int], bool] | None = None) -> float | None:
+    """Mean loss over cfg.eval_steps batches drawn with a fixed seed: the same batches every time.
+    `on_batch(i)` is called after batch i (1-based); when it returns False the pass stops and the
+    result is None (the run is being interrupted)."""
     model.eval()
     g = torch.Generator().manual_seed(cfg.seed + 1)
     losses = []
-    for _ in range(cfg.eval_steps):
-        x, y = get_batch(tokens, cfg.batch_size, min(cfg.seq_len, len(tokens) - 2), g, device)
-        with autocast():
-            losses.append(_loss(forward, x, y).item())
-    model.train()
+    try:
+        for i in range(1, cfg.eval_steps + 1):
+            x, y = get_batch(tokens, cfg.batch_size, min(cfg.seq_len, len(tokens) - 2), g, device)
+            with autocast():
+                losses.append(_loss(forward, x, y).item())
+            if on_batch is not None and not on_batch(i):
+                return None
+    finally:
+        model.train()
     return sum(losses) / len(losses)
 
 
@@ -215,6 +238,23 @@ class _Progress:
         else:
             self.stream.write(line + "\n")
         self.stream.flush()
+
+    def begin(self, text: str) -> None:
+        """A phase without optimizer steps starts (an eval pass, a checkpoint): on a terminal it
+        takes the line in place (tick() updates it, note() replaces it); elsewhere a line of its own."""
+        if not self.enabled:
+            return
+        if self.in_place:
+            self.stream.write("\r" + text.ljust(self.open_len))
+            self.open_len = len(text)
+        else:
+            self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def tick(self, text: str) -> None:
+        """Updates begin()'s line on a terminal; elsewhere nothing (a log gets begin's line and the result)."""
+        if self.enabled and self.in_place:
+            self.begin(text)
 
     def note(self, text: str) -> None:
         if self.enabled:
@@ -261,11 +301,14 @@ def _plot(out: Path, metrics_file: Path) -> Path:
     return path
 
 
-def train(cfg: TrainConfig, data: TokenSplits, model: LlamaForCausalLM | None = None) -> dict[str, Any]:
-    """Trains (or, with cfg.resume and a checkpoint in cfg.out_dir, continues) until cfg.max_steps.
+def train(cfg: TrainConfig, data: TokenSplits, model: LlamaForCausalLM | None = None,
+          stop: threading.Event | None = None) -> dict[str, Any]:
+    """Trains (or, with cfg.resume and a checkpoint in cfg.out_dir, continues) until cfg.max_steps,
+    or until `stop` is set (Ctrl-C, SIGTERM: the CLI sets it): then the step under way finishes, an
+    eval pass under way is dropped, and a checkpoint of the last step is saved.
 
     Returns {"model" (fp32, eval mode), "step", "train_loss", "eval_loss", "eval_ppl", "tokens_per_s",
-    "checkpoint", "metrics", "plot", "params"}.
+    "checkpoint", "metrics", "plot", "params", "interrupted" (stop was set before max_steps)}.
     """
     device = resolve_device(cfg.device)
     out = Path(cfg.out_dir)
@@ -306,6 +349,11 @@ def train(cfg: TrainConfig, data: TokenSplits, model: LlamaForCausalLM | None = 
                   f"{len(data.train):,} train / {len(data.eval):,} eval tokens; starting at step {step}")
     tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum
     result: dict[str, Any] = {"train_loss": float("nan"), "eval_loss": float("nan"), "tokens_per_s": 0.0}
+    eval_seconds: list[float] = []  # each eval pass's wall time, for the time left
+    saved_at = step if ckpt_path.is_file() and cfg.resume else -1  # the step the checkpoint on disk holds
+
+    def stopping() -> bool:
+        return stop is not None and stop.is_set()
 
     with open(metrics_path, "a") as metrics:
         def log(row: dict[str, Any]) -> None:
@@ -313,18 +361,37 @@ def train(cfg: TrainConfig, data: TokenSplits, model: LlamaForCausalLM | None = 
             metrics.flush()
 
         def run_eval() -> None:
-            loss = evaluate(forward, model, data.eval, cfg, device, autocast)
+            t0 = _synced_clock(device)
+            progress.begin(f"step {step}: evaluating on {cfg.eval_steps} batches")
+
+            def on_batch(i: int) -> bool:
+                progress.tick(f"step {step}: evaluating, batch {i}/{cfg.eval_steps}")
+                return not stopping()
+
+            loss = evaluate(forward, model, data.eval, cfg, device, autocast, on_batch=on_batch)
+            if loss is None:
+                progress.note(f"step {step}: eval pass dropped (stopping)")
+                return
+            eval_seconds.append(time.perf_counter() - t0)
             result["eval_loss"] = loss
             log({"step": step, "eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))})
             progress.note(f"step {step}: eval loss {loss:.4f} ppl {math.exp(min(loss, 50.0)):.2f}")
 
+        def save(why: str) -> None:
+            nonlocal saved_at
+            progress.begin(f"step {step}: saving the checkpoint ({why})")
+            _save_checkpoint(ckpt_path, model, optimizer, step, batch_gen, cfg)
+            saved_at = step
+            progress.note(f"step {step}: checkpoint saved to {ckpt_path}")
+
         if step == 0:
             run_eval()
         # tokens/s counts training time alone (eval passes and checkpoints are `paused`); the time
-        # left is the mean wall time of this run's steps, evals and checkpoints included
+        # left is this run's mean training time per step for the steps left, plus the mean eval
+        # pass for the passes left (the final one included: at max_steps/max_steps it is what is left)
         t_start, start_step = time.perf_counter(), step
-        t_last, steps_since, paused = t_start, 0, 0.0
-        while step < cfg.max_steps:
+        t_last, steps_since, paused, paused_total = t_start, 0, 0.0, 0.0
+        while step < cfg.max_steps and not stopping():
             lr = cfg.lr_at(step)
             for group in optimizer.param_groups:
                 group["lr"] = lr
@@ -348,17 +415,29 @@ def train(cfg: TrainConfig, data: TokenSplits, model: LlamaForCausalLM | None = 
                 result["train_loss"], result["tokens_per_s"] = train_loss, tok_s
                 log({"step": step, "loss": train_loss, "lr": lr, "grad_norm": float(grad_norm),
                      "tokens_per_s": tok_s, "elapsed_s": now - t_start})
-                eta_s = (now - t_start) / (step - start_step) * (cfg.max_steps - step)
+                per_step = (now - t_start - paused_total) / (step - start_step)
+                mean_eval = sum(eval_seconds) / len(eval_seconds) if eval_seconds else 0.0
+                eta_s = per_step * (cfg.max_steps - step) + mean_eval * cfg.evals_left(step)
                 progress.update(step, train_loss, tok_s, lr, eta_s)
             if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.max_steps:
                 t0 = _synced_clock(device)
                 run_eval()
                 paused += time.perf_counter() - t0
-            if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.max_steps:
+                paused_total += time.perf_counter() - t0
+            if (cfg.save_interval and step % cfg.save_interval == 0) or step == cfg.max_steps:
                 t0 = _synced_clock(device)
-                _save_checkpoint(ckpt_path, model, optimizer, step, batch_gen, cfg)
+                save("the last step" if step == cfg.max_steps else f"every {cfg.save_interval} steps")
                 paused += time.perf_counter() - t0
+                paused_total += time.perf_counter() - t0
+        interrupted = step < cfg.max_steps
+        if interrupted:
+            if step > saved_at and step > 0:
+                save("stopping")
+            else:
+                progress.note(f"stopping at step {step}: " + ("the checkpoint holds it already" if step
+                                                               else "nothing trained, nothing saved"))
     progress.close()
     plot = _plot(out, metrics_path)
     return {**result, "model": model.eval(), "step": step, "eval_ppl": math.exp(min(result["eval_loss"], 50.0)),
-            "checkpoint": ckpt_path, "metrics": metrics_path, "plot": plot, "params": n_params}
+            "checkpoint": ckpt_path, "metrics": metrics_path, "plot": plot, "params": n_params,
+            "interrupted": interrupted}

@@ -7,6 +7,7 @@ Examples:
     pie-client generate "Hi" --no-stream --address 10.0.0.1:50051 --address 10.0.0.2:50051
     pie-client generate "Hi" --logprobs 3            # each token's logprob: a table on stderr
     pie-client generate "Hi" --json | jq -r .text    # JSON lines on stdout, for scripts
+    echo "Once upon a time" | pie-client generate -  # the prompt from stdin (also with no PROMPT)
     pie-client info
     pie-client tokenize "Hello world"
 
@@ -171,7 +172,9 @@ def _parser() -> argparse.ArgumentParser:
     gen = commands.add_parser("generate", help="generate text from a prompt", description="Generate text from a prompt.",
                               epilog=_DETAILS, formatter_class=HelpFormatter)
     gen.set_defaults(command_parser=gen)  # for usage errors found after parsing
-    gen.add_argument("prompt", help="prompt text (or token ids with --token-ids)")
+    gen.add_argument("prompt", nargs="?", default=None,
+                     help="prompt text (or token ids with --token-ids); - reads it from stdin, less one final "
+                          "newline (default: stdin, when it is not a terminal)")
     gen.add_argument("--token-ids", action="store_true", help="PROMPT is token ids separated by spaces or commas")
     for flag, name, kind, metavar, text in _SAMPLING_FLAGS:
         gen.add_argument(flag, dest=name, type=_checked(name, kind), metavar=metavar, default=None, help=text)
@@ -197,7 +200,10 @@ def _parser() -> argparse.ArgumentParser:
     tok = commands.add_parser("tokenize", help="print the token ids of TEXT as JSON",
                               description="Print the token ids of TEXT (and their text pieces) as JSON.",
                               formatter_class=HelpFormatter)
-    tok.add_argument("text", help="text to tokenize with the served model's tokenizer")
+    tok.set_defaults(command_parser=tok)
+    tok.add_argument("text", nargs="?", default=None,
+                     help="text to tokenize with the served model's tokenizer; - reads it from stdin, less one "
+                          "final newline (default: stdin, when it is not a terminal)")
     tok.add_argument("--no-special-tokens", action="store_true",
                      help="do not add BOS and the like, which a text prompt gets")
     _add_global_flags(tok, after_command=True)
@@ -210,7 +216,10 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     args = _parser().parse_args(argv)
     args.address = (args.address or []) + vars(args).pop("address_after", []) or [DEFAULT_TARGET]
     command_parser = vars(args).pop("command_parser", None)
-    if command_parser is not None and args.token_ids:
+    text_arg = {"generate": "prompt", "tokenize": "text"}.get(args.command)
+    if command_parser is not None and text_arg is not None and getattr(args, text_arg) in (None, "-"):
+        setattr(args, text_arg, _read_stdin(command_parser, text_arg, asked=getattr(args, text_arg) == "-"))
+    if args.command == "generate" and args.token_ids:
         try:
             args.prompt = [int(t) for t in args.prompt.replace(",", " ").split()]
         except ValueError:
@@ -220,6 +229,19 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
             if problem:
                 command_parser.error(f"argument prompt: token id {i}: {problem}")
     return args
+
+
+def _read_stdin(parser: argparse.ArgumentParser, name: str, *, asked: bool) -> str:
+    """The text on stdin, for an argument given as "-" (`asked`) or left out with stdin piped in;
+    one final newline (echo's, a file's last) is dropped. A usage error when there is none."""
+    stdin = sys.stdin
+    if stdin is None or (not asked and stdin.isatty()):
+        parser.error(f"argument {name}: give the {name} as an argument, or '-' to read it from stdin, or pipe it in")
+    text = stdin.read()
+    text = text.removesuffix("\n").removesuffix("\r") if text.endswith("\n") else text
+    if not text:
+        parser.error(f"argument {name}: stdin held no {name}")
+    return text
 
 
 def _sampling(args: argparse.Namespace) -> dict[str, Any]:

@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import io
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -158,3 +163,63 @@ def test_n_above_one_is_unary(fake: Fake, capsys: pytest.CaptureFixture[str]) ->
     sent = fake[0].requests[-1]
     assert isinstance(sent, pb.GenerateRequest) and sent.sampling.n == 2
     assert capsys.readouterr().out == "Hello!\n"  # the fake answers one choice whatever n is
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("argv", [["generate", "-"], ["generate"], ["generate", "--no-stream"]])
+def test_the_prompt_comes_from_stdin_as_dash_or_when_piped(
+    fake: Fake, monkeypatch: pytest.MonkeyPatch, argv: list[str]
+) -> None:
+    servicer, address = fake
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Once upon a time\n"))  # echo's newline is dropped
+    assert cli.main([*argv, "--address", address]) == 0
+    assert servicer.requests[-1].prompt == "Once upon a time"
+
+
+def test_stdin_keeps_all_but_the_last_newline_and_feeds_token_ids_and_tokenize(
+    fake: Fake, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    servicer, address = fake
+    monkeypatch.setattr(sys, "stdin", io.StringIO("line one\n\nline two\r\n"))
+    assert cli.main(["generate", "-", "--address", address]) == 0
+    assert servicer.requests[-1].prompt == "line one\n\nline two"
+    monkeypatch.setattr(sys, "stdin", io.StringIO("5, 6 7\n"))
+    assert cli.main(["generate", "--token-ids", "-", "--address", address]) == 0
+    assert list(servicer.requests[-1].prompt_token_ids.ids) == [5, 6, 7]
+    monkeypatch.setattr(sys, "stdin", io.StringIO("ab\n"))
+    capsys.readouterr()
+    assert cli.main(["tokenize", "-", "--address", address, "--no-special-tokens"]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == [ord("a"), ord("b")]
+
+
+@pytest.mark.parametrize(("stdin", "argv", "error"), [
+    (_Terminal(""), ["generate"],
+     "argument prompt: give the prompt as an argument, or '-' to read it from stdin, or pipe it in"),
+    (io.StringIO(""), ["generate", "-"], "argument prompt: stdin held no prompt"),
+    (io.StringIO("\n"), ["generate"], "argument prompt: stdin held no prompt"),
+    (_Terminal(""), ["tokenize"], "argument text: give the text as an argument, or '-' to read it from stdin, or "
+                                  "pipe it in"),
+])
+def test_no_prompt_anywhere_is_a_usage_error(
+    fake: Fake, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], stdin, argv, error
+) -> None:
+    sent = len(fake[0].requests)
+    monkeypatch.setattr(sys, "stdin", stdin)
+    assert cli.main([*argv, "--address", fake[1]]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"pie-client {argv[0]}: error: {error}"
+    assert len(fake[0].requests) == sent
+
+
+@pytest.mark.slow
+def test_a_prompt_piped_into_the_command_line(fake: Fake) -> None:
+    """`echo "Once upon a time" | pie-client generate -` as a shell runs it (a real pipe on stdin)."""
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-m", "pie_client", "--address", fake[1], "generate", "-", "--no-stream"],
+                          input="Once upon a time\n", capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(root / "clients")})
+    assert done.returncode == 0, done.stderr
+    assert fake[0].requests[-1].prompt == "Once upon a time"

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
+from engine.errors import StartupError
 from engine.kv_cache import KVCache
 from engine.kv_sizing import CPU_KV_CACHE_BYTES, num_kv_blocks
 from engine.model_runner import ModelRunner, graph_buckets
@@ -244,7 +245,7 @@ def test_kv_pool_is_sized_from_free_memory(tmp_path):
         del engine
         torch.cuda.empty_cache()
     assert engines[0.5] > engines[0.3] > 0
-    with pytest.raises(ValueError, match="gpu_memory_fraction"):
+    with pytest.raises(StartupError, match="--gpu-memory-fraction"):
         LLMEngine(EngineConfig(model=str(model_dir), device="cuda", gpu_memory_fraction=1e-6))
 
 
@@ -273,10 +274,14 @@ def test_kv_sizing_arithmetic_with_a_fake_device(monkeypatch):
     assert num_kv_blocks(cfg, cuda, 1 << 20, 2048, make_runner) == (90 - 30 - 2) * 1024  # 1 MiB blocks
     assert profiled == [[16, 16, 16, 16]] and made == [64 // 16 + 4]  # one step of the whole budget
     cfg.gpu_memory_fraction = 0.3
-    with pytest.raises(ValueError, match="gpu_memory_fraction 0.3"):
+    with pytest.raises(StartupError, match="^--gpu-memory-fraction 0.3 of 100.0 GiB leaves no room"):
         num_kv_blocks(cfg, cuda, 1 << 20, 2048, make_runner)
+    cfg.gpu_memory_fraction = 0.33  # ~1 GiB left: ~1024 blocks of 16 tokens, fewer than a 32768-token sequence
+    with pytest.raises(StartupError, match=r"^--gpu-memory-fraction 0.33 leaves room for 163\d\d tokens of KV cache, "
+                                           "fewer than one sequence of 32768 tokens"):
+        num_kv_blocks(cfg, cuda, 1 << 20, 32768, make_runner)
     assert num_kv_blocks(EngineConfig(num_kv_blocks=7), cuda, 1 << 20, 2048, make_runner) == 7
-    assert num_kv_blocks(EngineConfig(kv_cache_memory_bytes=10 << 20), cuda, 1 << 20, 2048, make_runner) == 10
+    assert num_kv_blocks(EngineConfig(kv_cache_memory_bytes=10 << 20), cuda, 1 << 20, 160, make_runner) == 10
     assert num_kv_blocks(EngineConfig(), torch.device("cpu"), 1 << 20, 2048, make_runner) == CPU_KV_CACHE_BYTES >> 20
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import urllib.error
 import urllib.request
 
 import pytest
@@ -142,6 +143,17 @@ def test_gauges_during_a_stream_and_cancellation(server, client, log_buffer):
     line = next(d for d in log_lines(log_buffer) if d.get("request_id") == "metrics-long"
                 and d.get("event") == "request_done")
     assert line["status"] == "CANCELLED" and line["finish_reason"] is None and line["generated_tokens"] >= 1
+
+
+@pytest.mark.parametrize("path", ["/", "/metric", "/metrics/", "/metrics/x", "/favicon.ico", "/index.html"])
+def test_only_the_metrics_path_answers(server, path):
+    base = f"http://{server.pie.config.host}:{server.pie.metrics_port}"
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(base + path, timeout=10)
+    assert err.value.code == 404
+    assert err.value.read().decode() == "not found: metrics are served at /metrics\n"
+    with urllib.request.urlopen(base + "/metrics?scrape=1", timeout=10) as r:
+        assert r.status == 200 and b"vllm:prompt_tokens_total" in r.read()
 
 
 def test_metrics_off_by_default_and_registries_are_per_server():

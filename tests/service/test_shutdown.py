@@ -1,14 +1,22 @@
-"""`pie serve` as a real process: readiness, SIGTERM drain with zero lost responses, clean exit."""
+"""`pie serve` as a real process: readiness, SIGTERM drain with zero lost responses, clean exit;
+and a stream the shutdown cuts after its grace, which is the server's doing, not the caller's."""
 
 from __future__ import annotations
 
+import io
+import json
 import os
 import signal
+import time
 
 import pytest
+import structlog
 from grpc_health.v1 import health_pb2
 
+from engine.config import EngineConfig
 from pie_client import Client, Unavailable
+from service.logging import configure_logging
+from service.server import BackgroundServer, ServerConfig
 from tests.helpers import make_hf_model_dir, wait_until
 from tests.service.processes import ServerProcess, engine_children, readiness
 
@@ -50,3 +58,46 @@ def test_sigterm_drains_in_flight_then_exits(tmp_path, engine):
         if server.proc.poll() is None:
             server.proc.kill()
             server.proc.wait()
+
+
+def _slow_steps(engine) -> None:
+    """Each engine step takes 20 ms more, so a 400-token stream outlasts a short grace."""
+    execute = engine.runner.execute
+
+    def slowed(out, seeds):
+        time.sleep(0.02)
+        return execute(out, seeds)
+
+    engine.runner.execute = slowed
+
+
+def test_a_stream_cut_after_the_grace_is_the_servers_doing(tmp_path):
+    """Past --grace, gRPC cancels what still runs: the caller gets UNAVAILABLE, and the server's
+    request_done line and pie_requests_finished say UNAVAILABLE (the shutdown), not CANCELLED."""
+    saved = structlog.get_config()
+    buf = io.StringIO()
+    configure_logging(json=True, stream=buf)
+    try:
+        cfg = EngineConfig(model=str(make_hf_model_dir(tmp_path, "llama")), device="cpu", kv_cache_dtype="fp32",
+                           num_kv_blocks=64, max_num_seqs=4)
+        server = BackgroundServer(ServerConfig(port=0, engine_setup=_slow_steps), cfg).start()
+        with Client(server.address, timeout=60) as client:
+            stream = client.stream("the cat", max_tokens=400, ignore_eos=True, request_id="cut-by-shutdown")
+            next(stream)  # in flight
+            server.stop(grace_s=0.3)
+            with pytest.raises(Unavailable):
+                list(stream)
+        metrics = server.pie.metrics.registry
+        finished = {code: metrics.get_sample_value("pie_requests_finished_total", {
+            "model_name": server.pie.servicer.model_name, "rpc": "GenerateStream", "code": code})
+            for code in ("UNAVAILABLE", "CANCELLED")}
+    finally:
+        structlog.configure(**saved)
+    lines = [json.loads(line) for line in buf.getvalue().splitlines()]
+    done = [e for e in lines if e.get("event") == "request_done" and e.get("request_id") == "cut-by-shutdown"]
+    assert len(done) == 1, done
+    assert done[0]["status"] == "UNAVAILABLE" and done[0]["level"] == "warning"
+    assert done[0]["error"].startswith("server shutting down (DRAINING)")
+    assert 0 < done[0]["generated_tokens"] < 400
+    assert finished == {"UNAVAILABLE": 1.0, "CANCELLED": None}
+    assert any(e.get("event") == "drain_timeout" for e in lines)

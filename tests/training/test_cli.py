@@ -2,14 +2,17 @@
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+from model import load_model
 from service.cli import HelpFormatter, main
-from tests.helpers import help_problems
+from tests.helpers import help_problems, wait_until
 from training.cli import add_train_parser, schedule_warning
 from training.train import TrainConfig
 
@@ -96,3 +99,41 @@ def test_schedule_warning_names_the_numbers_and_the_fix(warmup, max_steps, ends_
         assert warning == (f"--warmup-steps {warmup} >= --max-steps {max_steps}: the learning rate warms up for the "
                            f"whole run (it ends at {ends_at}, --lr is 0.001) and never decays; lower --warmup-steps "
                            "(e.g. to 10) or raise --max-steps")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_saves_a_checkpoint_and_exports_what_the_run_has(tmp_path, sig, code):
+    """A run of 100k steps, stopped by SIGTERM (a supervisor) or SIGINT (Ctrl-C) once it trains:
+    the step under way ends, the checkpoint holds it, the export serves it, and --resume continues."""
+    run_dir, export = tmp_path / "run", tmp_path / "model"
+    cmd = [sys.executable, "-m", "service.cli", "train", "--generate-corpus", "60", "--out", str(run_dir),
+           "--export", str(export), *TINY, "--max-steps", "100000", "--warmup-steps", "1", "--log-every", "1"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'clients'}"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        metrics = run_dir / "metrics.jsonl"
+        wait_until(lambda: metrics.is_file() and '"loss"' in metrics.read_text(), timeout=120,
+                   what="the run to log a training step")
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == code, err
+    assert "Traceback" not in err
+    step = torch.load(run_dir / "checkpoint.pt", weights_only=False)["step"]
+    assert 0 < step < 100000
+    lines = err.splitlines()
+    assert f"pie train: {sig.name}: stopping after this step, then saving a checkpoint (and the export); send it " \
+           "again to quit at once" in lines
+    assert lines[-3:] == [f"exporting step {step} to {export} (bf16)", f"exported to {export}",
+                          f"pie train: stopped by {sig.name} at step {step} of 100000; the run continues with: "
+                          f"pie train ... --out {run_dir} --resume"]
+    model, config = load_model(export)
+    assert config.vocab_size % 64 == 0 and sum(p.numel() for p in model.parameters()) > 0
+    resumed = main(["train", "--generate-corpus", "60", "--out", str(run_dir), *TINY,
+                    "--max-steps", str(step + 2), "--warmup-steps", "1", "--resume"])
+    assert resumed == 0
+    assert torch.load(run_dir / "checkpoint.pt", weights_only=False)["step"] == step + 2

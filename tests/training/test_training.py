@@ -8,6 +8,7 @@ import re
 import stat
 import subprocess
 import sys
+import threading
 import types
 from pathlib import Path
 
@@ -112,12 +113,18 @@ def test_progress_lines_show_tokens_per_s_and_time_left(tokenized, tmp_path, cap
         assert (int(step), int(total)) == (row["step"], 12) and bar.count("#") == 24 * row["step"] // 12
         assert float(loss) == pytest.approx(row["loss"], abs=1e-4) and float(lr) == pytest.approx(row["lr"], rel=1e-2)
         assert int(tok_s.replace(",", "")) == round(row["tokens_per_s"])
-    assert lines[-1].endswith(" eta 0s")
     assert sum("eval loss" in line for line in err.splitlines()) == 3  # steps 0, 6, 12
+    # each eval pass and the checkpoint say when they begin (the final eval is minutes on a big model)
+    assert [line for line in err.splitlines() if "evaluating" in line] == [
+        f"step {s}: evaluating on 4 batches" for s in (0, 6, 12)]
+    assert err.splitlines()[-2:] == ["step 12: saving the checkpoint (the last step)",
+                                     f"step 12: checkpoint saved to {tmp_path / 'checkpoint.pt'}"]
 
 
 def test_tokens_per_s_leave_out_evals_and_the_time_left_counts_them(tokenized, tmp_path, monkeypatch, capsys):
-    """On a fake clock every batch drawn takes 0.5 s and every eval pass 1000 s more."""
+    """On a fake clock every batch drawn takes 0.5 s and every eval pass 1000 s more (1002 s with
+    its 4 batches). The time left is the steps left at the mean training time per step, plus the
+    eval passes left (the final one included) at the mean pass: at 12/12 the final eval is left."""
     import training.train as train_module
 
     _, _, splits = tokenized
@@ -140,7 +147,9 @@ def test_tokens_per_s_leave_out_evals_and_the_time_left_counts_them(tokenized, t
     assert [r["tokens_per_s"] for r in logged] == [8 * 32 / 0.5] * 3  # the eval at step 6 (1002 s) left out
     assert [r["elapsed_s"] for r in logged] == [2, 2 + 1 + 1002 + 1, 1006 + 2]
     etas = [line.rsplit(" eta ", 1)[1] for line in capsys.readouterr().err.splitlines() if line.startswith("[")]
-    assert etas == ["4s", "8m23s", "0s"]  # 4 steps left at 0.5 s; 4 at 1006 s / 8 steps (503 s); none
+    # 8 steps x 0.5 s + evals at 6 and 12; 4 x 0.5 s + the eval at 12; the eval at 12
+    assert etas == [format_duration(4 + 2 * 1002), format_duration(2 + 1002), format_duration(1002)]
+    assert etas == ["33m28s", "16m44s", "16m42s"]
 
 
 def test_progress_rewrites_one_line_on_a_terminal():
@@ -299,3 +308,64 @@ def test_cli_corpus_to_export(corpus, tmp_path):
         assert c.model_info().architecture == "LlamaForCausalLM"
         out = c.generate("Once upon a time", max_tokens=8, temperature=0, ignore_eos=True)
         assert out.completion_tokens == 8 and out.finish_reason == "length"
+
+
+def test_save_interval_and_evals_left():
+    assert TrainConfig(max_steps=60).save_interval == 6 and TrainConfig(max_steps=5).save_interval == 1
+    assert TrainConfig(max_steps=60, save_every=0).save_interval == 0
+    assert TrainConfig(max_steps=60, save_every=25).save_interval == 25
+    with pytest.raises(ValueError, match="save_every must be >= 0"):
+        TrainConfig(save_every=-1)
+    cfg = TrainConfig(max_steps=60, eval_every=20)
+    assert [cfg.evals_left(s) for s in (1, 19, 20, 21, 40, 41, 60)] == [3, 3, 3, 2, 2, 1, 1]
+    odd = TrainConfig(max_steps=50, eval_every=20)  # passes at 20, 40 and the last step, 50
+    assert [odd.evals_left(s) for s in (1, 20, 21, 41, 50)] == [3, 3, 2, 1, 1]
+    assert TrainConfig(max_steps=60, eval_every=0).evals_left(30) == 1
+
+
+def _stop_after_batches(monkeypatch, n: int) -> threading.Event:
+    """An event set while the n-th batch is drawn (eval batches count too)."""
+    import training.train as train_module
+
+    event, drawn, real = threading.Event(), [0], train_module.get_batch
+
+    def get_batch(*args, **kwargs):
+        drawn[0] += 1
+        if drawn[0] == n:
+            event.set()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(train_module, "get_batch", get_batch)
+    return event
+
+
+def test_a_stop_request_finishes_the_step_saves_it_and_resumes_from_it(tokenized, tmp_path, monkeypatch):
+    _, _, splits = tokenized
+    stop = _stop_after_batches(monkeypatch, 4 + 7)  # the step-0 eval's 4 batches, then 7 steps
+    result = train(_tiny(tmp_path, max_steps=30, save_every=0), splits, stop=stop)
+    assert result["interrupted"] and result["step"] == 7
+    assert torch.load(tmp_path / "checkpoint.pt", weights_only=False)["step"] == 7
+    monkeypatch.undo()
+    resumed = train(_tiny(tmp_path, max_steps=30, save_every=0, resume=True), splits)
+    assert not resumed["interrupted"] and resumed["step"] == 30
+
+
+def test_a_stop_during_an_eval_pass_drops_the_pass(tokenized, tmp_path, monkeypatch, capsys):
+    _, _, splits = tokenized
+    stop = _stop_after_batches(monkeypatch, 4 + 6 + 2)  # in the second batch of the eval pass at step 6
+    result = train(_tiny(tmp_path, max_steps=30, eval_every=6, save_every=0, progress=True), splits, stop=stop)
+    assert result["interrupted"] and result["step"] == 6
+    evals = [r["step"] for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
+             if "eval_loss" in r]
+    assert evals == [0]  # the pass at step 6 was dropped
+    err = capsys.readouterr().err.splitlines()
+    assert "step 6: eval pass dropped (stopping)" in err and err[-1] == f"step 6: checkpoint saved to " \
+        f"{tmp_path / 'checkpoint.pt'}"
+
+
+def test_a_stop_before_the_first_step_saves_nothing(tokenized, tmp_path):
+    _, _, splits = tokenized
+    stop = threading.Event()
+    stop.set()
+    result = train(_tiny(tmp_path, max_steps=30), splits, stop=stop)
+    assert result["interrupted"] and result["step"] == 0 and not (tmp_path / "checkpoint.pt").exists()
