@@ -14,6 +14,13 @@
 #   ncu       benchmarks/ncu_decode.py --profile (Nsight Compute on _decode_stage1); NCU_CASES
 #             overrides its cases
 #   extend    benchmarks/extend_check.py (extend and cache-write kernels vs SDPA)
+#   engine    pytest -m gpu tests/engine tests/model (graphs, parity through the Triton path), then
+#             benchmarks/profile_step.py --steps 30 (one decode step of the Llama-1B shape, 256 rows)
+#   offline   benchmarks/throughput.py --skip-hf (256 requests x 256 tokens, int8 and bf16 pages)
+#   long      benchmarks/long_context.py (8B-class long-context work, memory ample and an 8 GiB
+#             pool); LONG_ARGS adds flags (e.g. "--repeats 2")
+#   fidelity  benchmarks/kv_fidelity.py --device cuda (greedy agreement, teacher-forced, KL)
+#   seeds     benchmarks/seed_consistency.py (cold / cached / chunked / batch sizes on the GPU)
 # Add a suite as one more function and case arm below (engine, serving, tp, ...): one script,
 # not one per issue. Each suite runs under `timeout`: TIMEOUT_<suite> seconds, else SUITE_TIMEOUT,
 # else 300.
@@ -48,6 +55,25 @@ suite_ncu() {
   timeout "$(t ncu)" python3 benchmarks/ncu_decode.py --profile --out "$OUT" ${NCU_CASES:+--cases "$NCU_CASES"} 2>&1 | tee "$OUT/ncu.log"
 }
 suite_extend() { timeout "$(t extend)" python3 benchmarks/extend_check.py --out "$OUT" 2>&1 | tee "$OUT/extend.log" | tail -30; }
+quiet() { grep -v '"event"\|engine_ready\|Writing model shards\|UserWarning\|_warn_once'; }
+suite_engine() {
+  timeout "$(t engine)" python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine tests/model 2>&1 | tail -12 | tee "$OUT/engine.log"
+  timeout "$(t engine)" python3 benchmarks/profile_step.py --steps 30 2>&1 | quiet \
+    | grep -v "^void\|nvjet\|^---\|Self CUDA" | tee -a "$OUT/engine.log" | grep -i "wall per\|forward\|median"
+}
+suite_offline() {
+  timeout "$(t offline)" python3 benchmarks/throughput.py --skip-hf --out "$OUT/offline.json" 2>&1 | quiet | tail -9 | tee "$OUT/offline.md"
+}
+suite_long() {
+  # shellcheck disable=SC2086
+  timeout "$(t long)" python3 benchmarks/long_context.py --out "$OUT/long.json" ${LONG_ARGS:-} 2>&1 | quiet | tee "$OUT/long.md"
+}
+suite_fidelity() {
+  timeout "$(t fidelity)" python3 benchmarks/kv_fidelity.py --device cuda --seeds 1 --exact-prefill 2>&1 | quiet | grep "^|" | tee "$OUT/fidelity.md"
+}
+suite_seeds() {
+  timeout "$(t seeds)" python3 benchmarks/seed_consistency.py 2>&1 | quiet | grep "^|" | tee "$OUT/seeds.md"
+}
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv,noheader
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
@@ -56,7 +82,7 @@ git log -1 --format='commit %h %s' 2>/dev/null | cut -c1-100
 for suite in "$@"; do
   echo "=== $suite ($(date -u +%H:%M:%S))"
   case $suite in
-    tests|kernels|variants|ncu|extend) "suite_$suite" ;;
+    tests|kernels|variants|ncu|extend|engine|offline|long|fidelity|seeds) "suite_$suite" ;;
     *) echo "unknown suite: $suite"; exit 2 ;;
   esac
 done
