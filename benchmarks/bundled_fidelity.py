@@ -24,7 +24,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import make_parser  # noqa: E402
 from engine.config import DEFAULT_MODEL, EngineConfig  # noqa: E402
-from engine.engine import LLMEngine  # noqa: E402
+from engine.core import EngineCore  # noqa: E402
 from engine.kv_cache import AttentionMetadata, KVCache, PagedAttention  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from model import Tokenizer, load_model  # noqa: E402
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     sp = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
     outs = {}
     for kv in ("fp32", "int8"):
-        eng = LLMEngine(EngineConfig(model=args.model, device="cpu", kv_cache_dtype=kv, num_kv_blocks=1024,
+        eng = EngineCore(EngineConfig(model=args.model, device="cpu", kv_cache_dtype=kv, num_kv_blocks=1024,
                                      max_num_seqs=64))
         outs[kv] = eng.generate(prompts, sp)
     same = sum(a == b for x, y in zip(outs["fp32"], outs["int8"]) for a, b in zip(x, y))

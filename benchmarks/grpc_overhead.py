@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "clients"))
 from benchmarks.common import make_parser  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
-from engine.outputs import SampledToken  # noqa: E402
+from engine.messages import SampledToken  # noqa: E402
 from service.server import BackgroundServer, ServerConfig  # noqa: E402
 
 
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         EngineConfig(device="cpu", max_num_seqs=max(levels), max_waiting=4 * max(levels),
                      num_kv_blocks=max(levels) * 16))
     server.start()
-    aeng = server.pie.engine
+    aeng = server.pie.engine_client
     mode = ("engine process" if args.engine_process else "engine thread") + f", stream interval {args.stream_interval}"
     print(f"# serving path alone ({mode}): bundled model's tokenizer, forward replaced, {args.step_ms} ms per step")
     try:

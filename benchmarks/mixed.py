@@ -42,7 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import DEVICE_HELP, SizedFlags, default_device, make_parser  # noqa: E402
 from engine.config import DEFAULT_MODEL, EngineConfig  # noqa: E402
-from engine.engine import LLMEngine  # noqa: E402
+from engine.core import EngineCore  # noqa: E402
 from engine.kv_cache import KVCache  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 
@@ -118,7 +118,7 @@ def _sync(device: str) -> None:
 class Timeline:
     """Wraps an engine's schedule() and step(): per step, its wall time and what it carried."""
 
-    def __init__(self, eng: LLMEngine) -> None:
+    def __init__(self, eng: EngineCore) -> None:
         self.steps: list[dict] = []
         self._schedule, self._step = eng.scheduler.schedule, eng.step
         self._last: dict = {}
@@ -152,7 +152,7 @@ def ideal_seconds(steps: list[dict], params: int, layers: int, q_size: int, kv_b
     return prefill + decode
 
 
-def single_user(eng: LLMEngine, vocab: int, device: str, repeats: int = 3) -> dict:
+def single_user(eng: EngineCore, vocab: int, device: str, repeats: int = 3) -> dict:
     """One request alone: decode tokens/s of a 128-token prompt generating 512 (from its first
     token to its last), and the time to the first token of a 2,000-token prompt; medians."""
     rng = random.Random(7)
@@ -178,7 +178,7 @@ def single_user(eng: LLMEngine, vocab: int, device: str, repeats: int = 3) -> di
 def run_engine(folder: Path, kv: str, prompts, outs, args, extra: bool = False) -> dict:
     """The workload --repeats times on a fresh engine; with `extra`, also the --single and --hf
     subset measurements on the same engine."""
-    eng = LLMEngine(EngineConfig(model=str(folder), device=args.device,
+    eng = EngineCore(EngineConfig(model=str(folder), device=args.device,
                                  dtype="bf16" if args.device == "cuda" else "fp32", kv_cache_dtype=kv,
                                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,
                                  kv_cache_memory_bytes=None if args.kv_gib is None else int(args.kv_gib * 2**30)))

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import DEVICE_HELP, default_device, make_parser  # noqa: E402
 from benchmarks.throughput import LLAMA_1B, MICRO, TINY, build_model  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
-from engine.engine import LLMEngine  # noqa: E402
+from engine.core import EngineCore  # noqa: E402
 from engine.sampler import SamplingTensors, sample  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
                    kv_cache_dtype=args.kv, max_num_seqs=batch, max_num_batched_tokens=8192,
                    kv_cache_memory_bytes=None if big else (128 << 20))
         cfg.update(extra)
-        eng = LLMEngine(EngineConfig(**cfg))
+        eng = EngineCore(EngineConfig(**cfg))
         if args.unfreeze_gc:
             import gc
 

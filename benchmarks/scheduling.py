@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import DEVICE_HELP, SizedFlags, default_device, make_parser  # noqa: E402
 from engine.config import DEFAULT_MODEL, EngineConfig  # noqa: E402
-from engine.engine import LLMEngine  # noqa: E402
+from engine.core import EngineCore  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from model import LlamaForCausalLM, ModelConfig  # noqa: E402
 from training.export import export_hf  # noqa: E402
@@ -52,7 +52,7 @@ def pct(values: list[float], p: float) -> float:
 
 
 def shared_prefix(model: str, args, caching: bool) -> dict:
-    eng = LLMEngine(EngineConfig(model=model, device=args.device, kv_cache_dtype="int8",
+    eng = EngineCore(EngineConfig(model=model, device=args.device, kv_cache_dtype="int8",
                                  kv_cache_memory_bytes=args.kv_bytes, max_num_seqs=args.max_num_seqs,
                                  max_num_batched_tokens=args.budget, enable_prefix_caching=caching))
     rng = random.Random(0)
@@ -76,7 +76,7 @@ def shared_prefix(model: str, args, caching: bool) -> dict:
 
 
 def long_prompts(model: str, args, budget: int) -> dict:
-    eng = LLMEngine(EngineConfig(model=model, device=args.device, kv_cache_dtype="int8",
+    eng = EngineCore(EngineConfig(model=model, device=args.device, kv_cache_dtype="int8",
                                  kv_cache_memory_bytes=args.kv_bytes, max_num_seqs=args.max_num_seqs,
                                  max_num_batched_tokens=budget, enable_prefix_caching=False))
     rng = random.Random(1)

@@ -25,11 +25,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import DEVICE_HELP, SizedFlags, default_device, make_parser  # noqa: E402
 from benchmarks.mixed import SHAPES, build_model  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
-from engine.engine import LLMEngine  # noqa: E402
+from engine.core import EngineCore  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 
 
-def run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, list[int]]:
+def run(engine: EngineCore, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, list[int]]:
     got: dict[str, list[int]] = {rid: [] for rid in requests}
     for rid, (prompt, sp) in requests.items():
         engine.add_request(rid, prompt, sp)
@@ -73,10 +73,10 @@ def main(argv: list[str] | None = None) -> int:
         build_model(Path(tmp), arch, shape, torch.bfloat16 if args.device == "cuda" else torch.float32,
                     max_len=args.prompt_len + args.tokens + 64)
         for kv in args.kv.split(","):
-            def engine(**kw) -> LLMEngine:
+            def engine(**kw) -> EngineCore:
                 cfg = dict(model=tmp, device=args.device, kv_cache_dtype=kv, max_num_seqs=max(64, max(sizes)),
                            max_num_batched_tokens=8192, kv_cache_memory_bytes=2 << 30)
-                return LLMEngine(EngineConfig(**{**cfg, **kw}))
+                return EngineCore(EngineConfig(**{**cfg, **kw}))
 
             eng = engine(enable_prefix_caching=True)
             cold = run(eng, requests)

@@ -123,17 +123,17 @@ def main(argv: list[str] | None = None) -> int:
     counts: collections.Counter = collections.Counter()
     failures: list = []
     samples: list[dict] = []
-    total_blocks = server.pie.engine.stats().kv_blocks_total
+    total_blocks = server.pie.engine_client.stats().kv_blocks_total
     t0 = time.monotonic()
     traffic = threading.Thread(target=lambda: asyncio.run(
         _traffic(server.address, args.duration, args.concurrency, args.seed, counts, failures)), daemon=True)
 
     def sample() -> dict:
-        stats = server.pie.engine.stats()
+        stats = server.pie.engine_client.stats()
         row = dict(t_s=round(time.monotonic() - t0, 1), rss_mib=round(rss_mib(), 1),
                    kv_used=stats.kv_blocks_total - stats.kv_blocks_free, kv_total=stats.kv_blocks_total,
                    running=stats.requests_running, waiting=stats.requests_waiting,
-                   in_flight=server.pie.engine.num_in_flight, requests_done=sum(counts.values()))
+                   in_flight=server.pie.engine_client.num_in_flight, requests_done=sum(counts.values()))
         samples.append(row)
         return row
 
@@ -144,15 +144,15 @@ def main(argv: list[str] | None = None) -> int:
     next_row = 0.0
     while traffic.is_alive():
         traffic.join(0.25)
-        max_kv_used = max(max_kv_used, total_blocks - server.pie.engine.stats().kv_blocks_free)
+        max_kv_used = max(max_kv_used, total_blocks - server.pie.engine_client.stats().kv_blocks_free)
         if time.monotonic() - t0 >= next_row:
             r = sample()
             print(f"{r['t_s']:>7} {r['rss_mib']:>8} {r['kv_used']:>8} {r['running']:>8} {r['waiting']:>8} "
                   f"{r['requests_done']:>8}", flush=True)
             next_row += args.sample_every
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and (server.pie.engine.num_in_flight
-                                           or server.pie.engine.stats().kv_blocks_free != total_blocks):
+    while time.monotonic() < deadline and (server.pie.engine_client.num_in_flight
+                                           or server.pie.engine_client.stats().kv_blocks_free != total_blocks):
         time.sleep(0.05)
     end = sample()
     print(f"{'end':>7} {end['rss_mib']:>8} {end['kv_used']:>8} {end['running']:>8} {end['waiting']:>8} "

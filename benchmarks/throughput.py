@@ -38,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import DEVICE_HELP, SizedFlags, default_device, make_parser  # noqa: E402
 from engine.config import DEFAULT_MODEL, EngineConfig  # noqa: E402
-from engine.engine import LLMEngine  # noqa: E402
+from engine.core import EngineCore  # noqa: E402
 from engine.kv_cache import KVCache  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from model import LlamaForCausalLM, ModelConfig  # noqa: E402
@@ -114,7 +114,7 @@ def sync(device: str) -> None:
 
 
 def run_ours(folder: Path, prompts, args, kv: str) -> dict:
-    eng = LLMEngine(EngineConfig(model=str(folder), device=args.device, dtype="bf16" if args.device == "cuda" else "fp32",
+    eng = EngineCore(EngineConfig(model=str(folder), device=args.device, dtype="bf16" if args.device == "cuda" else "fp32",
                                  kv_cache_dtype=kv, gpu_memory_fraction=args.gpu_memory_fraction,
                                  kv_cache_memory_bytes=None if args.kv_gib is None else int(args.kv_gib * 2**30),
                                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,
@@ -147,7 +147,7 @@ def run_ours(folder: Path, prompts, args, kv: str) -> dict:
                 timeline=_summarize(timeline, wall))
 
 
-def _record_steps(eng: LLMEngine) -> list[tuple[float, int, int]]:
+def _record_steps(eng: EngineCore) -> list[tuple[float, int, int]]:
     """Wraps eng.step: each call appends (seconds, prompt tokens scheduled, decode rows scheduled).
     With async scheduling a call's time is the host's pace, which the device sets when it is the
     slower side (a call waits for the step before it)."""

@@ -30,7 +30,7 @@ class EngineConfig:
     # sequences of the whole context can use, at most 1 GiB (engine/kv_sizing.py).
     kv_cache_memory_bytes: int | None = None
     gpu_memory_fraction: float = 0.9  # share of the whole device memory this engine may use (CUDA)
-    # Queue step N on the device before reading step N-1's tokens back (see LLMEngine.step).
+    # Queue step N on the device before reading step N-1's tokens back (see EngineCore.step).
     # None: on for CUDA, off on the CPU (where the host computes the forward pass itself).
     async_scheduling: bool | None = None
     enforce_eager: bool = False  # never replay CUDA graphs (decode steps are captured by default on CUDA)

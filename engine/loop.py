@@ -23,10 +23,10 @@ from collections.abc import Callable
 
 import structlog
 
-from engine.engine import LLMEngine
+from engine.client import Command
+from engine.core import EngineCore
 from engine.errors import StepTimeoutError
-from engine.handle import Command
-from engine.outputs import EngineStats, RequestOutput
+from engine.messages import EngineStats, RequestOutput
 from engine.request import RequestStatus
 
 log = structlog.get_logger(__name__)
@@ -88,7 +88,7 @@ class Watchdog:
 
     Two watch the engine: on a thread, `StepClock.step_started_at` (a step that runs too long);
     in a child process, the parent's time since it last heard from the child while requests are in
-    flight (engine_process.py), which also sees a child that is stopped or frozen as a whole."""
+    flight (client_process.py), which also sees a child that is stopped or frozen as a whole."""
 
     def __init__(self, timeout_s: float, waiting_since: Callable[[], float | None],
                  describe: Callable[[float], str], on_stall: Callable[[StepTimeoutError], None]) -> None:
@@ -134,7 +134,7 @@ def step_watchdog(clock: StepClock, timeout_s: float, on_hang: Callable[[StepTim
                     lambda waited: f"engine step {clock.steps} has run for more than {timeout_s} s", hung)
 
 
-def apply_commands(engine: LLMEngine, commands: list[Command]) -> tuple[list[RequestOutput], int]:
+def apply_commands(engine: EngineCore, commands: list[Command]) -> tuple[list[RequestOutput], int]:
     """Applies ("add", id, prompt, sampling) / ("abort", id) in order. Returns an error output for
     each add the engine refused (validated up front: a last line of defence) and the samples the
     adds brought in."""
@@ -156,7 +156,7 @@ def apply_commands(engine: LLMEngine, commands: list[Command]) -> tuple[list[Req
     return refused, taken
 
 
-def run_engine_loop(engine: LLMEngine, inbox: Inbox, clock: StepClock, emit: Emit, *,
+def run_core_loop(engine: EngineCore, inbox: Inbox, clock: StepClock, emit: Emit, *,
                     heartbeat_s: float = 1.0) -> None:
     """Steps the engine while it has work, applying commands between steps, until the inbox is
     closed or the watchdog gives up on a step. Emits what each step made, and at least every

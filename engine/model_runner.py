@@ -40,7 +40,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.kv_cache import AttentionMetadata, KVCache, PagedAttention
-from engine.outputs import SampledToken
+from engine.messages import SampledToken
 from engine.request import Request
 from engine.sampler import SamplingTensors, sample
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -231,7 +231,7 @@ class ModelRunner:
             self._dev_ints = self._host_ints
         self._graphs: dict[int, _Graph] = {}
         # Every step runs on this stream: async scheduling frees and reuses blocks that a queued
-        # step may still write, which is safe only in stream order (see LLMEngine.step).
+        # step may still write, which is safe only in stream order (see EngineCore.step).
         self._stream = torch.cuda.current_stream(device) if on_cuda else None
         # Async scheduling: the last step's sampled ids stay on the device; a request whose newest
         # token is a placeholder (sampled, not yet read back) takes its input id from there.

@@ -26,7 +26,7 @@ from service.server import ConnectionConfig, PieServer, ServerConfig, TlsConfig
 from service.validation import Limits
 
 if TYPE_CHECKING:
-    from engine.engine import LLMEngine
+    from engine.core import EngineCore
 
 log = structlog.get_logger(__name__)
 
@@ -260,7 +260,7 @@ def build_parser(*, with_train: bool = False) -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None, *, engine_setup: Callable[[LLMEngine], None] | None = None) -> int:
+def main(argv: list[str] | None = None, *, engine_setup: Callable[[EngineCore], None] | None = None) -> int:
     """`pie ...`; `engine_setup` (for embedding and tests) is called with the built engine before
     it serves (ServerConfig.engine_setup)."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None, *, engine_setup: Callable[[LLMEngine], N
     return 0
 
 
-def _serve(args: argparse.Namespace, engine_setup: Callable[[LLMEngine], None] | None) -> int:
+def _serve(args: argparse.Namespace, engine_setup: Callable[[EngineCore], None] | None) -> int:
     """`pie serve`: the exit status. A start-up failure is one line on stderr naming the flag or
     path and what to do (exit 2: the flags, files or machine cannot work; exit 1: the engine
     failed to load anyway); --log-level debug adds its traceback."""

@@ -15,12 +15,12 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from engine.client import EngineClient
+from engine.client_process import LaunchCancelled, ProcessEngineClient
+from engine.client_thread import ThreadEngineClient
 from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.engine_process import LaunchCancelled, ProcessEngine
-from engine.engine_thread import ThreadEngine
+from engine.core import EngineCore
 from engine.errors import StartupError, StepTimeoutError
-from engine.handle import EngineHandle
 from pie.v1 import generate_pb2_grpc
 from service.auth import BearerTokenInterceptor
 from service.interceptors import UndecodableRequestInterceptor
@@ -102,15 +102,15 @@ class ServerConfig:
     tls: TlsConfig | None = None  # None: plaintext (fine on loopback)
     auth_tokens: tuple[str, ...] = ()  # bearer tokens accepted; empty = no token needed
     connection: ConnectionConfig = field(default_factory=ConnectionConfig)
-    # Run the engine in a child process (engine/engine_process.py) instead of a thread, so the
+    # Run the engine in a child process (engine/client_process.py) instead of a thread, so the
     # gRPC loop and the engine do not share one GIL (`pie serve` does by default; 256 streams on
     # the H200: 44k tokens/s against 6.7k on a thread). Off here so that tests start fast.
     engine_process: bool = False
     stream_interval: int = 1  # after the first, a stream message carries at least this many tokens (or the end)
     log_setup: Callable[[], None] | None = None  # configures logging in that child (picklable)
-    # Called with the LLMEngine once it is built (in the engine process when engine_process, so it
+    # Called with the EngineCore once it is built (in the engine process when engine_process, so it
     # must be picklable there: a module-level function): tests and benchmarks swap parts of it.
-    engine_setup: Callable[[LLMEngine], None] | None = None
+    engine_setup: Callable[[EngineCore], None] | None = None
 
 
 class PieServer:
@@ -128,15 +128,15 @@ class PieServer:
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.port: int | None = None
-        self.engine: EngineHandle | None = None  # set when loading begins; serves once load() returns
+        self.engine_client: EngineClient | None = None  # set when loading begins; serves once load() returns
         self.fatal = asyncio.Event()  # set when the engine died; serve_forever then exits non-zero
         self.load_interrupted = False  # a signal came while loading; a loading thread may still run
 
     def _engine_stats(self):
         """For the metrics scrape (HTTP thread): None until loaded; waiting includes the hand-off queue."""
-        if self.engine is None or not self.engine.loaded:
+        if self.engine_client is None or not self.engine_client.loaded:
             return None
-        return self.engine.stats()
+        return self.engine_client.stats()
 
     async def start(self) -> int:
         """Checks what can be checked before binding (service/startup.py), binds /metrics and the
@@ -194,20 +194,19 @@ class PieServer:
             loop.call_soon_threadsafe(self._engine_dead, err)
 
         if self.config.engine_process:
-            engine: EngineHandle = ProcessEngine(self.engine_config, step_timeout_s=self.config.step_timeout_s,
-                                                 on_dead=on_dead,
-                                                 log_setup=self.config.log_setup,
-                                                 engine_setup=self.config.engine_setup)
+            client: EngineClient = ProcessEngineClient(
+                self.engine_config, step_timeout_s=self.config.step_timeout_s, on_dead=on_dead,
+                log_setup=self.config.log_setup, engine_setup=self.config.engine_setup)
         else:
-            engine = ThreadEngine(self.engine_config, step_timeout_s=self.config.step_timeout_s, on_dead=on_dead,
-                                  engine_setup=self.config.engine_setup)
-        self.engine = engine
+            client = ThreadEngineClient(self.engine_config, step_timeout_s=self.config.step_timeout_s, on_dead=on_dead,
+                                        engine_setup=self.config.engine_setup)
+        self.engine_client = client
         # A daemon thread, not the loop's executor: a stop during a long load must not wait for it.
-        await _in_daemon_thread(engine.launch, name="engine-launch")
+        await _in_daemon_thread(client.launch, name="engine-launch")
         if self.servicer.draining:
             raise LaunchCancelled("the server stopped while the engine was starting")
-        engine.start(loop)
-        self.servicer.engine = engine
+        client.start(loop)
+        self.servicer.engine_client = client
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         log.info("server_ready", model=self.servicer.model_name)
 
@@ -224,19 +223,19 @@ class PieServer:
         deadline = loop.time() + grace
         self.servicer.draining = True
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
-        in_flight = self.engine.num_in_flight if self.engine is not None else 0
+        in_flight = self.engine_client.num_in_flight if self.engine_client is not None else 0
         log.info("server_draining", grace_s=grace, in_flight=in_flight)
-        if self.engine is not None and in_flight:
+        if self.engine_client is not None and in_flight:
             # Health and the RPCs' UNAVAILABLE answers keep working while in-flight requests finish.
             try:
-                await asyncio.wait_for(self.engine.wait_idle(), timeout=grace)
+                await asyncio.wait_for(self.engine_client.wait_idle(), timeout=grace)
             except TimeoutError:
-                log.warning("drain_timeout", still_in_flight=self.engine.num_in_flight)
+                log.warning("drain_timeout", still_in_flight=self.engine_client.num_in_flight)
         if self.server is not None:
             self.servicer.shutting_down = True  # what gRPC cancels from here on, the shutdown cut
             await self.server.stop(max(0.0, deadline - loop.time()))
-        if self.engine is not None:
-            await asyncio.to_thread(self.engine.stop)
+        if self.engine_client is not None:
+            await asyncio.to_thread(self.engine_client.stop)
         self.servicer.close()
         self.metrics.stop_http()
         log.info("server_stopped")
@@ -333,9 +332,9 @@ class BackgroundServer:
         self.stop()
 
     @property
-    def engine(self) -> LLMEngine:
-        """The engine itself, when it runs on a thread of this process (tests reach in)."""
-        handle = self.pie.engine
-        if not isinstance(handle, ThreadEngine) or handle.core is None:
-            raise AttributeError("the engine runs in another process (or is not loaded)")
-        return handle.core
+    def core(self) -> EngineCore:
+        """The engine core itself, when it runs on a thread of this process (tests reach in)."""
+        client = self.pie.engine_client
+        if not isinstance(client, ThreadEngineClient) or client.core is None:
+            raise AttributeError("the engine core runs in another process (or is not loaded)")
+        return client.core

@@ -11,10 +11,10 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import structlog
 
+from engine.client import EngineClient, RequestStream
 from engine.config import usable_cores
 from engine.errors import EngineDeadError, PromptError, QueueFullError
-from engine.handle import EngineHandle, RequestStream
-from engine.outputs import RequestOutput
+from engine.messages import RequestOutput
 from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.validation import prompt_too_long
@@ -80,7 +80,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         self.stream_interval = stream_interval
         self.limits = limits or Limits()
         self.metrics = metrics or ServiceMetrics(model_name)
-        self.engine: EngineHandle | None = None  # set once the model is loaded
+        self.engine_client: EngineClient | None = None  # set once the model is loaded
         self.draining = False
         # Set by the server's stop when it lets gRPC cut what still runs (its grace is over): an
         # RPC cancelled from then on was ended by the shutdown, not by its caller.
@@ -99,18 +99,18 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         self._workers.shutdown(wait=False, cancel_futures=True)
 
     # ---- helpers -------------------------------------------------------------------------
-    def _ready_engine(self) -> EngineHandle:
+    def _ready_client(self) -> EngineClient:
         # A dead engine first: the server is then shutting down because of it, and the caller
         # gets the cause the log records, not "shutting down".
-        if self.engine is not None and self.engine.dead is not None:
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"the engine has stopped: {self.engine.dead}",
+        if self.engine_client is not None and self.engine_client.dead is not None:
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"the engine has stopped: {self.engine_client.dead}",
                                reason="ENGINE_STOPPED")
         if self.draining:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down", reason="DRAINING")
-        if self.engine is None:
+        if self.engine_client is None:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, "the model is still loading", reason="MODEL_LOADING",
                                retry_after_s=5.0)
-        return self.engine
+        return self.engine_client
 
     @staticmethod
     def _request_id(request, context: grpc.aio.ServicerContext) -> str:
@@ -120,30 +120,30 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     async def _off_loop(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._workers, fn, *args)
 
-    async def _encode(self, engine: EngineHandle, text: str, add_special_tokens: bool = True,
+    async def _encode(self, client: EngineClient, text: str, add_special_tokens: bool = True,
                       max_tokens: int | None = None) -> list[int]:
-        encode = functools.partial(engine.tokenizer.encode, text, add_special_tokens, max_tokens=max_tokens)
+        encode = functools.partial(client.tokenizer.encode, text, add_special_tokens, max_tokens=max_tokens)
         if len(text) <= INLINE_TOKENIZE_CHARS:
             return encode()
         async with self._tokenize_slots:
             return await self._off_loop(_encode_and_release, encode, len(text) >= RELEASE_MEMORY_CHARS)
 
-    async def _submit(self, request, rid: str) -> tuple[EngineHandle, list[int], SamplingParams, RequestStream]:
-        engine = self._ready_engine()
+    async def _submit(self, request, rid: str) -> tuple[EngineClient, list[int], SamplingParams, RequestStream]:
+        client = self._ready_client()
         prompt = prompt_from_proto(request, self.limits)
-        sampling = sampling_from_proto(request.sampling, max_model_len=engine.info.max_model_len)
+        sampling = sampling_from_proto(request.sampling, max_model_len=client.info.max_model_len)
         if isinstance(prompt, str):
-            max_len = engine.info.max_model_len
+            max_len = client.info.max_model_len
             try:  # a prompt must leave room for one token: longer ones are refused uncounted
-                prompt = await self._encode(engine, prompt, max_tokens=max_len - 1)
+                prompt = await self._encode(client, prompt, max_tokens=max_len - 1)
             except TooManyTokens as e:
                 raise invalid_argument("prompt", prompt_too_long(e.count, max_len, at_least=e.at_least).message,
                                        "PROMPT_TOO_LONG") from None
             if not prompt:
                 raise FieldError("prompt", "tokenizes to no tokens")
-            engine = self._ready_engine()  # it may have stopped while the text was tokenized
+            client = self._ready_client()  # it may have stopped while the text was tokenized
         try:
-            stream = engine.submit(prompt, sampling, caller_id=rid)
+            stream = client.submit(prompt, sampling, caller_id=rid)
         except PromptError as e:
             raise invalid_argument(qualify(e.field), e.message, e.reason) from e
         except SamplingParamsError as e:
@@ -153,7 +153,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                                reason="QUEUE_FULL", retry_after_s=1.0) from e
         except EngineDeadError as e:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, str(e), reason="ENGINE_STOPPED") from e
-        return engine, prompt, sampling, stream
+        return client, prompt, sampling, stream
 
     @staticmethod
     def _logprobs(outputs: list[RequestOutput], tokenizer: Tokenizer) -> list[pb.TokenLogprob]:
@@ -215,11 +215,11 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         send_error(context, err, s.request_id)
 
     @staticmethod
-    def _failure(engine: EngineHandle, rid: str, failed: RequestOutput) -> ServiceError:
+    def _failure(client: EngineClient, rid: str, failed: RequestOutput) -> ServiceError:
         """The status a caller gets for an engine-side failure (`failed` has FINISHED_ERROR)."""
-        if engine.dead is not None:  # hung, stalled or crashed: try another replica
+        if client.dead is not None:  # hung, stalled or crashed: try another replica
             return ServiceError(grpc.StatusCode.UNAVAILABLE,
-                                f"the engine stopped while serving request {rid} ({engine.dead}); "
+                                f"the engine stopped while serving request {rid} ({client.dead}); "
                                 "search the server log for this id", reason="ENGINE_STOPPED")
         if failed.out_of_memory:
             return ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -243,7 +243,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     async def _generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext,
                         s: RequestSummary) -> pb.GenerateResponse:
         s.request_id = rid = self._request_id(request, context)
-        engine, prompt, sampling, stream = await self._submit(request, rid)
+        client, prompt, sampling, stream = await self._submit(request, rid)
         s.prompt_tokens = len(prompt)
         s.engine_request_id = stream.engine_id
         outputs: list[RequestOutput] = []
@@ -257,14 +257,14 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                 finished = batch[-1].all_finished
         finally:
             if not finished:  # the caller went away (cancel or deadline)
-                engine.abort(stream)
+                client.abort(stream)
                 self._gone(context, s)
         failed = next((o for o in outputs if o.status == RequestStatus.FINISHED_ERROR), None)
         if failed is not None:
             log.error("request_failed", request_id=rid, engine_request_id=stream.engine_id, error=failed.error)
-            raise self._fail(s, self._failure(engine, rid, failed))
+            raise self._fail(s, self._failure(client, rid, failed))
         groups = sorted(_by_index(outputs).items())
-        tokenizer = engine.tokenizer if sampling.logprobs else None
+        tokenizer = client.tokenizer if sampling.logprobs else None
         if sampling.logprobs and len(outputs) * (1 + sampling.logprobs) > INLINE_LOGPROB_ENTRIES:
             choices = await self._off_loop(self._choices, groups, tokenizer)
         else:
@@ -311,7 +311,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     async def _generate_stream(self, request: pb.GenerateStreamRequest, context: grpc.aio.ServicerContext,
                                s: RequestSummary):
         s.request_id = rid = self._request_id(request, context)
-        engine, prompt, sampling, stream = await self._submit(request, rid)
+        client, prompt, sampling, stream = await self._submit(request, rid)
         s.prompt_tokens = len(prompt)
         s.engine_request_id = stream.engine_id
         finished = False
@@ -330,7 +330,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                 if failed is not None:
                     log.error("request_failed", request_id=rid, engine_request_id=stream.engine_id,
                               error=failed.error)
-                    raise self._fail(s, self._failure(engine, rid, failed))
+                    raise self._fail(s, self._failure(client, rid, failed))
                 self._observe(s, batch)
                 cached = max(cached, _cached(batch))
                 # One message per choice present in this hand-off (one message when n == 1).
@@ -340,7 +340,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                     msg = pb.GenerateStreamResponse(
                         request_id=rid, index=index, text="".join(o.new_text for o in outs),
                         token_ids=[t for o in outs for t in o.new_token_ids],
-                        logprobs=self._logprobs(outs, engine.tokenizer) if sampling.logprobs else [])
+                        logprobs=self._logprobs(outs, client.tokenizer) if sampling.logprobs else [])
                     if last.finished:
                         msg.finish_reason = _FINISH.get(last.status, pb.FINISH_REASON_UNSPECIFIED)
                         msg.stop_reason = "" if last.stop_reason is None else str(last.stop_reason)
@@ -355,7 +355,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             self._end(s, grpc.StatusCode.OK)
         finally:
             if not finished:
-                engine.abort(stream)
+                client.abort(stream)
             if not s.ended:  # the caller went away (cancel or deadline) before the last message
                 self._gone(context, s)
 
@@ -367,23 +367,23 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             return None  # type: ignore[return-value]
 
     async def _tokenize(self, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
-        engine = self._ready_engine()
+        client = self._ready_client()
         if len(request.text) > self.limits.max_prompt_chars:
             raise invalid_argument("text", f"is longer than {self.limits.max_prompt_chars} characters")
         add = request.add_special_tokens if request.HasField("add_special_tokens") else True
-        ids = await self._encode(engine, request.text, add)
-        tok = engine.tokenizer
+        ids = await self._encode(client, request.text, add)
+        tok = client.tokenizer
         return pb.TokenizeResponse(token_ids=ids, tokens=[tok.id_to_token(i) or "" for i in ids], count=len(ids))
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.GetModelInfoResponse:
         try:
-            engine = self._ready_engine()
+            client = self._ready_client()
         except ServiceError as e:
             send_error(context, e, None)
             return None  # type: ignore[return-value]
-        info = engine.info
+        info = client.info
         mc, cfg = info.model_config, info.config
-        stats = engine.stats()
+        stats = client.stats()
         resp = pb.GetModelInfoResponse(
             model_name=self.model_name, architecture=mc.architecture, model_type=mc.model_type,
             max_model_len=info.max_model_len, vocab_size=info.vocab_size, eos_token_ids=list(info.eos_token_ids),
@@ -394,8 +394,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                 kv_blocks_cached=stats.kv_blocks_cached,
                 requests_running=stats.requests_running, requests_waiting=stats.requests_waiting,
                 max_num_seqs=cfg.max_num_seqs, max_waiting=cfg.max_waiting))
-        if engine.tokenizer.bos_token_id is not None:
-            resp.bos_token_id = engine.tokenizer.bos_token_id
+        if client.tokenizer.bos_token_id is not None:
+            resp.bos_token_id = client.tokenizer.bos_token_id
         return resp
 
 

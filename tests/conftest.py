@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 
 @pytest.fixture(autouse=True)
 def _unfreeze_gc():
-    """LLMEngine freezes the objects alive at its start (gc.freeze); hand them back to the
+    """EngineCore freezes the objects alive at its start (gc.freeze); hand them back to the
     collector after each test so that engines of finished tests are freed."""
     yield
     gc.unfreeze()

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from engine.config import EngineConfig
-from engine.engine import LLMEngine
+from engine.core import EngineCore
 from engine.sampling_params import SamplingParams
 from tests.helpers import make_hf_model_dir
 
@@ -61,7 +61,7 @@ def teacher_forced(hf, prompt: list[int], continuation: list[int]) -> list[bool]
     return [b == t for b, t in zip(best, continuation)]
 
 
-def _recording_logits(engine: LLMEngine) -> dict[tuple[str, int], torch.Tensor]:
+def _recording_logits(engine: EngineCore) -> dict[tuple[str, int], torch.Tensor]:
     """From now on, the logits each (request, output index) is sampled from, as the engine ran them."""
     seen: dict[tuple[str, int], torch.Tensor] = {}
     forward = engine.runner.forward_logits
@@ -93,7 +93,7 @@ def measure(model_dir: Path, kv_dtypes: tuple[str, ...], *, prompts: int, tokens
     want = [reference_greedy(hf, p, tokens) for p in ps]
     out = {}
     for kv in kv_dtypes:
-        engine = LLMEngine(EngineConfig(model=str(model_dir), device=device, dtype="fp32", kv_cache_dtype=kv,
+        engine = EngineCore(EngineConfig(model=str(model_dir), device=device, dtype="fp32", kv_cache_dtype=kv,
                                         num_kv_blocks=256, max_num_seqs=32, **engine_kwargs))
         logits = _recording_logits(engine)
         ids = [f"fid-{i}" for i in range(len(ps))]

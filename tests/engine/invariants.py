@@ -1,14 +1,14 @@
-"""Checks of the engine's bookkeeping invariants, run by tests after every step (LLMEngine.step's
+"""Checks of the engine's bookkeeping invariants, run by tests after every step (EngineCore.step's
 docstring states the async-scheduling ones)."""
 
 from __future__ import annotations
 
 from collections import Counter
 
-from engine.engine import LLMEngine
+from engine.core import EngineCore
 
 
-def assert_engine_invariants(engine: LLMEngine) -> None:
+def assert_engine_invariants(engine: EngineCore) -> None:
     sched, bm = engine.scheduler, engine.block_manager
     pending = engine._pending
     pending_rows = {id(r) for r in pending.requests} if pending is not None else set()

@@ -6,23 +6,23 @@ import asyncio
 
 import pytest
 
+from engine.client_thread import ThreadEngineClient
 from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.engine_thread import ThreadEngine
+from engine.core import EngineCore
 from engine.errors import QueueFullError
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from tests.helpers import make_hf_model_dir
 
 
 def test_queue_bound_counts_samples(tmp_path):
-    engine = LLMEngine(EngineConfig(model=str(make_hf_model_dir(tmp_path, "llama")), device="cpu",
+    engine = EngineCore(EngineConfig(model=str(make_hf_model_dir(tmp_path, "llama")), device="cpu",
                                     kv_cache_dtype="fp32", num_kv_blocks=64, max_num_seqs=1, max_waiting=2))
     with pytest.raises(SamplingParamsError) as err:  # more samples than could ever be admitted
         engine.check_request([5, 6, 7], SamplingParams(n=4))
     assert err.value.field == "n"
 
     async def scenario():
-        handle = ThreadEngine.around(engine)
+        handle = ThreadEngineClient.around(engine)
         handle.start(asyncio.get_running_loop())
         try:
             # No await in between: what the engine thread takes in reaches these counts only

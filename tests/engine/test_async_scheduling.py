@@ -9,7 +9,7 @@ import random
 import pytest
 
 from engine.config import EngineConfig
-from engine.engine import LLMEngine
+from engine.core import EngineCore
 from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
 from tests.engine.invariants import assert_engine_invariants
@@ -21,13 +21,13 @@ def model_dir(tmp_path_factory):
     return make_hf_model_dir(tmp_path_factory.mktemp("async"), "llama", weight_scale=4.0)
 
 
-def _engine(model_dir, async_scheduling: bool, **kw) -> LLMEngine:
+def _engine(model_dir, async_scheduling: bool, **kw) -> EngineCore:
     cfg = dict(model=str(model_dir), device="cpu", kv_cache_dtype="fp32", num_kv_blocks=64, max_num_seqs=8,
                max_num_batched_tokens=64, async_scheduling=async_scheduling)
-    return LLMEngine(EngineConfig(**{**cfg, **kw}))
+    return EngineCore(EngineConfig(**{**cfg, **kw}))
 
 
-def _run(engine: LLMEngine, requests: list[tuple[str, list[int], SamplingParams]],
+def _run(engine: EngineCore, requests: list[tuple[str, list[int], SamplingParams]],
          abort_after: dict[str, int] | None = None) -> dict[tuple[str, int], dict]:
     """Runs to completion; per (request id, sample index): token ids, text, status, stop reason."""
     for rid, prompt, sp in requests:

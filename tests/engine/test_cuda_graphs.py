@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from engine.config import EngineConfig
-from engine.engine import LLMEngine
+from engine.core import EngineCore
 from engine.errors import StartupError
 from engine.kv_cache import KVCache
 from engine.kv_sizing import CPU_KV_CACHE_BYTES, num_kv_blocks
@@ -94,14 +94,14 @@ def test_stage_pads_a_decode_batch_for_its_graph(rng):
 
 def test_profile_step_runs_on_the_cpu(tmp_path):
     """The profiling step that sizes the KV pool on CUDA (every sampler feature on) runs anywhere."""
-    engine = LLMEngine(EngineConfig(model=str(make_hf_model_dir(tmp_path, "llama")), device="cpu",
+    engine = EngineCore(EngineConfig(model=str(make_hf_model_dir(tmp_path, "llama")), device="cpu",
                                     kv_cache_dtype="int8", num_kv_blocks=64, max_num_seqs=4))
     engine.runner.profile([20, 7, 1])
     assert engine.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0)) != []
 
 
-def _decoding_engine(model_dir, batch: int, rng: random.Random, **kw) -> tuple[LLMEngine, SchedulerOutput]:
-    engine = LLMEngine(EngineConfig(model=str(model_dir), device="cuda", dtype="bf16", max_num_seqs=16,
+def _decoding_engine(model_dir, batch: int, rng: random.Random, **kw) -> tuple[EngineCore, SchedulerOutput]:
+    engine = EngineCore(EngineConfig(model=str(model_dir), device="cuda", dtype="bf16", max_num_seqs=16,
                                     kv_cache_memory_bytes=64 << 20, **kw))
     for i in range(batch):
         engine.add_request(f"r{i}", [rng.randrange(3, 500) for _ in range(rng.randint(5, 40))],
@@ -141,7 +141,7 @@ def test_graphs_and_eager_generate_alike(rng, tmp_path):
     sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     runs = []
     for eager in (False, True):
-        engine = LLMEngine(EngineConfig(model=str(model_dir), device="cuda", dtype="bf16", max_num_seqs=16,
+        engine = EngineCore(EngineConfig(model=str(model_dir), device="cuda", dtype="bf16", max_num_seqs=16,
                                         kv_cache_memory_bytes=64 << 20, enforce_eager=eager))
         assert bool(engine.runner._graphs) != eager
         runs.append(engine.generate(prompts, sp))
@@ -238,7 +238,7 @@ def test_kv_pool_is_sized_from_free_memory(tmp_path):
     engines = {}
     for fraction in (0.3, 0.5):
         free, total = torch.cuda.mem_get_info()
-        engine = LLMEngine(EngineConfig(model=str(model_dir), device="cuda", gpu_memory_fraction=fraction))
+        engine = EngineCore(EngineConfig(model=str(model_dir), device="cuda", gpu_memory_fraction=fraction))
         used = total - torch.cuda.mem_get_info()[0]
         assert used <= fraction * total + (256 << 20), f"{used / 2**30:.2f} GiB in use at fraction {fraction}"
         engines[fraction] = engine.block_manager.num_total_blocks
@@ -246,7 +246,7 @@ def test_kv_pool_is_sized_from_free_memory(tmp_path):
         torch.cuda.empty_cache()
     assert engines[0.5] > engines[0.3] > 0
     with pytest.raises(StartupError, match="--gpu-memory-fraction"):
-        LLMEngine(EngineConfig(model=str(model_dir), device="cuda", gpu_memory_fraction=1e-6))
+        EngineCore(EngineConfig(model=str(model_dir), device="cuda", gpu_memory_fraction=1e-6))
 
 
 def test_kv_sizing_arithmetic_with_a_fake_device(monkeypatch):
@@ -286,7 +286,7 @@ def test_kv_sizing_arithmetic_with_a_fake_device(monkeypatch):
 
 
 def test_warm_up_runs_every_prefill_tile_on_the_cpu(tmp_path):
-    engine = LLMEngine(EngineConfig(model=str(make_hf_model_dir(tmp_path, "llama")), device="cpu",
+    engine = EngineCore(EngineConfig(model=str(make_hf_model_dir(tmp_path, "llama")), device="cpu",
                                     kv_cache_dtype="int8", num_kv_blocks=64, max_num_seqs=4,
                                     max_num_batched_tokens=128))
     seen = []

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.engine import LLMEngine
+from engine.core import EngineCore
 from engine.sampling_params import SamplingParams
 from model import ModelConfig
 from tests.helpers import ARCHS, make_hf_model_dir
@@ -25,7 +25,7 @@ TOLERANCE = 1e-4
 class _Recorder(torch.nn.Module):
     """Wraps the model: keeps (request id, position, hidden) for every token the engine runs."""
 
-    def __init__(self, inner, engine: LLMEngine):
+    def __init__(self, inner, engine: EngineCore):
         super().__init__()
         self.inner = inner
         self.engine = engine
@@ -45,7 +45,7 @@ class _Recorder(torch.nn.Module):
 
 
 def run_recorded(model_dir, kv_cache_dtype: str, prompts: list[list[int]], max_tokens: int, **engine_kwargs):
-    engine = LLMEngine(EngineConfig(**{
+    engine = EngineCore(EngineConfig(**{
         **dict(model=str(model_dir), device="cpu", kv_cache_dtype=kv_cache_dtype, block_size=16, num_kv_blocks=64,
                max_num_seqs=8, max_num_batched_tokens=24),  # small budget: prompts are prefilled in chunks
         **engine_kwargs}))

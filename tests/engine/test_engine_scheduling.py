@@ -1,11 +1,11 @@
-"""Prefix caching, chunked prefill and n > 1 through LLMEngine on a tiny model (CPU, fp32 cache)."""
+"""Prefix caching, chunked prefill and n > 1 through EngineCore on a tiny model (CPU, fp32 cache)."""
 
 from __future__ import annotations
 
 import pytest
 
 from engine.config import EngineConfig
-from engine.engine import LLMEngine
+from engine.core import EngineCore
 from engine.sampling_params import SamplingParams
 from tests.helpers import make_hf_model_dir
 
@@ -17,13 +17,13 @@ def model_dir(tmp_path_factory):
     return make_hf_model_dir(tmp_path_factory.mktemp("sched"), "llama", seed=3, weight_scale=4.0)
 
 
-def make_engine(model_dir, **kw) -> LLMEngine:
+def make_engine(model_dir, **kw) -> EngineCore:
     cfg = dict(model=str(model_dir), device="cpu", kv_cache_dtype="fp32", block_size=BS,
                num_kv_blocks=64, max_num_seqs=8, max_num_batched_tokens=256)
-    return LLMEngine(EngineConfig(**{**cfg, **kw}))
+    return EngineCore(EngineConfig(**{**cfg, **kw}))
 
 
-def count_scheduled(engine: LLMEngine) -> list:
+def count_scheduled(engine: EngineCore) -> list:
     """Wraps schedule(); returns the list of SchedulerOutputs it will collect."""
     outs, schedule = [], engine.scheduler.schedule
 
@@ -36,7 +36,7 @@ def count_scheduled(engine: LLMEngine) -> list:
     return outs
 
 
-def run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict:
+def run(engine: EngineCore, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict:
     got: dict[tuple[str, int], list[int]] = {}
     for rid, (prompt, sp) in requests.items():
         engine.add_request(rid, prompt, sp)
@@ -46,7 +46,7 @@ def run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]
     return got
 
 
-def assert_pool_clean(engine: LLMEngine) -> None:
+def assert_pool_clean(engine: EngineCore) -> None:
     bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_total_blocks
     assert all(bm.ref_count(b) == 0 for b in range(bm.num_total_blocks))

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.outputs import SampledToken
+from engine.core import EngineCore
+from engine.messages import SampledToken
 from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
 from tests.helpers import make_hf_model_dir
@@ -13,7 +13,7 @@ from tests.helpers import make_hf_model_dir
 def test_stop_string_found_in_flushed_text_ends_as_stop(tmp_path):
     """The last token leaves a split UTF-8 character; the request ends by length, the held-back
     text is flushed, and the stop string found in it makes the finish reason "stop"."""
-    engine = LLMEngine(EngineConfig(model=str(make_hf_model_dir(tmp_path, "llama")), device="cpu",
+    engine = EngineCore(EngineConfig(model=str(make_hf_model_dir(tmp_path, "llama")), device="cpu",
                                     kv_cache_dtype="fp32", num_kv_blocks=16))
     tok = engine.tokenizer
     forced = [tok.token_to_id("a"), tok.token_to_id("b"), tok.token_to_id("Ã")]  # "Ã" = byte 0xC3

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.engine import LLMEngine
+from engine.core import EngineCore
 from engine.errors import StartupError
 from engine.kv_sizing import CPU_KV_CACHE_BYTES, num_kv_blocks, usable_blocks
 from tests.helpers import make_hf_model_dir
@@ -58,8 +58,8 @@ def test_a_budget_below_one_sequence_is_refused_naming_the_flag():
 
 def test_the_engine_sizes_its_pool_from_the_configuration(tmp_path):
     model_dir = make_hf_model_dir(tmp_path, "llama")  # context 512
-    engine = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", kv_cache_dtype="fp32", max_num_seqs=3,
+    engine = EngineCore(EngineConfig(model=str(model_dir), device="cpu", kv_cache_dtype="fp32", max_num_seqs=3,
                                     block_size=16, max_model_len=200))
     assert engine.block_manager.num_total_blocks == 3 * 13
     with pytest.raises(StartupError, match="^--kv-cache-memory"):
-        LLMEngine(EngineConfig(model=str(model_dir), device="cpu", kv_cache_dtype="fp32", kv_cache_memory_bytes=1024))
+        EngineCore(EngineConfig(model=str(model_dir), device="cpu", kv_cache_dtype="fp32", kv_cache_memory_bytes=1024))

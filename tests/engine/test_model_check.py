@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from engine.config import EngineConfig
-from engine.engine import LLMEngine
+from engine.core import EngineCore
 from engine.errors import StartupError
 from engine.model_check import (
     FOLDER_HINT,
@@ -106,7 +106,7 @@ def test_a_tokenizer_larger_than_the_embedding_is_refused(tmp_path):
         "the model's embedding only 128 rows (config.json vocab_size): ids past them would index out of the "
         "embedding; use the tokenizer that came with the model")
     with pytest.raises(StartupError, match="the model's embedding only 128 rows"):  # the engine refuses it too
-        LLMEngine(EngineConfig(model=str(small), device="cpu", kv_cache_dtype="fp32", num_kv_blocks=8))
+        EngineCore(EngineConfig(model=str(small), device="cpu", kv_cache_dtype="fp32", num_kv_blocks=8))
 
 
 def _notes(path: Path) -> dict[str, tuple[str, dict]]:

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from engine.config import KV_CACHE_DTYPES, EngineConfig
-from engine.engine import LLMEngine
+from engine.core import EngineCore
 from engine.sampler import hash_uniform
 from engine.sampling_params import SamplingParams
 from tests.helpers import make_hf_model_dir
@@ -42,16 +42,16 @@ def model_dir(request, tmp_path_factory):
     return make_hf_model_dir(tmp_path_factory.mktemp("seed"), request.param, weight_scale=3.0)
 
 
-def _engine(model_dir, kv: str, **kw) -> LLMEngine:
+def _engine(model_dir, kv: str, **kw) -> EngineCore:
     cfg = dict(model=str(model_dir), device="cpu", dtype="fp32", kv_cache_dtype=kv, block_size=BLOCK,
                num_kv_blocks=128, max_num_seqs=8, max_num_batched_tokens=512)
-    return LLMEngine(EngineConfig(**{**cfg, **kw}))
+    return EngineCore(EngineConfig(**{**cfg, **kw}))
 
 
 class Run:
     """The tokens of each request and, per (request, output index), the logits it was sampled from."""
 
-    def __init__(self, engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]) -> None:
+    def __init__(self, engine: EngineCore, requests: dict[str, tuple[list[int], SamplingParams]]) -> None:
         self.tokens: dict[str, list[int]] = {rid: [] for rid in requests}
         self.logits: dict[tuple[str, int], torch.Tensor] = {}
         forward = engine.runner.forward_logits

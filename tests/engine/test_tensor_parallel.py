@@ -13,7 +13,7 @@ import time
 import pytest
 
 from engine.config import EngineConfig
-from engine.engine import LLMEngine
+from engine.core import EngineCore
 from engine.sampling_params import SamplingParams
 from pie_client import Client, Unavailable
 from service.server import BackgroundServer, ServerConfig
@@ -28,8 +28,8 @@ def _config(model_dir, tp: int, **kw) -> EngineConfig:
     return EngineConfig(model=str(model_dir), tensor_parallel_size=tp, **kw)
 
 
-def _generate(model_dir, tp: int, prompts, sampling=GREEDY, **kw) -> tuple[list[list[int]], LLMEngine]:
-    engine = LLMEngine(_config(model_dir, tp, **kw))
+def _generate(model_dir, tp: int, prompts, sampling=GREEDY, **kw) -> tuple[list[list[int]], EngineCore]:
+    engine = EngineCore(_config(model_dir, tp, **kw))
     try:
         return engine.generate(prompts, sampling), engine
     finally:
@@ -109,7 +109,7 @@ def test_through_the_grpc_service_in_the_engine_process(rng, tmp_path) -> None:
             assert c.generate(prompt, max_tokens=10, temperature=0, ignore_eos=True).token_ids == want
             assert [t for d in c.stream(prompt, max_tokens=10, temperature=0, ignore_eos=True) for t in d.token_ids] \
                 == want
-        workers = _workers(s.pie.engine.pid)
+        workers = _workers(s.pie.engine_client.pid)
         assert len(workers) == 1
     wait_until(lambda: not any(alive(pid) for pid in workers), what="the worker to end with its server")
 
@@ -126,7 +126,7 @@ def test_a_dead_worker_ends_the_engine(tmp_path) -> None:
             c.generate("hello", max_tokens=3, ignore_eos=True)
         assert err.value.reason == "ENGINE_STOPPED", err.value
         wait_until(lambda: s.pie.fatal.is_set(), what="the server to give up on its engine")
-        assert "tensor-parallel worker rank 1 exited" in str(s.pie.engine.dead)
+        assert "tensor-parallel worker rank 1 exited" in str(s.pie.engine_client.dead)
 
 
 def test_a_hung_worker_trips_the_step_watchdog(tmp_path) -> None:
@@ -150,7 +150,7 @@ def test_a_hung_worker_trips_the_step_watchdog(tmp_path) -> None:
 def test_a_size_that_does_not_divide_the_heads_is_refused_before_any_process(tmp_path) -> None:
     model_dir = make_hf_model_dir(tmp_path, "llama")  # 4 query heads, 2 KV heads, MLP 128
     with pytest.raises(ValueError, match="--tensor-parallel-size 3 cannot split this model: num_attention_heads 4"):
-        LLMEngine(_config(model_dir, 3))
+        EngineCore(_config(model_dir, 3))
     assert _workers() == []
 
 

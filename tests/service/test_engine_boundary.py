@@ -49,7 +49,7 @@ def _idle(server) -> None:
         def idle():
             load = c.model_info().load
             return (load.kv_blocks_free == load.kv_blocks_total and load.requests_running == 0
-                    and server.pie.engine.num_in_flight == 0)
+                    and server.pie.engine_client.num_in_flight == 0)
         wait_until(idle, timeout=30, what="every block free and nothing in flight")
 
 
@@ -186,7 +186,7 @@ def test_health_stays_fast_while_near_limit_prompts_arrive(rng, server, monkeypa
     event loop that would stall every RPC. They are tokenized off it, so health checks stay fast.
     (Refusing them by their byte length alone is turned off here, as for a model whose context
     admits 1M characters' worth of tokens: they are tokenized to be counted.)"""
-    monkeypatch.setattr(server.pie.engine.tokenizer, "max_token_bytes", None)
+    monkeypatch.setattr(server.pie.engine_client.tokenizer, "max_token_bytes", None)
     words = ["once", "upon", "a", "time", "there", "was", "little", "girl", "café", "日本"]
     limit = server.pie.servicer.limits.max_prompt_chars
     texts = []
@@ -233,7 +233,7 @@ def test_health_stays_fast_while_near_limit_prompts_arrive(rng, server, monkeypa
 
 def test_long_prompt_is_tokenized_like_a_short_one(server):
     """The off-loop path (long text) and the inline path give the same ids as the tokenizer."""
-    tok = server.pie.engine.tokenizer
+    tok = server.pie.engine_client.tokenizer
     text = "the cat sat on the mat. " * 200  # past the inline limit
     with Client(server.address, timeout=60) as c:
         assert c.tokenize(text).token_ids == tok.encode(text)

@@ -75,7 +75,7 @@ def test_cancelled_streams_free_their_blocks_in_the_child(servers):
             load = c.model_info().load
             return load.kv_blocks_free == NUM_BLOCKS and load.requests_running == 0
         wait_until(idle, timeout=30, what="the child to free every block")
-        assert proc.pie.engine.num_in_flight == 0
+        assert proc.pie.engine_client.num_in_flight == 0
 
 
 def test_a_step_fault_in_the_child_fails_only_its_requests(model_dir):
@@ -120,7 +120,7 @@ def test_outputs_cross_the_pipe_unchanged():
     every field set away from its default, logprobs included."""
     import pickle
 
-    from engine.outputs import RequestOutput, SampledToken
+    from engine.messages import RequestOutput, SampledToken
     from engine.request import RequestStatus
 
     outs = [
@@ -186,7 +186,7 @@ def test_a_stalled_engine_process_never_blocks_the_event_loop(rng, model_dir):
     cfg = _config(model_dir)
     cfg.max_waiting, cfg.num_kv_blocks = 512, 512
     with BackgroundServer(ServerConfig(port=0, grace_s=5, engine_process=True), cfg) as s:
-        child = s.pie.engine.pid
+        child = s.pie.engine_client.pid
         n, prompt_len = 300, 480  # ~300 x 2 KB of pickled commands: more than a socket buffer holds
         os.kill(child, signal.SIGSTOP)
         try:
@@ -199,8 +199,8 @@ def test_a_stalled_engine_process_never_blocks_the_event_loop(rng, model_dir):
                         sampling=pb.SamplingParams(max_tokens=1, ignore_eos=True)), timeout=300) for _ in range(n)]
                     tasks = [asyncio.ensure_future(c) for c in calls]
                     deadline = time.monotonic() + 60
-                    while s.pie.engine.num_in_flight < n:  # every request accepted, none served
-                        assert time.monotonic() < deadline, f"{s.pie.engine.num_in_flight} of {n} accepted"
+                    while s.pie.engine_client.num_in_flight < n:  # every request accepted, none served
+                        assert time.monotonic() < deadline, f"{s.pie.engine_client.num_in_flight} of {n} accepted"
                         await asyncio.sleep(0.05)
                     worst = 0.0
                     for _ in range(20):

@@ -198,6 +198,6 @@ def test_fuzzed_requests_never_crash_hang_or_leak(server, channel, prompt, sampl
     except grpc.RpcError as e:
         assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, (e.code(), e.details())
         assert from_rpc_error(e).field_violations, e.details()  # names the field
-    wait_until(lambda: server.engine.stats().kv_blocks_free == server.engine.stats().kv_blocks_total,
+    wait_until(lambda: server.core.stats().kv_blocks_free == server.core.stats().kv_blocks_total,
                what="every KV block back")
-    assert server.pie.engine.num_in_flight == 0
+    assert server.pie.engine_client.num_in_flight == 0

@@ -134,7 +134,7 @@ def test_readme_grpcurl_commands_through_reflection(server):
                 n = sum(len(m.get("tokenIds", [])) for m in result)
                 assert n == result[-1]["usage"]["completionTokens"] and 1 <= n <= 32
             elif target.endswith("/Tokenize"):
-                assert [int(i) for i in result["tokenIds"]] == server.engine.tokenizer.encode("Once upon a time")
+                assert [int(i) for i in result["tokenIds"]] == server.core.tokenizer.encode("Once upon a time")
             elif target.endswith("Health/Check"):
                 assert result == {"status": "SERVING"}
             else:

@@ -88,7 +88,7 @@ def test_metrics_after_traffic(server, client, log_buffer):
         client.generate("x", request_id="metrics-bad", max_tokens=5, temperature=-1.0)
 
     m = scrape(server)
-    tok = server.engine.tokenizer
+    tok = server.core.tokenizer
     assert value(m, "vllm:generation_tokens_total") == 15
     assert value(m, "vllm:prompt_tokens_total") == sum(len(tok.encode(p)) for p in PROMPTS)
     assert value(m, "vllm:request_success_total", finished_reason="length") == 3
@@ -106,7 +106,7 @@ def test_metrics_after_traffic(server, client, log_buffer):
     assert value(m, "pie_requests_finished_total", rpc="Generate", code="INVALID_ARGUMENT") == 1
     queries, hits = value(m, "vllm:prefix_cache_queries_total"), value(m, "vllm:prefix_cache_hits_total")
     assert 0 <= hits <= queries
-    assert value(m, "pie_kv_blocks_cached") == server.engine.stats().kv_blocks_cached
+    assert value(m, "pie_kv_blocks_cached") == server.core.stats().kv_blocks_cached
     assert value(m, "vllm:num_preemptions_total") == 0
     assert value(m, "vllm:num_requests_running") == 0
 

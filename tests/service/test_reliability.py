@@ -58,7 +58,7 @@ def assert_idle(server: BackgroundServer) -> None:
         def idle():
             load = c.model_info().load
             return (load.kv_blocks_free == load.kv_blocks_total and load.requests_running == 0
-                    and load.requests_waiting == 0 and server.pie.engine.num_in_flight == 0)
+                    and load.requests_waiting == 0 and server.pie.engine_client.num_in_flight == 0)
         wait_until(idle, timeout=30, what="all blocks free and no request in flight")
         assert c.generate("hello", max_tokens=2, ignore_eos=True).completion_tokens == 2
     assert readiness(server.address) == health_pb2.HealthCheckResponse.SERVING
@@ -69,8 +69,8 @@ class StepRecorder:
     the next step raise or block."""
 
     def __init__(self, server: BackgroundServer):
-        self.aeng = server.pie.engine
-        self.runner = server.engine.runner
+        self.aeng = server.pie.engine_client
+        self.runner = server.core.runner
         self.original = self.runner.execute
         self.steps: list[tuple[int, set[str]]] = []  # (AsyncEngine.steps at the time, scheduled ids)
         self.raise_once: BaseException | None = None
@@ -96,14 +96,14 @@ def test_cancel_stops_compute_within_one_step(server):
     rec = StepRecorder(server)
     aborted_at: dict[str, int] = {}  # caller's id -> engine step when the servicer aborted it
     engine_ids: dict[str, str] = {}  # caller's id -> the engine's id for it
-    original_abort = server.pie.engine.abort
+    original_abort = server.pie.engine_client.abort
 
     def abort(stream):
-        aborted_at.setdefault(stream.caller_id, server.pie.engine.steps)
+        aborted_at.setdefault(stream.caller_id, server.pie.engine_client.steps)
         engine_ids[stream.caller_id] = stream.engine_id
         original_abort(stream)
 
-    server.pie.engine.abort = abort
+    server.pie.engine_client.abort = abort
     try:
         with Client(server.address, timeout=60) as c:
             keep_busy = c.stream("a b c", max_tokens=300, ignore_eos=True)  # keeps the engine stepping
@@ -122,7 +122,7 @@ def test_cancel_stops_compute_within_one_step(server):
         late = [i for i, ids in rec.steps if i >= k + 2 and vid in ids]
         assert not late, f"victim scheduled at steps {late} after its abort at step {k}"
     finally:
-        server.pie.engine.abort = original_abort
+        server.pie.engine_client.abort = original_abort
         rec.restore()
     assert_idle(server)
 
@@ -208,7 +208,7 @@ def test_overload_sheds_with_retry_info_and_serves_the_accepted(model_dir):
     seqs, waiting = 4, 4
     cfg = engine_config(model_dir, max_num_seqs=seqs, max_waiting=waiting)
     with BackgroundServer(ServerConfig(port=0, grace_s=5), cfg) as s:
-        aeng = s.pie.engine
+        aeng = s.pie.engine_client
         peak = [0]
         original_submit = aeng.submit
 

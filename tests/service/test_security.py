@@ -126,7 +126,7 @@ def test_max_concurrent_rpcs(model_dir):
             c.generate("one too many", max_tokens=2)
         for h in held:
             h.close()
-        wait_until(lambda: s.pie.engine.num_in_flight == 0, what="held streams to end")
+        wait_until(lambda: s.pie.engine_client.num_in_flight == 0, what="held streams to end")
         assert wait_until(lambda: _generate_ok(c), what="a slot to free up")
 
 

@@ -44,10 +44,10 @@ def test_model_info_and_tokenize(client, server):
     assert info.block_size == 16
     assert info.load.kv_blocks_total == NUM_BLOCKS
     assert info.load.kv_blocks_free == NUM_BLOCKS
-    assert info.vocab_size == server.engine.vocab_size
-    assert info.eos_token_ids == list(server.engine.eos_token_ids)
+    assert info.vocab_size == server.core.vocab_size
+    assert info.eos_token_ids == list(server.core.eos_token_ids)
     tok = client.tokenize("Once upon a time")
-    assert tok.token_ids == server.engine.tokenizer.encode("Once upon a time")
+    assert tok.token_ids == server.core.tokenizer.encode("Once upon a time")
     assert len(tok.tokens) == len(tok.token_ids)
 
 
@@ -262,7 +262,7 @@ def test_prefix_cache_reported_in_usage(client, server):
     # Finished, the prompt's full blocks stay cached: free, and counted as such.
     load = client.model_info().load
     assert load.kv_blocks_free == load.kv_blocks_total
-    assert load.kv_blocks_cached == server.engine.stats().kv_blocks_cached >= 2
+    assert load.kv_blocks_cached == server.core.stats().kv_blocks_cached >= 2
 
 
 def test_stop_string_completed_by_the_last_token(client):

@@ -1,4 +1,4 @@
-"""The engine process: started by `engine_process.ProcessEngine` as
+"""The engine process: started by `client_process.ProcessEngineClient` as
 
     python -c "<BOOT>" PARENT_PID FD [SYS_PATH...]
 
@@ -42,7 +42,7 @@ from multiprocessing.connection import Connection
 
 # What the parent runs with `python -c`; argv: parent pid, the socket's fd, then sys.path entries.
 BOOT = ("import sys; sys.path[:0] = sys.argv[3:]; "
-        "from engine.engine_child import main; main(int(sys.argv[1]), int(sys.argv[2]))")
+        "from engine.core_process import main; main(int(sys.argv[1]), int(sys.argv[2]))")
 
 EXIT_ORPHANED = 70  # the parent went away before this process was told to stop
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -141,17 +141,17 @@ def main(parent_pid: int, fd: int) -> None:
     # The engine's imports come only now: everything above is the standard library.
     import structlog
 
-    from engine.engine import LLMEngine
+    from engine.client import EngineInfo
+    from engine.core import EngineCore
     from engine.errors import StartupError
-    from engine.handle import EngineInfo
-    from engine.loop import Inbox, StepClock, run_engine_loop
+    from engine.loop import Inbox, StepClock, run_core_loop
 
-    log = structlog.get_logger("engine.engine_child")
+    log = structlog.get_logger("engine.core_process")
     inbox = Inbox()
     threading.Thread(target=_read_commands, args=(conn, inbox), name="engine-inbox", daemon=True).start()
     outbox = Outbox(conn)
     try:
-        engine = LLMEngine(config)
+        engine = EngineCore(config)
         if engine_setup is not None:
             engine_setup(engine)
     except BaseException as e:
@@ -168,7 +168,7 @@ def main(parent_pid: int, fd: int) -> None:
         outbox.put(("out", [o.to_wire() for o in outputs], stats, steps, taken))
 
     try:
-        run_engine_loop(engine, inbox, clock, emit, heartbeat_s=heartbeat_s)
+        run_core_loop(engine, inbox, clock, emit, heartbeat_s=heartbeat_s)
     except BaseException as e:
         log.exception("engine_process_died")
         outbox.put(("died", f"{type(e).__name__}: {e}"))

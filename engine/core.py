@@ -1,8 +1,8 @@
-"""LLMEngine: loads the model, sizes the KV pool, and advances every request by one step.
+"""EngineCore: loads the model, sizes the KV pool, and advances every request by one step.
 
-Synchronous and single-threaded on purpose; `engine.loop.run_engine_loop` steps it on a thread of
-the server (`engine_thread`) or in a process of its own (`engine_process`), behind the handle the
-service uses (`engine.handle`). One `step()` = schedule -> one forward pass -> one batched sample
+Synchronous and single-threaded on purpose; `engine.loop.run_core_loop` steps it on a thread of
+the server (`client_thread`) or in a process of its own (`client_process`), behind the handle the
+service uses (`engine.client`). One `step()` = schedule -> one forward pass -> one batched sample
 -> detokenize -> per-request outputs.
 """
 
@@ -21,9 +21,9 @@ from engine.device import TORCH_DTYPES, auto_dtype, resolve_device
 from engine.errors import EngineDeadError
 from engine.kv_cache import KVCache
 from engine.kv_sizing import num_kv_blocks
+from engine.messages import EngineStats, RequestOutput, SampledToken
 from engine.model_check import check_vocab, read_model_config, read_tokenizer
 from engine.model_runner import ModelRunner, PendingSample
-from engine.outputs import EngineStats, RequestOutput, SampledToken
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -35,7 +35,7 @@ from model.parallel import TensorParallel, check_shardable
 log = structlog.get_logger(__name__)
 
 
-class LLMEngine:
+class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = resolve_device(config.device)

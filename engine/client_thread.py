@@ -1,11 +1,11 @@
 """The engine loop on a background thread of the server process (`pie serve --no-engine-process`).
 
     asyncio loop (the gRPC servicer)              engine thread
-      ThreadEngine.submit/abort -> Inbox ------>    run_engine_loop: apply commands, step
+      ThreadEngineClient.submit/abort -> Inbox ------>    run_core_loop: apply commands, step
       RequestStream.next_batch() <- _on_step <---   emit: loop.call_soon_threadsafe, once per step
 
 Simple and quick to start (tests use it), but the engine and the asyncio loop share one GIL; at
-hundreds of streams `engine_process.ProcessEngine` serves more.
+hundreds of streams `client_process.ProcessEngineClient` serves more.
 """
 
 from __future__ import annotations
@@ -16,24 +16,24 @@ from collections.abc import Callable
 
 import structlog
 
+from engine.client import Command, EngineClientBase, EngineInfo
 from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.handle import Command, EngineInfo, HandleBase
-from engine.loop import Inbox, StepClock, Watchdog, run_engine_loop, step_watchdog
-from engine.outputs import EngineStats, RequestOutput
+from engine.core import EngineCore
+from engine.loop import Inbox, StepClock, Watchdog, run_core_loop, step_watchdog
+from engine.messages import EngineStats, RequestOutput
 
 log = structlog.get_logger(__name__)
 
 
-class ThreadEngine(HandleBase):
-    """An EngineHandle whose LLMEngine runs on a thread of this process."""
+class ThreadEngineClient(EngineClientBase):
+    """An EngineClient whose EngineCore runs on a thread of this process."""
 
     def __init__(self, config: EngineConfig | None, *, step_timeout_s: float | None = None,
                  on_dead: Callable[[BaseException], None] | None = None,
-                 engine_setup: Callable[[LLMEngine], None] | None = None) -> None:
+                 engine_setup: Callable[[EngineCore], None] | None = None) -> None:
         super().__init__(on_dead=on_dead)
         self.config = config
-        self.core: LLMEngine | None = None  # the engine itself (tests and benchmarks reach in)
+        self.core: EngineCore | None = None  # the engine itself (tests and benchmarks reach in)
         self._engine_setup = engine_setup  # called on the engine once built (tests, benchmarks)
         self._step_timeout_s = step_timeout_s
         self._inbox = Inbox()
@@ -42,7 +42,7 @@ class ThreadEngine(HandleBase):
         self._thread: threading.Thread | None = None
 
     @classmethod
-    def around(cls, engine: LLMEngine, **kwargs) -> ThreadEngine:
+    def around(cls, engine: EngineCore, **kwargs) -> ThreadEngineClient:
         """A handle over an engine built elsewhere (tests, offline tools)."""
         handle = cls(None, **kwargs)
         handle._adopt(engine)
@@ -56,12 +56,12 @@ class ThreadEngine(HandleBase):
         """Builds the engine (blocking: loading a model may take minutes)."""
         if self.config is None:
             raise RuntimeError("no EngineConfig to build an engine from")
-        engine = LLMEngine(self.config)
+        engine = EngineCore(self.config)
         if self._engine_setup is not None:
             self._engine_setup(engine)
         self._adopt(engine)
 
-    def _adopt(self, engine: LLMEngine) -> None:
+    def _adopt(self, engine: EngineCore) -> None:
         self.core = engine
         self._info = EngineInfo.of(engine)
         self._tokenizer = engine.tokenizer
@@ -97,7 +97,7 @@ class ThreadEngine(HandleBase):
     def _run(self) -> None:
         assert self.core is not None, "launch() first"
         try:
-            run_engine_loop(self.core, self._inbox, self._clock, self._emit)
+            run_core_loop(self.core, self._inbox, self._clock, self._emit)
         except BaseException as e:  # the loop itself broke: fail everyone rather than hang them
             log.exception("engine_loop_died")
             self.declare_dead(RuntimeError(f"the engine loop failed: {type(e).__name__}: {e}"))

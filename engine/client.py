@@ -1,8 +1,8 @@
-"""The seam between the service and the engine loop: `EngineHandle`, what the service may use.
+"""The seam between the service and the engine loop: `EngineClient`, what the service may use.
 
 Two implementations stand behind it: the engine on a thread of the server process
-(`engine_thread.ThreadEngine`) and the engine in a child process (`engine_process.ProcessEngine`).
-Both share `HandleBase`, the asyncio side of the seam:
+(`client_thread.ThreadEngineClient`) and the engine in a child process (`client_process.ProcessEngineClient`).
+Both share `EngineClientBase`, the asyncio side of the seam:
 
     service (asyncio loop)                        engine loop (engine/loop.py)
       submit(prompt, sampling, caller_id=...)
@@ -31,13 +31,13 @@ import structlog
 
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError, QueueFullError
-from engine.outputs import EngineStats, RequestOutput
+from engine.messages import EngineStats, RequestOutput
 from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.validation import check_request
 
 if TYPE_CHECKING:
-    from engine.engine import LLMEngine
+    from engine.core import EngineCore
     from model import ModelConfig, Tokenizer
 
 log = structlog.get_logger(__name__)
@@ -57,7 +57,7 @@ class EngineInfo:
     num_kv_blocks: int  # size of the KV pool
 
     @classmethod
-    def of(cls, engine: LLMEngine) -> EngineInfo:
+    def of(cls, engine: EngineCore) -> EngineInfo:
         return cls(config=engine.config, model_config=engine.model_config, max_model_len=engine.max_model_len,
                    vocab_size=engine.vocab_size, eos_token_ids=engine.eos_token_ids, device=str(engine.device),
                    dtype_name=engine.dtype_name, num_kv_blocks=engine.block_manager.num_total_blocks)
@@ -89,7 +89,7 @@ class RequestStream:
         return batch
 
 
-class EngineHandle(Protocol):
+class EngineClient(Protocol):
     """What the service may use of an engine, wherever its loop runs. `launch()` builds the
     engine (blocking: call it off the event loop), `start(loop)` begins serving; every other
     method is called on that loop."""
@@ -124,7 +124,7 @@ class EngineHandle(Protocol):
 Command = tuple  # ("add", engine_id, prompt_token_ids, sampling) | ("abort", engine_id)
 
 
-class HandleBase:
+class EngineClientBase:
     """The asyncio side both handles share: id minting, the stream table, admission against the
     waiting-queue bound, delivery of outputs and failing what is open when the engine dies.
     Subclasses build the engine (`launch`), run its loop (`start`/`stop`) and carry commands to it

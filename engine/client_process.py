@@ -1,15 +1,15 @@
 """The engine loop in a child process (`pie serve`'s default), so the gRPC loop and the engine stop
 sharing one GIL.
 
-With the engine on a thread (engine_thread.ThreadEngine), the asyncio loop that writes the
+With the engine on a thread (client_thread.ThreadEngineClient), the asyncio loop that writes the
 streams' messages and the engine's per-request Python take turns on one interpreter lock. At a
 few hundred open streams the loop is busy most of the time and the engine's steps stretch with it
 (7 ms steps became 15 ms at 256 streams). In its own process the engine steps at its own pace and
 the loop coalesces what it cannot send at once into larger messages.
 
-    parent (gRPC, asyncio)                               child (engine/engine_child.py)
-      ProcessEngine.submit/abort -> sender thread --->     reader thread -> Inbox
-                                    (never blocks the loop)  run_engine_loop (as on a thread)
+    parent (gRPC, asyncio)                               child (engine/core_process.py)
+      ProcessEngineClient.submit/abort -> sender thread --->     reader thread -> Inbox
+                                    (never blocks the loop)  run_core_loop (as on a thread)
       link thread: starts the child, then  <------------   outbox thread: ("out", ...) per step
         hands each message to the loop (_on_step)           and heartbeat; ("died") on a crash
       watchdog thread: requests in flight and nothing
@@ -25,7 +25,7 @@ The parent keeps what the service reads without a round trip: its own tokenizer,
 facts (EngineInfo, sent once when the child is ready), and the stats the child sends with every
 step. Requests are validated in the parent with the same check as in-process.
 
-The child never outlives the parent (see engine_child.py). Its parent-death signal is tied to the
+The child never outlives the parent (see core_process.py). Its parent-death signal is tied to the
 thread that started it, so the link thread, which lives exactly as long as the child serves,
 starts it; when the link thread gives up on a hung or failed child, the kernel kills the child.
 """
@@ -46,13 +46,13 @@ from multiprocessing.connection import Connection
 
 import structlog
 
+from engine.client import Command, EngineClientBase
 from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.engine_child import BOOT
+from engine.core import EngineCore
+from engine.core_process import BOOT
 from engine.errors import StartupError, StepTimeoutError
-from engine.handle import Command, HandleBase
 from engine.loop import Watchdog, heartbeat_interval
-from engine.outputs import RequestOutput
+from engine.messages import RequestOutput
 from model import Tokenizer
 
 log = structlog.get_logger(__name__)
@@ -64,8 +64,8 @@ class LaunchCancelled(RuntimeError):
     """stop() was called while the engine process was still starting."""
 
 
-class ProcessEngine(HandleBase):
-    """An EngineHandle whose LLMEngine runs in a child process. `launch()` (blocking: run it off
+class ProcessEngineClient(EngineClientBase):
+    """An EngineClient whose EngineCore runs in a child process. `launch()` (blocking: run it off
     the event loop) starts the child and waits until its model is loaded; `start(loop)` then
     begins delivering outputs. `on_dead` hears when the child stalls past `step_timeout_s` (the
     watchdog, above) or dies: it cannot recover by itself, so the owner should exit."""
@@ -73,7 +73,7 @@ class ProcessEngine(HandleBase):
     def __init__(self, config: EngineConfig, *, step_timeout_s: float | None = None,
                  on_dead: Callable[[BaseException], None] | None = None,
                  log_setup: Callable[[], None] | None = None,
-                 engine_setup: Callable[[LLMEngine], None] | None = None) -> None:
+                 engine_setup: Callable[[EngineCore], None] | None = None) -> None:
         super().__init__(on_dead=on_dead)
         self.config = config
         self.pid: int | None = None  # the child's, once started
