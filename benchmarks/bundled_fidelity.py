@@ -23,9 +23,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import make_parser  # noqa: E402
+from engine.attention import AttentionMetadata, PagedAttention  # noqa: E402
 from engine.config import DEFAULT_MODEL, EngineConfig  # noqa: E402
 from engine.core import EngineCore  # noqa: E402
-from engine.kv_cache import AttentionMetadata, KVCache, PagedAttention  # noqa: E402
+from engine.kv_cache import KVCache  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from model import Tokenizer, load_model  # noqa: E402
 from training.corpus import generate_stories  # noqa: E402

@@ -33,12 +33,19 @@ def instant_forward(engine, step_s: float = 0.0) -> None:
     it through functools.partial)."""
     token = engine.tokenizer.encode(" the")[-1]
 
-    def execute(out, seeds):
+    class Sampled:
+        def __init__(self, requests) -> None:
+            self.requests = requests
+
+        def result(self) -> list[SampledToken]:
+            return [SampledToken(token, 0.0, []) for _ in self.requests]
+
+    def launch(out):
         if step_s:
             time.sleep(step_s)
-        return {s.request.request_id: SampledToken(token, 0.0, []) for s in out.scheduled if s.sample}
+        return Sampled(out.sampling_requests)
 
-    engine.runner.execute = execute
+    engine.runner.launch = launch
 
 
 def main(argv: list[str] | None = None) -> int:

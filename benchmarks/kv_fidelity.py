@@ -21,7 +21,7 @@ import structlog
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import DEVICE_HELP, default_device, make_parser  # noqa: E402
-from engine.kv_cache import PagedAttention  # noqa: E402
+from engine.attention import PagedAttention  # noqa: E402
 from tests.fidelity import MASSIVE_K, family_fidelity, mean  # noqa: E402
 from tests.helpers import ARCHS  # noqa: E402
 

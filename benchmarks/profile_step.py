@@ -27,6 +27,7 @@ from benchmarks.common import DEVICE_HELP, default_device, make_parser  # noqa: 
 from benchmarks.throughput import LLAMA_1B, MICRO, TINY, build_model  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.core import EngineCore  # noqa: E402
+from engine.messages import SampledToken  # noqa: E402
 from engine.sampler import SamplingTensors, sample  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 
@@ -83,9 +84,9 @@ def main(argv: list[str] | None = None) -> int:
             eng.model.forward = lambda ids, pos, attn: torch.zeros(ids.shape[0], hidden, dtype=dtype, device=ids.device)
         rng = random.Random(0)
         sp = SamplingParams(max_tokens=eng.max_model_len - ctx, temperature=0, ignore_eos=True)
-        for i in range(batch):
-            eng.add_request(f"r{i}", [rng.randrange(3, shape["vocab_size"]) for _ in range(ctx)], sp)
-        while eng.scheduler.num_waiting or any(r.num_output_tokens == 0 for r in eng._requests.values()):
+        requests = [eng.add_request(f"r{i}", [rng.randrange(3, shape["vocab_size"]) for _ in range(ctx)], sp).samples[0]
+                    for i in range(batch)]
+        while eng.scheduler.num_waiting or any(r.num_output_tokens == 0 for r in requests):
             eng.step()
         for _ in range(5):
             eng.step()
@@ -118,24 +119,24 @@ def main(argv: list[str] | None = None) -> int:
         # Phases, synchronized at each boundary.
         runner = eng.runner
         phases = dict(schedule=0.0, stage_inputs=0.0, forward=0.0, sample_and_sync=0.0, bookkeeping=0.0)
-        orig_stage = runner._stage
+        orig_stage = runner.stager.stage
         marks: dict[str, float] = {}
 
-        def timed_stage(out, tables, graph_batch):
+        def timed_stage(out, tables, graph_batch, last):
             t = time.perf_counter()
-            r = orig_stage(out, tables, graph_batch)
+            r = orig_stage(out, tables, graph_batch, last)
             sync(args.device)
             marks["stage_end"] = time.perf_counter()
             phases["stage_inputs"] += marks["stage_end"] - t
             return r
 
-        runner._stage = timed_stage
+        runner.stager.stage = timed_stage
         graph_steps = 0
         for _ in range(args.steps):
             t = time.perf_counter()
             out = eng.scheduler.schedule()
             phases["schedule"] += time.perf_counter() - t
-            graph_steps += runner._graph_batch(out) is not None
+            graph_steps += runner.graphs.bucket_for(out) is not None
             with torch.inference_mode():
                 rows, logits = runner.forward_logits(out)
                 sync(args.device)
@@ -143,18 +144,16 @@ def main(argv: list[str] | None = None) -> int:
                 phases["forward"] += t2 - marks["stage_end"]
                 reqs = [out.scheduled[i].request for i in rows]
                 tensors = SamplingTensors.build(
-                    params=[r.sampling for r in reqs], seeds=[eng._seeds[r.request_id] for r in reqs],
+                    params=[r.sampling for r in reqs], seeds=[r.seed for r in reqs],
                     steps=[r.num_output_tokens for r in reqs], prompt_ids=[r.prompt_token_ids for r in reqs],
                     output_ids=[r.output_token_ids for r in reqs], vocab_size=logits.shape[-1], device=logits.device)
                 ids = sample(logits, tensors).token_ids.tolist()
             t3 = time.perf_counter()
             phases["sample_and_sync"] += t3 - t2
-            eng.scheduler.update_after_step(out)
-            for r, tok in zip(reqs, ids):
-                r.append_token(tok)
-                eng._detok[r.request_id].step([tok])
+            eng.scheduler.step_launched(out)
+            eng.scheduler.update_from_output(reqs, [SampledToken(tok, 0.0, []) for tok in ids])
             phases["bookkeeping"] += time.perf_counter() - t3
-        runner._stage = orig_stage
+        runner.stager.stage = orig_stage
         print(f"{graph_steps}/{args.steps} steps replayed a CUDA graph")
         total = sum(phases.values())
         print("| phase (device synced at each boundary) | ms per step | share |")

@@ -101,8 +101,10 @@ class FreeBlockQueue:
 
 
 class BlockManager:
-    """Owns the free queue, per-block reference counts, each request's block table and the prefix
-    cache (hash -> block id, plus each cached block's key for the equality check)."""
+    """Owns the free queue, per-block reference counts and the prefix cache (hash -> block id, plus
+    each cached block's key for the equality check). A request's block table and its blocks' chain
+    hashes live on the request (`Request.block_ids`, `Request.block_hashes`); this class is the one
+    that changes them."""
 
     def __init__(self, num_blocks: int, block_size: int, *, enable_caching: bool = True) -> None:
         if num_blocks < 1 or block_size < 1:
@@ -112,12 +114,10 @@ class BlockManager:
         self._num_blocks = num_blocks
         self._free = FreeBlockQueue(num_blocks)
         self._ref_counts = [0] * num_blocks
-        self._tables: dict[str, list[int]] = {}
         # Prefix cache. _keys[b] is (parent hash, tokens) of a hashed block b, else None.
         self._cached: dict[int, int] = {}  # chain hash -> block id
         self._hashes: list[int | None] = [None] * num_blocks
         self._keys: list[tuple[int | None, tuple[int, ...]] | None] = [None] * num_blocks
-        self._req_hashes: dict[str, list[int]] = {}  # chain hashes of each request's full blocks
         self.prefix_cache_queries = 0  # tokens looked up in the cache on admission (cumulative)
         self.prefix_cache_hits = 0  # of those, tokens found cached (cumulative)
         self.num_cached_free_blocks = 0  # free blocks still holding reusable cached content
@@ -193,10 +193,7 @@ class BlockManager:
         """
         if not self.enable_caching:
             return
-        table = self._tables.get(request.request_id)
-        if table is None:
-            return
-        hashes = self._req_hashes.setdefault(request.request_id, [])
+        table, hashes = request.block_ids, request.block_hashes
         bs = self.block_size
         num_full = request.num_computed_tokens // bs
         if num_full == len(hashes):
@@ -230,20 +227,17 @@ class BlockManager:
         ones first; empty when the last block still has room), or None, changing nothing, when too
         few blocks are free.
         """
-        table = self._tables.get(request.request_id)
-        if (cached is None and table is not None
-                and request.num_computed_tokens + num_new_tokens <= len(table) * self.block_size):
+        table = request.block_ids
+        have = len(table)
+        if cached is None and request.num_computed_tokens + num_new_tokens <= have * self.block_size:
             return ()  # the common decode step: the last block still has room
-        have = 0 if table is None else len(table)
         num_hit = 0 if cached is None else cached.num_blocks
-        assert num_hit == 0 or table is None, "a cached prefix is only taken on admission"
+        assert num_hit == 0 or not have, "a cached prefix is only taken on admission"
         total = request.num_computed_tokens + num_hit * self.block_size + num_new_tokens
         missing = self.blocks_needed(total) - have - num_hit
         hit_free = 0 if cached is None else sum(1 for b in cached.block_ids if self._ref_counts[b] == 0)
         if missing + hit_free > len(self._free):
             return None
-        if table is None:
-            table = self._tables[request.request_id] = []
         if cached is not None:
             for block_id in cached.block_ids:  # touch: take it off the free queue or share it
                 if self._ref_counts[block_id] == 0:
@@ -251,7 +245,7 @@ class BlockManager:
                     self.num_cached_free_blocks -= 1
                 self._ref_counts[block_id] += 1
                 table.append(block_id)
-            self._req_hashes[request.request_id] = list(cached.block_hashes)
+            request.block_hashes[:] = cached.block_hashes
             self.prefix_cache_queries += cached.num_queried_tokens
             self.prefix_cache_hits += num_hit * self.block_size
         for _ in range(missing):
@@ -266,10 +260,8 @@ class BlockManager:
         Blocks whose count drops to 0 go back tail first, so the last blocks of a sequence (the
         least likely to be shared as a prefix) are evicted first; hashed ones keep their content.
         """
-        self._req_hashes.pop(request.request_id, None)
-        table = self._tables.pop(request.request_id, None)
-        if table is None:
-            return
+        table = request.block_ids
+        request.block_hashes.clear()
         for block_id in reversed(table):
             self._ref_counts[block_id] -= 1
             assert self._ref_counts[block_id] >= 0, f"block {block_id} freed twice"
@@ -277,18 +269,15 @@ class BlockManager:
                 self._free.append(block_id)
                 if self._hashes[block_id] is not None:
                     self.num_cached_free_blocks += 1
+        table.clear()
 
-    def get_block_table(self, request_id: str) -> list[int]:
-        """The request's physical block ids in logical order (the live list: copy it to keep it)."""
-        return self._tables.get(request_id, [])
-
-    def slot_mapping(self, request_id: str, start: int, end: int) -> list[int]:
+    def slot_mapping(self, request: Request, start: int, end: int) -> list[int]:
         """Slots of the request's tokens at positions start .. end-1 (they must be allocated).
 
-        For tests and debugging; the runner computes a whole step's slots at once from its own
-        copy of the tables (ModelRunner._stage).
+        For tests and debugging; the runner computes a whole step's slots at once
+        (engine/staging.py).
         """
-        table = self._tables[request_id]
+        table = request.block_ids
         bs = self.block_size
         assert 0 <= start <= end <= len(table) * bs, f"positions {start}..{end} not allocated"
         slots: list[int] = []

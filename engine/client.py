@@ -1,17 +1,18 @@
-"""The seam between the service and the engine loop: `EngineClient`, what the service may use.
+"""The seam between the service and the engine core: `EngineClient`, what the service may use.
 
-Two implementations stand behind it: the engine on a thread of the server process
-(`client_thread.ThreadEngineClient`) and the engine in a child process (`client_process.ProcessEngineClient`).
-Both share `EngineClientBase`, the asyncio side of the seam:
+Two implementations stand behind it: the core on a thread of the server process
+(`client_thread.ThreadEngineClient`) and the core in a process of its own
+(`client_process.ProcessEngineClient`). Both share `EngineClientBase`, the asyncio side:
 
-    service (asyncio loop)                        engine loop (engine/loop.py)
+    service (asyncio loop)                        core loop (engine/loop.py)
       submit(prompt, sampling, caller_id=...)
-        mints the engine's own id ("r17") ------>   ("add", "r17", prompt, sampling)
+        validates it (the one place requests are checked), mints the engine's own id ("r17")
+                                       ------>   AddRequest("r17", prompt, sampling)
         returns a RequestStream keyed by it
-      abort(stream) --------------------------->   ("abort", "r17")
-      RequestStream.next_batch() <-- _on_step <--   outputs of one step, a stats snapshot
+      abort(stream) --------------------------->   AbortRequest("r17")
+      RequestStream.next_batch() <- _on_result <-   StepResult: one step's outputs, the counts
 
-Ids: the engine, the commands and the stream table know only ids this handle minted, never the
+Ids: the engine, the commands and the stream table know only ids this client minted, never the
 caller's. So a caller may reuse an id at once after a cancel (outputs of the cancelled request,
 still on their way, find no stream and are dropped) and two callers may send the same id at the
 same time; each stream gets exactly its own request's outputs. The caller's id is data carried
@@ -24,14 +25,15 @@ import asyncio
 import itertools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+import msgspec
 import structlog
 
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError, QueueFullError
-from engine.messages import EngineStats, RequestOutput
+from engine.messages import AbortRequest, AddRequest, Command, EngineStats, RequestOutput, StepResult
 from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.validation import check_request
@@ -69,7 +71,7 @@ class RequestStream:
     __slots__ = ("engine_id", "caller_id", "_pending", "_event", "finished")
 
     def __init__(self, engine_id: str, caller_id: str) -> None:
-        self.engine_id = engine_id  # minted by the handle; what the engine and the pipe know
+        self.engine_id = engine_id  # minted by the client; what the engine core and the pipe know
         self.caller_id = caller_id  # the caller's id (response, x-request-id, logs, metrics)
         self._pending: list[RequestOutput] = []
         self._event = asyncio.Event()
@@ -121,14 +123,11 @@ class EngineClient(Protocol):
     async def wait_idle(self) -> None: ...
 
 
-Command = tuple  # ("add", engine_id, prompt_token_ids, sampling) | ("abort", engine_id)
-
-
 class EngineClientBase:
     """The asyncio side both handles share: id minting, the stream table, admission against the
     waiting-queue bound, delivery of outputs and failing what is open when the engine dies.
     Subclasses build the engine (`launch`), run its loop (`start`/`stop`) and carry commands to it
-    (`_send`); they hand each step's result to `_on_step` on the event loop."""
+    (`_send`); they hand each step's result to `_on_result` on the event loop."""
 
     def __init__(self, *, on_dead: Callable[[BaseException], None] | None = None) -> None:
         self._info: EngineInfo | None = None  # set by launch()
@@ -182,7 +181,7 @@ class EngineClientBase:
     def stats(self) -> EngineStats:
         """The engine's counts after its latest step; waiting includes what is on its way to it."""
         stats = self._loaded_stats()
-        return replace(stats, requests_waiting=stats.requests_waiting + self.num_queued)
+        return msgspec.structs.replace(stats, requests_waiting=stats.requests_waiting + self.num_queued)
 
     def check_request(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
         """Raises PromptError / SamplingParamsError for a request this engine could never serve."""
@@ -217,7 +216,7 @@ class EngineClientBase:
         self._streams[engine_id] = stream
         self._idle.clear()
         self._sent += sampling.n
-        self._send(("add", engine_id, prompt_token_ids, sampling))
+        self._send(AddRequest(engine_id, prompt_token_ids, sampling))
         return stream
 
     def abort(self, stream: RequestStream) -> None:
@@ -225,7 +224,7 @@ class EngineClientBase:
         Idempotent; a request that already finished is left alone."""
         if self._forget(stream.engine_id) is None:
             return
-        self._send(("abort", stream.engine_id))
+        self._send(AbortRequest(stream.engine_id))
 
     def _send(self, command: Command) -> None:
         raise NotImplementedError
@@ -236,10 +235,10 @@ class EngineClientBase:
             self._idle.set()
         return stream
 
-    def _on_step(self, outputs: list[RequestOutput], stats: EngineStats, steps: int, taken: int) -> None:
+    def _on_result(self, result: StepResult) -> None:
         """On the event loop: one step's outputs (or the acknowledgement of commands) arrived."""
-        self._stats, self._steps, self._taken = stats, steps, taken
-        self._deliver(outputs)
+        self._stats, self._steps, self._taken = result.stats, result.steps, result.taken
+        self._deliver(result.outputs)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for o in outputs:

@@ -1,19 +1,21 @@
-"""The engine loop in a child process (`pie serve`'s default), so the gRPC loop and the engine stop
-sharing one GIL.
+"""The engine core in a child process (`pie serve`'s default), so the gRPC loop and the engine
+stop sharing one GIL.
 
-With the engine on a thread (client_thread.ThreadEngineClient), the asyncio loop that writes the
+With the core on a thread (client_thread.ThreadEngineClient), the asyncio loop that writes the
 streams' messages and the engine's per-request Python take turns on one interpreter lock. At a
 few hundred open streams the loop is busy most of the time and the engine's steps stretch with it
-(7 ms steps became 15 ms at 256 streams). In its own process the engine steps at its own pace and
+(7 ms steps became 15 ms at 256 streams). In its own process the core steps at its own pace and
 the loop coalesces what it cannot send at once into larger messages.
 
     parent (gRPC, asyncio)                               child (engine/core_process.py)
-      ProcessEngineClient.submit/abort -> sender thread --->     reader thread -> Inbox
-                                    (never blocks the loop)  run_core_loop (as on a thread)
-      link thread: starts the child, then  <------------   outbox thread: ("out", ...) per step
-        hands each message to the loop (_on_step)           and heartbeat; ("died") on a crash
+      ProcessEngineClient.submit/abort -> sender -->       reader thread -> Inbox
+                     (a thread: never blocks the loop)     run_core_loop (as on a thread)
+      link thread: starts the child, then  <----------     outbox thread: StepResult per step
+        hands each result to the loop (_on_result)           and heartbeat; CoreDied on a crash
       watchdog thread: requests in flight and nothing
         heard for --step-timeout -> the engine stalled
+
+Commands and results are the typed messages of engine/messages.py, MessagePack-encoded.
 
 The watchdog lives here, outside the child, so it sees a child that is stopped or frozen as a
 whole (SIGSTOP, a host stall, a stuck driver call, a deadlocked extension): while requests are in
@@ -23,7 +25,7 @@ and kills the child. An engine with nothing to do sends nothing and is not stall
 
 The parent keeps what the service reads without a round trip: its own tokenizer, the engine's
 facts (EngineInfo, sent once when the child is ready), and the stats the child sends with every
-step. Requests are validated in the parent with the same check as in-process.
+step. Requests are validated in the parent, the one place they are checked (engine/client.py).
 
 The child never outlives the parent (see core_process.py). Its parent-death signal is tied to the
 thread that started it, so the link thread, which lives exactly as long as the child serves,
@@ -46,13 +48,13 @@ from multiprocessing.connection import Connection
 
 import structlog
 
-from engine.client import Command, EngineClientBase
+from engine.client import EngineClientBase
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.core_process import BOOT
 from engine.errors import StartupError, StepTimeoutError
 from engine.loop import Watchdog, heartbeat_interval
-from engine.messages import RequestOutput
+from engine.messages import Command, StepResult, StopCore, decode_result, encode
 from model import Tokenizer
 
 log = structlog.get_logger(__name__)
@@ -140,7 +142,7 @@ class ProcessEngineClient(EngineClientBase):
         if not self.loaded or self.dead is not None or self._sender is None:
             self._kill()  # starting or never started (nothing to drain), or given up on
         else:
-            self._outgoing.put(("stop",))
+            self._outgoing.put(StopCore())
         self._outgoing.put(None)  # the sender thread ends
         if self._process is not None:
             try:
@@ -174,7 +176,7 @@ class ProcessEngineClient(EngineClientBase):
         assert conn is not None, "the child was started before the sender"
         try:
             while (cmd := self._outgoing.get()) is not None:
-                conn.send(cmd)
+                conn.send_bytes(encode(cmd))
         except OSError:
             return  # the child is gone; the link thread reports it
 
@@ -215,18 +217,16 @@ class ProcessEngineClient(EngineClientBase):
     def _relay(self, conn: Connection) -> None:
         try:
             while True:
-                kind, *payload = conn.recv()
+                msg = decode_result(conn.recv_bytes())
                 self._last_heard = time.monotonic()
-                if kind == "out":
+                if isinstance(msg, StepResult):
                     # One hand-off per message: the child already merges what piled up while a
                     # send was under way. (Draining the pipe here first held outputs back for
                     # seconds at 256 streams: under load something had always arrived meanwhile.)
-                    wire, stats, steps, taken = payload
-                    # (Outputs come only after a submit, so start() has given the loop by then.)
-                    self._event_loop().call_soon_threadsafe(
-                        self._on_step, [RequestOutput.from_wire(o) for o in wire], stats, steps, taken)
-                elif kind == "died":
-                    self.declare_dead(RuntimeError(f"the engine process failed: {payload[0]}"))
+                    # (Results come only after a submit, so start() has given the loop by then.)
+                    self._event_loop().call_soon_threadsafe(self._on_result, msg)
+                else:  # CoreDied
+                    self.declare_dead(RuntimeError(f"the engine process failed: {msg.message}"))
                     return
         except (EOFError, OSError):
             if not self._stopping:

@@ -1,8 +1,8 @@
-"""The engine loop on a background thread of the server process (`pie serve --no-engine-process`).
+"""The engine core on a background thread of the server process (`pie serve --no-engine-process`).
 
-    asyncio loop (the gRPC servicer)              engine thread
-      ThreadEngineClient.submit/abort -> Inbox ------>    run_core_loop: apply commands, step
-      RequestStream.next_batch() <- _on_step <---   emit: loop.call_soon_threadsafe, once per step
+    asyncio loop (the gRPC servicer)                     engine thread
+      ThreadEngineClient.submit/abort -> Inbox -------->   run_core_loop: apply commands, step
+      RequestStream.next_batch() <- _on_result <-------   publish: loop.call_soon_threadsafe
 
 Simple and quick to start (tests use it), but the engine and the asyncio loop share one GIL; at
 hundreds of streams `client_process.ProcessEngineClient` serves more.
@@ -16,11 +16,11 @@ from collections.abc import Callable
 
 import structlog
 
-from engine.client import Command, EngineClientBase, EngineInfo
+from engine.client import EngineClientBase, EngineInfo
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.loop import Inbox, StepClock, Watchdog, run_core_loop, step_watchdog
-from engine.messages import EngineStats, RequestOutput
+from engine.messages import Command, StepResult
 
 log = structlog.get_logger(__name__)
 
@@ -43,10 +43,10 @@ class ThreadEngineClient(EngineClientBase):
 
     @classmethod
     def around(cls, engine: EngineCore, **kwargs) -> ThreadEngineClient:
-        """A handle over an engine built elsewhere (tests, offline tools)."""
-        handle = cls(None, **kwargs)
-        handle._adopt(engine)
-        return handle
+        """A client of an engine core built elsewhere (tests, offline tools)."""
+        client = cls(None, **kwargs)
+        client._adopt(engine)
+        return client
 
     @property
     def steps(self) -> int:
@@ -91,13 +91,13 @@ class ThreadEngineClient(EngineClientBase):
     def _send(self, command: Command) -> None:
         self._inbox.put(command)
 
-    def _emit(self, outputs: list[RequestOutput], stats: EngineStats, steps: int, taken: int) -> None:
-        self._event_loop().call_soon_threadsafe(self._on_step, outputs, stats, steps, taken)
+    def _publish(self, result: StepResult) -> None:
+        self._event_loop().call_soon_threadsafe(self._on_result, result)
 
     def _run(self) -> None:
         assert self.core is not None, "launch() first"
         try:
-            run_core_loop(self.core, self._inbox, self._clock, self._emit)
+            run_core_loop(self.core, self._inbox, self._clock, self._publish)
         except BaseException as e:  # the loop itself broke: fail everyone rather than hang them
             log.exception("engine_loop_died")
             self.declare_dead(RuntimeError(f"the engine loop failed: {type(e).__name__}: {e}"))

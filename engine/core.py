@@ -1,9 +1,9 @@
 """EngineCore: loads the model, sizes the KV pool, and advances every request by one step.
 
 Synchronous and single-threaded on purpose; `engine.loop.run_core_loop` steps it on a thread of
-the server (`client_thread`) or in a process of its own (`client_process`), behind the handle the
-service uses (`engine.client`). One `step()` = schedule -> one forward pass -> one batched sample
--> detokenize -> per-request outputs.
+the server (`client_thread`) or in a process of its own (`core_process`), behind the EngineClient
+the service holds (`engine.client`). One `step()` = schedule -> execute (one forward pass, one
+batched sample) -> update (the scheduler appends the tokens, detokenizes, checks stops, frees).
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from engine.device import TORCH_DTYPES, auto_dtype, resolve_device
 from engine.errors import EngineDeadError
 from engine.kv_cache import KVCache
 from engine.kv_sizing import num_kv_blocks
-from engine.messages import EngineStats, RequestOutput, SampledToken
+from engine.messages import EngineStats, RequestOutput
 from engine.model_check import check_vocab, read_model_config, read_tokenizer
 from engine.model_runner import ModelRunner, PendingSample
-from engine.request import Request, RequestStatus
+from engine.request import Request, RequestStatus, SampleGroup
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.tensor_parallel import Leader, check_devices
@@ -99,10 +99,6 @@ class EngineCore:
         self._seed_source = random.Random(config.seed)
         self._async = (self.device.type == "cuda") if config.async_scheduling is None else config.async_scheduling
         self._pending: PendingSample | None = None  # async scheduling: the launched step not read back yet
-        self._seeds: dict[str, int] = {}
-        self._detok: dict[str, IncrementalDetokenizer] = {}
-        self._requests: dict[str, Request] = {}  # internal (per-sample) id -> request
-        self._groups: dict[str, list[str]] = {}  # caller's id -> internal ids of its unfinished samples
         # Everything alive now (model, tokenizer, torch and library modules: ~10^5-10^6 objects)
         # lives as long as the engine. Out of the cyclic collector's sight, a full collection
         # under load scans only what requests create: 3 ms instead of ~190 ms measured in the
@@ -150,73 +146,36 @@ class EngineCore:
         check_request(prompt_token_ids, sampling, config=self.config, vocab_size=self.vocab_size,
                       max_model_len=self.max_model_len, num_kv_blocks=self.block_manager.num_total_blocks)
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> Request:
-        """Queues a request; with sampling.n > 1, n samples (internal ids f"{request_id}#{i}") whose
-        outputs carry `request_id` and `index` = i. Sample i draws from seed + i when a seed is
-        given (so one seed reproduces all n), else from its own random seed. Returns sample 0."""
-        if request_id in self._groups or request_id in self._requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        self.check_request(prompt_token_ids, sampling)
+    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> SampleGroup:
+        """Queues a request its client has validated (`check_request`, where requests enter the
+        engine: EngineClient.submit, or `generate` here). With sampling.n > 1, n samples
+        (ids f"{request_id}#{i}") whose outputs carry `request_id` and `index` = i; sample i draws
+        from seed + i when a seed is given (so one seed reproduces all n), else from a random seed
+        of its own. Raises ValueError for an id in use."""
         n = sampling.n
-        ids = [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
-        if any(i in self._requests for i in ids):
-            raise ValueError(f"request id {request_id!r} is already in use")
-        reqs: list[Request] = []
-        for i, rid in enumerate(ids):
-            req = Request(rid, prompt_token_ids, sampling, eos_token_ids=self.eos_token_ids,
-                          max_model_len=self.max_model_len, parent_id=request_id, index=i,
-                          wait_for=reqs[0] if i else None,
-                          arrival_time=reqs[0].arrival_time if i else None)
-            self.scheduler.add_request(req)
-            reqs.append(req)
-        for i, req in enumerate(reqs):
-            rid = req.request_id
-            self._requests[rid] = req
-            if sampling.seed is not None:
-                self._seeds[rid] = (sampling.seed + i) % 2**63
-            else:
-                self._seeds[rid] = self._seed_source.getrandbits(63)
-            self._detok[rid] = IncrementalDetokenizer(
-                self.tokenizer, prompt_token_ids, skip_special_tokens=sampling.skip_special_tokens,
-                stop=sampling.stop)
-        self._groups[request_id] = list(ids)
-        return reqs[0]
+        group = SampleGroup(request_id)
+        for i in range(n):
+            seed = (sampling.seed + i) % 2**63 if sampling.seed is not None else self._seed_source.getrandbits(63)
+            detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
+                                                 skip_special_tokens=sampling.skip_special_tokens, stop=sampling.stop)
+            Request(request_id if n == 1 else f"{request_id}#{i}", prompt_token_ids, sampling,
+                    eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len, parent_id=request_id,
+                    index=i, wait_for=group.samples[0] if i else None,
+                    arrival_time=group.samples[0].arrival_time if i else None,
+                    seed=seed, detokenizer=detokenizer, group=group)
+        self.scheduler.add_request(group)
+        return group
 
     def abort(self, request_id: str) -> bool:
         """Drops a request (every sample of it) and frees its blocks now. False for an unknown id."""
-        ids = self._groups.pop(request_id, None)
-        if ids is None:
-            return False
-        for rid in ids:
-            self.scheduler.abort(rid)
-            self._forget(rid)
-        return True
+        return self.scheduler.abort(request_id)
 
     def abort_all(self) -> list[str]:
         """Aborts every request (shutdown); returns their ids."""
-        ids = list(self._groups)
+        ids = list(self.scheduler.groups)
         for rid in ids:
-            self.abort(rid)
+            self.scheduler.abort(rid)
         return ids
-
-    def _forget(self, request_id: str) -> None:
-        self._requests.pop(request_id, None)
-        self._seeds.pop(request_id, None)
-        self._detok.pop(request_id, None)
-
-    def _finish(self, req: Request, status: RequestStatus) -> bool:
-        """Ends one sample; True when it was the last unfinished sample of its request."""
-        self.scheduler.finish(req, status)
-        self._forget(req.request_id)
-        group = self._groups.get(req.parent_id)
-        if group is None:
-            return True
-        if req.request_id in group:
-            group.remove(req.request_id)
-        if group:
-            return False
-        del self._groups[req.parent_id]
-        return True
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._pending is not None
@@ -235,97 +194,61 @@ class EngineCore:
 
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Advances every scheduled request by one forward pass; returns the outputs that are ready.
+        """Schedule -> execute -> update: advances every scheduled request by one forward pass and
+        returns the outputs that are ready (the scheduler closes the step, engine/scheduler.py).
 
         Synchronous (the CPU default): the outputs of this step. Async scheduling (the CUDA
         default): this step is queued on the device, then the previous step's tokens are read back
         and turned into outputs while the device runs, so the host's bookkeeping hides behind the
-        GPU. Each sampled token counts at once as a placeholder (`Request.num_output_placeholders`:
-        the scheduler only needs the count; the next step takes the id from the device), and joins
-        the request's output ids one call later.
-        A request that ends on a token (EOS, stop token, stop string) may so run one step too many,
-        whose token is dropped; length limits are known without the ids and stop at once.
+        GPU. A request that ends on a token (EOS, stop token, stop string) may so run one step too
+        many, whose token is dropped; length limits are known from the counts and stop at once.
 
         Invariants of async scheduling (tests/engine/invariants.py checks them after every step):
-        - At most one step is pending (`_pending`). A request holds at most one placeholder, its
-          newest token, and only while it is a row of the pending step; with nothing pending, no
-          request holds one.
+        - At most one step is pending (`_pending`). A request holds at most one placeholder token,
+          its newest, and only while it is a row of the pending step.
         - Blocks freed while the pending step may still write them (its request aborted, finished
           or preempted meanwhile) go back to the pool at once and may serve another request in
           the next step. That is safe only because every step's copies, kernels and sampling are
           queued on one CUDA stream, in order: the pending step's writes land before anything a
           later step does to those blocks. The runner asserts that each step launches on the
           stream it was built on.
-        - `update_after_step` publishes the hashes of blocks that became full (prefix caching)
-          while their K/V are still being written by the queued step; a request that hits them
-          reads them in a later step, queued behind those writes on the same stream."""
-        if not self._async:
-            return self._step_sync()
+        - The previous step's tokens are read back (`update_from_output`) before this step counts
+          as launched (`step_launched`), so the blocks it fills are hashed with known ids."""
         out = self.scheduler.schedule()
-        outputs: list[RequestOutput] = []
         launched = None
         if out.scheduled:
             try:
-                launched = self.runner.launch(out, self._seeds)
+                launched = self.runner.launch(out)
             except Exception as e:  # an engine fault fails this step's requests, not the engine
-                return outputs + self._collect() + self._step_failed(out, e)
-        outputs += self._collect()
-        self.scheduler.update_after_step(out)
-        if launched is not None:
-            for req in launched.requests:
-                if not req.finished:
-                    req.num_output_placeholders += 1
+                return self._collect() + self._step_failed([s.request for s in out.scheduled], e)
+        if self._async:
+            outputs = self._collect()  # the previous step's tokens, while this one runs
+            self.scheduler.step_launched(out)
             self._pending = launched
-        return outputs
+            return outputs
+        self.scheduler.step_launched(out)
+        self._pending = launched
+        return self._collect()  # this step's tokens
 
     def _collect(self) -> list[RequestOutput]:
-        """Reads back the pending step's tokens (waiting for the device) and makes their outputs."""
+        """Reads back the pending step's tokens (waiting for the device) and closes that step."""
         pending, self._pending = self._pending, None
         if pending is None:
             return []
         try:
             sampled = pending.result()
         except Exception as e:
-            self._check_workers(e)
-            live = [r for r in pending.requests if not r.finished]
-            log.exception("step_failed", request_ids=[r.request_id for r in live])
-            return self._fail(live, f"{type(e).__name__}: {e}",
-                              out_of_memory=isinstance(e, torch.cuda.OutOfMemoryError))
-        outputs = []
-        for req, tok in zip(pending.requests, sampled):
-            if req.finished:  # aborted (or failed) while its step ran
-                continue
-            req.num_output_placeholders -= 1  # counted at launch
-            req.append_token(tok.token_id)
-            outputs.append(self._emit(req, tok))
-        return outputs
+            return self._step_failed(pending.requests, e)
+        return self.scheduler.update_from_output(pending.requests, sampled)
 
-    def _step_sync(self) -> list[RequestOutput]:
-        out = self.scheduler.schedule()
-        if not out.scheduled:
-            return []
-        try:
-            sampled = self.runner.execute(out, self._seeds)
-        except Exception as e:  # an engine fault fails this step's requests, not the engine
-            return self._step_failed(out, e)
-        self.scheduler.update_after_step(out)
-        outputs: list[RequestOutput] = []
-        for s in out.scheduled:
-            tok = sampled.get(s.request.request_id)
-            if tok is None:
-                continue  # a prefill chunk that did not reach the end of the prompt
-            s.request.append_token(tok.token_id)
-            outputs.append(self._emit(s.request, tok))
-        return outputs
-
-    def _step_failed(self, out, e: Exception) -> list[RequestOutput]:
+    def _step_failed(self, requests: list[Request], e: Exception) -> list[RequestOutput]:
         self._check_workers(e)
-        log.exception("step_failed", request_ids=[s.request.request_id for s in out.scheduled])
+        live = [r for r in requests if not r.finished]
+        log.exception("step_failed", request_ids=[r.request_id for r in live])
         oom = isinstance(e, torch.cuda.OutOfMemoryError)
         if oom and torch.cuda.is_available():
             torch.cuda.empty_cache()  # hand back what the failed step held before retries come
-        return self._fail([s.request for s in out.scheduled if not s.request.finished],
-                          f"{type(e).__name__}: {e}", out_of_memory=oom)
+        return self.scheduler.fail(live, f"{type(e).__name__}: {e}", out_of_memory=oom)
 
     def _check_workers(self, e: BaseException) -> None:
         """Under tensor parallelism a failed step ends the engine: the ranks' collectives no longer
@@ -334,51 +257,14 @@ class EngineCore:
             raise EngineDeadError(f"tensor-parallel step failed ({type(e).__name__}: {e}); "
                                   f"{self._tp.lost() or 'all workers still run'}") from e
 
-    def _emit(self, req: Request, tok: SampledToken) -> RequestOutput:
-        """The output of one new token (already in req.output_token_ids): text, stop checks, and
-        the request's end when it stops here."""
-        # Runs once per token of every running request: kept to plain attribute reads.
-        detok = self._detok[req.request_id]
-        text = detok.step((tok.token_id,))
-        status = None if detok.stopped else req.check_token_stop()
-        if status is not None:
-            # Ending for another reason: text held back (a possible stop string, a split
-            # character) comes out now, and a stop string found in it still ends the request.
-            text += detok.flush()
-        if detok.stopped:
-            status = RequestStatus.FINISHED_STOPPED
-            req.stop_reason = detok.stop_string
-        num_out = len(req.output_token_ids)
-        o = RequestOutput(
-            request_id=req.parent_id, new_token_ids=[tok.token_id], new_text=text,
-            new_logprobs=[tok] if tok.top or req.sampling.logprobs else [],
-            num_prompt_tokens=len(req.prompt_token_ids), num_output_tokens=num_out,
-            num_cached_tokens=req.num_cached_tokens, index=req.index, all_finished=False)
-        if num_out == 1 and req.first_scheduled_time is not None:
-            o.queue_time_s = req.first_scheduled_time - req.arrival_time
-        if status is not None:
-            o.all_finished = self._finish(req, status)
-            o.finished, o.status, o.stop_reason = True, status, req.stop_reason
-        return o
-
-    def _fail(self, reqs: list[Request], error: str, *, out_of_memory: bool = False) -> list[RequestOutput]:
-        outs = []
-        for req in reqs:
-            last = self._finish(req, RequestStatus.FINISHED_ERROR)
-            outs.append(RequestOutput(
-                request_id=req.parent_id, new_token_ids=[], new_text="", finished=True,
-                status=RequestStatus.FINISHED_ERROR, num_prompt_tokens=req.num_prompt_tokens,
-                num_output_tokens=req.num_output_tokens, error=error, out_of_memory=out_of_memory, index=req.index,
-                num_cached_tokens=req.num_cached_tokens, all_finished=last))
-        return outs
-
     # ---- convenience for tests and offline use ------------------------------------------------
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[list[int]]:
         """Runs prompts to completion on this thread; returns the generated token ids of each
-        (of sample 0 when sampling.n > 1)."""
+        (of sample 0 when sampling.n > 1). Each prompt is checked as a client would (`check_request`)."""
         ids = [f"offline-{i}-{self._seed_source.getrandbits(32):08x}" for i in range(len(prompts))]
         results: dict[str, list[int]] = {i: [] for i in ids}
         for rid, p in zip(ids, prompts):
+            self.check_request(p, sampling)
             self.add_request(rid, p, sampling)
         while self.has_unfinished():
             for o in self.step():
@@ -387,5 +273,3 @@ class EngineCore:
                 if o.status == RequestStatus.FINISHED_ERROR:
                     raise RuntimeError(o.error)
         return [results[i] for i in ids]
-
-

@@ -13,17 +13,18 @@ loading weights, sizing the KV pool, capturing CUDA graphs) begins:
 
 This module imports only the standard library at the top; the engine comes in after that.
 SIGINT and SIGTERM are ignored: a signal sent to the whole process group must not cut the
-parent's drain short. The parent ends this process with "stop" (after draining), or kills it.
+parent's drain short. The parent ends this process with StopCore (after draining), or kills it.
 
-Messages (pickled over one socket pair):
+Messages over one socket pair: the start-up handshake pickled (it carries configurations and the
+engine_setup callable), then the typed messages of engine/messages.py, MessagePack-encoded:
     parent -> child: ("prepare", multiprocessing's spawn preparation data: the parent's main
                      module, working directory and sys.path),
                      ("init", config, heartbeat_s, log_setup, engine_setup), then
-                     ("add", id, prompt, sampling) / ("abort", id) / ("stop",)
-    child -> parent: ("ready", EngineInfo, EngineStats) or ("failed", message, is a StartupError), then
-                     ("out", wire outputs, stats, steps, taken) once per step with news, and at
-                     least every heartbeat_s while the loop steps (what the parent's watchdog
-                     counts as progress), ("died", message) on a crash
+                     AddRequest / AbortRequest / StopCore
+    child -> parent: ("ready", EngineInfo, EngineStats) or ("failed", message, is a StartupError),
+                     then StepResult once per step with news, and at least every heartbeat_s while
+                     the loop steps (what the parent's watchdog counts as progress), CoreDied on a
+                     crash
 
 No watchdog runs here: a process that is stopped or frozen as a whole (SIGSTOP, a host stall, a
 deadlocked extension holding the GIL) would freeze it too. The parent watches instead.
@@ -70,18 +71,19 @@ def _watch_parent(parent_pid: int) -> None:
 class Outbox:
     """The child's messages to the parent, sent by a thread of their own: the engine loop only
     queues them, so a parent that reads late (its loop busy writing hundreds of streams) never
-    blocks a step. Step outputs queued while a send is under way go out together, as one message
-    with the newest stats."""
+    blocks a step. Step results queued while a send is under way go out together, as one result
+    with the newest counts. Tuples (the start-up handshake) are pickled; the typed messages are
+    MessagePack-encoded (engine/messages.py)."""
 
     _CLOSE = ("close",)  # the end marker (never sent)
 
     def __init__(self, conn: Connection) -> None:
         self._conn = conn
-        self._queue: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="engine-outbox", daemon=True)
         self._thread.start()
 
-    def put(self, msg: tuple) -> None:
+    def put(self, msg) -> None:
         self._queue.put(msg)
 
     def close(self, timeout: float = 10.0) -> None:
@@ -90,18 +92,23 @@ class Outbox:
         self._thread.join(timeout)
 
     def _run(self) -> None:
+        from engine.messages import StepResult, encode, merge
+
         q = self._queue
         try:
             msg = q.get()
             while msg is not self._CLOSE:
                 after = None  # a message taken off the queue that must go out after msg
-                while msg[0] == "out" and after is None and not q.empty():
+                while isinstance(msg, StepResult) and after is None and not q.empty():
                     nxt = q.get()
-                    if nxt[0] == "out":  # merge the step outputs queued meanwhile
-                        msg = ("out", msg[1] + nxt[1], *nxt[2:])
+                    if isinstance(nxt, StepResult):  # merge the step results queued meanwhile
+                        msg = merge(msg, nxt)
                     else:
                         after = nxt
-                self._conn.send(msg)
+                if isinstance(msg, tuple):
+                    self._conn.send(msg)
+                else:
+                    self._conn.send_bytes(encode(msg))
                 msg = after if after is not None else q.get()
         except (BrokenPipeError, OSError):
             return  # the parent is gone; the reader thread ends this process
@@ -109,11 +116,13 @@ class Outbox:
 
 def _read_commands(conn: Connection, inbox) -> None:
     """Reader thread: the parent's commands into the inbox, from before the engine is built. The
-    pipe's end without a "stop" means the parent died: nothing is left to serve."""
+    pipe's end without a StopCore means the parent died: nothing is left to serve."""
+    from engine.messages import StopCore, decode_command
+
     try:
         while True:
-            cmd = conn.recv()
-            if cmd[0] == "stop":
+            cmd = decode_command(conn.recv_bytes())
+            if isinstance(cmd, StopCore):
                 inbox.close()
                 return
             inbox.put(cmd)
@@ -145,6 +154,7 @@ def main(parent_pid: int, fd: int) -> None:
     from engine.core import EngineCore
     from engine.errors import StartupError
     from engine.loop import Inbox, StepClock, run_core_loop
+    from engine.messages import CoreDied
 
     log = structlog.get_logger("engine.core_process")
     inbox = Inbox()
@@ -163,14 +173,10 @@ def main(parent_pid: int, fd: int) -> None:
         return
     outbox.put(("ready", EngineInfo.of(engine), engine.stats()))
     clock = StepClock()
-
-    def emit(outputs, stats, steps, taken) -> None:
-        outbox.put(("out", [o.to_wire() for o in outputs], stats, steps, taken))
-
     try:
-        run_core_loop(engine, inbox, clock, emit, heartbeat_s=heartbeat_s)
+        run_core_loop(engine, inbox, clock, outbox.put, heartbeat_s=heartbeat_s)
     except BaseException as e:
         log.exception("engine_process_died")
-        outbox.put(("died", f"{type(e).__name__}: {e}"))
+        outbox.put(CoreDied(f"{type(e).__name__}: {e}"))
     finally:
         outbox.close()

@@ -102,14 +102,14 @@ class IncrementalDetokenizer:
                 del window[:-_PROMPT_CONTEXT_TOKENS]
             if not self._stop:  # nothing is held back for stop strings: the chunk goes out as is
                 return self._push(chunk)
-        return self._emit(chunk, final=False)
+        return self._release(chunk, final=False)
 
     def flush(self) -> str:
         """At the end of the request: return everything held back (split characters decode as
         U+FFFD, as a full decode would). A stop string found here still cuts the text."""
         if self.stopped:
             return ""
-        return self._emit(self._decode_held() if self._num_held else "", final=True)
+        return self._release(self._decode_held() if self._num_held else "", final=True)
 
     def _decode_held(self) -> str:
         """The text of the held ids as a full decode gives it (in the context of the ids before
@@ -123,7 +123,7 @@ class IncrementalDetokenizer:
         self._num_held = 0
         return text
 
-    def _emit(self, new_text: str, *, final: bool) -> str:
+    def _release(self, new_text: str, *, final: bool) -> str:
         if not new_text and not final:
             return ""
         buf = self._pending + new_text

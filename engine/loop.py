@@ -2,14 +2,14 @@
 
     while True:
         commands = inbox.take(block=engine idle)     # every command that arrived, at once
-        apply them (add / abort)                     # before the step, in arrival order
-        step, timed (the watchdog reads the clock)   # schedule -> forward -> sample -> outputs
-        emit(outputs, stats, steps, taken)           # to the asyncio loop, or into the pipe
+        apply them (AddRequest / AbortRequest)       # before the step, in arrival order
+        step, timed (the watchdog reads the clock)   # schedule -> execute -> update
+        publish(StepResult)                          # to the asyncio loop, or into the pipe
 
 Commands are never read in the middle of a step: an abort takes effect before the next one, so a
 cancelled request's blocks are free within one step.
 
-The loop emits after every step with outputs, after every batch of commands, and at least every
+The loop publishes after every step with outputs, after every batch of commands, and at least every
 `heartbeat_s` while it steps without outputs (prefill chunks, a step that could schedule nothing):
 a step that finished is what a watchdog outside this process counts as progress.
 """
@@ -23,17 +23,14 @@ from collections.abc import Callable
 
 import structlog
 
-from engine.client import Command
 from engine.core import EngineCore
 from engine.errors import StepTimeoutError
-from engine.messages import EngineStats, RequestOutput
-from engine.request import RequestStatus
+from engine.messages import AbortRequest, AddRequest, Command, StepResult
 
 log = structlog.get_logger(__name__)
 
-# emit(outputs, stats, steps, taken): a step's outputs, the engine's counts after it, the steps
-# begun so far, and the samples of add commands taken in so far.
-Emit = Callable[[list[RequestOutput], EngineStats, int, int], None]
+# publish(result): a step's outputs with the engine's counts after it, to the client.
+Publish = Callable[[StepResult], None]
 
 
 class Inbox:
@@ -134,43 +131,37 @@ def step_watchdog(clock: StepClock, timeout_s: float, on_hang: Callable[[StepTim
                     lambda waited: f"engine step {clock.steps} has run for more than {timeout_s} s", hung)
 
 
-def apply_commands(engine: EngineCore, commands: list[Command]) -> tuple[list[RequestOutput], int]:
-    """Applies ("add", id, prompt, sampling) / ("abort", id) in order. Returns an error output for
-    each add the engine refused (validated up front: a last line of defence) and the samples the
-    adds brought in."""
-    refused: list[RequestOutput] = []
+def apply_commands(engine: EngineCore, commands: list[Command]) -> int:
+    """Applies AddRequest / AbortRequest in order; returns the samples the adds brought in. The
+    requests were validated by the client that sent them (the one place requests are checked,
+    engine/client.py): an add that fails here is a bug, and ends the loop."""
     taken = 0
     for cmd in commands:
-        if cmd[0] == "add":
-            _, rid, prompt, sampling = cmd
-            taken += sampling.n
-            try:
-                engine.add_request(rid, prompt, sampling)
-            except Exception as e:
-                refused.append(RequestOutput(rid, [], "", finished=True, status=RequestStatus.FINISHED_ERROR,
-                                             error=str(e), all_finished=True))
-        elif cmd[0] == "abort":
-            engine.abort(cmd[1])
+        if isinstance(cmd, AddRequest):
+            taken += cmd.sampling.n
+            engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.sampling)
+        elif isinstance(cmd, AbortRequest):
+            engine.abort(cmd.request_id)
         else:
-            raise ValueError(f"unknown engine command {cmd[0]!r}")
-    return refused, taken
+            raise ValueError(f"not a command for the loop: {cmd!r}")
+    return taken
 
 
-def run_core_loop(engine: EngineCore, inbox: Inbox, clock: StepClock, emit: Emit, *,
-                    heartbeat_s: float = 1.0) -> None:
+def run_core_loop(engine: EngineCore, inbox: Inbox, clock: StepClock, publish: Publish, *,
+                  heartbeat_s: float = 1.0) -> None:
     """Steps the engine while it has work, applying commands between steps, until the inbox is
-    closed or the watchdog gives up on a step. Emits what each step made, and at least every
+    closed or the watchdog gives up on a step. Publishes what each step made, and at least every
     `heartbeat_s` while stepping. Exceptions of the loop itself propagate; either way every request
     left in the engine is aborted on the way out."""
     taken = 0
-    emitted_at = time.monotonic()
+    published_at = time.monotonic()
     try:
         while True:
             commands = inbox.take(block=not engine.has_unfinished())
             if commands is None:
                 return
-            outputs, n = apply_commands(engine, commands)
-            taken += n
+            taken += apply_commands(engine, commands)
+            outputs = []
             if engine.has_unfinished():
                 clock.steps += 1
                 clock.step_started_at = time.monotonic()
@@ -181,9 +172,9 @@ def run_core_loop(engine: EngineCore, inbox: Inbox, clock: StepClock, emit: Emit
             if clock.dead is not None:
                 return  # the watchdog gave up on this step; the owner failed its requests
             now = time.monotonic()
-            if outputs or commands or now - emitted_at >= heartbeat_s:
-                emit(outputs, engine.stats(), clock.steps, taken)
-                emitted_at = now
+            if outputs or commands or now - published_at >= heartbeat_s:
+                publish(StepResult(outputs, engine.stats(), clock.steps, taken))
+                published_at = now
     finally:
         engine.abort_all()
         engine.close()

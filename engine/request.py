@@ -4,14 +4,23 @@ Progress is two counters, not a mode: `num_computed_tokens` (tokens whose K/V ar
 `num_tokens` (prompt + generated). A step schedules some of the `num_tokens - num_computed_tokens`
 remaining tokens; prefill, chunked prefill, decode and recompute after preemption are all the same
 rule. The request samples a new token only in the step that brings it to `num_tokens`.
+
+Everything the engine keeps about one request lives on it: its seed, its detokenizer, its block
+table and the chain hashes of its full blocks, and the group of samples it belongs to (n > 1). No
+component keeps a map keyed by request id beside it (each such map was one more place to clean up
+on finish, abort and preemption); the scheduler's table of groups is the one lookup by id.
 """
 
 from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.detokenizer import IncrementalDetokenizer
 
 
 class RequestStatus(enum.IntEnum):
@@ -30,12 +39,28 @@ class RequestStatus(enum.IntEnum):
         return self >= RequestStatus.FINISHED_STOPPED
 
 
+class SampleGroup:
+    """The n samples of one engine request (n = 1 usually): the id their outputs carry and their
+    caller's stream ends on, and how many are still unfinished."""
+
+    __slots__ = ("request_id", "samples", "num_unfinished")
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id  # the engine request id (what the client minted)
+        self.samples: list[Request] = []  # sample i at index i
+        self.num_unfinished = 0
+
+    def __repr__(self) -> str:
+        return f"SampleGroup({self.request_id!r}, {len(self.samples)} samples, {self.num_unfinished} unfinished)"
+
+
 class Request:
     __slots__ = (
         "request_id", "prompt_token_ids", "sampling", "output_token_ids", "num_output_placeholders",
         "num_computed_tokens",
         "status", "arrival_time", "max_model_len", "eos_token_ids", "num_preemptions",
         "first_scheduled_time", "stop_reason", "parent_id", "index", "wait_for", "num_cached_tokens",
+        "seed", "detokenizer", "block_ids", "block_hashes", "group",
     )
 
     def __init__(
@@ -50,6 +75,9 @@ class Request:
         parent_id: str | None = None,
         index: int = 0,
         wait_for: Request | None = None,
+        seed: int = 0,
+        detokenizer: IncrementalDetokenizer | None = None,
+        group: SampleGroup | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt_token_ids must not be empty")
@@ -76,6 +104,17 @@ class Request:
         # computed (so its full blocks are in the prefix cache); cleared once that holds.
         self.wait_for = wait_for
         self.num_cached_tokens = 0  # prompt tokens taken from the prefix cache on first admission
+        self.seed = seed  # of this sample's random stream (engine.sampler: the same tokens in any batch)
+        self.detokenizer = detokenizer  # its text deltas and stop strings (None: ids only, in tests)
+        # Block table: logical block i -> physical block id, owned by the block manager (which
+        # appends on allocation and empties it on free); the runner stages it as it is.
+        self.block_ids: list[int] = []
+        self.block_hashes: list[int] = []  # chain hash of each full block, in order (prefix caching)
+        if group is None:
+            group = SampleGroup(self.parent_id)
+        self.group = group
+        group.samples.append(self)
+        group.num_unfinished += 1
 
     @property
     def num_prompt_tokens(self) -> int:

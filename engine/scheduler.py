@@ -5,11 +5,17 @@ One rule, no prefill/decode modes: every request has `num_computed_tokens` (K/V 
 tokens from a shared token budget. A decode is one token; a prompt longer than the budget is
 prefilled in chunks over several steps; a batch can mix both.
 
-The engine loop around it:
-    out = scheduler.schedule()
-    ... run the model on out.scheduled, sample for those with `sample` ...
-    scheduler.update_after_step(out)        # advances num_computed_tokens
-    ... append sampled tokens; scheduler.finish(req, status) for requests that are done ...
+The scheduler opens each step and closes it (as vLLM v1's `Scheduler.update_from_output`):
+
+    out = scheduler.schedule()                       # which requests, how many tokens each
+    sampled = runner.launch(out).result()            # the forward pass and the sample
+    scheduler.step_launched(out)                     # the tokens count as computed
+    outputs = scheduler.update_from_output(out.sampling_requests, sampled)
+                                                     # tokens appended, stops, blocks freed
+
+With async scheduling (engine/core.py) step N is launched before step N-1's tokens are read back:
+`update_from_output` of N-1 comes first (so N-1's ids are known when N's full blocks are hashed),
+then `step_launched(N)`, which gives each sampling row of N a placeholder token until it is read.
 
 Order within a step: running decodes, then running prefills (chunked to what is left of the
 budget), then admissions. So a long prompt arriving mid-stream never stalls the streams already
@@ -33,12 +39,14 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import structlog
 
 from engine.block_manager import BlockManager
-from engine.request import Request, RequestStatus
+from engine.messages import RequestOutput, SampledToken
+from engine.request import Request, RequestStatus, SampleGroup
 
 log = structlog.get_logger(__name__)
 
@@ -49,10 +57,6 @@ class ScheduledRequest:
     num_new_tokens: int  # tokens of the request run through the model this step (>= 1)
     start: int  # their first position: num_computed_tokens before the step
     sample: bool  # start + num_new_tokens == num_tokens: this step produces the next token
-    # Physical block ids this step adds to the end of the request's table (usually none for a
-    # decode). With `new_table` they are the whole table: the request was (re)admitted.
-    new_block_ids: tuple[int, ...]
-    new_table: bool
 
 
 @dataclass(slots=True)
@@ -64,47 +68,15 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     # Sum of num_new_tokens over `scheduled`; at most max_num_batched_tokens.
     num_batched_tokens: int = 0
-    # Requests finished (or aborted) since the last output that scheduled anything: their tables
-    # are gone. (An output with nothing scheduled is not run, so it passes these on.)
-    finished_ids: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
 
-
-class BlockTables:
-    """A consumer's copy of every scheduled request's block table, kept current from the changes
-    each SchedulerOutput carries (the runner's view; the block manager's lists are never shared).
-    Apply every output that schedules something, in order."""
-
-    def __init__(self) -> None:
-        self._tables: dict[str, list[int]] = {}
-
-    def apply(self, out: SchedulerOutput) -> list[list[int]]:
-        """Takes in the step's changes; returns the tables of `out.scheduled`, in order."""
-        tables = self._tables
-        for request_id in out.finished_ids:
-            tables.pop(request_id, None)
-        for request in out.preempted:
-            tables.pop(request.request_id, None)
-        rows = []
-        for s in out.scheduled:
-            rid = s.request.request_id
-            if s.new_table:
-                table = tables[rid] = list(s.new_block_ids)
-            else:
-                table = tables[rid]
-                if s.new_block_ids:
-                    table.extend(s.new_block_ids)
-            rows.append(table)
-        return rows
-
-    def __len__(self) -> int:
-        return len(self._tables)
-
-    def __getitem__(self, request_id: str) -> list[int]:
-        return self._tables[request_id]
+    @property
+    def sampling_requests(self) -> list[Request]:
+        """The requests whose next token this step samples, in row order (the runner's rows)."""
+        return [s.request for s in self.scheduled if s.sample]
 
 
 class Scheduler:
@@ -124,8 +96,8 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()  # FIFO; preempted requests re-enter by arrival time
         self.running: list[Request] = []  # admission order; the latest arrival is preempted first
-        self.requests: dict[str, Request] = {}  # every unfinished request, waiting or running
-        self._finished_ids: list[str] = []  # finished since the last output that scheduled anything
+        # Every engine request with an unfinished sample, by its id: the one lookup by id.
+        self.groups: dict[str, SampleGroup] = {}
         self.num_preemptions = 0  # cumulative, for stats
 
     @property
@@ -139,18 +111,16 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def add_request(self, request: Request) -> None:
-        """Queue a new request (ValueError for a duplicate id). Whether it can ever fit is the
-        engine's check before this (engine.validation.check_request): prompt + max_tokens within
-        max_model_len and within the whole pool."""
-        if request.request_id in self.requests:
-            raise ValueError(f"duplicate request id {request.request_id!r}")
-        self.requests[request.request_id] = request
-        self.waiting.append(request)
+    def add_request(self, group: SampleGroup) -> None:
+        """Queue every sample of a new engine request (ValueError for an id in use). Whether it can
+        ever fit was checked where it entered the engine (engine.validation.check_request)."""
+        if group.request_id in self.groups:
+            raise ValueError(f"request id {group.request_id!r} is already in use")
+        self.groups[group.request_id] = group
+        self.waiting.extend(group.samples)
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(finished_ids=self._finished_ids)
-        self._finished_ids = []
+        out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         scheduled: dict[str, ScheduledRequest] = {}
 
@@ -189,7 +159,7 @@ class Scheduler:
                     break
             if new_blocks is None:  # it was the latest arrival: preempted itself
                 continue
-            scheduled[request.request_id] = self._schedule(out, request, num_new, new_blocks, False)
+            scheduled[request.request_id] = self._schedule(out, request, num_new)
             budget -= num_new
 
         # 2. Admit waiting requests in FIFO order; none after a preemption (memory is short), and
@@ -217,10 +187,8 @@ class Scheduler:
                 request.first_scheduled_time = time.monotonic()
                 request.num_cached_tokens = min(num_cached, request.num_prompt_tokens)
             self.running.append(request)
-            self._schedule(out, request, num_new, new_blocks, True)
+            self._schedule(out, request, num_new)
             budget -= num_new
-        if not out.scheduled:  # not run: the next output that is carries these
-            self._finished_ids[:0] = out.finished_ids
         return out
 
     def _held_back(self, request: Request) -> bool:
@@ -240,10 +208,9 @@ class Scheduler:
         starves."""
         return max(enumerate(self.running), key=lambda ir: (ir[1].arrival_time, ir[0]))[1]
 
-    def _schedule(self, out: SchedulerOutput, request: Request, num_new: int, new_blocks: tuple[int, ...],
-                  admitted: bool) -> ScheduledRequest:
+    def _schedule(self, out: SchedulerOutput, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
-        s = ScheduledRequest(request, num_new, start, start + num_new == request.num_tokens, new_blocks, admitted)
+        s = ScheduledRequest(request, num_new, start, start + num_new == request.num_tokens)
         out.scheduled.append(s)
         out.num_batched_tokens += num_new
         return s
@@ -261,30 +228,111 @@ class Scheduler:
         log.info("preempted", request_id=request.request_id,
                  num_preemptions=request.num_preemptions, num_tokens=request.num_tokens)
 
-    def update_after_step(self, out: SchedulerOutput) -> None:
-        """Mark the scheduled tokens as computed. The engine then appends the sampled token of
-        each request with `sample` and calls `finish` for those that are done."""
-        for s in out.scheduled:
-            if not s.request.finished:  # aborted while the step ran
-                s.request.num_computed_tokens += s.num_new_tokens
-                self.block_manager.cache_full_blocks(s.request)
+    # ---- closing the step ------------------------------------------------------------------------
+    def step_launched(self, out: SchedulerOutput) -> None:
+        """The step is on its way (queued on the device, or run): its tokens count as computed, the
+        blocks they filled are published to the prefix cache, and each row that samples holds a
+        placeholder for its token until `update_from_output` reads it back.
 
-    def finish(self, request: Request, status: RequestStatus) -> None:
-        """End a request (status must be a FINISHED_* one) and give back its blocks."""
+        The hashes go out while a queued step may still be writing those blocks' K/V: a request that
+        hits them reads them in a later step, queued behind those writes on the same stream."""
+        for s in out.scheduled:
+            request = s.request
+            if request.finished:  # aborted or failed since it was scheduled
+                continue
+            request.num_computed_tokens += s.num_new_tokens
+            self.block_manager.cache_full_blocks(request)
+            if s.sample:
+                request.num_output_placeholders += 1
+
+    def update_from_output(self, requests: Sequence[Request], sampled: Sequence[SampledToken]) -> list[RequestOutput]:
+        """Closes a step: each row's sampled token (rows in `SchedulerOutput.sampling_requests`
+        order) joins its request, is detokenized and checked for a stop, and ends the request
+        (its blocks freed) when it stops. Returns one output per row still running. A row whose
+        request finished since its step was launched (aborted, failed, or stopped by the step
+        before under async scheduling) is dropped with its token."""
+        outputs = []
+        for request, token in zip(requests, sampled, strict=True):
+            if request.finished:
+                continue
+            request.num_output_placeholders -= 1
+            request.output_token_ids.append(token.token_id)
+            outputs.append(self._output(request, token))
+        return outputs
+
+    def _output(self, request: Request, token: SampledToken) -> RequestOutput:
+        """The output of one new token (already in request.output_token_ids): text, stop checks,
+        and the request's end when it stops here. (Runs for every running request each step:
+        plain attribute reads.)"""
+        detok = request.detokenizer
+        text = ""
+        stopped = False
+        if detok is not None:
+            text = detok.step((token.token_id,))
+            stopped = detok.stopped
+        status = RequestStatus.FINISHED_STOPPED if stopped else request.check_token_stop()
+        if status is not None and not stopped and detok is not None:
+            # Ending for another reason: text held back (a possible stop string, a split
+            # character) comes out now, and a stop string found in it still ends the request.
+            text += detok.flush()
+            if detok.stopped:
+                status = RequestStatus.FINISHED_STOPPED
+        if detok is not None and detok.stopped:
+            request.stop_reason = detok.stop_string
+        num_out = len(request.output_token_ids)
+        o = RequestOutput(
+            request_id=request.parent_id, new_token_ids=[token.token_id], new_text=text,
+            new_logprobs=[token] if token.top or request.sampling.logprobs else [],
+            num_prompt_tokens=len(request.prompt_token_ids), num_output_tokens=num_out,
+            num_cached_tokens=request.num_cached_tokens, index=request.index, all_finished=False)
+        if num_out == 1 and request.first_scheduled_time is not None:
+            o.queue_time_s = request.first_scheduled_time - request.arrival_time
+        if status is not None:
+            o.all_finished = self.finish(request, status)
+            o.finished, o.status, o.stop_reason = True, status, request.stop_reason
+        return o
+
+    def fail(self, requests: Sequence[Request], error: str, *, out_of_memory: bool = False) -> list[RequestOutput]:
+        """Ends each of `requests` (not finished yet) with FINISHED_ERROR: an engine fault in their
+        step. Returns their error outputs."""
+        outputs = []
+        for request in requests:
+            if request.finished:
+                continue
+            last = self.finish(request, RequestStatus.FINISHED_ERROR)
+            outputs.append(RequestOutput(
+                request_id=request.parent_id, new_token_ids=[], new_text="", finished=True,
+                status=RequestStatus.FINISHED_ERROR, num_prompt_tokens=request.num_prompt_tokens,
+                num_output_tokens=request.num_output_tokens, error=error, out_of_memory=out_of_memory,
+                index=request.index, num_cached_tokens=request.num_cached_tokens, all_finished=last))
+        return outputs
+
+    def finish(self, request: Request, status: RequestStatus) -> bool:
+        """Ends one sample (status must be a FINISHED_* one) and gives back its blocks. True when
+        it was the last unfinished sample of its engine request (whose id is then free again)."""
         assert status.finished, f"{status.name} is not a finished status"
-        if self.requests.pop(request.request_id, None) is None:
-            return  # already finished
+        if request.finished:
+            return False
         request.status = status
         if request in self.running:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
         self.block_manager.free(request)
-        self._finished_ids.append(request.request_id)
+        group = request.group
+        group.num_unfinished -= 1
+        if group.num_unfinished:
+            return False
+        if self.groups.get(group.request_id) is group:
+            del self.groups[group.request_id]
+        return True
 
-    def abort(self, request_id: str) -> Request | None:
-        """Finish the request as FINISHED_ABORTED wherever it is; None if it is unknown or done."""
-        request = self.requests.get(request_id)
-        if request is not None:
+    def abort(self, request_id: str) -> bool:
+        """Ends every unfinished sample of the engine request as FINISHED_ABORTED, wherever it is
+        (its blocks free at once); False for an unknown or finished id."""
+        group = self.groups.get(request_id)
+        if group is None:
+            return False
+        for request in group.samples:
             self.finish(request, RequestStatus.FINISHED_ABORTED)
-        return request
+        return True

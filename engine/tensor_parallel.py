@@ -53,7 +53,8 @@ from model.parallel import TensorParallel
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
-    from engine.model_runner import ModelRunner, StepFacts
+    from engine.model_runner import ModelRunner
+    from engine.staging import StepFacts
 
 log = structlog.get_logger(__name__)
 
@@ -232,6 +233,36 @@ def _watch_parent(parent_pid: int) -> None:
     os._exit(70)
 
 
+@torch.inference_mode()
+def follow(runner: ModelRunner, numbers: list[int], link: _Link) -> None:
+    """A worker's step: receives the inputs rank 0 broadcast (Leader.forward) and runs its share of
+    the forward pass and of the LM head (the logits are rank 0's). A step rank 0 replays from a
+    graph replays this rank's graph of the same bucket, its inputs received into the staging
+    buffers that graph reads."""
+    from engine.model_runner import last_tokens
+    from engine.staging import Packed, StepFacts
+
+    facts = StepFacts(*numbers[:8])
+    b, w, graph_batch = numbers[8:11]
+    stager = runner.stager
+    if graph_batch:
+        assert stager.dev_tables is not None and w == stager.dev_tables.shape[1], "graph tables are whole-width"
+        link.recv_into(stager.dev_ints[:facts.n_ints])
+        link.recv_into(stager.dev_tables[:b])
+        runner.graphs.replay(graph_batch)
+        return
+    ints = link.recv(facts.n_ints, torch.int32)
+    tables = link.recv(b * w, torch.int32).view(b, w)
+    layout = Packed(n_tok=facts.n_tok, rows=facts.rows)
+    metadata = facts.metadata(ints, tables)
+    runner.attention.metadata = metadata
+    try:
+        hidden = runner.model(ints[layout.ids], ints[layout.positions], runner.attention)
+    finally:
+        runner.attention.metadata = None
+    runner.model.compute_logits(last_tokens(hidden, metadata))
+
+
 def worker_main(parent_pid: int, rank: int, fd: int) -> None:
     """A worker's whole life: join the group, load its share, follow rank 0 until STOP."""
     if os.getppid() != parent_pid:
@@ -285,7 +316,7 @@ def worker_main(parent_pid: int, rank: int, fd: int) -> None:
                 runner = ModelRunner.for_model(model, cache, config, device, max_model_len)
             elif op == OP_FORWARD:
                 assert runner is not None, "a forward pass before any KV pool"
-                runner.follow(numbers, link)
+                follow(runner, numbers, link)
             elif op == OP_CAPTURE:
                 assert runner is not None, "graphs before any KV pool"
                 runner.capture_cuda_graphs()

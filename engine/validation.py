@@ -1,6 +1,7 @@
-"""The one check of a request against an engine's limits, wherever the engine runs: the service
-calls it through the engine handle before a request is queued, and the engine again when it takes
-one in. Field-level checks of sampling parameters are `SamplingParams.validate`'s."""
+"""The one check of a request against an engine's limits, made where requests enter the engine:
+`EngineClient.submit` (the service's path, before the request is queued for the core, wherever
+the core runs) and `EngineCore.generate` (offline use). The core's loop trusts what its client
+sends. Field-level checks of sampling parameters are `SamplingParams.validate`'s."""
 
 from __future__ import annotations
 

@@ -114,7 +114,7 @@ class ServerConfig:
 
 
 class PieServer:
-    """Owns the gRPC server and the engine handle. `start()` binds and serves at once (NOT_SERVING
+    """Owns the gRPC server and the engine client. `start()` binds and serves at once (NOT_SERVING
     on readiness); `load()` builds the engine off the loop and flips readiness to SERVING."""
 
     def __init__(self, server_config: ServerConfig, engine_config: EngineConfig) -> None:

@@ -202,16 +202,16 @@ def wait_until(predicate, timeout: float = 10.0, what: str = "condition"):
 
 def _after_steps(engine, n: int, action) -> None:
     """Wraps the engine's runner: steps after the first n call action() before running."""
-    original = engine.runner.execute
+    original = engine.runner.launch
     count = [0]
 
-    def execute(out, seeds):
+    def launch(out):
         count[0] += 1
         if count[0] > n:
             action()
-        return original(out, seeds)
+        return original(out)
 
-    engine.runner.execute = execute
+    engine.runner.launch = launch
 
 
 def _raise(error: str) -> None:

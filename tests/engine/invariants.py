@@ -12,8 +12,12 @@ def assert_engine_invariants(engine: EngineCore) -> None:
     sched, bm = engine.scheduler, engine.block_manager
     pending = engine._pending
     pending_rows = {id(r) for r in pending.requests} if pending is not None else set()
+    unfinished = [r for g in sched.groups.values() for r in g.samples if not r.finished]
+    # Every engine request with an unfinished sample is in the table, and only those.
+    assert all(any(not r.finished for r in g.samples) for g in sched.groups.values())
+    assert all(g.num_unfinished == sum(not r.finished for r in g.samples) for g in sched.groups.values())
     # Placeholders: at most one, only in a row of the one pending step; host ids are all real.
-    for req in sched.requests.values():
+    for req in unfinished:
         n = req.num_output_placeholders
         assert 0 <= n <= 1, f"{req} holds {n} placeholders"
         assert all(t >= 0 for t in req.output_token_ids), f"{req}: a negative id among its outputs"
@@ -21,14 +25,15 @@ def assert_engine_invariants(engine: EngineCore) -> None:
             assert id(req) in pending_rows, f"{req} holds a placeholder but is not in the pending step"
     # Every unfinished request is waiting or running, once; finished ones hold no blocks.
     running, waiting = list(sched.running), list(sched.waiting)
-    assert len(set(map(id, running + waiting))) == len(running) + len(waiting) == len(sched.requests)
+    assert len(set(map(id, running + waiting))) == len(running) + len(waiting) == len(unfinished)
     # Blocks: a block's reference count is the number of block tables holding it; the free queue
     # holds exactly the blocks nobody references; running requests' tables cover their K/V.
-    held = Counter(b for table in bm._tables.values() for b in table)
+    held = Counter(b for req in unfinished for b in req.block_ids)
     for block_id in range(bm.num_total_blocks):
         assert bm.ref_count(block_id) == held[block_id], f"block {block_id}: ref count {bm.ref_count(block_id)}, " \
                                                          f"held by {held[block_id]} tables"
         assert (block_id in bm._free) == (held[block_id] == 0), f"block {block_id} free-queue state is wrong"
-    assert set(bm._tables) <= set(sched.requests), "a finished request still holds blocks"
     for req in running:
-        assert len(bm.get_block_table(req.request_id)) >= bm.blocks_needed(req.num_computed_tokens)
+        assert len(req.block_ids) >= bm.blocks_needed(req.num_computed_tokens)
+    for req in waiting:  # preempted or never admitted: nothing held
+        assert not req.block_ids and not req.block_hashes, f"{req} waits holding blocks"

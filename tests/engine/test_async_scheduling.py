@@ -138,11 +138,11 @@ def test_a_fault_fails_its_step_and_leaks_nothing(rng, model_dir, where):
         engine.step()
     launch = engine.runner.launch
 
-    def faulty(out, seeds):
+    def faulty(out):
         engine.runner.launch = launch  # once
         if where == "launch":
             raise RuntimeError("injected launch fault")
-        pending = launch(out, seeds)
+        pending = launch(out)
 
         def broken():
             raise RuntimeError("injected read-back fault")
@@ -181,24 +181,24 @@ def test_incremental_staging_equals_a_full_rebuild(rng, model_dir, async_schedul
     must hold exactly what building the step from scratch writes (positions, slots, lengths,
     query starts, block tables), through admissions, finishes, block growth and preemption."""
     engine = _engine(model_dir, async_scheduling, num_kv_blocks=40, block_size=4)
-    runner = engine.runner
-    stage = runner._stage
+    stager = engine.runner.stager
+    stage = stager.stage
     incremental = 0
 
-    def checked(out, tables, graph_batch):
+    def checked(out, tables, graph_batch, last):
         nonlocal incremental
-        incremental += runner._prev_stage is not None
-        step = stage(out, tables, graph_batch)
-        got_ints, got_tables = runner._host_ints.numpy().copy(), runner._host_tables.numpy().copy()
-        runner._prev_stage = None  # the full path, into the same buffers
-        full = stage(out, tables, graph_batch)
+        incremental += stager.prev is not None
+        step = stage(out, tables, graph_batch, last)
+        got_ints, got_tables = stager.host_ints.numpy().copy(), stager.host_tables.numpy().copy()
+        stager.prev = None  # the full path, into the same buffers
+        full = stage(out, tables, graph_batch, last)
         b, w = step.metadata.block_tables.shape
         n = int(step.metadata.query_start_loc[-1]) * 3 + 2 * b + 1
-        assert (got_ints[:n] == runner._host_ints.numpy()[:n]).all()
-        assert (got_tables[:b * w] == runner._host_tables.numpy()[:b * w]).all()
+        assert (got_ints[:n] == stager.host_ints.numpy()[:n]).all()
+        assert (got_tables[:b * w] == stager.host_tables.numpy()[:b * w]).all()
         return full
 
-    runner._stage = checked
+    stager.stage = checked
     reqs = [(f"g{i}", p, SamplingParams(max_tokens=rng.randint(5, 30), temperature=0, ignore_eos=True))
             for i, p in enumerate(_prompts(10, rng))]
     _run(engine, reqs)

@@ -24,8 +24,8 @@ def test_allocate_takes_ids_from_the_head_in_order() -> None:
     a, b = req("a"), req("b")
     assert bm.allocate_slots(a, 6) == (0, 1)  # the ids it appended
     assert bm.allocate_slots(b, 9) == (2, 3, 4)
-    assert bm.get_block_table("a") == [0, 1]
-    assert bm.get_block_table("b") == [2, 3, 4]
+    assert a.block_ids == [0, 1]
+    assert b.block_ids == [2, 3, 4]
     assert bm.num_free_blocks == 3
     assert [bm.ref_count(i) for i in range(8)] == [1, 1, 1, 1, 1, 0, 0, 0]
 
@@ -36,14 +36,14 @@ def test_growth_by_one_block_at_the_boundary() -> None:
     assert bm.allocate_slots(a, 4) == (0,)
     assert bm.allocate_slots(other, 1) == (1,)  # takes block 1, so a's next block is not adjacent
     a.num_computed_tokens = 4
-    assert bm.get_block_table("a") == [0]
+    assert a.block_ids == [0]
     # Covering 4 + 0 tokens needs nothing new; the 5th token needs exactly one more block.
-    assert bm.allocate_slots(a, 0) == () and bm.get_block_table("a") == [0]
-    assert bm.allocate_slots(a, 1) == (2,) and bm.get_block_table("a") == [0, 2]
+    assert bm.allocate_slots(a, 0) == () and a.block_ids == [0]
+    assert bm.allocate_slots(a, 1) == (2,) and a.block_ids == [0, 2]
     a.num_computed_tokens = 5
-    assert bm.allocate_slots(a, 3) == () and bm.get_block_table("a") == [0, 2]  # 8 tokens: 2 blocks
+    assert bm.allocate_slots(a, 3) == () and a.block_ids == [0, 2]  # 8 tokens: 2 blocks
     assert bm.num_free_blocks == 5
-    assert bm.slot_mapping("a", 2, 7) == [2, 3, 8, 9, 10]
+    assert bm.slot_mapping(a, 2, 7) == [2, 3, 8, 9, 10]
 
 
 def test_free_returns_blocks_tail_first() -> None:
@@ -53,15 +53,15 @@ def test_free_returns_blocks_tail_first() -> None:
     assert bm.allocate_slots(b, 6) == (3, 4, 5)
     assert bm.num_free_blocks == 0
     bm.free(a)
-    assert bm.num_free_blocks == 3 and bm.get_block_table("a") == []
+    assert bm.num_free_blocks == 3 and a.block_ids == []
     assert [bm.ref_count(i) for i in range(6)] == [0, 0, 0, 1, 1, 1]
     bm.free(b)
     # Free list is now a's blocks reversed, then b's blocks reversed.
     c = req("c")
     assert bm.allocate_slots(c, 8) == (2, 1, 0, 5)
-    assert bm.get_block_table("c") == [2, 1, 0, 5]
+    assert c.block_ids == [2, 1, 0, 5]
     d = req("d")
-    assert bm.allocate_slots(d, 4) == (4, 3) and bm.get_block_table("d") == [4, 3]
+    assert bm.allocate_slots(d, 4) == (4, 3) and d.block_ids == [4, 3]
 
 
 def test_free_is_idempotent_and_ignores_unknown_ids() -> None:
@@ -80,11 +80,11 @@ def test_failed_allocation_allocates_nothing() -> None:
     a, b = req("a"), req("b")
     assert bm.allocate_slots(a, 8) == (0, 1)
     assert bm.allocate_slots(b, 9) is None  # needs 3, 2 free
-    assert bm.num_free_blocks == 2 and bm.get_block_table("b") == []
+    assert bm.num_free_blocks == 2 and b.block_ids == []
     a.num_computed_tokens = 8
     assert bm.allocate_slots(a, 9) is None  # 17 tokens: needs 3 more, 2 free
-    assert bm.get_block_table("a") == [0, 1] and bm.num_free_blocks == 2
-    assert bm.allocate_slots(b, 8) == (2, 3) and bm.get_block_table("b") == [2, 3]
+    assert a.block_ids == [0, 1] and bm.num_free_blocks == 2
+    assert bm.allocate_slots(b, 8) == (2, 3) and b.block_ids == [2, 3]
     assert bm.num_free_blocks == 0
 
 

@@ -13,14 +13,15 @@ import torch.distributed as dist
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from engine.cuda_graphs import graph_buckets
 from engine.errors import StartupError
 from engine.kv_cache import KVCache
 from engine.kv_sizing import CPU_KV_CACHE_BYTES, num_kv_blocks
-from engine.model_runner import ModelRunner, graph_buckets
+from engine.model_runner import ModelRunner
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest, SchedulerOutput
-from engine.tensor_parallel import OP_FORWARD, Leader, destroy_group
+from engine.tensor_parallel import OP_FORWARD, Leader, destroy_group, follow
 from model.parallel import TensorParallel
 from tests.helpers import make_hf_model_dir
 
@@ -46,8 +47,8 @@ def _runner(block_size=4, max_num_seqs=8, max_model_len=64) -> ModelRunner:
 def _scheduled(rng: random.Random, prompt_len: int, start: int, n: int, block_size: int) -> ScheduledRequest:
     req = Request(f"r{rng.random()}", [rng.randrange(32) for _ in range(prompt_len)], SamplingParams(),
                   max_model_len=64)
-    blocks = rng.sample(range(64), -(-(start + n) // block_size))  # shuffled physical blocks
-    return ScheduledRequest(req, n, start, start + n == prompt_len, blocks, True)
+    req.block_ids = rng.sample(range(64), -(-(start + n) // block_size))  # shuffled physical blocks
+    return ScheduledRequest(req, n, start, start + n == prompt_len)
 
 
 def test_stage_packs_a_mixed_batch(rng):
@@ -55,13 +56,13 @@ def test_stage_packs_a_mixed_batch(rng):
     runner = _runner()
     # a decode, a prefill chunk in the middle of a prompt, a whole prompt
     sched = [_scheduled(rng, 10, 9, 1, 4), _scheduled(rng, 30, 8, 7, 4), _scheduled(rng, 5, 0, 5, 4)]
-    step = runner._stage(SchedulerOutput(scheduled=sched), [s.new_block_ids for s in sched], None)
+    step = runner.stager.stage(SchedulerOutput(scheduled=sched), [s.request.block_ids for s in sched], None, None)
     want_ids, want_pos, want_slots = [], [], []
     for s in sched:
         for p in range(s.start, s.start + s.num_new_tokens):
             want_ids.append(s.request.prompt_token_ids[p])
             want_pos.append(p)
-            want_slots.append(s.new_block_ids[p // 4] * 4 + p % 4)
+            want_slots.append(s.request.block_ids[p // 4] * 4 + p % 4)
     assert step.input_ids.tolist() == want_ids
     assert step.positions.tolist() == want_pos
     md = step.metadata
@@ -70,7 +71,7 @@ def test_stage_packs_a_mixed_batch(rng):
     assert md.query_start_loc.tolist() == [0, 1, 8, 13]
     assert md.max_query_len == 7 and md.max_seq_len == 15
     for i, s in enumerate(sched):
-        assert md.block_tables[i, :len(s.new_block_ids)].tolist() == s.new_block_ids
+        assert md.block_tables[i, :len(s.request.block_ids)].tolist() == s.request.block_ids
     assert step.graph_batch is None
 
 
@@ -78,17 +79,17 @@ def test_stage_pads_a_decode_batch_for_its_graph(rng):
     """Rows past the batch: slot -1 (never written), length 0 (nothing attended), one query each."""
     runner = _runner()
     sched = [_scheduled(rng, 6 + i, 5 + i, 1, 4) for i in range(3)]
-    step = runner._stage(SchedulerOutput(scheduled=sched), [s.new_block_ids for s in sched], 8)
+    step = runner.stager.stage(SchedulerOutput(scheduled=sched), [s.request.block_ids for s in sched], 8, None)
     md = step.metadata
     assert step.input_ids.shape == (8,) and step.graph_batch == 8 and step.num_seqs == 3
     assert step.input_ids.tolist()[3:] == [0] * 5
     assert step.positions.tolist() == [5, 6, 7] + [0] * 5
     assert md.slot_mapping.tolist()[3:] == [-1] * 5
-    assert md.slot_mapping.tolist()[:3] == [s.new_block_ids[s.start // 4] * 4 + s.start % 4 for s in sched]
+    assert md.slot_mapping.tolist()[:3] == [s.request.block_ids[s.start // 4] * 4 + s.start % 4 for s in sched]
     assert md.seq_lens.tolist() == [6, 7, 8, 0, 0, 0, 0, 0]
     assert md.query_start_loc.tolist() == list(range(9))
     # the buffers are reused: a smaller eager step afterwards sees only its own values
-    step2 = runner._stage(SchedulerOutput(scheduled=sched[:1]), [sched[0].new_block_ids], None)
+    step2 = runner.stager.stage(SchedulerOutput(scheduled=sched[:1]), [sched[0].request.block_ids], None, None)
     assert step2.metadata.seq_lens.tolist() == [6] and step2.metadata.query_start_loc.tolist() == [0, 1]
 
 
@@ -120,7 +121,7 @@ def test_graph_replay_matches_the_eager_forward(rng, tmp_path, batch, kv_cache_d
     """A decode step replayed from its bucket's graph (3 rows pad to 4) gives the eager logits."""
     engine, out = _decoding_engine(make_hf_model_dir(tmp_path, "llama", weight_scale=4.0), batch, rng,
                                    kv_cache_dtype=kv_cache_dtype)
-    assert engine.runner._graph_batch(out) == {3: 4, 8: 8, 16: 16}[batch]
+    assert engine.runner.graphs.bucket_for(out) == {3: 4, 8: 8, 16: 16}[batch]
     with torch.inference_mode():
         torch.cuda.synchronize()
         rows_g, graph_logits = engine.runner.forward_logits(out)
@@ -143,7 +144,7 @@ def test_graphs_and_eager_generate_alike(rng, tmp_path):
     for eager in (False, True):
         engine = EngineCore(EngineConfig(model=str(model_dir), device="cuda", dtype="bf16", max_num_seqs=16,
                                         kv_cache_memory_bytes=64 << 20, enforce_eager=eager))
-        assert bool(engine.runner._graphs) != eager
+        assert bool(engine.runner.graphs) != eager
         runs.append(engine.generate(prompts, sp))
     same = sum(a == b for ga, gb in zip(*runs) for a, b in zip(ga, gb))
     assert same / sum(len(g) for g in runs[1]) >= 0.9
@@ -193,11 +194,11 @@ def test_a_worker_replays_the_graph_rank_0_replays(rng, tmp_path, batch):
         rows, logits = engine.runner.forward_logits(out)
         op, *numbers = link.headers[0]
         assert op == OP_FORWARD and numbers[10] == {5: 8, 16: 16}[batch]
-        follower._graphs[numbers[10]].logits.fill_(float("nan"))
-        follower.follow(numbers, link)  # writes the same K/V to the same slots, reads the same pages
+        follower.graphs.graphs[numbers[10]].logits.fill_(float("nan"))
+        follow(follower, numbers, link)  # writes the same K/V to the same slots, reads the same pages
         torch.cuda.synchronize()
     assert rows == list(range(batch)) and not link.tensors
-    torch.testing.assert_close(follower._graphs[numbers[10]].logits[:batch], logits, rtol=0, atol=0)
+    torch.testing.assert_close(follower.graphs.graphs[numbers[10]].logits[:batch], logits, rtol=0, atol=0)
 
 
 @pytest.mark.gpu

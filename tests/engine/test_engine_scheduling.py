@@ -94,10 +94,10 @@ def test_long_prompt_mid_stream_keeps_decodes_advancing(model_dir) -> None:
         engine.add_request(f"s{i}", [30 + i, 40 + i], sp)
     for _ in range(2):
         engine.step()  # all three are decoding now
-    engine.add_request("long", [(5 * i) % 300 + 7 for i in range(40)], SamplingParams(max_tokens=2))
+    long = engine.add_request("long", [(5 * i) % 300 + 7 for i in range(40)], SamplingParams(max_tokens=2)).samples[0]
     outs.clear()
     chunks = 0
-    while engine.scheduler.requests.get("long") is not None and engine.scheduler.requests["long"].num_output_tokens == 0:
+    while not long.finished and long.num_output_tokens == 0:
         engine.step()
         out = outs[-1]
         decodes = [s for s in out.scheduled if s.request.request_id != "long"]

@@ -20,11 +20,21 @@ def test_stop_string_found_in_flushed_text_ends_as_stop(tmp_path):
     assert None not in forced
     assert tok.decode(forced) == "ab\ufffd"
     steps = iter(forced)
-    engine.runner.execute = lambda out, seeds: {  # the model's choice replaced by the forced tokens
-        s.request.request_id: SampledToken(next(steps), 0.0, []) for s in out.scheduled if s.sample}
+    engine.runner.launch = lambda out: Forced(out, steps)  # the model's choice replaced by the forced tokens
     engine.add_request("r", tok.encode("x"), SamplingParams(max_tokens=3, stop=["b\ufffd"]))
     outputs = []
     while engine.has_unfinished():
         outputs.extend(engine.step())
     assert "".join(o.new_text for o in outputs) == "a"
     assert outputs[-1].status == RequestStatus.FINISHED_STOPPED and outputs[-1].stop_reason == "b\ufffd"
+
+
+class Forced:
+    """A launched step whose sampled tokens are given, not computed (ModelRunner.launch's result)."""
+
+    def __init__(self, out, tokens) -> None:
+        self.requests = out.sampling_requests
+        self._tokens = tokens
+
+    def result(self) -> list[SampledToken]:
+        return [SampledToken(next(self._tokens), 0.0, []) for _ in self.requests]

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import engine.block_manager as block_manager_module
 from engine.block_manager import BlockManager
+from engine.messages import SampledToken
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerOutput
 
 TOKEN = 7
 
@@ -17,11 +18,18 @@ def req(rid: str, tokens: list[int], max_tokens: int = 4, arrival: float | None 
                    arrival_time=arrival)
 
 
+def close(sched: Scheduler, out: SchedulerOutput) -> None:
+    """The engine's end of a step: launched, then every sampling row read back as TOKEN."""
+    sched.step_launched(out)
+    rows = out.sampling_requests
+    sched.update_from_output(rows, [SampledToken(TOKEN, 0.0, []) for _ in rows])
+
+
 def compute(bm: BlockManager, r: Request, num_tokens: int | None = None) -> None:
     """Admit r (taking its cached prefix) and mark its whole prompt as computed."""
     cached = bm.find_cached_prefix(r)
     num_cached = cached.num_blocks * bm.block_size
-    assert bm.allocate_slots(r, r.num_tokens - num_cached, cached) == tuple(bm.get_block_table(r.request_id))
+    assert bm.allocate_slots(r, r.num_tokens - num_cached, cached) == tuple(r.block_ids)
     r.num_computed_tokens = r.num_tokens if num_tokens is None else num_tokens
     bm.cache_full_blocks(r)
 
@@ -30,13 +38,13 @@ def test_hit_reuses_blocks_and_leaves_one_token_to_compute() -> None:
     bm = BlockManager(8, 4)
     a = req("a", list(range(10)))  # blocks 0, 1 full; block 2 partial
     compute(bm, a)
-    assert bm.get_block_table("a") == [0, 1, 2]
+    assert a.block_ids == [0, 1, 2]
     assert bm.block_hash(0) is not None and bm.block_hash(1) is not None and bm.block_hash(2) is None
     b = req("b", list(range(9)))  # same first two blocks + one token
     hit = bm.find_cached_prefix(b)
     assert hit.block_ids == [0, 1]
     assert bm.allocate_slots(b, 1, hit) == (0, 1, 3)  # the cached blocks, then a new one
-    assert bm.get_block_table("b") == [0, 1, 3]
+    assert b.block_ids == [0, 1, 3]
     assert bm.ref_count(0) == bm.ref_count(1) == 2 and bm.ref_count(3) == 1
     assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (10 + 9, 8)  # a's lookup missed
     # Exactly 8 tokens: at most (8 - 1) // 4 = 1 block is taken, so the last one is computed.
@@ -61,12 +69,12 @@ def test_freed_cached_blocks_are_evicted_lru_deepest_first() -> None:
     hit = bm.find_cached_prefix(c)
     assert hit.block_ids == [0, 1]
     assert bm.allocate_slots(c, 1, hit) == (0, 1, 2)
-    assert bm.get_block_table("c") == [0, 1, 2]  # block 2 (uncached) from the head
+    assert c.block_ids == [0, 1, 2]  # block 2 (uncached) from the head
     assert bm.free_queue() == [5, 4, 3] and bm.num_cached_free_blocks == 2
     # Allocating 2 more evicts 5 (uncached) then 4 (b's deepest full block), keeping 3.
     d = req("d", [20, 21, 22, 23])
     assert bm.allocate_slots(d, 4) == (5, 4)
-    assert bm.get_block_table("d") == [5, 4]
+    assert d.block_ids == [5, 4]
     assert bm.block_hash(4) is None and bm.num_cached_free_blocks == 1
     assert bm.find_cached_prefix(req("e", [6, 7, 8, 9, 10])).block_ids == [3]  # b's block 1 is gone
     for r in (c, d):
@@ -110,18 +118,17 @@ def test_scheduler_skips_the_cached_prefix() -> None:
     sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
     prefix = list(range(100, 112))  # 3 full blocks
     a = req("a", prefix + [1, 2])
-    sched.add_request(a)
+    sched.add_request(a.group)
     out = sched.schedule()
     assert [(s.start, s.num_new_tokens) for s in out.scheduled] == [(0, 14)]
-    sched.update_after_step(out)
+    close(sched, out)
     b = req("b", prefix + [3])
-    sched.add_request(b)
-    a.append_token(TOKEN)
+    sched.add_request(b.group)
     out = sched.schedule()
     # a decodes first; b's first 12 tokens come from the cache.
     assert [(s.request.request_id, s.start, s.num_new_tokens) for s in out.scheduled] == [
         ("a", 14, 1), ("b", 12, 1)]
-    assert out.scheduled[1].new_table and list(out.scheduled[1].new_block_ids[:3]) == bm.get_block_table("a")[:3]
+    assert b.block_ids[:3] == a.block_ids[:3] and b.block_ids[3] not in a.block_ids
     assert b.num_cached_tokens == 12
     for r in (a, b):
         sched.finish(r, RequestStatus.FINISHED_ABORTED)
@@ -136,7 +143,7 @@ def test_preemption_takes_the_latest_arrival_and_nothing_starves() -> None:
     reqs = [req(f"r{i}", [10 * i + j for j in range(3)], max_tokens=6, arrival=float(i))
             for i in range(4)]
     for r in reqs:
-        sched.add_request(r)
+        sched.add_request(r.group)
     oldest = reqs[0]
     victims: list[str] = []
     for _ in range(200):
@@ -147,13 +154,7 @@ def test_preemption_takes_the_latest_arrival_and_nothing_starves() -> None:
         running = [r for r in sched.running]
         for v in out.preempted:  # the victim arrived after every request still running
             assert all(v.arrival_time >= r.arrival_time for r in running)
-        sched.update_after_step(out)
-        for s in out.scheduled:
-            if s.sample:
-                s.request.append_token(TOKEN)
-                status = s.request.check_token_stop()
-                if status is not None:
-                    sched.finish(s.request, status)
+        close(sched, out)
     assert not sched.has_unfinished()
     assert all(r.status == RequestStatus.FINISHED_LENGTH and r.num_output_tokens == 6 for r in reqs)
     assert len(victims) >= 2 and sched.num_preemptions == len(victims)
@@ -165,17 +166,13 @@ def test_preempted_request_recomputes_from_its_cached_blocks() -> None:
     bm = BlockManager(4, 2)
     sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=16, max_model_len=8)
     a, b = req("a", [1, 2, 3], arrival=0.0), req("b", [5, 6, 7], arrival=1.0)
-    sched.add_request(a)
-    sched.add_request(b)
+    sched.add_request(a.group)
+    sched.add_request(b.group)
     for _ in range(2):
-        out = sched.schedule()
-        sched.update_after_step(out)
-        for s in out.scheduled:
-            s.request.append_token(TOKEN)
+        close(sched, sched.schedule())
     out = sched.schedule()  # a needs a third block: b (later arrival) goes
     assert out.preempted == [b]
-    sched.update_after_step(out)
-    a.append_token(TOKEN)
+    close(sched, out)
     sched.finish(a, RequestStatus.FINISHED_LENGTH)
     out = sched.schedule()
     # b's blocks [5, 6] and [7, TOKEN] were cached when it was preempted; a's third block evicted

@@ -1,6 +1,7 @@
-"""Scheduler on tiny pools, driven by a fake engine: append a token when `sample`, finish at
-max_tokens. Asserts exact block ids, budgets, chunking, preemption order and that every block
-comes back."""
+"""Scheduler on tiny pools, without a model: each step is opened by `schedule`, and closed by the
+scheduler's own `step_launched` and `update_from_output` with TOKEN as every sampled token, as
+the engine does. Asserts exact block ids, budgets, chunking, preemption order and that every
+block comes back."""
 
 from __future__ import annotations
 
@@ -9,30 +10,23 @@ import random
 import pytest
 
 from engine.block_manager import BlockManager
+from engine.messages import SampledToken
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
-from engine.scheduler import BlockTables, Scheduler, SchedulerOutput
+from engine.scheduler import Scheduler, SchedulerOutput
 
 TOKEN = 7
 
 
-class ViewedScheduler(Scheduler):
-    """The scheduler with a runner's copy of the block tables, built only from what each output
-    carries (BlockTables) and checked against the block manager's own tables at every step."""
+class StepScheduler(Scheduler):
+    """The scheduler, remembering the block table of each row of its latest output as the runner
+    stages it: a copy taken right after `schedule`, before the step closes (and may free it)."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.view = BlockTables()
-        self.last: tuple[SchedulerOutput, list[list[int]]] | None = None
+    last: tuple[SchedulerOutput, list[list[int]]] | None = None
 
     def schedule(self) -> SchedulerOutput:
         out = super().schedule()
-        if out.scheduled:  # the engine runs (and the runner applies) only these
-            rows = self.view.apply(out)
-            for s, row in zip(out.scheduled, rows):
-                assert row == self.block_manager.get_block_table(s.request.request_id)
-                assert row is not self.block_manager.get_block_table(s.request.request_id)
-            self.last = (out, [list(row) for row in rows])
+        self.last = (out, [list(s.request.block_ids) for s in out.scheduled])
         return out
 
     def tables(self, out: SchedulerOutput) -> list[list[int]]:
@@ -42,11 +36,11 @@ class ViewedScheduler(Scheduler):
 
 
 def make(num_blocks: int, block_size: int, *, max_num_seqs: int = 8, budget: int = 64,
-         max_model_len: int = 256, caching: bool = False) -> tuple[ViewedScheduler, BlockManager]:
+         max_model_len: int = 256, caching: bool = False) -> tuple[StepScheduler, BlockManager]:
     # Prompts from `req` all share a prefix; caching is off unless a test is about it.
     bm = BlockManager(num_blocks, block_size, enable_caching=caching)
-    return ViewedScheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                           max_model_len=max_model_len), bm
+    return StepScheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                         max_model_len=max_model_len), bm
 
 
 def req(rid: str, num_prompt: int, max_tokens: int = 4, max_model_len: int = 256) -> Request:
@@ -54,20 +48,26 @@ def req(rid: str, num_prompt: int, max_tokens: int = 4, max_model_len: int = 256
                    max_model_len=max_model_len)
 
 
+def add(sched: Scheduler, *requests: Request) -> None:
+    for r in requests:
+        sched.add_request(r.group)
+
+
+def close(sched: Scheduler, out: SchedulerOutput) -> None:
+    """The engine's end of a step: launched, then every sampling row read back as TOKEN."""
+    sched.step_launched(out)
+    rows = out.sampling_requests
+    sched.update_from_output(rows, [SampledToken(TOKEN, 0.0, []) for _ in rows])
+
+
 def step(sched: Scheduler) -> SchedulerOutput:
     """One engine step without a model: every sampling request gets TOKEN."""
     out = sched.schedule()
-    sched.update_after_step(out)
-    for s in out.scheduled:
-        if s.sample:
-            s.request.append_token(TOKEN)
-            status = s.request.check_token_stop()
-            if status is not None:
-                sched.finish(s.request, status)
+    close(sched, out)
     return out
 
 
-def summary(sched: ViewedScheduler, out: SchedulerOutput) -> list[tuple[str, int, int, list[int], bool]]:
+def summary(sched: StepScheduler, out: SchedulerOutput) -> list[tuple[str, int, int, list[int], bool]]:
     return [(s.request.request_id, s.start, s.num_new_tokens, table, s.sample)
             for s, table in zip(out.scheduled, sched.tables(out))]
 
@@ -75,8 +75,8 @@ def summary(sched: ViewedScheduler, out: SchedulerOutput) -> list[tuple[str, int
 def test_prefill_then_decode_exact_blocks() -> None:
     sched, bm = make(8, 4)
     a, b = req("a", 5), req("b", 6)
-    sched.add_request(a)
-    sched.add_request(b)
+    add(sched, a)
+    add(sched, b)
     out = step(sched)
     assert summary(sched, out) == [("a", 0, 5, [0, 1], True), ("b", 0, 6, [2, 3], True)]
     assert out.num_batched_tokens == 11 and out.preempted == []
@@ -93,8 +93,8 @@ def test_prefill_then_decode_exact_blocks() -> None:
 def test_chunked_prefill_respects_the_token_budget() -> None:
     sched, bm = make(16, 4, budget=8)
     a, b = req("a", 20, max_tokens=2), req("b", 6, max_tokens=2)
-    sched.add_request(a)
-    sched.add_request(b)
+    add(sched, a)
+    add(sched, b)
     assert summary(sched, step(sched)) == [("a", 0, 8, [0, 1], False)]
     assert b.status == RequestStatus.WAITING and sched.num_waiting == 1
     assert summary(sched, step(sched)) == [("a", 8, 8, [0, 1, 2, 3], False)]
@@ -114,7 +114,7 @@ def test_every_step_within_budget_and_seq_cap() -> None:
     sched, bm = make(64, 4, max_num_seqs=3, budget=10)
     reqs = [req(f"r{i}", 3 + i, max_tokens=3) for i in range(6)]
     for r in reqs:
-        sched.add_request(r)
+        add(sched, r)
     steps = 0
     while sched.has_unfinished():
         out = step(sched)
@@ -132,7 +132,7 @@ def test_max_num_seqs_caps_admission() -> None:
     sched, _ = make(32, 4, max_num_seqs=2)
     a, b, c = req("a", 2, max_tokens=2), req("b", 2, max_tokens=3), req("c", 2)
     for r in (a, b, c):
-        sched.add_request(r)
+        add(sched, r)
     out = step(sched)
     assert [s.request.request_id for s in out.scheduled] == ["a", "b"]
     assert c.status == RequestStatus.WAITING and sched.num_waiting == 1
@@ -145,8 +145,8 @@ def test_max_num_seqs_caps_admission() -> None:
 def test_preemption_takes_the_newest_and_recomputes_it() -> None:
     sched, bm = make(4, 2, max_model_len=8)
     a, b = req("a", 3, max_tokens=4), req("b", 3, max_tokens=4)
-    sched.add_request(a)
-    sched.add_request(b)
+    add(sched, a)
+    add(sched, b)
     assert summary(sched, step(sched)) == [("a", 0, 3, [0, 1], True), ("b", 0, 3, [2, 3], True)]
     assert summary(sched, step(sched)) == [("a", 3, 1, [0, 1], True), ("b", 3, 1, [2, 3], True)]
     # a's 5th token needs a third block; none is free, so b (newest) is preempted.
@@ -170,10 +170,10 @@ def test_preemption_skips_older_requests_and_goes_to_the_front() -> None:
     sched, bm = make(6, 2, max_model_len=12)
     a, b, c, d = req("a", 3), req("b", 4), req("c", 4), req("d", 2)
     for r in (a, b, c):
-        sched.add_request(r)
+        add(sched, r)
     assert summary(sched, step(sched)) == [("a", 0, 3, [0, 1], True), ("b", 0, 4, [2, 3], True),
                                     ("c", 0, 4, [4, 5], True)]
-    sched.add_request(d)
+    add(sched, d)
     # a fits; b's 5th token needs a block: c, the newest, goes, and ahead of d in the queue.
     out = step(sched)
     assert out.preempted == [c]
@@ -185,8 +185,8 @@ def test_preemption_skips_older_requests_and_goes_to_the_front() -> None:
 def test_a_request_can_preempt_itself() -> None:
     sched, _ = make(4, 2, max_model_len=8)
     a, b = req("a", 3), req("b", 4)
-    sched.add_request(a)
-    sched.add_request(b)
+    add(sched, a)
+    add(sched, b)
     step(sched)  # a: blocks 0, 1; b: blocks 2, 3
     out = step(sched)  # a still fits in 2 blocks; b needs a third and is the newest itself
     assert out.preempted == [b] and summary(sched, out) == [("a", 3, 1, [0, 1], True)]
@@ -196,8 +196,8 @@ def test_a_request_can_preempt_itself() -> None:
 def test_no_admission_in_a_step_that_preempted() -> None:
     sched, bm = make(3, 2, budget=3, max_model_len=6)
     a, b = req("a", 2, max_tokens=3), req("b", 2, max_tokens=3)
-    sched.add_request(a)
-    sched.add_request(b)
+    add(sched, a)
+    add(sched, b)
     assert summary(sched, step(sched)) == [("a", 0, 2, [0], True), ("b", 0, 1, [1], False)]
     assert summary(sched, step(sched)) == [("a", 2, 1, [0, 2], True), ("b", 1, 1, [1], True)]
     # b preempts itself; a 2-token chunk of it would fit in the freed block, but memory is short,
@@ -214,18 +214,18 @@ def test_abort_and_finish_give_every_block_back() -> None:
     sched, bm = make(8, 4, max_num_seqs=2)
     a, b, c = req("a", 5), req("b", 9), req("c", 3)
     for r in (a, b, c):
-        sched.add_request(r)
+        add(sched, r)
     out = sched.schedule()
     assert bm.num_free_blocks == 3
-    # Aborted while its step runs: blocks back at once, and the step's update skips it.
-    assert sched.abort("a") is a and a.status == RequestStatus.FINISHED_ABORTED
-    sched.update_after_step(out)
-    assert a.num_computed_tokens == 0 and sched.running == [b]
-    assert sched.abort("c") is c and sched.num_waiting == 0  # from the waiting queue
-    assert sched.abort("c") is None and sched.abort("nope") is None
-    sched.finish(b, RequestStatus.FINISHED_STOPPED)
-    assert b.status == RequestStatus.FINISHED_STOPPED
-    sched.finish(b, RequestStatus.FINISHED_ABORTED)  # a second finish changes nothing
+    # Aborted while its step runs: blocks back at once, and the step's closing skips it.
+    assert sched.abort("a") and a.status == RequestStatus.FINISHED_ABORTED and a.block_ids == []
+    close(sched, out)
+    assert a.num_computed_tokens == 0 and a.output_token_ids == [] and sched.running == [b]
+    assert sched.abort("c") and c.finished and sched.num_waiting == 0  # from the waiting queue
+    assert not sched.abort("c") and not sched.abort("nope")
+    assert sched.finish(b, RequestStatus.FINISHED_STOPPED)  # b's group had one sample: it ended
+    assert b.status == RequestStatus.FINISHED_STOPPED and "b" not in sched.groups
+    assert not sched.finish(b, RequestStatus.FINISHED_ABORTED)  # a second finish changes nothing
     assert b.status == RequestStatus.FINISHED_STOPPED
     assert not sched.has_unfinished() and bm.num_free_blocks == 8
     assert sched.schedule().is_empty
@@ -233,9 +233,9 @@ def test_abort_and_finish_give_every_block_back() -> None:
 
 def test_duplicate_ids_are_refused() -> None:
     sched, _ = make(4, 4, max_model_len=16)
-    sched.add_request(req("a", 10, max_tokens=6))
-    with pytest.raises(ValueError, match="duplicate"):
-        sched.add_request(req("a", 2))
+    add(sched, req("a", 10, max_tokens=6))
+    with pytest.raises(ValueError, match="already in use"):
+        add(sched, req("a", 2))
     assert sched.num_waiting == 1
 
 
@@ -262,11 +262,11 @@ def test_random_workload_keeps_every_tokens_kv_in_place(caching: bool) -> None:
             break
         if pending and rng.random() < 0.5:
             r = pending.pop()
-            sched.add_request(r)
+            add(sched, r)
             live.append(r)
         if live and rng.random() < 0.03:
             sched.abort(rng.choice(live).request_id)
-        out = sched.schedule()  # (the runner's view of the tables is checked in there)
+        out = sched.schedule()
         assert out.num_batched_tokens <= sched.max_num_batched_tokens, seed
         assert sched.num_running <= sched.max_num_seqs, seed
         for s, table in zip(out.scheduled, sched.tables(out) if out.scheduled else []):
@@ -279,24 +279,11 @@ def test_random_workload_keeps_every_tokens_kv_in_place(caching: bool) -> None:
                 for pos in range(end):
                     slot = table[pos // block_size] * block_size + pos % block_size
                     assert cache[slot] == key(r, pos), seed
-        step_update(sched, out)
-    assert not sched.has_unfinished(), seed
+        close(sched, out)
+    assert not sched.has_unfinished() and not sched.groups, seed
     assert bm.num_free_blocks == num_blocks, seed
-    # The next step that runs tells the runner about every request that finished meanwhile.
-    sched.add_request(req("last", 1))
-    assert [s.request.request_id for s in sched.schedule().scheduled] == ["last"], seed
-    assert len(sched.view) == 1 and sched.view["last"] == bm.get_block_table("last"), seed
     for r in live:
         assert r.finished, seed
         if r.status != RequestStatus.FINISHED_ABORTED:
             assert r.num_output_tokens == r.sampling.max_tokens, seed
 
-
-def step_update(sched: Scheduler, out: SchedulerOutput) -> None:
-    sched.update_after_step(out)
-    for s in out.scheduled:
-        if s.sample and not s.request.finished:
-            s.request.append_token(TOKEN)
-            status = s.request.check_token_stop()
-            if status is not None:
-                sched.finish(s.request, status)

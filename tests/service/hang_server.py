@@ -12,17 +12,17 @@ from service.cli import main
 
 
 def install_hang(after_steps: int) -> None:
-    original = ModelRunner.execute
+    original = ModelRunner.launch
     calls = [0]
     never = threading.Event()
 
-    def execute(self, out, seeds):
+    def launch(self, out):
         calls[0] += 1
         if calls[0] > after_steps:
             never.wait()
-        return original(self, out, seeds)
+        return original(self, out)
 
-    ModelRunner.execute = execute
+    ModelRunner.launch = launch
 
 
 if __name__ == "__main__":

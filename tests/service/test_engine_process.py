@@ -115,13 +115,24 @@ def test_cli_default_is_by_device():
     assert cli._server_config(parser.parse_args(["serve", "--engine-process"])).engine_process is True
 
 
-def test_outputs_cross_the_pipe_unchanged():
-    """What the child sends (RequestOutput.to_wire) rebuilds to an equal output in the parent,
-    every field set away from its default, logprobs included."""
-    import pickle
-
-    from engine.messages import RequestOutput, SampledToken
+def test_messages_cross_the_pipe_unchanged():
+    """What the engine process sends and its client receives (engine/messages.py, MessagePack):
+    a step's result rebuilds equal, every field set away from its default, logprobs included; and
+    so do the commands, their SamplingParams validated again on the way in."""
+    from engine.messages import (
+        AbortRequest,
+        AddRequest,
+        EngineStats,
+        RequestOutput,
+        SampledToken,
+        StepResult,
+        StopCore,
+        decode_command,
+        decode_result,
+        encode,
+    )
     from engine.request import RequestStatus
+    from engine.sampling_params import SamplingParams
 
     outs = [
         RequestOutput("a", [5, 6], "hi", [SampledToken(5, -0.5, [(5, -0.5), (9, -1.25)]), SampledToken(6, -2.0, [])],
@@ -131,9 +142,15 @@ def test_outputs_cross_the_pipe_unchanged():
                       out_of_memory=True),
         RequestOutput("c", [1], " x", stop_reason=7),
     ]
-    back = [RequestOutput.from_wire(t) for t in pickle.loads(pickle.dumps([o.to_wire() for o in outs]))]
-    assert back == outs
-    assert isinstance(back[0].status, RequestStatus) and isinstance(back[0].new_logprobs[0], SampledToken)
+    result = StepResult(outs, EngineStats(64, 60, 2, 1, 30, 16, 1, 3), steps=12, taken=5)
+    back = decode_result(encode(result))
+    assert back == result
+    assert isinstance(back.outputs[0].status, RequestStatus)
+    assert isinstance(back.outputs[0].new_logprobs[0], SampledToken)
+    assert back.outputs[0].new_logprobs[0].top == [(5, -0.5), (9, -1.25)]
+    sampling = SamplingParams(max_tokens=9, temperature=0.5, stop=["x"], seed=3, n=2, logprobs=4)
+    for cmd in (AddRequest("r1", [1, 2, 3], sampling), AbortRequest("r1"), StopCore()):
+        assert decode_command(encode(cmd)) == cmd
 
 
 def test_a_setup_function_of_the_main_script_reaches_the_engine_process(model_dir, tmp_path):

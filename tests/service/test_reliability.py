@@ -71,23 +71,23 @@ class StepRecorder:
     def __init__(self, server: BackgroundServer):
         self.aeng = server.pie.engine_client
         self.runner = server.core.runner
-        self.original = self.runner.execute
+        self.original = self.runner.launch
         self.steps: list[tuple[int, set[str]]] = []  # (AsyncEngine.steps at the time, scheduled ids)
         self.raise_once: BaseException | None = None
         self.block: threading.Event | None = None
-        self.runner.execute = self._execute
+        self.runner.launch = self._launch
 
-    def _execute(self, out, seeds):
+    def _launch(self, out):
         self.steps.append((self.aeng.steps, {s.request.request_id for s in out.scheduled}))
         if self.raise_once is not None:
             err, self.raise_once = self.raise_once, None
             raise err
         if self.block is not None:
             self.block.wait(60)
-        return self.original(out, seeds)
+        return self.original(out)
 
     def restore(self):
-        self.runner.execute = self.original
+        self.runner.launch = self.original
 
 
 # ---- cancellation -------------------------------------------------------------------------------

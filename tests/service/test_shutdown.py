@@ -62,13 +62,13 @@ def test_sigterm_drains_in_flight_then_exits(tmp_path, engine):
 
 def _slow_steps(engine) -> None:
     """Each engine step takes 20 ms more, so a 400-token stream outlasts a short grace."""
-    execute = engine.runner.execute
+    launch = engine.runner.launch
 
-    def slowed(out, seeds):
+    def slowed(out):
         time.sleep(0.02)
-        return execute(out, seeds)
+        return launch(out)
 
-    engine.runner.execute = slowed
+    engine.runner.launch = slowed
 
 
 def test_a_stream_cut_after_the_grace_is_the_servers_doing(tmp_path):

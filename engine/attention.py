@@ -1,0 +1,156 @@
+"""The attention backend handed to the model: writes each layer's new K/V into the paged KV pool
+(engine/kv_cache.py), then attends from it.
+
+Per step the runner fills `AttentionMetadata` for the packed batch (engine/staging.py). For
+sequence i:
+
+    |<------------- seq_lens[i] (tokens in the cache after this step's write) ------------->|
+    |<------ already computed (num_computed_tokens) ------>|<--- query_len_i (new) --->|
+
+The new tokens' K/V are written to their slots first, then their queries attend to all
+`seq_lens[i]` cached tokens causally, reading every key and value as stored.
+
+One answer per seed: what attention reads must not depend on whether a token's K/V were computed
+in this step or come back from the cache (a cached prefix, an earlier chunk, a recompute after
+preemption), or a seeded request changes its tokens when its prefix happens to be cached. So a
+prefill attends to its own new tokens' K/V as the cache stores them (an int8 cache: rounded), and
+it may take them from the step's tensors instead of the pages only where the cache holds them
+exactly (same dtype as the model's activations, or fp32): the same values, read faster.
+
+The ops behind it are chosen once: `TorchOps` (kernels.reference, the CPU path) or `TritonOps`
+(the Triton kernels; CUDA, or the CPU under Triton's interpreter in tests), with one signature.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import ATTENTION_BACKENDS
+from engine.kv_cache import KVCache
+from kernels import reference
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # (T,) int64: cache slot of each new token; -1 = padding, not written
+    block_tables: torch.Tensor  # (B, max_blocks) int32: physical block ids per sequence, padded
+    seq_lens: torch.Tensor  # (B,) int32: tokens in the cache per sequence after this step's write
+    query_start_loc: torch.Tensor  # (B + 1,) int32: sequence i owns queries [qsl[i], qsl[i+1])
+    max_query_len: int  # longest query run in the batch (1 = pure decode)
+    max_seq_len: int  # longest seq_lens entry (host copy, so kernels size their grids without a sync)
+    # The first num_decodes sequences have one query each and attend like a pure decode step (the
+    # scheduler puts running decodes first); B in a pure decode step.
+    num_decodes: int = 0
+    decode_max_seq_len: int = 0  # longest seq_lens entry among those (host copy)
+    # (B - num_decodes + 1,) int32: query_start_loc of the other sequences, rebased to 0; set when
+    # a step mixes the two, else None.
+    prefill_query_start_loc: torch.Tensor | None = None
+
+
+# One layer's (k_cache, v_cache, k_scale, v_scale); the scales only for int8 caches.
+_Cache = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+
+
+class TorchOps:
+    """The torch reference ops (kernels.reference): the CPU path."""
+
+    write = staticmethod(reference.write_kv_cache)
+
+    @staticmethod
+    def decode(q, cache: _Cache, block_tables, seq_lens, scale: float, *, max_seq_len: int, window: int | None,
+               out: torch.Tensor | None) -> torch.Tensor:
+        res = reference.paged_attention_decode(q, *cache, block_tables, seq_lens, scale, window=window)
+        return res if out is None else out.copy_(res)
+
+    @staticmethod
+    def extend(q, k_new, v_new, cache: _Cache, block_tables, seq_lens, query_start_loc, scale: float, *,
+               max_query_len: int, window: int | None, out: torch.Tensor | None) -> torch.Tensor:
+        res = reference.paged_attention(q, *cache, block_tables, seq_lens, query_start_loc, scale,
+                                        max_query_len=max_query_len, k_new=k_new, v_new=v_new, window=window)
+        return res if out is None else out.copy_(res)
+
+
+class TritonOps:
+    """The Triton kernels (imported only when chosen, so the CPU path never needs triton)."""
+
+    def __init__(self, head_dim: int) -> None:
+        from kernels import triton_cache_write, triton_decode, triton_extend
+
+        if head_dim > triton_decode.MAX_HEAD_DIM or head_dim % 2:
+            raise ValueError(
+                f"head dim {head_dim}: the Triton attention kernels serve even head dims up to "
+                f"{triton_decode.MAX_HEAD_DIM}; use --attention-backend torch (the reference path) for this model")
+        self.write = triton_cache_write.write_kv_cache
+        self._decode = triton_decode.paged_decode
+        self._extend = triton_extend.paged_extend
+
+    def decode(self, q, cache: _Cache, block_tables, seq_lens, scale: float, *, max_seq_len: int,
+               window: int | None, out: torch.Tensor | None) -> torch.Tensor:
+        return self._decode(q, *cache, block_tables, seq_lens, scale, max_seq_len=max_seq_len, window=window, out=out)
+
+    def extend(self, q, k_new, v_new, cache: _Cache, block_tables, seq_lens, query_start_loc, scale: float, *,
+               max_query_len: int, window: int | None, out: torch.Tensor | None) -> torch.Tensor:
+        return self._extend(q, *cache, block_tables, seq_lens, query_start_loc, scale, max_query_len=max_query_len,
+                            k_new=k_new, v_new=v_new, window=window, out=out)
+
+
+class PagedAttention:
+    """Attention backend handed to the model: writes each layer's new K/V into the paged cache,
+    then attends from the cache.
+
+    `impl`: "triton" (CUDA: the Triton cache-write, decode and extend kernels), "torch" (the
+    reference ops in kernels.reference; the CPU path), "auto" = triton on CUDA, torch elsewhere.
+    "triton" on CPU tensors works only under Triton's interpreter (TRITON_INTERPRET=1, tests).
+
+    Prefill work attends to every key as stored (the module docstring: one answer per seed),
+    taking the new tokens' K/V from the step's tensors where the cache stores them exactly; decodes
+    (a pure decode step, or the running decodes a mixed step begins with) read everything from the
+    cache through the decode kernel. `windows[i]`: layer i's sliding window (None: all keys).
+    """
+
+    def __init__(self, kv_cache: KVCache, softmax_scale: float, impl: str = "auto",
+                 windows: list[int | None] | None = None) -> None:
+        if impl not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {impl!r}")
+        if impl == "auto":
+            impl = "triton" if kv_cache.k.is_cuda else "torch"
+        self.impl = impl
+        self.kv_cache = kv_cache
+        self.softmax_scale = softmax_scale
+        self.windows = list(windows) if windows is not None else [None] * kv_cache.num_layers
+        if len(self.windows) != kv_cache.num_layers:
+            raise ValueError(f"{len(self.windows)} windows for {kv_cache.num_layers} layers")
+        self.metadata: AttentionMetadata | None = None
+        self.ops: TorchOps | TritonOps = TritonOps(kv_cache.k.shape[-1]) if impl == "triton" else TorchOps()
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q: (T, Hq, D); k, v: (T, Hkv, D) -> (T, Hq, D)
+        md = self.metadata
+        assert md is not None, "attention metadata must be set before the forward pass"
+        ops, scale = self.ops, self.softmax_scale
+        k_cache, v_cache, k_scale, v_scale = self.kv_cache.layer(layer_idx)
+        window = self.windows[layer_idx]
+        ops.write(k, v, k_cache, v_cache, k_scale, v_scale, md.slot_mapping)
+        cache = (k_cache, v_cache, k_scale, v_scale)
+        if md.max_query_len == 1:  # one query per sequence: everything from the cache
+            return ops.decode(q, cache, md.block_tables, md.seq_lens, scale, max_seq_len=md.max_seq_len,
+                              window=window, out=None)
+        k_new, v_new = (k, v) if self.holds_exactly(k.dtype) else (None, None)  # else the pages' copies
+        if md.prefill_query_start_loc is None:
+            return ops.extend(q, k_new, v_new, cache, md.block_tables, md.seq_lens, md.query_start_loc, scale,
+                              max_query_len=md.max_query_len, window=window, out=None)
+        # A mixed step: its running decodes (first) as in a decode step, the rest as a prefill.
+        nd = md.num_decodes
+        out = torch.empty_like(q)
+        ops.decode(q[:nd], cache, md.block_tables[:nd], md.seq_lens[:nd], scale, max_seq_len=md.decode_max_seq_len,
+                   window=window, out=out[:nd])
+        ops.extend(q[nd:], None if k_new is None else k_new[nd:], None if v_new is None else v_new[nd:], cache,
+                   md.block_tables[nd:], md.seq_lens[nd:], md.prefill_query_start_loc, scale,
+                   max_query_len=md.max_query_len, window=window, out=out[nd:])
+        return out
+
+    def holds_exactly(self, dtype: torch.dtype) -> bool:
+        """The cache stores K/V computed in `dtype` without changing them: the pages' dtype, or fp32."""
+        return self.kv_cache.k.dtype in (dtype, torch.float32)

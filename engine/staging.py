@@ -1,0 +1,265 @@
+"""A step's model inputs, staged: from a SchedulerOutput to the packed device buffers the forward
+pass, the attention kernels and the captured CUDA graphs read.
+
+Inputs are built on the host with numpy (a loop over requests, never over tokens) straight into one
+pinned staging buffer, then go to the device in two asynchronous copies (the int32 scalars packed
+end to end, and the block tables).
+
+Packed int32 layout, for T tokens and B sequences (decode: T = B):
+
+    | input ids (T) | positions (T) | slots (T) | seq lens (B) | query start loc (B + 1) |
+    | query start loc of a mixed step's prefill part (B - nd + 1, rebased to 0; mixed steps only) |
+    | (token index, row of the last sample) of up to B placeholder inputs (async scheduling)     |
+
+A mixed step's first nd sequences are running decodes (the scheduler orders them first): they
+attend through the decode kernel, the rest through the extend kernel.
+
+For a decode step replayed from a CUDA graph (engine/cuda_graphs.py) the sections are laid out
+for its bucket's size: rows past the batch are padding, with slot -1 (the cache write skips them)
+and length 0 (attention reads nothing).
+
+Steady decode (the same requests as the last step, each one token further) costs the host little:
+the staging buffers still hold the last step's inputs, so only positions, slots, lengths and the
+tables that grew a block are rewritten, and the input ids come from the last sample on the device
+in one copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import chain
+
+import numpy as np
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.request import Request
+from engine.scheduler import SchedulerOutput
+
+
+@dataclass(slots=True)
+class LastSample:
+    """The previous step's sampled ids, left on the device: the inputs of tokens sampled and not
+    read back yet (async scheduling's placeholders)."""
+
+    ids: torch.Tensor  # (R,) int64 on the device
+    requests: list[Request]  # the requests of its rows, in row order
+    rows: dict[str, int]  # request id -> row of `ids` (rebuilt with every sample that is not steady)
+
+
+@dataclass(slots=True, frozen=True)
+class Packed:
+    """Offsets of the packed int32 sections (module docstring) for n_tok tokens and rows sequences;
+    the one place that layout is written down, for `_stage` and `capture_cuda_graphs`."""
+
+    n_tok: int
+    rows: int
+
+    @property
+    def ids(self) -> slice:
+        return slice(0, self.n_tok)
+
+    @property
+    def positions(self) -> slice:
+        return slice(self.n_tok, 2 * self.n_tok)
+
+    @property
+    def slots(self) -> slice:
+        return slice(2 * self.n_tok, 3 * self.n_tok)
+
+    @property
+    def seq_lens(self) -> slice:
+        return slice(3 * self.n_tok, 3 * self.n_tok + self.rows)
+
+    @property
+    def query_start_loc(self) -> slice:
+        return slice(3 * self.n_tok + self.rows, self.end)
+
+    @property
+    def end(self) -> int:
+        """Where the optional sections (a mixed step's prefill query starts, pending ids) begin."""
+        return 3 * self.n_tok + 2 * self.rows + 1
+
+    def metadata(self, dev: torch.Tensor, block_tables: torch.Tensor, **facts) -> AttentionMetadata:
+        """AttentionMetadata viewing `dev` (the packed ints on the device) in this layout."""
+        return AttentionMetadata(slot_mapping=dev[self.slots], block_tables=block_tables,
+                                 seq_lens=dev[self.seq_lens], query_start_loc=dev[self.query_start_loc], **facts)
+
+
+@dataclass(slots=True)
+class DecodeStaging:
+    """What the last pure decode step left in the staging buffers: the next one over the same
+    requests, each one token further, rewrites only what moved."""
+
+    layout: Packed
+    table_width: int  # columns of the staged block tables
+    requests: list[Request]  # its rows, in order
+    starts: np.ndarray  # (B,) position of each row's token
+    widths: np.ndarray  # (B,) blocks in each row's table
+
+
+@dataclass(slots=True)
+class StepFacts:
+    """The numbers that, with the packed ints and the block tables, make a step's inputs: what
+    tensor-parallel workers receive to run the same forward pass (engine/tensor_parallel.py)."""
+
+    n_tok: int  # the layout's token count (T, or the graph bucket)
+    rows: int  # the layout's sequence rows
+    n_ints: int  # packed ints in use: the layout's sections plus a mixed step's prefill query starts
+    n_prefill_ints: int
+    max_query_len: int
+    max_seq_len: int
+    num_decodes: int
+    decode_max_seq_len: int
+
+    def numbers(self) -> tuple[int, ...]:
+        return (self.n_tok, self.rows, self.n_ints, self.n_prefill_ints, self.max_query_len, self.max_seq_len,
+                self.num_decodes, self.decode_max_seq_len)
+
+    def metadata(self, ints: torch.Tensor, block_tables: torch.Tensor) -> AttentionMetadata:
+        layout = Packed(n_tok=self.n_tok, rows=self.rows)
+        return layout.metadata(ints, block_tables, max_query_len=self.max_query_len, max_seq_len=self.max_seq_len,
+                               num_decodes=self.num_decodes, decode_max_seq_len=self.decode_max_seq_len,
+                               prefill_query_start_loc=ints[layout.end:self.n_ints] if self.n_prefill_ints else None)
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """One step's inputs on the device (views of the runner's buffers) and its host facts."""
+
+    input_ids: torch.Tensor  # (T,) int32
+    positions: torch.Tensor  # (T,) int32
+    metadata: AttentionMetadata
+    num_seqs: int
+    graph_batch: int | None  # bucket whose graph runs this step; None = eager
+    facts: StepFacts
+    ints: torch.Tensor  # the packed ints on the device (n_ints)
+
+
+class StepStager:
+    """The staging buffers (host, pinned on CUDA; and their device copies, which the kernels and the
+    captured graphs read) and the step that fills them. On the CPU the host buffers serve directly."""
+
+    def __init__(self, *, block_size: int, max_num_seqs: int, max_tokens: int, max_blocks: int,
+                 device: torch.device) -> None:
+        self.block_size = block_size
+        # + the query starts of a mixed step's prefill part (B + 1) + (dst, src) of up to B placeholder ids
+        ints = 3 * max_tokens + 5 * max_num_seqs + 2
+        on_cuda = device.type == "cuda"
+        self.host_ints = torch.empty(ints, dtype=torch.int32, pin_memory=on_cuda)
+        self.host_tables = torch.empty(max_num_seqs * max_blocks, dtype=torch.int32, pin_memory=on_cuda)
+        self.dev_tables: torch.Tensor | None = None  # CUDA only, as the event below
+        self._copied: torch.cuda.Event | None = None
+        if on_cuda:
+            self.dev_ints = torch.zeros(ints, dtype=torch.int32, device=device)
+            self.dev_tables = torch.zeros(max_num_seqs, max_blocks, dtype=torch.int32, device=device)
+            self._copied = torch.cuda.Event()  # staging may be rewritten once the last copy is done
+        else:
+            self.dev_ints = self.host_ints
+        self.prev: DecodeStaging | None = None  # what the last pure decode step left in the buffers
+
+    def stage(self, out: SchedulerOutput, block_tables: list[list[int]], graph_batch: int | None,
+              last: LastSample | None) -> StepInputs:
+        """Writes the step's inputs into the staging buffers and starts their copy to the device.
+        `block_tables` are the tables of `out.scheduled`'s rows (their requests' `block_ids`).
+
+        With `graph_batch` (a pure decode of B <= graph_batch rows) the sections are laid out for
+        T = B = graph_batch and rows B.. are padding. `last`: the previous step's sample, whose ids
+        on the device are the inputs of tokens sampled but not read back yet (async scheduling)."""
+        scheduled = out.scheduled
+        b = len(scheduled)
+        reqs = [s.request for s in scheduled]
+        q_lens = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=b)
+        starts = np.fromiter((s.start for s in scheduled), dtype=np.int64, count=b)
+        widths = np.fromiter(map(len, block_tables), dtype=np.int64, count=b)
+        t = int(q_lens.sum())
+        w = int(widths.max())
+        rows = graph_batch or b
+        layout = Packed(n_tok=graph_batch or t, rows=rows)
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copy has left the staging buffers
+        ints = self.host_ints.numpy()
+        ids, pos, slots = ints[layout.ids], ints[layout.positions], ints[layout.slots]
+        lens, qsl = ints[layout.seq_lens], ints[layout.query_start_loc]
+        tables = self.host_tables.numpy()[:b * w].reshape(b, w)
+
+        # Async scheduling's steady state: every row's input is the id the last step sampled for
+        # the same row (still on the device; see `pending` below for the general case).
+        same_rows = (last is not None and t == b and reqs == last.requests
+                     and all(r.num_output_placeholders for r in reqs))
+        prev = self.prev
+        if (prev is not None and t == b and prev.layout == layout and prev.table_width == w
+                and reqs == prev.requests and np.array_equal(starts, prev.starts + 1)):
+            # The same decode rows as the last step, each one token further, in the same staging
+            # layout: the buffers still hold that step's inputs, so only what moved is rewritten
+            # (positions, lengths, slots, and the last entry of tables that grew a block).
+            grew = np.flatnonzero(widths != prev.widths)
+            for i in grew.tolist():
+                tables[i, widths[i] - 1] = block_tables[i][-1]
+        else:
+            tables[:] = 0
+            tables[np.arange(w) < widths[:, None]] = np.fromiter(  # row-major: each table in turn
+                chain.from_iterable(block_tables), dtype=np.int32, count=int(widths.sum()))
+            qsl[0] = 0
+            np.cumsum(q_lens, out=qsl[1:b + 1])
+            if rows > b:  # graph padding: no token written, nothing attended
+                ids[t:], pos[t:], slots[t:], lens[b:] = 0, 0, -1, 0
+                qsl[b + 1:] = np.arange(t + 1, t + 1 + rows - b)
+        self.prev = DecodeStaging(layout, w, reqs, starts, widths) if t == b else None
+        if not same_rows:
+            ids[:t] = np.fromiter(chain.from_iterable(s.request.token_slice(s.start, s.start + s.num_new_tokens)
+                                                      for s in scheduled), dtype=np.int32, count=t)
+        if t == b:  # one token per sequence, at its start
+            p = starts
+            pos[:b] = p
+            slots[:b] = tables[np.arange(b), p // self.block_size] * self.block_size + p % self.block_size
+        else:
+            seq_idx = np.repeat(np.arange(b), q_lens)  # (T,) sequence of each token
+            p = starts[seq_idx] + (np.arange(t) - qsl[:b][seq_idx])  # (T,) position of each token
+            pos[:t] = p
+            slots[:t] = tables[seq_idx, p // self.block_size] * self.block_size + p % self.block_size
+        lens[:b] = starts + q_lens
+        max_query_len = int(q_lens.max())
+        max_seq_len = int(lens[:b].max())
+        n_ints = layout.end
+        # A mixed step's running decodes (the scheduler puts them first) attend through the decode
+        # kernel; the rest, from `nd` on, through the extend kernel with its own query starts.
+        nd = b if max_query_len == 1 else int(np.argmax(q_lens != 1))
+        if 0 < nd < b:
+            ints[n_ints:n_ints + b - nd + 1] = qsl[nd:b + 1] - qsl[nd]
+            n_prefill_ints = b - nd + 1
+        else:
+            n_prefill_ints = 0
+        decode_max_seq_len = int(lens[:nd].max()) if nd else 0
+        n_ints += n_prefill_ints
+        # Newest tokens not read back yet (async scheduling): the input id of such a token is in
+        # the last step's sampled ids on the device. Unless all rows take theirs in one copy
+        # (same_rows), (token index in this step, row of the last step's ids) pairs go along.
+        pending = []
+        if last is not None and not same_rows:
+            pending = [(int(qsl[i + 1]) - 1, last.rows[s.request.request_id])
+                       for i, s in enumerate(scheduled)
+                       if s.request.num_output_placeholders and s.start + s.num_new_tokens == s.request.num_tokens]
+        n_pend = len(pending)
+        if n_pend:
+            ints[n_ints:n_ints + 2 * n_pend] = np.asarray(pending, dtype=np.int32).T.reshape(-1)
+        n_copy = n_ints + 2 * n_pend
+        if self.dev_tables is not None and self._copied is not None:
+            dev = self.dev_ints[:n_ints]
+            self.dev_ints[:n_copy].copy_(self.host_ints[:n_copy], non_blocking=True)
+            dev_tables = self.dev_tables[:rows] if graph_batch else self.dev_tables[:b, :w]
+            self.dev_tables[:b, :w].copy_(self.host_tables[:b * w].view(b, w), non_blocking=True)
+            self._copied.record()
+        else:
+            dev = self.host_ints[:n_ints]
+            dev_tables = self.host_tables[:b * w].view(b, w)
+        facts = StepFacts(layout.n_tok, layout.rows, n_ints, n_prefill_ints, max_query_len, max_seq_len, nd,
+                          decode_max_seq_len)
+        md = facts.metadata(dev, dev_tables)
+        last_ids = last.ids if last is not None else None
+        if same_rows and last_ids is not None:
+            dev[:b].copy_(last_ids[:b])
+        elif n_pend and last_ids is not None:
+            idx = self.dev_ints[n_ints:n_copy].to(torch.int64)
+            dev[layout.ids].index_copy_(0, idx[:n_pend], last_ids[idx[n_pend:]].to(torch.int32))
+        return StepInputs(dev[layout.ids], dev[layout.positions], md, b, graph_batch, facts, dev)
