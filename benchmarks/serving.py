@@ -1,14 +1,33 @@
-"""Serving benchmark through gRPC: an asyncio load generator (no gRPC load tool installs here).
+"""Serving benchmark through gRPC: an asyncio load generator (no gRPC load tool installs here), as
+vLLM's benchmark_serving measures a server.
 
     python benchmarks/serving.py --concurrency 1,16,64            # closed loop, N streams each
     python benchmarks/serving.py --rates 2,8,32 --requests 200    # Poisson arrivals, requests/s
+    python benchmarks/serving.py --sweep 1 --requests 100         # rates 1, 2, 4, ... up to the knee
+    python benchmarks/serving.py --burst --requests 256           # everything sent at t = 0
+    python benchmarks/serving.py --workload long --model DIR      # the long-context work
     python benchmarks/serving.py --address 127.0.0.1:50051 ...    # an already running server
 
 Without --address it starts `pie serve` (the bundled model unless --model) as a subprocess on a
-free port, so the server and the load generator are separate processes as in production. Per
-load level it reports throughput (generated tokens/s), TTFT, inter-token latency and end-to-end
-latency (p50/p90/p99), writes every figure as JSON (--out) and plots throughput and latency
-against load as PNGs (--plot PREFIX).
+free port, so the server and the load generator are separate processes as in production.
+
+Workloads (--workload; lengths in tokens, drawn with a fixed seed, prompts of random ids):
+  fixed  every prompt --prompt-len, every output --max-tokens
+  chat   prompts log-normal, median --prompt-len (sigma 0.8), outputs uniform in [--max-tokens / 4,
+         --max-tokens]: short conversational turns
+  mixed  issue 16's work: prompts median 250 (up to 2,000), a quarter after one shared 400-token
+         prefix, outputs 32-400
+  long   the long-context work: prompts median 800 (up to 6,000), a third after one shared
+         1,500-token prefix, outputs 128-1,024
+(--scale S multiplies every length of mixed and long, so the bundled model's 512-token context
+takes them on the CPU.)
+
+Per load level: throughput (generated tokens/s, requests/s), TTFT, TPOT (a request's decode time
+over its tokens after the first), inter-token latency and end-to-end latency (p50/p90/p99), and
+goodput: requests/s that met the SLO (--slo-ttft-ms and --slo-tpot-ms), with the share that did.
+--sweep R doubles the Poisson rate from R until throughput stops growing by 5% or goodput falls
+(the knee), or --max-rate. JSON with every figure (--out); latency-vs-rate and throughput PNGs
+(--plot PREFIX).
 
 Inter-token latency: the server coalesces tokens made since its last message, so a message may
 carry several tokens; each token of a message counts the gap since the previous message divided
@@ -45,6 +64,50 @@ class RequestStats:
     tokens: int = 0
     error: str | None = None
 
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first: (end - first token) / (tokens - 1)."""
+        return (self.e2e_s - self.ttft_s) / (self.tokens - 1) if self.tokens > 1 else None
+
+
+@dataclass
+class Work:
+    """What a load level sends: prompts (token ids) and how many tokens each asks for."""
+
+    prompts: list[list[int]]
+    max_tokens: list[int]
+
+
+def workload(kind: str, n: int, vocab: int, *, prompt_len: int, max_tokens: int, scale: float = 1.0,
+             seed: int = 1) -> Work:
+    """The --workload distributions (module docstring); every length at least 1."""
+    import math
+
+    rng = random.Random(seed)
+
+    def ids(k: int) -> list[int]:
+        return [rng.randrange(3, vocab) for _ in range(max(1, k))]
+
+    def lognormal(median: float, most: float) -> int:
+        return int(min(most, max(1, round(rng.lognormvariate(math.log(median), 0.8)))))
+
+    if kind == "fixed":
+        return Work([ids(prompt_len) for _ in range(n)], [max_tokens] * n)
+    if kind == "chat":
+        return Work([ids(lognormal(prompt_len, 8 * prompt_len)) for _ in range(n)],
+                    [rng.randint(max(1, max_tokens // 4), max_tokens) for _ in range(n)])
+    median, most, prefix_len, every, outs = {
+        "mixed": (250, 2000, 400, 4, (32, 400)),
+        "long": (800, 6000, 1500, 3, (128, 1024)),
+    }[kind]
+    prefix = ids(round(prefix_len * scale))
+    prompts, outputs = [], []
+    for i in range(n):
+        body = ids(lognormal(median * scale, most * scale))
+        prompts.append(prefix + body if i % every == 0 else body)
+        outputs.append(max(1, round(rng.randint(*outs) * scale)))
+    return Work(prompts, outputs)
+
 
 def percentile(values: list[float], p: float) -> float:
     if not values:
@@ -76,45 +139,69 @@ async def one_request(client: AsyncClient, prompt: list[int], max_tokens: int,
     return st
 
 
-def summarize(label: str, load: float, stats: list[RequestStats], wall_s: float) -> dict:
+# The SLO goodput counts against (--slo-ttft-ms, --slo-tpot-ms): vLLM's examples use these.
+SLO_TTFT_MS = 2000.0
+SLO_TPOT_MS = 50.0
+
+
+def summarize(label: str, load: float, stats: list[RequestStats], wall_s: float, *,
+              slo_ttft_ms: float = SLO_TTFT_MS, slo_tpot_ms: float = SLO_TPOT_MS) -> dict:
     ok = [s for s in stats if s.error is None]
     itl = [x for s in ok for x in s.itl_s]
+    good = [s for s in ok if 1e3 * s.ttft_s <= slo_ttft_ms and (s.tpot_s is None or 1e3 * s.tpot_s <= slo_tpot_ms)]
     row = dict(mode=label, load=load, requests=len(stats), errors=len(stats) - len(ok), wall_s=wall_s,
                tokens=sum(s.tokens for s in ok), tok_per_s=sum(s.tokens for s in ok) / wall_s,
-               req_per_s=len(ok) / wall_s)
-    for name, values in (("ttft", [s.ttft_s for s in ok]), ("itl", itl), ("e2e", [s.e2e_s for s in ok])):
+               req_per_s=len(ok) / wall_s, goodput_req_per_s=len(good) / wall_s,
+               slo_met=len(good) / len(stats) if stats else float("nan"), slo_ttft_ms=slo_ttft_ms,
+               slo_tpot_ms=slo_tpot_ms)
+    tpot = [t for s in ok if (t := s.tpot_s) is not None]
+    for name, values in (("ttft", [s.ttft_s for s in ok]), ("tpot", tpot), ("itl", itl),
+                         ("e2e", [s.e2e_s for s in ok])):
         for p in (50, 90, 99):
             row[f"{name}_p{p}_ms"] = 1e3 * percentile(values, p)
     return row
 
 
-async def closed_loop(address, prompts, concurrency: int, requests: int, max_tokens: int) -> dict:
+async def closed_loop(address, work: Work, concurrency: int, requests: int, **slo) -> dict:
     """`concurrency` streams, each starting its next request when the previous one ends."""
     async with AsyncClient(address, timeout=600) as client:
         queue = list(range(requests))
         stats: list[RequestStats] = []
+        n = len(work.prompts)
 
         async def worker():
             while queue:
-                i = queue.pop()
-                stats.append(await one_request(client, prompts[i % len(prompts)], max_tokens))
+                i = queue.pop() % n
+                stats.append(await one_request(client, work.prompts[i], work.max_tokens[i]))
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
-        return summarize("closed", concurrency, stats, time.perf_counter() - t0)
+        return summarize("closed", concurrency, stats, time.perf_counter() - t0, **slo)
 
 
-async def poisson(address, prompts, rate: float, requests: int, max_tokens: int) -> dict:
-    """Requests arrive as a Poisson process of `rate` per second, whatever is in flight."""
+async def poisson(address, work: Work, rate: float | None, requests: int, **slo) -> dict:
+    """Requests arrive as a Poisson process of `rate` per second, whatever is in flight; with
+    rate None all of them at once (a burst)."""
     async with AsyncClient(address, timeout=600) as client:
         rng = random.Random(0)
         tasks = []
+        n = len(work.prompts)
         t0 = time.perf_counter()
         for i in range(requests):
-            tasks.append(asyncio.create_task(one_request(client, prompts[i % len(prompts)], max_tokens)))
-            await asyncio.sleep(rng.expovariate(rate))
+            tasks.append(asyncio.create_task(one_request(client, work.prompts[i % n], work.max_tokens[i % n])))
+            if rate is not None:
+                await asyncio.sleep(rng.expovariate(rate))
         stats = await asyncio.gather(*tasks)
-        return summarize("poisson", rate, list(stats), time.perf_counter() - t0)
+        return summarize("poisson" if rate is not None else "burst", rate or 0.0, list(stats),
+                         time.perf_counter() - t0, **slo)
+
+
+def past_the_knee(rows: list[dict]) -> bool:
+    """The sweep stops: throughput grew by less than 5% over the previous rate, or goodput fell."""
+    if len(rows) < 2:
+        return False
+    prev, last = rows[-2], rows[-1]
+    return last["tok_per_s"] < 1.05 * prev["tok_per_s"] or last["goodput_req_per_s"] < prev["goodput_req_per_s"]
 
 
 def free_port() -> int:
@@ -153,34 +240,55 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", help="model folder for the started server (default: the bundled model)")
     ap.add_argument("--server-args", default="", help="extra `pie serve` flags, one string (default: none)")
     ap.add_argument("--concurrency", default="",
-                    help="closed-loop levels, e.g. 1,16,64 (default: 1,16 where --rates is not given, else none)")
+                    help="closed-loop levels, e.g. 1,16,64 (default: 1,16 when no other mode is given, else none)")
     ap.add_argument("--rates", default="", help="Poisson arrival rates in requests/s, e.g. 2,8 (default: none)")
+    ap.add_argument("--sweep", type=float, default=0.0,
+                    help="Poisson rates from this one, doubling, up to the knee or --max-rate (default: 0, no sweep)")
+    ap.add_argument("--max-rate", type=float, default=256.0, help="the sweep's highest rate, requests/s")
+    ap.add_argument("--burst", action="store_true", help="one level with every request sent at once")
     ap.add_argument("--requests", type=int, default=0,
-                    help="requests per level (default: closed loop 4 x the concurrency and at least 16; Poisson 64)")
-    ap.add_argument("--prompt-len", type=int, default=64, help="random prompt ids per request")
-    ap.add_argument("--max-tokens", type=int, default=128, help="tokens generated per request")
+                    help="requests per level (default: closed loop 4 x the concurrency and at least 16; otherwise 64)")
+    ap.add_argument("--workload", choices=("fixed", "chat", "mixed", "long"), default="fixed",
+                    help="prompt and output lengths (module docstring)")
+    ap.add_argument("--scale", type=float, default=1.0, help="multiplies every length of the mixed and long workloads")
+    ap.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (fixed), or their median (chat)")
+    ap.add_argument("--max-tokens", type=int, default=128, help="tokens generated (fixed), or the most (chat)")
     ap.add_argument("--vocab", type=int, default=2000, help="prompt ids are drawn from [3, vocab)")
+    ap.add_argument("--slo-ttft-ms", type=float, default=SLO_TTFT_MS, help="goodput's bound on the time to first token")
+    ap.add_argument("--slo-tpot-ms", type=float, default=SLO_TPOT_MS,
+                    help="goodput's bound on the time per output token after the first")
     ap.add_argument("--out", help="JSON file for every figure (default: none written)")
-    ap.add_argument("--plot", help="PNG prefix: PREFIX-MODE-throughput.png and PREFIX-MODE-latency.png per "
-                                   "mode with two or more levels (default: no plots)")
+    ap.add_argument("--plot", help="PNG prefix: PREFIX-MODE-throughput.png and PREFIX-MODE-latency.png (TTFT p50 and "
+                                   "p99, ITL p50 and p99 against the load) per mode with two or more levels "
+                                   "(default: no plots)")
     args = ap.parse_args(argv)
-    if not args.concurrency and not args.rates:
+    if not (args.concurrency or args.rates or args.sweep or args.burst):
         args.concurrency = "1,16"
     proc = None
     address = args.address
     if address is None:
         proc, address = start_server(args.model, args.server_args.split())
-    rng = random.Random(1)
-    prompts = [[rng.randrange(3, args.vocab) for _ in range(args.prompt_len)] for _ in range(64)]
+    slo = dict(slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms)
+    levels = max(args.requests, 64, 4 * max([int(x) for x in args.concurrency.split(",") if x] or [0]))
+    work = workload(args.workload, levels, args.vocab, prompt_len=args.prompt_len, max_tokens=args.max_tokens,
+                    scale=args.scale)
     rows = []
     try:
         for c in [int(x) for x in args.concurrency.split(",") if x]:
-            n = args.requests or max(16, 4 * c)
-            rows.append(asyncio.run(closed_loop(address, prompts, c, n, args.max_tokens)))
+            rows.append(asyncio.run(closed_loop(address, work, c, args.requests or max(16, 4 * c), **slo)))
             print_row(rows[-1])
         for r in [float(x) for x in args.rates.split(",") if x]:
-            n = args.requests or 64
-            rows.append(asyncio.run(poisson(address, prompts, r, n, args.max_tokens)))
+            rows.append(asyncio.run(poisson(address, work, r, args.requests or 64, **slo)))
+            print_row(rows[-1])
+        rate = args.sweep
+        swept: list[dict] = []
+        while rate and rate <= args.max_rate and not past_the_knee(swept):
+            swept.append(asyncio.run(poisson(address, work, rate, args.requests or 64, **slo)))
+            print_row(swept[-1])
+            rate *= 2
+        rows += swept
+        if args.burst:
+            rows.append(asyncio.run(poisson(address, work, None, args.requests or 64, **slo)))
             print_row(rows[-1])
     finally:
         if proc is not None:
@@ -196,15 +304,19 @@ def main(argv: list[str] | None = None) -> int:
             if len(pts) >= 2:
                 plot_curves(f"{args.plot}-{mode}-throughput.png", [[(r["load"], r["tok_per_s"]) for r in pts]])
                 plot_curves(f"{args.plot}-{mode}-latency.png",
-                            [[(r["load"], r["ttft_p50_ms"]) for r in pts], [(r["load"], r["itl_p50_ms"]) for r in pts]])
+                            [[(r["load"], r[f"{m}_ms"]) for r in pts]
+                             for m in ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99")], log_y=True)
     return 0
 
 
 def print_row(r: dict) -> None:
     print(f"{r['mode']:7s} load {r['load']:>6g}: {r['requests']} req ({r['errors']} errors) in {r['wall_s']:.1f} s, "
           f"{r['tok_per_s']:,.0f} tok/s; TTFT p50/p90/p99 {r['ttft_p50_ms']:.0f}/{r['ttft_p90_ms']:.0f}/"
-          f"{r['ttft_p99_ms']:.0f} ms; ITL p50/p90/p99 {r['itl_p50_ms']:.1f}/{r['itl_p90_ms']:.1f}/"
-          f"{r['itl_p99_ms']:.1f} ms; e2e p50/p99 {r['e2e_p50_ms']:.0f}/{r['e2e_p99_ms']:.0f} ms", flush=True)
+          f"{r['ttft_p99_ms']:.0f} ms; TPOT p50/p99 {r['tpot_p50_ms']:.1f}/{r['tpot_p99_ms']:.1f} ms; "
+          f"ITL p50/p90/p99 {r['itl_p50_ms']:.1f}/{r['itl_p90_ms']:.1f}/{r['itl_p99_ms']:.1f} ms "
+          f"(p99/p50 {r['itl_p99_ms'] / r['itl_p50_ms']:.1f}); e2e p50/p99 {r['e2e_p50_ms']:.0f}/"
+          f"{r['e2e_p99_ms']:.0f} ms; goodput {r['goodput_req_per_s']:.2f} req/s ({100 * r['slo_met']:.0f}% "
+          f"within TTFT {r['slo_ttft_ms']:.0f} ms, TPOT {r['slo_tpot_ms']:.0f} ms)", flush=True)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -118,7 +119,8 @@ class EngineClient(Protocol):
     def num_queued(self) -> int: ...
     def stats(self) -> EngineStats: ...
     def check_request(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None: ...
-    def submit(self, prompt_token_ids: list[int], sampling: SamplingParams, *, caller_id: str) -> RequestStream: ...
+    def submit(self, prompt_token_ids: list[int], sampling: SamplingParams, *, caller_id: str,
+               priority: int = 0) -> RequestStream: ...
     def abort(self, stream: RequestStream) -> None: ...
     async def wait_idle(self) -> None: ...
 
@@ -140,6 +142,9 @@ class EngineClientBase:
         self._stats: EngineStats | None = None  # the engine's snapshot after its latest step
         self._sent = 0  # samples in add commands sent to the engine loop
         self._taken = 0  # of those, taken in by the loop (as of its latest step)
+        # The adds on their way, in the order sent: (samples, priority), until the loop takes them.
+        self._in_transit: deque[tuple[int, int]] = deque()
+        self._in_transit_from = 0  # samples sent before the oldest entry of _in_transit
         self._loop: asyncio.AbstractEventLoop | None = None
         self._idle = asyncio.Event()  # set while no request is in flight (drain waits on it)
         self._idle.set()
@@ -181,7 +186,13 @@ class EngineClientBase:
     def stats(self) -> EngineStats:
         """The engine's counts after its latest step; waiting includes what is on its way to it."""
         stats = self._loaded_stats()
-        return msgspec.structs.replace(stats, requests_waiting=stats.requests_waiting + self.num_queued)
+        if not self._in_transit:
+            return stats
+        by_priority = dict(stats.requests_waiting_by_priority)
+        for samples, priority in self._in_transit:
+            by_priority[priority] = by_priority.get(priority, 0) + samples
+        return msgspec.structs.replace(stats, requests_waiting=stats.requests_waiting + self.num_queued,
+                                       requests_waiting_by_priority=by_priority)
 
     def check_request(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
         """Raises PromptError / SamplingParamsError for a request this engine could never serve."""
@@ -194,8 +205,9 @@ class EngineClientBase:
         await self._idle.wait()
 
     # ---- requests in and out ----------------------------------------------------------------
-    def submit(self, prompt_token_ids: list[int], sampling: SamplingParams, *, caller_id: str) -> RequestStream:
-        """Queues a request under an id of the engine's own. Raises PromptError /
+    def submit(self, prompt_token_ids: list[int], sampling: SamplingParams, *, caller_id: str,
+               priority: int = 0) -> RequestStream:
+        """Queues a request under an id of the engine's own, at `priority` (lower first). Raises PromptError /
         SamplingParamsError for a request that can never be served, QueueFullError when the
         waiting queue is full, EngineDeadError when the engine is not running."""
         if self.dead is not None or self._stopping or self._loop is None:
@@ -216,7 +228,8 @@ class EngineClientBase:
         self._streams[engine_id] = stream
         self._idle.clear()
         self._sent += sampling.n
-        self._send(AddRequest(engine_id, prompt_token_ids, sampling))
+        self._in_transit.append((sampling.n, priority))
+        self._send(AddRequest(engine_id, prompt_token_ids, sampling, priority))
         return stream
 
     def abort(self, stream: RequestStream) -> None:
@@ -238,6 +251,8 @@ class EngineClientBase:
     def _on_result(self, result: StepResult) -> None:
         """On the event loop: one step's outputs (or the acknowledgement of commands) arrived."""
         self._stats, self._steps, self._taken = result.stats, result.steps, result.taken
+        while self._in_transit and self._in_transit_from + self._in_transit[0][0] <= self._taken:
+            self._in_transit_from += self._in_transit.popleft()[0]
         self._deliver(result.outputs)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:

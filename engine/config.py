@@ -37,6 +37,10 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # exact pool size; overrides the byte budget (tests)
     max_num_seqs: int = 64  # running sequences per step at most (the batch cap)
     max_num_batched_tokens: int = 2048  # tokens per step (prefill chunks + decodes)
+    # A step that carries prompt tokens beside running decodes may take at most this many times a
+    # decode-only step (engine.scheduler.StallBound, learnt from step times); it bounds the
+    # inter-token stalls a long prompt causes. 0 = only max_num_batched_tokens bounds a step.
+    decode_stall_factor: float = 2.0
     max_model_len: int | None = None  # context served; default and cap: the model's
     max_waiting: int = 256  # waiting queue bound; beyond it the service answers RESOURCE_EXHAUSTED
     seed: int = 0  # seeds the stream that draws seeds for requests that bring none
@@ -79,6 +83,8 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be >= 1")
+        if self.decode_stall_factor and self.decode_stall_factor <= 1.0:
+            raise ValueError(f"decode_stall_factor must be 0 (off) or > 1, got {self.decode_stall_factor}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
 

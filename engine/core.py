@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import random
+import time
 
 import structlog
 import torch
@@ -26,7 +27,7 @@ from engine.model_check import check_vocab, read_model_config, read_tokenizer
 from engine.model_runner import ModelRunner, PendingSample
 from engine.request import Request, RequestStatus, SampleGroup
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerOutput
 from engine.tensor_parallel import Leader, check_devices
 from engine.validation import check_request
 from model import ModelConfig, load_model, smoothing
@@ -88,7 +89,8 @@ class EngineCore:
                                           enable_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager, max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=self.max_model_len)
+            max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=self.max_model_len,
+            stall_factor=config.decode_stall_factor)
         self.runner = self._make_runner(self.kv_cache)
         if self.device.type == "cuda":
             self.runner.warm_up()
@@ -99,6 +101,10 @@ class EngineCore:
         self._seed_source = random.Random(config.seed)
         self._async = (self.device.type == "cuda") if config.async_scheduling is None else config.async_scheduling
         self._pending: PendingSample | None = None  # async scheduling: the launched step not read back yet
+        # What the scheduler learns step times from (StallBound): the shape (decode rows, prompt
+        # tokens) of the step in flight, and when the last step's tokens came back while busy.
+        self._pending_shape: tuple[int, int] | None = None
+        self._last_done: float | None = None
         # Everything alive now (model, tokenizer, torch and library modules: ~10^5-10^6 objects)
         # lives as long as the engine. Out of the cyclic collector's sight, a full collection
         # under load scans only what requests create: 3 ms instead of ~190 ms measured in the
@@ -146,12 +152,14 @@ class EngineCore:
         check_request(prompt_token_ids, sampling, config=self.config, vocab_size=self.vocab_size,
                       max_model_len=self.max_model_len, num_kv_blocks=self.block_manager.num_total_blocks)
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> SampleGroup:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, *,
+                    priority: int = 0) -> SampleGroup:
         """Queues a request its client has validated (`check_request`, where requests enter the
         engine: EngineClient.submit, or `generate` here). With sampling.n > 1, n samples
         (ids f"{request_id}#{i}") whose outputs carry `request_id` and `index` = i; sample i draws
         from seed + i when a seed is given (so one seed reproduces all n), else from a random seed
-        of its own. Raises ValueError for an id in use."""
+        of its own. `priority`: lower is scheduled first (engine/scheduler.py). Raises ValueError
+        for an id in use."""
         n = sampling.n
         group = SampleGroup(request_id)
         for i in range(n):
@@ -162,7 +170,7 @@ class EngineCore:
                     eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len, parent_id=request_id,
                     index=i, wait_for=group.samples[0] if i else None,
                     arrival_time=group.samples[0].arrival_time if i else None,
-                    seed=seed, detokenizer=detokenizer, group=group)
+                    seed=seed, detokenizer=detokenizer, group=group, priority=priority)
         self.scheduler.add_request(group)
         return group
 
@@ -190,6 +198,7 @@ class EngineCore:
             prefix_cache_hits=self.block_manager.prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions,
             kv_blocks_cached=self.block_manager.num_cached_free_blocks,
+            requests_waiting_by_priority=self.scheduler.num_waiting_by_priority(),
         )
 
     # ---- the step ------------------------------------------------------------------------
@@ -221,25 +230,36 @@ class EngineCore:
                 launched = self.runner.launch(out)
             except Exception as e:  # an engine fault fails this step's requests, not the engine
                 return self._collect() + self._step_failed([s.request for s in out.scheduled], e)
+        shape = _shape(out) if launched is not None else None
         if self._async:
             outputs = self._collect()  # the previous step's tokens, while this one runs
             self.scheduler.step_launched(out)
-            self._pending = launched
+            self._pending, self._pending_shape = launched, shape
             return outputs
         self.scheduler.step_launched(out)
-        self._pending = launched
+        self._pending, self._pending_shape = launched, shape
         return self._collect()  # this step's tokens
 
     def _collect(self) -> list[RequestOutput]:
         """Reads back the pending step's tokens (waiting for the device) and closes that step."""
         pending, self._pending = self._pending, None
         if pending is None:
+            self._last_done = None  # idle: the next step's time is no step's alone
             return []
         try:
             sampled = pending.result()
         except Exception as e:
             return self._step_failed(pending.requests, e)
+        self._step_done()
         return self.scheduler.update_from_output(pending.requests, sampled)
+
+    def _step_done(self) -> None:
+        """A step's tokens are back: the time since the previous one's is this step's (the engine
+        was busy in between), which the scheduler's stall bound learns from."""
+        now = time.monotonic()
+        if self._last_done is not None and self._pending_shape is not None:
+            self.scheduler.stall.observe(*self._pending_shape, now - self._last_done)
+        self._last_done = now
 
     def _step_failed(self, requests: list[Request], e: Exception) -> list[RequestOutput]:
         self._check_workers(e)
@@ -273,3 +293,9 @@ class EngineCore:
                 if o.status == RequestStatus.FINISHED_ERROR:
                     raise RuntimeError(o.error)
         return [results[i] for i in ids]
+
+
+def _shape(out: SchedulerOutput) -> tuple[int, int]:
+    """(decode rows, prompt tokens) of a step: what its time depends on (StallBound)."""
+    decodes = sum(1 for s in out.scheduled if s.num_new_tokens == 1)
+    return decodes, out.num_batched_tokens - decodes

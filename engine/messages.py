@@ -55,6 +55,7 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False):
     prefix_cache_hits: int = 0  # of those, tokens found cached (cumulative)
     num_preemptions: int = 0  # requests preempted (cumulative)
     kv_blocks_cached: int = 0  # free blocks still holding reusable cached content (part of kv_blocks_free)
+    requests_waiting_by_priority: dict[int, int] = {}  # of requests_waiting, how many at each priority
 
 
 # ---- client -> core --------------------------------------------------------------------------------
@@ -64,6 +65,7 @@ class AddRequest(msgspec.Struct, tag=True, array_like=True):
     request_id: str  # minted by the client: the engine's own id, never the caller's
     prompt_token_ids: list[int]
     sampling: SamplingParams
+    priority: int = 0  # lower is scheduled first
 
 
 class AbortRequest(msgspec.Struct, tag=True, array_like=True):

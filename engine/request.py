@@ -60,7 +60,7 @@ class Request:
         "num_computed_tokens",
         "status", "arrival_time", "max_model_len", "eos_token_ids", "num_preemptions",
         "first_scheduled_time", "stop_reason", "parent_id", "index", "wait_for", "num_cached_tokens",
-        "seed", "detokenizer", "block_ids", "block_hashes", "group",
+        "seed", "detokenizer", "block_ids", "block_hashes", "group", "priority",
     )
 
     def __init__(
@@ -78,6 +78,7 @@ class Request:
         seed: int = 0,
         detokenizer: IncrementalDetokenizer | None = None,
         group: SampleGroup | None = None,
+        priority: int = 0,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt_token_ids must not be empty")
@@ -104,6 +105,7 @@ class Request:
         # computed (so its full blocks are in the prefix cache); cleared once that holds.
         self.wait_for = wait_for
         self.num_cached_tokens = 0  # prompt tokens taken from the prefix cache on first admission
+        self.priority = priority  # lower is scheduled first (admission, and the last to be preempted)
         self.seed = seed  # of this sample's random stream (engine.sampler: the same tokens in any batch)
         self.detokenizer = detokenizer  # its text deltas and stop strings (None: ids only, in tests)
         # Block table: logical block i -> physical block id, owned by the block manager (which

@@ -27,16 +27,28 @@ until sample 0 has computed the prompt; then they hit the cache for every full p
 compute only the rest (at least one token, for the logits). Without prefix caching they prefill
 independently.
 
-When blocks run out, the running request that arrived last is preempted (ties: admitted last): its
-blocks are freed (cached ones stay reusable) and it re-enters the waiting queue in arrival order
-with `num_computed_tokens = 0`. It keeps its output tokens; when it is admitted again its "prefill"
-recomputes prompt + outputs (hitting the cache where the blocks survived) and then samples the next
-token. Choosing by arrival, not admission, means an old request that was re-admitted is never the
-victim of newer ones, so nothing starves.
+Priority: every request has one (lower first, 0 by default, as vLLM's). The waiting queue is kept
+in (priority, arrival) order, so admission takes the most urgent first and requests of one
+priority in arrival order.
+
+When blocks run out, the running request of the least urgent priority that arrived last is
+preempted (ties: admitted last): its blocks are freed (cached ones stay reusable) and it re-enters
+the waiting queue in its (priority, arrival) place with `num_computed_tokens = 0`. It keeps its
+output tokens; when it is admitted again its "prefill" recomputes prompt + outputs (hitting the
+cache where the blocks survived) and then samples the next token. Choosing by arrival, not
+admission, means an old request that was re-admitted is never the victim of newer ones of its
+priority, so nothing starves within a priority.
+
+Bounded stalls: a step that carries prompt tokens stalls every decode it carries for as long as it
+runs. With `stall_factor` > 0 the prompt tokens of a step with running decodes are cut so that the
+step is expected to take at most `stall_factor` times a decode-only step (`StallBound`, which
+learns both from the step times the engine reports), never below `min_prompt_tokens`;
+`max_num_batched_tokens` stays the cap. A step without decodes takes the whole budget.
 """
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -79,6 +91,48 @@ class SchedulerOutput:
         return [s.request for s in self.scheduled if s.sample]
 
 
+class StallBound:
+    """How many prompt tokens a step may carry beside its running decodes, learnt from step times.
+
+    A step's time is modelled as t_decode + c_prompt x prompt tokens: t_decode an average of recent
+    decode-only steps, c_prompt an average of the extra time per prompt token of steps that carried
+    some. The bound keeps a step with decodes within `factor` x t_decode:
+    (factor - 1) x t_decode / c_prompt prompt tokens, at least `min_tokens` (prompts always progress).
+    Before both are measured there is no bound. Averages are exponential (weight `alpha` for the
+    newest step), so the bound follows the batch as it grows and the contexts as they lengthen."""
+
+    def __init__(self, factor: float, min_tokens: int, alpha: float = 0.2) -> None:
+        if factor and factor <= 1.0:
+            raise ValueError(f"stall factor must be 0 (off) or > 1, got {factor}")
+        self.factor = factor
+        self.min_tokens = min_tokens
+        self.alpha = alpha
+        self.decode_s: float | None = None  # a decode-only step, seconds
+        self.per_prompt_token_s: float | None = None  # a prompt token's share of a step, seconds
+
+    def observe(self, num_decodes: int, num_prompt_tokens: int, seconds: float) -> None:
+        """One step's shape and how long it took."""
+        if not self.factor or seconds <= 0:
+            return
+        a = self.alpha
+        if num_prompt_tokens == 0:
+            if num_decodes:
+                self.decode_s = seconds if self.decode_s is None else (1 - a) * self.decode_s + a * seconds
+            return
+        if num_prompt_tokens < self.min_tokens:
+            return  # too few tokens to tell their cost from the step's noise
+        base = self.decode_s if num_decodes and self.decode_s is not None else 0.0
+        per_token = max(seconds - base, 0.0) / num_prompt_tokens
+        self.per_prompt_token_s = (per_token if self.per_prompt_token_s is None
+                                   else (1 - a) * self.per_prompt_token_s + a * per_token)
+
+    def prompt_tokens(self, num_decodes: int) -> int | None:
+        """The most prompt tokens a step with `num_decodes` decodes should carry (None: no bound)."""
+        if not self.factor or not num_decodes or self.decode_s is None or not self.per_prompt_token_s:
+            return None
+        return max(self.min_tokens, int((self.factor - 1.0) * self.decode_s / self.per_prompt_token_s))
+
+
 class Scheduler:
     def __init__(
         self,
@@ -87,6 +141,9 @@ class Scheduler:
         max_num_seqs: int,  # requests running at once (batch rows of a decode step)
         max_num_batched_tokens: int,  # tokens per step across all requests (bounds step latency)
         max_model_len: int,  # prompt + output tokens of one request at most
+        # A step with running decodes and prompt tokens: at most this many times a decode-only
+        # step (StallBound; 0 = only max_num_batched_tokens bounds it).
+        stall_factor: float = 0.0,
     ) -> None:
         if min(max_num_seqs, max_num_batched_tokens, max_model_len) < 1:
             raise ValueError("max_num_seqs, max_num_batched_tokens and max_model_len must be >= 1")
@@ -94,8 +151,11 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.waiting: deque[Request] = deque()  # FIFO; preempted requests re-enter by arrival time
-        self.running: list[Request] = []  # admission order; the latest arrival is preempted first
+        self.stall = StallBound(stall_factor, min_tokens=block_manager.block_size)
+        # In (priority, arrival) order; preempted requests re-enter in their place.
+        self.waiting: deque[Request] = deque()
+        # Admission order; the least urgent, latest arrival is preempted first.
+        self.running: list[Request] = []
         # Every engine request with an unfinished sample, by its id: the one lookup by id.
         self.groups: dict[str, SampleGroup] = {}
         self.num_preemptions = 0  # cumulative, for stats
@@ -117,7 +177,20 @@ class Scheduler:
         if group.request_id in self.groups:
             raise ValueError(f"request id {group.request_id!r} is already in use")
         self.groups[group.request_id] = group
-        self.waiting.extend(group.samples)
+        for request in group.samples:
+            self._enqueue(request)
+
+    def _enqueue(self, request: Request) -> None:
+        """Into the waiting queue after every request of its priority that arrived no later."""
+        key = (request.priority, request.arrival_time)
+        self.waiting.insert(bisect.bisect_right(self.waiting, key, key=lambda r: (r.priority, r.arrival_time)),
+                            request)
+
+    def num_waiting_by_priority(self) -> dict[int, int]:
+        counts: dict[int, int] = {}
+        for r in self.waiting:
+            counts[r.priority] = counts.get(r.priority, 0) + 1
+        return counts
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -138,12 +211,17 @@ class Scheduler:
             elif remaining == 1 and not r.length_capped:
                 decodes.append((r, 1))
         allocate = self.block_manager.allocate_slots
+        # Prompt tokens (running prefills and admissions) beside this step's decodes.
+        bound = self.stall.prompt_tokens(len(decodes))
+        prompt_budget = budget if bound is None else bound
         for request, remaining in decodes + prefills if prefills else decodes:
             if budget <= 0:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
-            num_new = min(remaining, budget)
+            num_new = min(remaining, budget) if remaining == 1 else min(remaining, budget, prompt_budget)
+            if num_new <= 0:
+                break
             while (new_blocks := allocate(request, num_new)) is None:
                 victim = self._pick_victim()
                 if victim is not request and victim.request_id in scheduled:
@@ -161,11 +239,14 @@ class Scheduler:
                 continue
             scheduled[request.request_id] = self._schedule(out, request, num_new)
             budget -= num_new
+            if remaining > 1:
+                prompt_budget -= num_new
 
-        # 2. Admit waiting requests in FIFO order; none after a preemption (memory is short), and
-        # none past the first that does not fit (head-of-line, so big requests are not starved).
-        # Samples 2..n of a prompt are skipped while sample 0 still computes that prompt.
+        # 2. Admit waiting requests in (priority, arrival) order; none after a preemption (memory is
+        # short), and none past the first that does not fit (head-of-line, so big requests are not
+        # starved). Samples 2..n of a prompt are skipped while sample 0 still computes that prompt.
         i = 0
+        budget = min(budget, prompt_budget)
         while (not out.preempted and i < len(self.waiting) and budget > 0
                and len(self.running) < self.max_num_seqs):
             request = self.waiting[i]
@@ -203,10 +284,10 @@ class Scheduler:
         return True
 
     def _pick_victim(self) -> Request:
-        """The running request that arrived last (ties: admitted last). Preempting by arrival, not
-        admission, means a re-admitted old request is never the victim of newer ones: nothing
-        starves."""
-        return max(enumerate(self.running), key=lambda ir: (ir[1].arrival_time, ir[0]))[1]
+        """The running request of the least urgent priority that arrived last (ties: admitted
+        last). Preempting by arrival, not admission, means a re-admitted old request is never the
+        victim of newer ones of its priority: nothing starves within a priority."""
+        return max(enumerate(self.running), key=lambda ir: (ir[1].priority, ir[1].arrival_time, ir[0]))[1]
 
     def _schedule(self, out: SchedulerOutput, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
@@ -221,10 +302,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
-        # Back into the waiting queue in arrival order (ahead of everything that came later).
-        pos = next((j for j, w in enumerate(self.waiting) if w.arrival_time > request.arrival_time),
-                   len(self.waiting))
-        self.waiting.insert(pos, request)
+        self._enqueue(request)  # ahead of everything of its priority that came later
         log.info("preempted", request_id=request.request_id,
                  num_preemptions=request.num_preemptions, num_tokens=request.num_tokens)
 

@@ -112,6 +112,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="running sequences per step at most")
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
                    help="tokens per step at most (prefill chunks + decodes)")
+    p.add_argument("--decode-stall-factor", type=float, default=d.decode_stall_factor,
+                   help="a step carrying prompt tokens beside running decodes may take at most this many times "
+                        "a decode-only step (learnt from step times): long prompts are cut into chunks that keep "
+                        "inter-token stalls bounded; 0 = only --max-num-batched-tokens bounds a step")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--max-waiting", type=int, default=d.max_waiting,
                    help="waiting-queue bound; beyond it requests get RESOURCE_EXHAUSTED")
@@ -293,6 +297,7 @@ def _serve(args: argparse.Namespace, engine_setup: Callable[[EngineCore], None] 
             gpu_memory_fraction=args.gpu_memory_fraction, enforce_eager=args.enforce_eager,
             num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+            decode_stall_factor=args.decode_stall_factor,
             max_waiting=args.max_waiting, seed=args.seed,
             attention_backend=args.attention_backend, cpu_threads=args.cpu_threads,
             tensor_parallel_size=args.tensor_parallel_size, enable_prefix_caching=args.enable_prefix_caching)

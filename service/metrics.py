@@ -77,6 +77,12 @@ class _EngineCollector(Collector):
                     used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0)
         yield gauge("pie_kv_blocks_cached", "Free KV blocks that still hold a cached prompt prefix (reusable).",
                     stats.kv_blocks_cached)
+        by_priority = GaugeMetricFamily("pie_requests_waiting_by_priority",
+                                        "Requests waiting to be processed, by their priority (lower runs first).",
+                                        labels=["model_name", "priority"])
+        for priority, n in sorted(stats.requests_waiting_by_priority.items()):
+            by_priority.add_metric([self.model_name, str(priority)], n)
+        yield by_priority
         yield counter("vllm:prefix_cache_queries",
                       "Prefix cache queries, in terms of number of queried tokens.", stats.prefix_cache_queries)
         yield counter("vllm:prefix_cache_hits",

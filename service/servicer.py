@@ -143,7 +143,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                 raise FieldError("prompt", "tokenizes to no tokens")
             client = self._ready_client()  # it may have stopped while the text was tokenized
         try:
-            stream = client.submit(prompt, sampling, caller_id=rid)
+            stream = client.submit(prompt, sampling, caller_id=rid, priority=request.priority)
         except PromptError as e:
             raise invalid_argument(qualify(e.field), e.message, e.reason) from e
         except SamplingParamsError as e:
@@ -392,6 +392,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             load=pb.ModelLoad(
                 kv_blocks_total=stats.kv_blocks_total, kv_blocks_free=stats.kv_blocks_free,
                 kv_blocks_cached=stats.kv_blocks_cached,
+                requests_waiting_by_priority=stats.requests_waiting_by_priority,
                 requests_running=stats.requests_running, requests_waiting=stats.requests_waiting,
                 max_num_seqs=cfg.max_num_seqs, max_waiting=cfg.max_waiting))
         if client.tokenizer.bos_token_id is not None:

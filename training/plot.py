@@ -10,7 +10,7 @@ from os import PathLike
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 _BG, _AXIS, _GRID = (255, 255, 255), (40, 40, 40), (225, 225, 225)
-SERIES_COLORS = ((31, 119, 180), (214, 39, 40), (44, 160, 44))  # train blue, eval red, spare green
+SERIES_COLORS = ((31, 119, 180), (214, 39, 40), (44, 160, 44), (255, 127, 14))  # blue, red, green, orange
 
 
 def write_png(path: str | PathLike[str], pixels: list[bytearray], width: int, height: int) -> None:

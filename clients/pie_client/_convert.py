@@ -114,10 +114,13 @@ def sampling_params(sampling: Mapping[str, Any]) -> pb.SamplingParams:
 
 
 def build_request(
-    cls: type[RequestT], prompt: str | Sequence[int], request_id: str | None, sampling: Mapping[str, Any]
+    cls: type[RequestT], prompt: str | Sequence[int], request_id: str | None, sampling: Mapping[str, Any],
+    priority: int = 0,
 ) -> RequestT:
     """A GenerateRequest or GenerateStreamRequest for a text prompt or a list of token ids."""
-    request = cls(sampling=sampling_params(sampling), request_id=request_id or "")
+    if isinstance(priority, bool) or not isinstance(priority, int) or not -2**31 <= priority < 2**31:
+        raise ValueError(f"priority: must be an int32, got {priority!r}")
+    request = cls(sampling=sampling_params(sampling), request_id=request_id or "", priority=priority)
     if isinstance(prompt, str):
         request.prompt = prompt
     elif isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)) and all(
@@ -220,5 +223,6 @@ def model_info(response: pb.GetModelInfoResponse) -> ModelInfo:
             max_num_seqs=load.max_num_seqs,
             max_waiting=load.max_waiting,
             kv_blocks_cached=load.kv_blocks_cached,
+            requests_waiting_by_priority=dict(load.requests_waiting_by_priority),
         ),
     )

@@ -83,11 +83,12 @@ class AsyncClient:
         prompt: str | Sequence[int],
         *,
         request_id: str | None = None,
+        priority: int = 0,
         timeout: float | None = _DEFAULT,
         **sampling: Any,
     ) -> Completion:
         """Generate a whole completion; see `Client.generate`."""
-        request = _convert.build_request(pb.GenerateRequest, prompt, request_id, sampling)
+        request = _convert.build_request(pb.GenerateRequest, prompt, request_id, sampling, priority)
         try:
             response = await self._stub.Generate(
                 request, timeout=self._timeout(timeout), metadata=call_metadata(self._metadata, request_id)
@@ -101,11 +102,12 @@ class AsyncClient:
         prompt: str | Sequence[int],
         *,
         request_id: str | None = None,
+        priority: int = 0,
         timeout: float | None = _DEFAULT,
         **sampling: Any,
     ) -> AsyncIterator[Delta]:
         """Generate a completion as deltas (`async for`); see `Client.stream`."""
-        request = _convert.build_request(pb.GenerateStreamRequest, prompt, request_id, sampling)
+        request = _convert.build_request(pb.GenerateStreamRequest, prompt, request_id, sampling, priority)
         return self._stream(request, request_id, self._timeout(timeout))
 
     async def _stream(

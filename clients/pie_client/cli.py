@@ -185,6 +185,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="token id that ends generation besides the model's end-of-sequence ids; repeatable "
                           "(default: none)")
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+    gen.add_argument("--priority", type=_int32("--priority"), default=0, metavar="P",
+                     help="scheduling priority: lower runs first, requests of one priority in arrival order")
     gen.add_argument("--keep-special-tokens", action="store_true", help="leave special tokens in the text")
     gen.add_argument("--no-stream", action="store_true", help="one unary call; print the whole answer")
     gen.add_argument("--json", action="store_true",
@@ -277,11 +279,23 @@ def _print_json(obj: Any) -> None:
     sys.stdout.flush()
 
 
+def _int32(flag: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} must be a whole number, got {text!r}") from None
+        if not -2**31 <= value < 2**31:
+            raise argparse.ArgumentTypeError(f"{flag} must fit an int32, got {value}")
+        return value
+    return parse
+
+
 def _generate(client: Client, args: argparse.Namespace) -> None:
     sampling = _sampling(args)
     logprobs: dict[int, list[TokenLogprob]] = {}  # by choice
     if args.no_stream or sampling.get("n", 1) > 1:  # several choices: printed whole, one after another
-        done = client.generate(args.prompt, request_id=args.request_id, **sampling)
+        done = client.generate(args.prompt, request_id=args.request_id, priority=args.priority, **sampling)
         if args.json:
             _print_json(done)
             return
@@ -294,7 +308,7 @@ def _generate(client: Client, args: argparse.Namespace) -> None:
         prompt_tokens, completion_tokens = done.prompt_tokens, done.completion_tokens
     else:
         reason, stop, request_id, prompt_tokens, completion_tokens = None, "", "", 0, 0
-        for delta in client.stream(args.prompt, request_id=args.request_id, **sampling):
+        for delta in client.stream(args.prompt, request_id=args.request_id, priority=args.priority, **sampling):
             if args.json:
                 _print_json(delta)
                 continue

@@ -96,15 +96,17 @@ class Client:
         prompt: str | Sequence[int],
         *,
         request_id: str | None = None,
+        priority: int = 0,
         timeout: float | None = _DEFAULT,
         **sampling: Any,
     ) -> Completion:
         """Generate a whole completion of a text prompt or a list of token ids.
 
         `sampling` takes SamplingParams field names (max_tokens, temperature, top_k, top_p, ...);
-        an unknown name raises TypeError. `request_id` is sent as `x-request-id`.
+        an unknown name raises TypeError. `request_id` is sent as `x-request-id`. `priority`: lower
+        is scheduled first (0 by default; requests of one priority in arrival order).
         """
-        request = _convert.build_request(pb.GenerateRequest, prompt, request_id, sampling)
+        request = _convert.build_request(pb.GenerateRequest, prompt, request_id, sampling, priority)
         try:
             response = self._stub.Generate(
                 request, timeout=self._timeout(timeout), metadata=call_metadata(self._metadata, request_id)
@@ -118,6 +120,7 @@ class Client:
         prompt: str | Sequence[int],
         *,
         request_id: str | None = None,
+        priority: int = 0,
         timeout: float | None = _DEFAULT,
         **sampling: Any,
     ) -> Iterator[Delta]:
@@ -126,7 +129,7 @@ class Client:
         The last delta carries finish_reason, stop_reason and usage. Leaving the loop early (or
         closing the iterator) cancels the RPC, which frees the request on the server.
         """
-        request = _convert.build_request(pb.GenerateStreamRequest, prompt, request_id, sampling)
+        request = _convert.build_request(pb.GenerateStreamRequest, prompt, request_id, sampling, priority)
         return self._stream(request, request_id, self._timeout(timeout))
 
     def _stream(self, request: pb.GenerateStreamRequest, request_id: str | None, timeout: float | None) -> Iterator[Delta]:

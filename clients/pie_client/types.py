@@ -105,6 +105,8 @@ class ModelLoad:
     max_num_seqs: int
     max_waiting: int  # queue bound; beyond it the server answers RESOURCE_EXHAUSTED
     kv_blocks_cached: int = 0  # of kv_blocks_free, those holding a reusable cached prompt prefix
+    # Of requests_waiting, how many wait at each priority (lower runs first); priorities with none left out.
+    requests_waiting_by_priority: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

@@ -86,8 +86,10 @@ def test_shared_prefix_computes_only_unshared_tokens(model_dir) -> None:
 
 
 def test_long_prompt_mid_stream_keeps_decodes_advancing(model_dir) -> None:
+    """The token budget alone (the stall bound off: its chunks follow step times) shares each step
+    between the running decodes and a chunk of the long prompt."""
     budget = 8
-    engine = make_engine(model_dir, max_num_batched_tokens=budget)
+    engine = make_engine(model_dir, max_num_batched_tokens=budget, decode_stall_factor=0)
     outs = count_scheduled(engine)
     sp = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     for i in range(3):
@@ -157,3 +159,42 @@ def test_n_samples_without_prefix_caching_and_abort(model_dir) -> None:
     assert_pool_clean(engine)
     with pytest.raises(ValueError):
         SamplingParams(n=17)
+
+
+def test_the_engine_teaches_the_stall_bound_and_it_cuts_prompts(model_dir) -> None:
+    """EngineCore reports every step's time to the scheduler's stall bound (decode-only steps and
+    steps with prompt tokens); a long prompt arriving beside running decodes is then cut into
+    chunks within the bound of each step, and gives the tokens an unbounded engine gives."""
+    greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    engine = make_engine(model_dir, max_num_batched_tokens=256, decode_stall_factor=1.5)
+    stall = engine.scheduler.stall
+    for i in range(3):
+        engine.add_request(f"s{i}", [30 + i, 40 + i, 50 + i] * 6, greedy)  # 18-token prompts
+    for _ in range(3):
+        engine.step()
+    engine.add_request("warm", [60, 61, 62] * 8, greedy)  # a prompt beside decodes: its cost is measured
+    for _ in range(3):
+        engine.step()
+    assert stall.decode_s is not None and stall.per_prompt_token_s is not None, "no step times reached the bound"
+    steps: list[tuple[int | None, list]] = []  # (the bound before the step, the step's rows)
+    schedule = engine.scheduler.schedule
+
+    def recording():
+        bound = stall.prompt_tokens(sum(1 for r in engine.scheduler.running if r.num_remaining_tokens == 1))
+        out = schedule()
+        steps.append((bound, out.scheduled))
+        return out
+
+    engine.scheduler.schedule = recording
+    long = [(7 * i) % 300 + 5 for i in range(120)]
+    sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    engine.add_request("long", long, sp)
+    got: list[int] = []
+    while engine.has_unfinished():
+        got += [t for o in engine.step() if o.request_id == "long" for t in o.new_token_ids]
+    chunks = [(bound, s.num_new_tokens) for bound, rows in steps for s in rows
+              if s.request.request_id == "long" and s.start < len(long)]
+    assert sum(n for _, n in chunks) == len(long)
+    assert all(bound is None or n <= max(bound, stall.min_tokens) for bound, n in chunks), chunks
+    alone = make_engine(model_dir, max_num_batched_tokens=256, decode_stall_factor=0)
+    assert got == alone.generate([long], sp)[0]

@@ -287,3 +287,86 @@ def test_random_workload_keeps_every_tokens_kv_in_place(caching: bool) -> None:
         if r.status != RequestStatus.FINISHED_ABORTED:
             assert r.num_output_tokens == r.sampling.max_tokens, seed
 
+
+
+# ---- priority ---------------------------------------------------------------------------------------
+def preq(rid: str, priority: int, arrival: float, num_prompt: int = 2, max_tokens: int = 3) -> Request:
+    return Request(rid, [100 + i for i in range(num_prompt)], SamplingParams(max_tokens=max_tokens),
+                   max_model_len=256, arrival_time=arrival, priority=priority)
+
+
+def test_admission_by_priority_then_arrival() -> None:
+    sched, _ = make(64, 4, max_num_seqs=2)
+    reqs = [preq(f"p{i}", 0, float(i)) for i in range(6)] + [preq("urgent", -1, 10.0), preq("late", 0, 11.0),
+                                                               preq("low", 5, 0.5)]
+    add(sched, *reqs)
+    assert [r.request_id for r in sched.waiting] == ["urgent", "p0", "p1", "p2", "p3", "p4", "p5", "late", "low"]
+    assert sched.num_waiting_by_priority() == {-1: 1, 0: 7, 5: 1}
+    order = []
+    while sched.has_unfinished():
+        out = step(sched)
+        order += [s.request.request_id for s in out.scheduled if s.start == 0]
+    assert order == ["urgent", "p0", "p1", "p2", "p3", "p4", "p5", "late", "low"]
+
+
+def test_the_least_urgent_is_preempted_first() -> None:
+    """Blocks run short: the running request of the least urgent priority goes, even when it
+    arrived first; within a priority the latest arrival goes."""
+    sched, bm = make(4, 2, max_model_len=8)
+    low, high = preq("low", 3, 0.0, num_prompt=3, max_tokens=4), preq("high", 0, 1.0, num_prompt=3, max_tokens=4)
+    add(sched, low, high)
+    step(sched)
+    step(sched)
+    # high was admitted first (blocks 0, 1), low after it (2, 3); high's 5th token needs a third
+    # block and none is free: low, less urgent although it arrived first, goes
+    out = step(sched)
+    assert out.preempted == [low] and low.status == RequestStatus.PREEMPTED
+    assert summary(sched, out) == [("high", 4, 1, [0, 1, 3], True)]
+    while sched.has_unfinished():
+        step(sched)
+    assert low.num_output_tokens == high.num_output_tokens == 4 and bm.num_free_blocks == 4
+
+
+# ---- bounded stalls ----------------------------------------------------------------------------------
+def test_stall_bound_learns_from_step_times() -> None:
+    from engine.scheduler import StallBound
+
+    bound = StallBound(2.0, min_tokens=16)
+    assert bound.prompt_tokens(8) is None  # nothing measured yet
+    for _ in range(20):
+        bound.observe(8, 0, 0.010)  # decode-only steps: 10 ms
+    assert bound.prompt_tokens(8) is None  # the cost of a prompt token is not known yet
+    for _ in range(20):
+        bound.observe(8, 1000, 0.010 + 1000 * 20e-6)  # 20 us per prompt token on top
+    # (2 - 1) x 10 ms / 20 us = 500 tokens keep a step within twice a decode step
+    assert bound.prompt_tokens(8) == pytest.approx(500, abs=2)
+    assert bound.prompt_tokens(0) is None  # no decodes to stall: no bound
+    bound.observe(8, 4, 5.0)  # too few prompt tokens to tell their cost: ignored
+    assert bound.prompt_tokens(8) == pytest.approx(500, abs=2)
+    for _ in range(50):
+        bound.observe(8, 0, 0.0001)  # decodes grow fast: the bound falls, not below the floor
+    assert bound.prompt_tokens(8) == 16
+    assert StallBound(0.0, min_tokens=16).prompt_tokens(8) is None  # off
+    with pytest.raises(ValueError):
+        StallBound(1.0, min_tokens=16)
+
+
+def test_prompt_tokens_beside_decodes_follow_the_stall_bound() -> None:
+    sched = StepScheduler(BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256,
+                          stall_factor=2.0)
+    a, b = req("a", 2, max_tokens=20), req("b", 2, max_tokens=20)
+    add(sched, a, b)
+    step(sched)
+    for _ in range(10):  # teach it: decode steps 10 ms, a prompt token 1 ms on top
+        sched.stall.observe(2, 0, 0.010)
+        sched.stall.observe(2, 16, 0.010 + 16e-3)
+    long = req("long", 40, max_tokens=2)
+    add(sched, long)
+    out = step(sched)  # (2 - 1) x 10 ms / 1 ms = 10 tokens, floored at the block size (4)
+    assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [("a", 1), ("b", 1), ("long", 10)]
+    out = step(sched)
+    assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [("a", 1), ("b", 1), ("long", 10)]
+    for r in (a, b):
+        sched.abort(r.request_id)
+    out = step(sched)  # no decode left to stall: the whole budget
+    assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [("long", 20)]
