@@ -25,6 +25,9 @@ from pathlib import Path
 
 import pytest
 
+# slow: builds virtual environments and runs the README's commands in subprocesses
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
