@@ -8,7 +8,10 @@ against the code; blocks it does not run name the test or script that does:
 - the `grpcurl` lines: tests/service/test_grpcurl_reflection.py;
 - `pie train --generate-corpus ...` (hours of training): tests/training/test_training.py trains
   the same code path small; here only its flags are parsed;
-- `pie serve --model models/...` (needs a downloaded model): here its flags are parsed.
+- `pie serve --model models/...` (needs a downloaded model): here its flags are parsed;
+- the Developing section's `python -m pytest`, `ruff check . && mypy` and `npx buf` lines: parts of
+  the test command (`.ci/run`); its `bash benchmarks/gpu.sh` lines need a GPU:
+  tests/benchmarks/test_gpu_suites.py checks the suites they name and runs one on the CPU.
 
 Run here: `pie serve --help`, `pie-client --help`, `pie train --help`, the `pie-client` lines and
 the Python blocks against live tiny servers, `python benchmarks/plot_results.py`.
@@ -59,7 +62,8 @@ def run(argv: list[str], **kw) -> subprocess.CompletedProcess:
 
 def test_every_shell_command_is_accounted_for():
     covered = ("python3 -m venv", "grpcurl ", "pie-client generate ", "pie-client info", "pie train ",
-               "pie serve --model ", "pie bench ", "npm ci", "node clients/node/example.mjs ")
+               "pie serve --model ", "pie bench ", "npm ci", "node clients/node/example.mjs ", "python -m pytest ",
+               "ruff check . && mypy", "npx buf ", "bash benchmarks/gpu.sh ", "BASELINE=")
     lines = shell_lines()
     assert lines, "no commands found in README.md"
     for line in lines:
