@@ -50,9 +50,10 @@
 # in the baseline's tree with its code first on the import path: the baseline must have the scripts
 # and flags a suite uses.
 #
-# Add a suite as one more function and case arm below: one script, not one per issue. Each suite
-# runs under `timeout`: TIMEOUT_<suite> seconds, else SUITE_TIMEOUT, else 300. A suite's files are
-# appended to (rounds), so give each call a fresh OUT (the device machine empties it per command).
+# Add a suite as one more suite_NAME function below and its name in SUITES: one script, not one per
+# issue. Each suite runs under `timeout`: TIMEOUT_<suite> seconds, else SUITE_TIMEOUT, else 300. A
+# suite's files are appended to, round after round, so give each call a fresh OUT (the device
+# machine empties it per command; without OUT the script makes a new folder).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
