@@ -2,87 +2,225 @@
 # The one GPU entry point: named suites, run in the order given, on the lent machine from the repo
 # root with .whl carried (../shared/tools/gpu-wheels.sh fills it):
 #
-#   bash benchmarks/gpu.sh SUITE [SUITE ...]
+#     bash benchmarks/gpu.sh SUITE [SUITE ...]
+#     BASELINE=<commit> [ROUNDS=N] bash benchmarks/gpu.sh SUITE [SUITE ...]
 #
-# Suites (each writes SUITE.md / SUITE.log, and JSON where the script makes one, into $OUT):
-#   tests     pytest -m gpu tests/kernels (the Triton kernels against their torch twins), and the
-#             unmarked kernel tests of the int8 modes, split_tokens and chunk invariance
-#   kernels   benchmarks/attention.py --graphs (decode vs SDPA and the copy bandwidth, extend,
-#             fidelity); KERNELS_ARGS adds flags (e.g. "--repeats 3")
-#   variants  benchmarks/decode_variants.py (decode launch variants, checked then timed);
-#             VARIANTS_ARGS adds flags (e.g. "--only old,bias-w4 --repeats 3")
-#   ncu       benchmarks/ncu_decode.py --profile (Nsight Compute on _decode_stage1); NCU_CASES
-#             overrides its cases
-#   extend    benchmarks/extend_check.py (extend and cache-write kernels vs SDPA)
-#   engine    pytest -m gpu tests/engine tests/model (graphs, parity through the Triton path), then
-#             benchmarks/profile_step.py --steps 30 (one decode step of the Llama-1B shape, 256 rows)
-#   offline   benchmarks/throughput.py --skip-hf (256 requests x 256 tokens, int8 and bf16 pages)
-#   long      benchmarks/long_context.py (8B-class long-context work, memory ample and an 8 GiB
-#             pool); LONG_ARGS adds flags (e.g. "--repeats 2")
-#   fidelity  benchmarks/kv_fidelity.py --device cuda (greedy agreement, teacher-forced, KL)
-#   seeds     benchmarks/seed_consistency.py (cold / cached / chunked / batch sizes on the GPU)
-# Add a suite as one more function and case arm below (engine, serving, tp, ...): one script,
-# not one per issue. Each suite runs under `timeout`: TIMEOUT_<suite> seconds, else SUITE_TIMEOUT,
-# else 300.
+# Suites (each writes SUITE.md or SUITE.log, and JSON where the script makes one, into $OUT):
+#   tests       pytest -m gpu tests/kernels (the Triton kernels against their torch twins), and the
+#               unmarked kernel tests of the int8 modes, split_tokens and chunk invariance
+#   alltests    pytest -m gpu tests: every GPU-marked test (kernels, engine, model, tensor parallel)
+#   kernels     benchmarks/attention.py --graphs (decode vs SDPA and the copy bandwidth, extend,
+#               fidelity); KERNELS_ARGS adds flags (e.g. "--repeats 3")
+#   variants    benchmarks/decode_variants.py (decode launch variants, checked then timed);
+#               VARIANTS_ARGS adds flags (e.g. "--only old,bias-w4 --repeats 3", "--engine")
+#   ncu         benchmarks/ncu_decode.py --profile (Nsight Compute on _decode_stage1); NCU_CASES
+#               overrides its cases
+#   extend      benchmarks/extend_check.py (extend and cache-write kernels vs SDPA)
+#   engine      pytest -m gpu tests/engine tests/model (graphs, parity through the Triton path), then
+#               the profile suite
+#   profile     benchmarks/profile_step.py --steps 30 (one decode step of the Llama-1B shape, 256 rows,
+#               int8 pages; the phases synchronized); the figure a before/after comparison reads
+#   host        benchmarks/profile_step.py --micro --stub-forward --batch 256 (the engine's host work
+#               per step alone: the forward returns zeros at once)
+#   offline     benchmarks/throughput.py --skip-hf (256 requests x 256 tokens, int8 and bf16 pages);
+#               OFFLINE_ARGS adds flags (e.g. "--repeats 3", "--shape 4b")
+#   hf          benchmarks/throughput.py with transformers' generate_batch on the same workload
+#   capacity    benchmarks/throughput.py --skip-hf --kv-gib 3: the KV pool, not the batch cap, limits
+#               the batch (int8 against bf16 pages, preemptions counted)
+#   serving     pie serve on the Llama-1B shape under benchmarks/serving.py at 64 and 256 streams,
+#               engine process (1 and 4 tokens per message) and thread, then the offline engine on
+#               the same requests; SERVING_MODE runs one server mode, SERVING_CONCURRENCY other levels
+#   scheduling  benchmarks/scheduling.py (prefix caching off/on, chunked vs whole prefill)
+#   mixed       benchmarks/mixed.py --repeats 3 --single --hf 128 --serve 64,256 (the Qwen3-4B shape's
+#               mixed workload: offline, one user, transformers, gRPC); MIXED_ARGS replaces those
+#               flags (one user on the Llama-1B shape:
+#               MIXED_ARGS="--shape llama-1b --kv int8 --repeats 1 --requests 32 --single")
+#   long        benchmarks/long_context.py (8B-class long-context work, memory ample and an 8 GiB
+#               pool); LONG_ARGS adds flags (e.g. "--repeats 2")
+#   fidelity    benchmarks/kv_fidelity.py --device cuda (greedy agreement, teacher-forced, KL)
+#   seeds       benchmarks/seed_consistency.py (cold / cached / chunked / batch sizes on the GPU)
+#   tp          tensor parallelism: its GPU tests (the NCCL ones need 2 GPUs), the collectives of one
+#               decode step (tp_collectives.py over every visible GPU), throughput at N=1 and, with 2+
+#               GPUs, N=2 (Llama-1B and 4B shapes, int8 pages), and tp_vocab.py
+#
+# BASELINE=<commit> runs every suite a second time on that commit, checked out with `git worktree
+# add` (else `git archive`) outside the repo, and writes its files under $OUT/baseline/; ROUNDS=N
+# (default 1) repeats each suite N times, the working tree and the baseline interleaved, so that
+# before and after come from one call on one machine. The suites' commands are this script's, run
+# in the baseline's tree with its code first on the import path: the baseline must have the scripts
+# and flags a suite uses.
+#
+# Add a suite as one more suite_NAME function below and its name in SUITES: one script, not one per
+# issue. Each suite runs under `timeout`: TIMEOUT_<suite> seconds, else SUITE_TIMEOUT, else 300. A
+# suite's files are appended to, round after round, so give each call a fresh OUT (the device
+# machine empties it per command; without OUT the script makes a new folder).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+ROOT=$PWD
 if [ -d .whl ]; then
   source benchmarks/gpu_env.sh
 else  # the kernel suites need no wheels when the machine has the service's packages
-  OUT=${OUT:-/tmp/pie-gpu}; mkdir -p "$OUT"
+  OUT=${OUT:-$(mktemp -d /tmp/pie-gpu.XXXX)}; mkdir -p "$OUT"
   export PYTHONPATH=$PWD:$PWD/clients HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1
 fi
+# The machines' rule: no NVLink multicast (a program that uses it can take the host's GPUs down).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 T=${SUITE_TIMEOUT:-300}
-t() { local v="TIMEOUT_$1"; echo "${!v:-$T}"; }
+t() { local v="TIMEOUT_${1//-/_}"; echo "${!v:-$T}"; }
+D=$OUT  # where the suite being run writes: $OUT, or $OUT/baseline for the baseline's runs
+quiet() {
+  grep -v '"event"\|engine_ready\|Writing model shards\|kv_smoothing\|warmed_up\|cuda_graphs_captured\|kv_cache_sized\|Warning\|_warn_once\|warn(\|Loading weights\|_attn_implementation'
+}
 
 suite_tests() {
   # the GPU-marked kernel tests, then the unmarked ones that exercise the int8 modes, split_tokens
   # and chunk invariance (on a GPU they run with bf16 queries and the PTX conversions)
-  timeout "$(t tests)" python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels 2>&1 | tail -15 | tee "$OUT/tests.log"
+  timeout "$(t tests)" python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels 2>&1 | tail -15 | tee -a "$D/tests.log"
   timeout "$(t tests)" python3 -m pytest -q -p no:cacheprovider tests/kernels -k "int8_modes or split_tokens or chunks_give" 2>&1 \
-    | tail -15 | tee -a "$OUT/tests.log"
+    | tail -15 | tee -a "$D/tests.log"
+}
+suite_alltests() {
+  timeout "$(t alltests)" python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests 2>&1 | tail -40 | tee -a "$D/alltests.log"
 }
 suite_kernels() {
   # shellcheck disable=SC2086
-  timeout "$(t kernels)" python3 benchmarks/attention.py --graphs --out "$OUT/kernels.json" ${KERNELS_ARGS:-} 2>&1 | tee "$OUT/kernels.md"
+  timeout "$(t kernels)" python3 benchmarks/attention.py --graphs --out "$D/kernels.json" ${KERNELS_ARGS:-} 2>&1 | tee -a "$D/kernels.md"
 }
 suite_variants() {
   # shellcheck disable=SC2086
-  timeout "$(t variants)" python3 benchmarks/decode_variants.py --out "$OUT" ${VARIANTS_ARGS:-} 2>&1 | grep -v "^check" | tail -120
-  grep -c "FAIL" "$OUT/variants.md" | sed 's/^/variants failing their check: /'
+  timeout "$(t variants)" python3 benchmarks/decode_variants.py --out "$D" ${VARIANTS_ARGS:-} 2>&1 | grep -v "^check" | tail -120
+  grep -c "FAIL" "$D/variants.md" | sed 's/^/variants failing their check: /'
 }
 suite_ncu() {
-  timeout "$(t ncu)" python3 benchmarks/ncu_decode.py --profile --out "$OUT" ${NCU_CASES:+--cases "$NCU_CASES"} 2>&1 | tee "$OUT/ncu.log"
+  timeout "$(t ncu)" python3 benchmarks/ncu_decode.py --profile --out "$D" ${NCU_CASES:+--cases "$NCU_CASES"} 2>&1 | tee -a "$D/ncu.log"
 }
-suite_extend() { timeout "$(t extend)" python3 benchmarks/extend_check.py --out "$OUT" 2>&1 | tee "$OUT/extend.log" | tail -30; }
-quiet() { grep -v '"event"\|engine_ready\|Writing model shards\|UserWarning\|_warn_once'; }
+suite_extend() { timeout "$(t extend)" python3 benchmarks/extend_check.py --out "$D" 2>&1 | tee -a "$D/extend.log" | tail -30; }
 suite_engine() {
-  timeout "$(t engine)" python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine tests/model 2>&1 | tail -12 | tee "$OUT/engine.log"
-  timeout "$(t engine)" python3 benchmarks/profile_step.py --steps 30 2>&1 | quiet \
-    | grep -v "^void\|nvjet\|^---\|Self CUDA" | tee -a "$OUT/engine.log" | grep -i "wall per\|forward\|median"
+  timeout "$(t engine)" python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine tests/model 2>&1 | tail -12 | tee -a "$D/engine.log"
+  suite_profile
+}
+suite_profile() {
+  timeout "$(t profile)" python3 benchmarks/profile_step.py --steps 30 2>&1 | quiet \
+    | grep -v "^void\|nvjet\|^---\|Self CUDA" | tee -a "$D/profile.md" | grep -i "wall per\|forward\|median"
+}
+suite_host() {
+  timeout "$(t host)" python3 benchmarks/profile_step.py --micro --stub-forward --batch 256 --ctx 400 --steps 50 \
+    --extra enforce_eager=true,async_scheduling=true 2>&1 | quiet | tee -a "$D/host.md" | grep "wall per\|Error"
 }
 suite_offline() {
-  timeout "$(t offline)" python3 benchmarks/throughput.py --skip-hf --out "$OUT/offline.json" 2>&1 | quiet | tail -9 | tee "$OUT/offline.md"
+  # shellcheck disable=SC2086
+  timeout "$(t offline)" python3 benchmarks/throughput.py --skip-hf --out "$D/offline.json" ${OFFLINE_ARGS:-} 2>&1 | quiet \
+    | tail -9 | tee -a "$D/offline.md"
+}
+suite_hf() {
+  timeout "$(t hf)" python3 benchmarks/throughput.py --out "$D/hf.json" 2>&1 | quiet | tail -9 | tee -a "$D/hf.md"
+}
+suite_capacity() {
+  # 3 GiB of KV: ~166 int8 / ~85 bf16 sequences of 562 tokens, so bf16 preempts
+  timeout "$(t capacity)" python3 benchmarks/throughput.py --skip-hf --kv-gib 3 --repeats 1 2>&1 | quiet | grep -v preempted \
+    | tail -5 | tee -a "$D/capacity.md"
+}
+suite_serving() {
+  python3 -c 'import sys; sys.path.insert(0, "."); from pathlib import Path; import torch
+from benchmarks.throughput import LLAMA_1B, build_model; Path("/tmp/llama1b").mkdir(exist_ok=True); build_model(Path("/tmp/llama1b"), LLAMA_1B, torch.bfloat16)' 2>&1 | quiet
+  # the engine in its own process (with 1 and 4 tokens per message), then on a thread
+  local modes=("--engine-process" "--engine-process --stream-interval 4" "--no-engine-process")
+  [ -n "${SERVING_MODE:-}" ] && modes=("$SERVING_MODE")
+  for mode in "${modes[@]}"; do
+    echo "## pie serve $mode" | tee -a "$D/serving.md"
+    timeout "$(t serving)" python3 benchmarks/serving.py --model /tmp/llama1b \
+      --server-args="--max-num-seqs 256 --max-num-batched-tokens 8192 $mode" --concurrency "${SERVING_CONCURRENCY:-64,256}" \
+      --requests 512 --prompt-len 300 --max-tokens 256 --vocab 32000 2>&1 | quiet | tail -8 | tee -a "$D/serving.md"
+  done
+  echo "## offline engine, the same requests" | tee -a "$D/serving.md"
+  timeout "$(t serving)" python3 benchmarks/throughput.py --skip-hf --kv int8 --requests 512 --min-prompt 300 --max-prompt 300 \
+    2>&1 | quiet | tail -3 | tee -a "$D/serving.md"
+}
+suite_scheduling() {
+  timeout "$(t scheduling)" python3 benchmarks/scheduling.py 2>&1 | quiet | tee -a "$D/scheduling.md"
+}
+suite_mixed() {
+  # shellcheck disable=SC2086
+  timeout "$(t mixed)" python3 benchmarks/mixed.py ${MIXED_ARGS:---repeats 3 --single --hf 128 --serve 64,256} \
+    --out "$D/mixed.json" 2>&1 | quiet | tee -a "$D/mixed.md" | tail -16
 }
 suite_long() {
   # shellcheck disable=SC2086
-  timeout "$(t long)" python3 benchmarks/long_context.py --out "$OUT/long.json" ${LONG_ARGS:-} 2>&1 | quiet | tee "$OUT/long.md"
+  timeout "$(t long)" python3 benchmarks/long_context.py --out "$D/long.json" ${LONG_ARGS:-} 2>&1 | quiet | tee -a "$D/long.md"
 }
 suite_fidelity() {
-  timeout "$(t fidelity)" python3 benchmarks/kv_fidelity.py --device cuda --seeds 1 --exact-prefill 2>&1 | quiet | grep "^|" | tee "$OUT/fidelity.md"
+  timeout "$(t fidelity)" python3 benchmarks/kv_fidelity.py --device cuda --seeds 1 --exact-prefill 2>&1 | quiet | grep "^|" \
+    | tee -a "$D/fidelity.md"
 }
 suite_seeds() {
-  timeout "$(t seeds)" python3 benchmarks/seed_consistency.py 2>&1 | quiet | grep "^|" | tee "$OUT/seeds.md"
+  timeout "$(t seeds)" python3 benchmarks/seed_consistency.py 2>&1 | quiet | grep "^|" | tee -a "$D/seeds.md"
+}
+suite_tp() {
+  local gpus
+  gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+  nvidia-smi topo -m 2>&1 | tee -a "$D/tp.log"
+  timeout "$(t tp)" python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/engine/test_tensor_parallel.py \
+    tests/engine/test_cuda_graphs.py tests/model/test_parallel.py 2>&1 | tail -30 | tee -a "$D/tp.log"
+  timeout "$(t tp)" python3 benchmarks/tp_collectives.py --size "$gpus" --rows 1,256 --iters 20 --repeats 3 \
+    --out "$D/tp_collectives.json" 2>&1 | tail -12 | tee -a "$D/tp.md"
+  local sizes=(1)
+  [ "$gpus" -ge 2 ] && sizes=(1 2)
+  for shape in llama-1b 4b; do
+    for n in "${sizes[@]}"; do
+      echo "## throughput $shape N=$n" | tee -a "$D/tp.md"
+      timeout "$(t tp)" python3 benchmarks/throughput.py --skip-hf --kv int8 --repeats 3 --shape "$shape" \
+        --tensor-parallel-size "$n" 2>&1 | quiet | tail -6 | tee -a "$D/tp.md"
+    done
+  done
+  timeout "$(t tp)" python3 benchmarks/tp_vocab.py 2>&1 | quiet | tee -a "$D/tp.md"
+}
+SUITES=" tests alltests kernels variants ncu extend engine profile host offline hf capacity serving scheduling mixed long fidelity seeds tp "
+
+g() { git -c safe.directory="$ROOT" -C "$ROOT" "$@"; }  # files copied to a machine may belong to another user
+baseline_tree() {  # check BASELINE out outside the repo; prints its folder
+  local sha dir
+  sha=$(g rev-parse --verify --quiet "$BASELINE^{commit}") \
+    || { echo "BASELINE=$BASELINE: no such commit in $ROOT (git needs the repository's .git here)" >&2; return 1; }
+  dir=/tmp/pie-baseline-${sha:0:12}
+  if [ ! -e "$dir" ]; then
+    g worktree add --detach --quiet "$dir" "$sha" >&2 \
+      || { mkdir -p "$dir" && g archive "$sha" | tar -x -C "$dir"; } \
+      || { echo "BASELINE=$BASELINE: neither git worktree nor git archive could check it out" >&2; return 1; }
+  fi
+  echo "$dir"
+}
+run_suite() {  # run_suite SUITE TREE LABEL: the suite in TREE, that tree's code first on the import path
+  local tree=$2
+  echo "=== $1$3 ($(date -u +%H:%M:%S))"
+  [ "$tree" != "$ROOT" ] && echo "    in $tree, PYTHONPATH=${SITE:+$SITE:}$tree:$tree/clients, files in $D"
+  (
+    cd "$tree" || exit 1
+    export PYTHONPATH=${SITE:+$SITE:}$tree:$tree/clients
+    "suite_$1"
+  )
 }
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv,noheader
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
-git log -1 --format='commit %h %s' 2>/dev/null | cut -c1-100
+g log -1 --format='commit %h %s' 2>/dev/null | cut -c1-100
 [ $# -eq 0 ] && { grep '^#   [a-z]' "$0"; exit 2; }
 for suite in "$@"; do
-  echo "=== $suite ($(date -u +%H:%M:%S))"
-  case $suite in
-    tests|kernels|variants|ncu|extend|engine|offline|long|fidelity|seeds) "suite_$suite" ;;
-    *) echo "unknown suite: $suite"; exit 2 ;;
-  esac
+  [[ $SUITES == *" $suite "* ]] || { echo "unknown suite: $suite (one of:$SUITES)"; exit 2; }
+done
+SITE=""
+[ -d "$ROOT/.site" ] && SITE=$ROOT/.site
+BASE=""
+if [ -n "${BASELINE:-}" ]; then
+  BASE=$(baseline_tree) || exit 2
+  mkdir -p "$OUT/baseline"
+  echo "baseline: $(g log -1 --format='%h %s' "$BASELINE" | cut -c1-90) in $BASE"
+  trap 'g worktree remove --force "$BASE" 2>/dev/null || rm -rf "$BASE"' EXIT
+fi
+for suite in "$@"; do
+  for ((round = 1; round <= ${ROUNDS:-1}; round++)); do
+    r=""
+    [ "${ROUNDS:-1}" -gt 1 ] && r=" round $round"
+    D=$OUT run_suite "$suite" "$ROOT" "$r"
+    [ -n "$BASE" ] && D=$OUT/baseline run_suite "$suite" "$BASE" " (baseline ${BASELINE})$r"
+  done
 done

@@ -4,7 +4,8 @@
 
 Decode attention at batch 64 on the H200: achieved bandwidth (TB/s, y) against log2(context
 length) (x) for int8 pages (blue), bf16 pages (red), and the measured device copy bandwidth (green,
-which drops to 0 at the right edge so the y axis starts at 0 TB/s; the grid has 4 bands).
+which drops to 0 at the right edge so the y axis starts at 0 TB/s; the grid has 4 bands). The
+figures are RESULTS.md's "decode sweep" rows (read by benchmarks/check_results.py's parser).
 """
 
 from __future__ import annotations
@@ -16,24 +17,35 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.check_results import RESULTS, read_results  # noqa: E402
 from benchmarks.common import make_parser  # noqa: E402
 from training.plot import plot_curves  # noqa: E402
 
-RESULTS = ROOT / "benchmarks" / "RESULTS.md"
 BATCH = 64
+SWEEP = re.compile(r"decode sweep B(\d+) ctx(\d+) D128, (int8|bf16) pages, do_bench")
+TBS = re.compile(r"([\d.]+) TB/s")
 
 
 def decode_bandwidth(text: str, batch: int = BATCH) -> tuple[list[tuple[int, float, float]], float]:
-    """[(ctx, int8 TB/s, bf16 TB/s)] of the decode table's rows at `batch`, and the copy TB/s."""
-    section = text.split("### Decode", 1)[1].split("###", 1)[0]
-    rows = []
-    for line in section.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 11 and cells[0].isdigit() and int(cells[0]) == batch:
-            rows.append((int(cells[1]), float(cells[4]), float(cells[8])))
-    copy = float(re.search(r"Copy bandwidth.*?\*\*([\d.]+) TB/s\*\*", text, re.S).group(1))
-    if not rows:
-        raise ValueError(f"no batch-{batch} rows in the decode table of {RESULTS}")
+    """[(ctx, int8 TB/s, bf16 TB/s)] of the decode sweep's rows at `batch`, by context, and the
+    copy TB/s of the same run."""
+    found: dict[int, dict[str, float]] = {}
+    copy = None
+    for row in read_results(text).rows:
+        m = SWEEP.fullmatch(row.metric)
+        if m and int(m.group(1)) == batch:
+            tbs = TBS.search(row.value)
+            if tbs is None:
+                raise ValueError(f"line {row.line}: no TB/s in {row.value!r}")
+            found.setdefault(int(m.group(2)), {})[m.group(3)] = float(tbs.group(1))
+        elif row.metric.startswith("decode sweep copy bandwidth") and (tbs := TBS.search(row.value)):
+            copy = float(tbs.group(1))
+    for ctx, pages in found.items():
+        for kind in {"int8", "bf16"} - pages.keys():
+            raise ValueError(f"the decode sweep at batch {batch} ctx {ctx} lacks {kind} pages in {RESULTS}")
+    rows = [(ctx, v["int8"], v["bf16"]) for ctx, v in sorted(found.items())]
+    if not rows or copy is None:
+        raise ValueError(f"no batch-{batch} decode sweep rows (int8 and bf16) or no copy bandwidth in {RESULTS}")
     return rows, copy
 
 

@@ -53,8 +53,9 @@ SHAPES = {"llama-1b": LLAMA_1B, "4b": LLAMA_4B}
 TINY = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
             intermediate_size=768, vocab_size=4096, tie_word_embeddings=True)
 # Next to nothing to compute: on the CPU, a step's time is then the engine's host (Python) work.
+# (its vocabulary the bundled tokenizer's size: an embedding smaller than the tokenizer is refused at start)
 MICRO = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-             intermediate_size=64, vocab_size=512, tie_word_embeddings=True)
+             intermediate_size=64, vocab_size=2560, tie_word_embeddings=True)
 
 
 def build_model(folder: Path, shape: dict, dtype: torch.dtype, *,

@@ -37,24 +37,28 @@ def _copy(tmp_path: Path, edit) -> Path:
     return tmp_path
 
 
+@pytest.mark.slow
 def test_the_contract_passes_lint_and_breaking(buf: Path) -> None:
     for args in (["lint"], ["breaking", "--against", "protos/released.json"]):
         out = _run(buf, *args, cwd=ROOT)
         assert out.returncode == 0, out.stdout + out.stderr
 
 
+@pytest.mark.slow
 def test_breaking_catches_a_renumbered_field(buf: Path, tmp_path: Path) -> None:
     copy = _copy(tmp_path, lambda t: t.replace("uint32 max_tokens = 1;", "uint32 max_tokens = 17;"))
     out = _run(buf, "breaking", "--against", str(ROOT / "protos" / "released.json"), cwd=copy)
     assert out.returncode != 0 and 'field "1" with name "max_tokens"' in out.stdout, out.stdout + out.stderr
 
 
+@pytest.mark.slow
 def test_breaking_catches_a_removed_rpc(buf: Path, tmp_path: Path) -> None:
     copy = _copy(tmp_path, lambda t: t.replace("  rpc Tokenize(TokenizeRequest) returns (TokenizeResponse);\n", ""))
     out = _run(buf, "breaking", "--against", str(ROOT / "protos" / "released.json"), cwd=copy)
     assert out.returncode != 0 and "Tokenize" in out.stdout, out.stdout + out.stderr
 
 
+@pytest.mark.slow
 def test_adding_a_field_is_not_breaking(buf: Path, tmp_path: Path) -> None:
     copy = _copy(tmp_path, lambda t: t.replace("message GetModelInfoRequest {}",
                                                "message GetModelInfoRequest {\n  bool verbose = 1;\n}"))
@@ -62,6 +66,7 @@ def test_adding_a_field_is_not_breaking(buf: Path, tmp_path: Path) -> None:
     assert out.returncode == 0, out.stdout + out.stderr
 
 
+@pytest.mark.slow
 def test_lint_catches_a_badly_named_field(buf: Path, tmp_path: Path) -> None:
     copy = _copy(tmp_path, lambda t: t.replace("uint32 max_tokens = 1;", "uint32 maxTokens = 1;"))
     out = _run(buf, "lint", cwd=copy)

@@ -70,6 +70,7 @@ def test_package_imports_point_one_way(package: str) -> None:
     assert not wrong, f"{package}/ must not import {sorted(FORBIDDEN[package])}: {wrong}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("package, never", [
     ("model", ["kernels", "engine", "service", "training", "triton"]),
     ("kernels", ["engine", "model", "service", "training"]),

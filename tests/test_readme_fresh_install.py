@@ -25,6 +25,9 @@ from pathlib import Path
 
 import pytest
 
+# slow: builds virtual environments and runs the README's commands in subprocesses
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
@@ -34,6 +37,11 @@ NOT_HERE = {
     "python3 -m venv": "the install steps of the serve command run in the fixture; the test command is .ci/run itself",
     "grpcurl ": "grpcurl does not install here: tests/service/test_grpcurl_reflection.py runs these lines",
     "pie serve --model ": "needs a downloaded model: tests/service/test_docs.py parses its flags",
+    "python -m pytest ": "needs the test extra: .ci/run runs the test command, the whole suite its last step",
+    "ruff check . && mypy": "needs the test extra: part of the test command (.ci/run)",
+    "npx buf ": "part of the test command (.ci/run); tests/test_contract.py runs buf too",
+    "bash benchmarks/gpu.sh ": "needs a GPU: tests/benchmarks/test_gpu_suites.py checks the suites and runs one on the CPU",
+    "BASELINE=": "a gpu.sh run on a GPU: tests/benchmarks/test_gpu_suites.py runs a suite on a baseline on the CPU",
 }
 # Size flags of the long-running commands, and what they become here.
 SHORTER = {

@@ -131,6 +131,7 @@ def script_runs(no_transformers_env: dict[str, str]) -> dict[tuple[str, str], su
         return dict(zip(commands, done))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(SCRIPTS))
 def test_help_runs_on_a_cpu_without_transformers(name: str, script_runs) -> None:
     run = script_runs[(name, "--help")]
@@ -139,6 +140,7 @@ def test_help_runs_on_a_cpu_without_transformers(name: str, script_runs) -> None
     assert "options:" in run.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", MARKED_GPU)
 def test_gpu_only_script_refuses_without_cuda(name: str, script_runs) -> None:
     run = script_runs[(name, "")]
@@ -148,6 +150,7 @@ def test_gpu_only_script_refuses_without_cuda(name: str, script_runs) -> None:
     assert run.stdout == ""
 
 
+@pytest.mark.slow
 def test_tiny_throughput_without_transformers(no_transformers_env: dict[str, str]) -> None:
     """The README's `pie bench throughput --tiny --skip-hf --repeats 1`, smaller still."""
     run = _run(["benchmarks/throughput.py", "--tiny", "--skip-hf", "--repeats", "1", "--requests", "4",
@@ -158,6 +161,7 @@ def test_tiny_throughput_without_transformers(no_transformers_env: dict[str, str
     assert "transformers generate_batch" not in run.stdout
 
 
+@pytest.mark.slow
 def test_tensor_parallel_collectives_over_gloo(no_transformers_env: dict[str, str], tmp_path: Path) -> None:
     """tp_collectives.py, which a two-GPU machine runs with NCCL, on two CPU ranks over gloo: each
     rank's check of an all-reduce and a gather passes, and a row per shape and row count comes out."""

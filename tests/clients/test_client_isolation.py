@@ -7,6 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+# slow: every test imports the client in a fresh interpreter (a subprocess)
+pytestmark = pytest.mark.slow
+
 CLIENTS = Path(__file__).resolve().parents[2] / "clients"
 
 

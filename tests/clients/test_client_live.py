@@ -18,6 +18,9 @@ from service.logging import configure_logging
 from service.server import BackgroundServer, ServerConfig
 from tests.helpers import make_hf_model_dir
 
+# slow: every test starts a BackgroundServer
+pytestmark = pytest.mark.slow
+
 # Greedy and past end-of-sequence: the same 8 tokens whichever way they are asked for.
 MAX_TOKENS = 8
 GREEDY = ["--max-tokens", str(MAX_TOKENS), "--ignore-eos"]

@@ -15,10 +15,14 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
 from grpc_health.v1 import health_pb2
 
 from tests.helpers import make_hf_model_dir
 from tests.service.processes import ServerProcess, readiness
+
+# slow: runs node against a live server
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "clients" / "node"

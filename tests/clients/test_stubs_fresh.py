@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 PROTO = REPO / "protos" / "pie" / "v1" / "generate.proto"
 
@@ -33,6 +35,7 @@ def undocumented(proto_text: str) -> list[str]:
     return missing
 
 
+@pytest.mark.slow
 def test_codegen_check_passes() -> None:
     result = subprocess.run(
         [sys.executable, str(REPO / "clients" / "codegen.py"), "--check"], capture_output=True, text=True, cwd=REPO

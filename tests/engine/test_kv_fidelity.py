@@ -14,6 +14,9 @@ import pytest
 from tests.fidelity import MASSIVE_K, family_fidelity, mean
 from tests.helpers import ARCHS
 
+# slow: builds and runs transformers models for ~15 s
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def massive_models(tmp_path_factory):

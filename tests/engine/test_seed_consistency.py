@@ -25,6 +25,9 @@ from engine.sampler import hash_uniform
 from engine.sampling_params import SamplingParams
 from tests.helpers import make_hf_model_dir
 
+# slow: ~9 s of engine runs per KV dtype
+pytestmark = pytest.mark.slow
+
 BLOCK = 16
 # How far the logits of one token may differ between two runs, by KV cache dtype. Float rounding
 # alone (fp32 matrix products of another shape, see above) moves them by ~1e-6; a key rounded to

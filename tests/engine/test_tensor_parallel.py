@@ -49,6 +49,7 @@ CASES = [("llama", {}, 2), ("mistral", {}, 2), ("qwen2", {}, 2), ("qwen3", {}, 2
          ("llama", {"num_key_value_heads": 1}, 2), ("qwen2", {}, 4)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch, overrides, tp", CASES, ids=[f"{a}-{'kv1-' if o else ''}tp{n}" for a, o, n in CASES])
 def test_greedy_tokens_match_one_process(rng, tmp_path, arch, overrides, tp) -> None:
     model_dir = make_hf_model_dir(tmp_path, arch, weight_scale=4.0, **overrides)
@@ -59,6 +60,7 @@ def test_greedy_tokens_match_one_process(rng, tmp_path, arch, overrides, tp) -> 
     assert _workers() == [], "the workers outlived their engine"
 
 
+@pytest.mark.slow
 def test_int8_pages_with_smoothing(rng, tmp_path) -> None:
     """The int8 path calibrates its smoothing with a collective forward pass on every rank."""
     model_dir = make_hf_model_dir(tmp_path, "llama", weight_scale=4.0)
@@ -70,6 +72,7 @@ def test_int8_pages_with_smoothing(rng, tmp_path) -> None:
     assert [w[0] for w in want] == [g[0] for g in got]
 
 
+@pytest.mark.slow
 def test_vocab_split_unevenly_and_seeded_sampling(rng, tmp_path) -> None:
     """A prime vocabulary (the last rank's LM head rows padded) with tied embeddings: the gathered
     logits are the whole distribution in order, so seeded sampling with top-k/top-p draws the
@@ -83,6 +86,7 @@ def test_vocab_split_unevenly_and_seeded_sampling(rng, tmp_path) -> None:
     assert got == want
 
 
+@pytest.mark.slow
 def test_preemption_and_prefix_caching(rng, tmp_path) -> None:
     """A pool too small for the batch preempts and recomputes; shared prefixes hit the cache. Both
     touch only rank 0's block manager: the workers' pools follow the same block ids."""
@@ -101,6 +105,7 @@ def test_preemption_and_prefix_caching(rng, tmp_path) -> None:
     assert stats.num_preemptions == one.stats().num_preemptions
 
 
+@pytest.mark.slow
 def test_through_the_grpc_service_in_the_engine_process(rng, tmp_path) -> None:
     model_dir = make_hf_model_dir(tmp_path, "llama", weight_scale=4.0)
     prompt = _prompts(rng, 1)[0]
@@ -116,6 +121,7 @@ def test_through_the_grpc_service_in_the_engine_process(rng, tmp_path) -> None:
     wait_until(lambda: not any(alive(pid) for pid in workers), what="the worker to end with its server")
 
 
+@pytest.mark.slow
 def test_a_dead_worker_ends_the_engine(tmp_path) -> None:
     model_dir = make_hf_model_dir(tmp_path, "llama", weight_scale=4.0)
     with BackgroundServer(ServerConfig(port=0, grace_s=1), _config(model_dir, 2)) as s, \
@@ -131,6 +137,7 @@ def test_a_dead_worker_ends_the_engine(tmp_path) -> None:
         assert "tensor-parallel worker rank 1 exited" in str(s.pie.engine_client.dead)
 
 
+@pytest.mark.slow
 def test_a_hung_worker_trips_the_step_watchdog(tmp_path) -> None:
     model_dir = make_hf_model_dir(tmp_path, "llama", weight_scale=4.0)
     with BackgroundServer(ServerConfig(port=0, grace_s=1, step_timeout_s=2.0), _config(model_dir, 2)) as s, \
@@ -178,6 +185,7 @@ def _two_gpus() -> None:
         pytest.skip(f"needs 2 GPUs (NCCL puts one rank on each); {torch.cuda.device_count()} visible")
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 @pytest.mark.parametrize("overrides", [{}, {"num_key_value_heads": 1}], ids=["gqa", "kv1"])
 def test_greedy_tokens_match_one_gpu_with_nccl(rng, tmp_path, overrides) -> None:
@@ -193,6 +201,7 @@ def test_greedy_tokens_match_one_gpu_with_nccl(rng, tmp_path, overrides) -> None
     assert _workers() == [], "the workers outlived their engine"
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 def test_int8_pages_in_bf16_on_two_gpus(rng, tmp_path) -> None:
     """The served configuration (bf16 weights, int8 pages, smoothing) on two GPUs against one:

@@ -1,6 +1,7 @@
 """The torch reference ops against a naive dense attention over un-paged float32 K/V.
 
-Inputs are fresh random tensors each run: the tolerances must hold for any draw.
+Inputs are fresh random tensors each run, drawn from the `gen` fixture (seeded from `rng`): the
+tolerances must hold for any draw.
 """
 
 from __future__ import annotations
@@ -58,28 +59,28 @@ def dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
 class Case:
     """B sequences written into a paged cache with shuffled block tables, plus packed queries."""
 
-    def __init__(self, seq_lens: list[int], q_lens: list[int], *, block_size: int, hkv: int,
-                 group: int, dtype: torch.dtype, pad_value: int = -1):
+    def __init__(self, seq_lens: list[int], q_lens: list[int], *, gen: torch.Generator, block_size: int,
+                 hkv: int, group: int, dtype: torch.dtype, pad_value: int = -1):
         self.seq_lens, self.q_lens = seq_lens, q_lens
         self.block_size, self.hkv, self.hq = block_size, hkv, hkv * group
         blocks_per_seq = [-(-s // block_size) for s in seq_lens]
         num_blocks = sum(blocks_per_seq) + 3  # a few blocks nobody owns
         self.k_cache, self.v_cache, self.k_scale, self.v_scale = make_cache(
             num_blocks, block_size, hkv, dtype)
-        perm = torch.randperm(num_blocks).tolist()
+        perm = torch.randperm(num_blocks, generator=gen).tolist()
         max_blocks = max(blocks_per_seq) + 2  # padding columns past every sequence's blocks
         self.block_tables = torch.full((len(seq_lens), max_blocks), pad_value, dtype=torch.int32)
         self.k, self.v = [], []
         for i, (s, n) in enumerate(zip(seq_lens, blocks_per_seq)):
             table = [perm.pop() for _ in range(n)]
             self.block_tables[i, :n] = torch.tensor(table, dtype=torch.int32)
-            k, v = torch.randn(s, hkv, D), torch.randn(s, hkv, D)
+            k, v = torch.randn(s, hkv, D, generator=gen), torch.randn(s, hkv, D, generator=gen)
             slots = torch.tensor([table[p // block_size] * block_size + p % block_size
                                   for p in range(s)])
             write_kv_cache(k, v, self.k_cache, self.v_cache, self.k_scale, self.v_scale, slots)
             self.k.append(k)
             self.v.append(v)
-        self.q = torch.randn(sum(q_lens), self.hq, D)
+        self.q = torch.randn(sum(q_lens), self.hq, D, generator=gen)
         self.query_start_loc = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).int()
         self.seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
         self.scale = D ** -0.5
@@ -132,8 +133,8 @@ SHAPES = {
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("group", [1, 2, 4])
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_paged_attention_fp32_matches_dense(shape: str, group: int, block_size: int) -> None:
-    case = Case(*SHAPES[shape], block_size=block_size, hkv=2, group=group, dtype=torch.float32)
+def test_paged_attention_fp32_matches_dense(shape: str, group: int, block_size: int, gen) -> None:
+    case = Case(*SHAPES[shape], gen=gen, block_size=block_size, hkv=2, group=group, dtype=torch.float32)
     out = case.run()
     assert out.shape == case.q.shape and out.dtype == torch.float32
     assert rel_err(out, case.expected(from_cache=False)) <= 1e-5
@@ -141,8 +142,8 @@ def test_paged_attention_fp32_matches_dense(shape: str, group: int, block_size: 
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("group", [1, 2, 4])
-def test_paged_attention_int8(shape: str, group: int) -> None:
-    case = Case(*SHAPES[shape], block_size=8, hkv=2, group=group, dtype=torch.int8)
+def test_paged_attention_int8(shape: str, group: int, gen) -> None:
+    case = Case(*SHAPES[shape], gen=gen, block_size=8, hkv=2, group=group, dtype=torch.int8)
     out = case.run()
     # Exact up to float32 rounding against what the cache holds ...
     assert rel_err(out, case.expected(from_cache=True)) <= 1e-5
@@ -153,10 +154,10 @@ def test_paged_attention_int8(shape: str, group: int) -> None:
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.int8, torch.bfloat16])
-def test_paged_attention_new_kv_exact(shape: str, dtype: torch.dtype) -> None:
+def test_paged_attention_new_kv_exact(shape: str, dtype: torch.dtype, gen) -> None:
     """With the new tokens' K/V given, they are used as computed; earlier tokens come from the
     cache (as it rounded them)."""
-    case = Case(*SHAPES[shape], block_size=8, hkv=2, group=2, dtype=dtype)
+    case = Case(*SHAPES[shape], gen=gen, block_size=8, hkv=2, group=2, dtype=dtype)
     k_new, v_new = case.new_kv()
     out = case.run(k_new=k_new, v_new=v_new)
     assert rel_err(out, case.expected(from_cache=True, new_exact=True)) <= 1e-5
@@ -167,16 +168,16 @@ def test_paged_attention_new_kv_exact(shape: str, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("window", [1, 3, 8, 100])
 @pytest.mark.parametrize("new_kv", [False, True])
-def test_paged_attention_sliding_window(shape: str, window: int, new_kv: bool) -> None:
-    case = Case(*SHAPES[shape], block_size=4, hkv=2, group=2, dtype=torch.float32)
+def test_paged_attention_sliding_window(shape: str, window: int, new_kv: bool, gen) -> None:
+    case = Case(*SHAPES[shape], gen=gen, block_size=4, hkv=2, group=2, dtype=torch.float32)
     kw = dict(zip(("k_new", "v_new"), case.new_kv())) if new_kv else {}
     out = case.run(window=window, **kw)
     assert rel_err(out, case.expected(from_cache=False, window=window)) <= 1e-5
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_paged_attention_half_caches(dtype: torch.dtype) -> None:
-    case = Case(*SHAPES["mixed"], block_size=4, hkv=2, group=2, dtype=dtype)
+def test_paged_attention_half_caches(dtype: torch.dtype, gen) -> None:
+    case = Case(*SHAPES["mixed"], gen=gen, block_size=4, hkv=2, group=2, dtype=dtype)
     assert rel_err(case.run(), case.expected(from_cache=True)) <= 1e-5
     case.q = case.q.to(dtype)  # output follows q's dtype
     out = case.run()
@@ -186,10 +187,10 @@ def test_paged_attention_half_caches(dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.int8])
 @pytest.mark.parametrize("pad_value", [0, -1])
-def test_decode_fast_path_equals_general_path(dtype: torch.dtype, pad_value: int, monkeypatch) -> None:
+def test_decode_fast_path_equals_general_path(dtype: torch.dtype, pad_value: int, monkeypatch, gen) -> None:
     """The batched decode path (paged_attention_decode) against the per-sequence loop that
     prefills take, and against dense attention; paged_attention sends decode batches down it."""
-    case = Case([3, 8, 27, 1, 12], [1] * 5, block_size=4, hkv=2, group=4, dtype=dtype,
+    case = Case([3, 8, 27, 1, 12], [1] * 5, gen=gen, block_size=4, hkv=2, group=4, dtype=dtype,
                 pad_value=pad_value)
     fast = paged_attention_decode(case.q, case.k_cache, case.v_cache, case.k_scale,
                                   case.v_scale, case.block_tables, case.seq_lens_t, case.scale)
@@ -213,14 +214,14 @@ def test_decode_fast_path_equals_general_path(dtype: torch.dtype, pad_value: int
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
-def test_write_kv_cache_skips_padding_slots(dtype: torch.dtype) -> None:
+def test_write_kv_cache_skips_padding_slots(dtype: torch.dtype, gen) -> None:
     num_blocks, block_size, hkv = 4, 4, 2
     k_cache, v_cache, k_scale, v_scale = make_cache(num_blocks, block_size, hkv, dtype, poison=True)
     t = 9
-    slots = torch.randperm(num_blocks * block_size)[:t]
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:t]
     pad = torch.tensor([0, 3, 4, 8])
     slots[pad] = -1
-    k, v = torch.randn(t, hkv, D), torch.randn(t, hkv, D)
+    k, v = torch.randn(t, hkv, D, generator=gen), torch.randn(t, hkv, D, generator=gen)
     write_kv_cache(k, v, k_cache, v_cache, k_scale, v_scale, slots.int())
 
     written = slots[slots >= 0]
@@ -242,16 +243,16 @@ def test_write_kv_cache_skips_padding_slots(dtype: torch.dtype) -> None:
         assert not bool(untouched[written].any())
 
 
-def test_write_kv_cache_all_padding_is_a_no_op() -> None:
+def test_write_kv_cache_all_padding_is_a_no_op(gen) -> None:
     k_cache, v_cache, _, _ = make_cache(2, 4, 1, torch.float32, poison=True)
-    k = torch.randn(3, 1, D)
+    k = torch.randn(3, 1, D, generator=gen)
     write_kv_cache(k, k, k_cache, v_cache, None, None, torch.full((3,), -1))
     assert bool(torch.isnan(k_cache).all()) and bool(torch.isnan(v_cache).all())
 
 
-def test_quantize_error_bound() -> None:
+def test_quantize_error_bound(gen) -> None:
     # Magnitudes spread over several orders, plus one all-zero (token, head) vector.
-    x = torch.randn(64, 4, D) * torch.logspace(-3, 3, 64)[:, None, None]
+    x = torch.randn(64, 4, D, generator=gen) * torch.logspace(-3, 3, 64)[:, None, None]
     x[5, 2] = 0.0
     q, scale = quantize_per_token_head(x)
     assert q.dtype == torch.int8 and scale.dtype == torch.float16 and scale.shape == (64, 4)

@@ -1,7 +1,8 @@
 """The Triton cache write against `kernels.reference.write_kv_cache`: same bits for int8 values
 and scales, padding slots skipped, the rest of a poisoned cache untouched.
 
-Runs in Triton's CPU interpreter when there is no GPU. Fresh random inputs every run.
+Runs in Triton's CPU interpreter when there is no GPU. Fresh random inputs every run, drawn from
+the `gen` fixture (tests/kernels/conftest.py) on the CPU and moved to the device.
 """
 
 from __future__ import annotations
@@ -65,17 +66,17 @@ def assert_same(got: torch.Tensor, want: torch.Tensor, ulps: int = 0) -> None:
     (torch.float32, torch.float16),
 ])
 @pytest.mark.parametrize("hkv,d,block_size", [(2, 64, 16), (3, 128, 32), (8, 64, 16)])
-def test_write_matches_reference(cache_dtype, src_dtype, hkv, d, block_size) -> None:
+def test_write_matches_reference(cache_dtype, src_dtype, hkv, d, block_size, gen) -> None:
     num_blocks, num_tokens = 5, 23
     kc, vc, ks, vs = poisoned_cache(num_blocks, block_size, hkv, d, cache_dtype)
     # k, v as views into a fused (T, (2 Hkv + 1) D) buffer: row stride past Hkv*D.
-    fused = torch.randn(num_tokens, (2 * hkv + 1) * d, device=DEVICE) * 3
+    fused = torch.randn(num_tokens, (2 * hkv + 1) * d, generator=gen).to(DEVICE) * 3
     fused = fused.to(src_dtype)
     k = fused[:, : hkv * d].view(num_tokens, hkv, d)
     v = fused[:, hkv * d: 2 * hkv * d].view(num_tokens, hkv, d)
     k[3] = 0  # an all-zero vector: scale eps / 127, values 0
-    slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:num_tokens]
-    slots[torch.randperm(num_tokens)[:5]] = -1  # padding tokens
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens].to(DEVICE)
+    slots[torch.randperm(num_tokens, generator=gen)[:5]] = -1  # padding tokens
     slots = slots.to(torch.int32 if hkv % 2 else torch.int64)
 
     want = [clone(t) for t in (kc, vc, ks, vs)]
@@ -113,19 +114,19 @@ def test_round_half_away_from_zero_at_ties() -> None:
     assert q[0, 0, : ties.numel()].tolist() == got
 
 
-def test_all_padding_and_empty_are_no_ops() -> None:
+def test_all_padding_and_empty_are_no_ops(gen) -> None:
     kc, vc, ks, vs = poisoned_cache(2, 16, 2, 64, torch.int8)
     before = [t.clone() for t in (kc, vc)]
-    k = torch.randn(4, 2, 64, device=DEVICE)
+    k = torch.randn(4, 2, 64, generator=gen).to(DEVICE)
     write_kv_cache(k, k, kc, vc, ks, vs, torch.full((4,), -1, device=DEVICE))
     write_kv_cache(k[:0], k[:0], kc, vc, ks, vs, torch.zeros(0, dtype=torch.long, device=DEVICE))
     assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])
     assert bool(ks.isnan().all()) and bool(vs.isnan().all())
 
 
-def test_rejects_bad_inputs() -> None:
+def test_rejects_bad_inputs(gen) -> None:
     kc, vc, ks, vs = poisoned_cache(2, 16, 2, 64, torch.int8)
-    k = torch.randn(4, 2, 64, device=DEVICE)
+    k = torch.randn(4, 2, 64, generator=gen).to(DEVICE)
     slots = torch.arange(4, device=DEVICE)
     with pytest.raises(AssertionError):  # D not unit-stride
         write_kv_cache(k.transpose(1, 2).contiguous().transpose(1, 2), k, kc, vc, ks, vs, slots)
@@ -137,14 +138,14 @@ def test_rejects_bad_inputs() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cache_dtype", [torch.int8, torch.bfloat16])
-def test_write_large_gpu(cache_dtype) -> None:
+def test_write_large_gpu(cache_dtype, gen) -> None:
     num_tokens, hkv, d, block_size = 4096, 8, 128, 16
     num_blocks = num_tokens // block_size + 8
     kc, vc, ks, vs = poisoned_cache(num_blocks, block_size, hkv, d, cache_dtype)
-    qkv = torch.randn(num_tokens, 48 * d, device=DEVICE, dtype=torch.bfloat16)
+    qkv = torch.randn(num_tokens, 48 * d, generator=gen).to(DEVICE, torch.bfloat16)
     k = qkv[:, 32 * d: 40 * d].view(num_tokens, hkv, d)
     v = qkv[:, 40 * d:].view(num_tokens, hkv, d)
-    slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:num_tokens]
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens].to(DEVICE)
     want = [clone(t) for t in (kc, vc, ks, vs)]
     ref.write_kv_cache(k, v, *want, slots)
     write_kv_cache(k, v, kc, vc, ks, vs, slots)

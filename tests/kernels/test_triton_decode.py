@@ -5,7 +5,8 @@ here before triton is imported, and by tests/conftest.py), with fp32/fp16 querie
 bf16 arithmetic is wrong); with CUDA it runs on the GPU with bf16 queries. Inputs are fresh random
 tensors each run. Cache slots that no sequence owns, slots past a sequence's length in its last
 page and block-table entries past its last page all point at NaN-poisoned data, and `out` starts
-as NaN: a kernel that reads what it must not, or leaves an element unwritten, fails.
+as NaN: a kernel that reads what it must not, or leaves an element unwritten, fails. The inputs come
+from the `gen` fixture (tests/kernels/conftest.py), seeded from `rng`.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ Q_DTYPES = [torch.bfloat16] if HAS_CUDA else [torch.float32, torch.float16]
 TOL = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 2.5e-2}
 
 
-def make_case(lens: list[int], hkv: int, group: int, d: int, page: int, cache_dtype: torch.dtype,
-              q_dtype: torch.dtype, outliers: bool = False, spare_blocks: int = 3):
+def make_case(gen: torch.Generator, lens: list[int], hkv: int, group: int, d: int, page: int,
+              cache_dtype: torch.dtype, q_dtype: torch.dtype, outliers: bool = False, spare_blocks: int = 3):
     """Random paged inputs. Returns (kernel args, reference args): the kernel's cache, block table
     padding and unowned slots are poisoned; the reference sees the same values with zeros there."""
     b = len(lens)
@@ -39,7 +40,7 @@ def make_case(lens: list[int], hkv: int, group: int, d: int, page: int, cache_dt
     blocks_per_seq = [(n + page - 1) // page for n in lens]
     max_blocks = max(blocks_per_seq) + 2  # table padding past every sequence's last page
     num_blocks = sum(blocks_per_seq) + spare_blocks
-    perm = torch.randperm(num_blocks)  # shuffled block ids; the tail of perm is never owned
+    perm = torch.randperm(num_blocks, generator=gen)  # shuffled block ids; the tail of perm is never owned
     poison_ids = perm[sum(blocks_per_seq):]
 
     table = torch.zeros(b, max_blocks, dtype=torch.int32)
@@ -53,12 +54,12 @@ def make_case(lens: list[int], hkv: int, group: int, d: int, page: int, cache_dt
         owned[ids[pos // page], pos % page] = True
     poison_table = table.clone()
     for i, nb in enumerate(blocks_per_seq):
-        poison_table[i, nb:] = poison_ids[torch.randint(len(poison_ids), (max_blocks - nb,))].int()
+        poison_table[i, nb:] = poison_ids[torch.randint(len(poison_ids), (max_blocks - nb,), generator=gen)].int()
 
     def values() -> torch.Tensor:
-        x = torch.randn(num_blocks, page, hkv, d)
+        x = torch.randn(num_blocks, page, hkv, d, generator=gen)
         if outliers:  # a few channels 30x larger, as in real K
-            ch = torch.randperm(d)[:3]
+            ch = torch.randperm(d, generator=gen)[:3]
             x[..., ch] *= 30.0
         return x
 
@@ -78,7 +79,7 @@ def make_case(lens: list[int], hkv: int, group: int, d: int, page: int, cache_dt
             poisoned += [c.masked_fill(~mask, float("nan")), None]
     k_c, ks_c, v_c, vs_c = clean
     k_p, ks_p, v_p, vs_p = poisoned
-    q = torch.randn(b, hq, d).to(q_dtype)
+    q = torch.randn(b, hq, d, generator=gen).to(q_dtype)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
 
     def dev(*ts):
@@ -116,49 +117,49 @@ CASES = [
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("case", CASES,
                          ids=lambda c: f"L{c[0]}-kv{c[1]}-g{c[2]}-d{c[3]}-p{c[4]}-{c[5]}")
-def test_matches_reference(case, num_splits, q_dtype):
+def test_matches_reference(case, num_splits, q_dtype, gen):
     lens, hkv, group, d, page, cache_dtype = case
     if cache_dtype == torch.float16 and q_dtype == torch.bfloat16:
         cache_dtype = torch.bfloat16
-    kernel_args, ref_args = make_case(lens, hkv, group, d, page, cache_dtype, q_dtype,
+    kernel_args, ref_args = make_case(gen, lens, hkv, group, d, page, cache_dtype, q_dtype,
                                       outliers=cache_dtype == torch.int8)
     check(kernel_args, ref_args, num_splits)
 
 
 @pytest.mark.parametrize("d", [48, 80, 96, 112, 256])
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_head_dims_not_a_power_of_two(d, num_splits):
+def test_head_dims_not_a_power_of_two(d, num_splits, gen):
     """Head dims of real checkpoints that are not powers of two, up to 256: padded tiles."""
-    kernel_args, ref_args = make_case([1, 37, 70], 2, 4, d, 16, torch.int8, Q_DTYPES[0], outliers=True)
+    kernel_args, ref_args = make_case(gen, [1, 37, 70], 2, 4, d, 16, torch.int8, Q_DTYPES[0], outliers=True)
     check(kernel_args, ref_args, num_splits)
 
 
 @pytest.mark.parametrize("window", [1, 5, 16, 40])
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float16], ids=str)
-def test_sliding_window(window, num_splits, cache_dtype):
+def test_sliding_window(window, num_splits, cache_dtype, gen):
     """Each query sees its last `window` keys: windows inside one tile, across tiles and past
     the whole sequence."""
     if cache_dtype == torch.float16 and Q_DTYPES[0] == torch.bfloat16:
         cache_dtype = torch.bfloat16
-    kernel_args, ref_args = make_case([1, 37, 70, 16], 2, 2, 64, 16, cache_dtype, Q_DTYPES[0])
+    kernel_args, ref_args = make_case(gen, [1, 37, 70, 16], 2, 2, 64, 16, cache_dtype, Q_DTYPES[0])
     check(kernel_args, ref_args, num_splits, window=window)
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float32] if not HAS_CUDA
                          else [torch.int8, torch.bfloat16], ids=str)
-def test_empty_splits(cache_dtype):
+def test_empty_splits(cache_dtype, gen):
     """4 splits over sequences of 1..2 tiles: most splits hold nothing and must weigh 0."""
     q_dtype = Q_DTYPES[0]
-    kernel_args, ref_args = make_case([1, 5, 17, 40], 2, 4, 64, 16, cache_dtype, q_dtype)
+    kernel_args, ref_args = make_case(gen, [1, 5, 17, 40], 2, 4, 64, 16, cache_dtype, q_dtype)
     check(kernel_args, ref_args, 4)
 
 
-def test_strided_q_and_out_default_splits():
+def test_strided_q_and_out_default_splits(gen):
     """q and out as views with padded head strides; the split count from the heuristic, with and
     without the caller's max_seq_len."""
     q_dtype = Q_DTYPES[-1]
-    kernel_args, ref_args = make_case([19, 3], 2, 4, 64, 16, torch.int8, q_dtype)
+    kernel_args, ref_args = make_case(gen, [19, 3], 2, 4, 64, 16, torch.int8, q_dtype)
     q = kernel_args[0]
     b, hq, d = q.shape
     wide_q = torch.full((b, hq, d + 32), float("nan"), dtype=q.dtype, device=DEVICE)
@@ -175,8 +176,8 @@ def test_strided_q_and_out_default_splits():
     assert wide_out[..., d:].isnan().all(), "wrote outside out"
 
 
-def test_rejects_bad_inputs():
-    kernel_args, _ = make_case([5], 2, 2, 64, 16, torch.int8, Q_DTYPES[0])
+def test_rejects_bad_inputs(gen):
+    kernel_args, _ = make_case(gen, [5], 2, 2, 64, 16, torch.int8, Q_DTYPES[0])
     q, k, v, ks, vs, table, lens = kernel_args
     with pytest.raises(AssertionError, match="scales"):
         paged_decode(q, k, v, None, None, table, lens, 0.1)
@@ -229,9 +230,9 @@ MODE_TOL = {torch.float32: 1e-3, torch.float16: 4e-3, torch.bfloat16: 2.5e-2}
 @pytest.mark.parametrize("q_dtype", Q_DTYPES, ids=str)
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: f"k{m[0]}-v{m[1]}-tight{int(m[2])}-kt{int(m[3])}")
 @pytest.mark.parametrize("group,d,page", [(4, 64, 16), (1, 128, 32), (8, 48, 16)])
-def test_int8_modes(mode, group, d, page, q_dtype):
+def test_int8_modes(mode, group, d, page, q_dtype, gen):
     k_mode, v_mode, tight, k_t = mode
-    kernel_args, ref_args = make_case([1, 37, 70], 2, group, d, page, torch.int8, q_dtype, outliers=True)
+    kernel_args, ref_args = make_case(gen, [1, 37, 70], 2, group, d, page, torch.int8, q_dtype, outliers=True)
     q = kernel_args[0]
     ref = paged_attention_decode(*ref_args, d ** -0.5)
     for splits in (1, 3):
@@ -246,13 +247,13 @@ def test_int8_modes(mode, group, d, page, q_dtype):
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float32 if not HAS_CUDA else torch.bfloat16], ids=str)
-def test_split_tokens_same_bits_in_any_batch(cache_dtype):
+def test_split_tokens_same_bits_in_any_batch(cache_dtype, gen):
     """With split_tokens the splits sit at fixed key positions and merge in a fixed order: each
     sequence's output is the same bits alone, with shorter or longer companions (other split
     counts, the one-split path without stage 2), and matches the reference."""
     q_dtype = Q_DTYPES[0]
     lens = [50, 300, 129, 1]
-    kernel_args, ref_args = make_case(lens, 2, 4, 64, 16, cache_dtype, q_dtype)
+    kernel_args, ref_args = make_case(gen, lens, 2, 4, 64, 16, cache_dtype, q_dtype)
     scale = 64 ** -0.5
     split = 64 if not HAS_CUDA else 256
     q, k, v, ks, vs, table, seq_lens = kernel_args
@@ -277,12 +278,10 @@ def test_split_tokens_same_bits_in_any_batch(cache_dtype):
 @pytest.mark.parametrize("cache_dtype", [torch.int8, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("group,d,page", [(4, 128, 16), (8, 64, 32), (16, 128, 16), (1, 128, 16),
                                           (4, 96, 16), (2, 256, 16), (4, 80, 16)])
-def test_gpu_long_contexts(cache_dtype, group, d, page):
+def test_gpu_long_contexts(cache_dtype, group, d, page, rng, gen):
     """Ragged long contexts with the default split count and forced splits on the GPU."""
-    import random
-
-    lens = [random.randint(1, 6000) for _ in range(5)] + [1, 4096, 8191]
-    kernel_args, ref_args = make_case(lens, 4, group, d, page, cache_dtype, torch.bfloat16,
+    lens = [rng.randint(1, 6000) for _ in range(5)] + [1, 4096, 8191]
+    kernel_args, ref_args = make_case(gen, lens, 4, group, d, page, cache_dtype, torch.bfloat16,
                                       outliers=cache_dtype == torch.int8)
     for splits in (None, 1, 7, 32):
         check(kernel_args, ref_args, splits)
@@ -290,10 +289,8 @@ def test_gpu_long_contexts(cache_dtype, group, d, page):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("window", [64, 1000, 4096])
-def test_gpu_sliding_window(window):
-    import random
-
-    lens = [random.randint(1, 6000) for _ in range(5)] + [1, 4096]
-    kernel_args, ref_args = make_case(lens, 8, 4, 128, 16, torch.int8, torch.bfloat16)
+def test_gpu_sliding_window(window, rng, gen):
+    lens = [rng.randint(1, 6000) for _ in range(5)] + [1, 4096]
+    kernel_args, ref_args = make_case(gen, lens, 8, 4, 128, 16, torch.int8, torch.bfloat16)
     for splits in (None, 1, 7):
         check(kernel_args, ref_args, splits, window=window)

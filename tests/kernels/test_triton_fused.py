@@ -7,7 +7,8 @@ fp32 bits depend on reduction order and exp/rsqrt, so the kernel may round it on
 way: the check is that out == rnd(factor * m) for some m within `ulps` of torch's intermediate.
 
 Runs in Triton's CPU interpreter (fp32, fp16; small shapes) when there is no GPU. Fresh random
-inputs every case; outputs poisoned with NaN before the kernel writes them.
+inputs every case, drawn from the `gen` fixture (tests/kernels/conftest.py); outputs poisoned with
+NaN before the kernel writes them.
 """
 
 from __future__ import annotations
@@ -80,12 +81,11 @@ def nan_like(t: torch.Tensor, shape=None) -> torch.Tensor:
 # --- rms_norm ---------------------------------------------------------------------------------
 
 
-def check_rms_norm(t: int, h: int, dtype: torch.dtype, with_residual: bool, seed: int) -> None:
-    torch.manual_seed(seed)
+def check_rms_norm(t: int, h: int, dtype: torch.dtype, with_residual: bool, gen: torch.Generator) -> None:
     eps = 1e-5
-    x = (torch.randn(t, h, device=DEVICE) * 2).to(dtype)
-    weight = (torch.randn(h, device=DEVICE) * 0.5 + 1).to(dtype)
-    residual = (torch.randn(t, h, device=DEVICE) * 3).to(dtype) if with_residual else None
+    x = (torch.randn(t, h, generator=gen).to(DEVICE) * 2).to(dtype)
+    weight = (torch.randn(h, generator=gen).to(DEVICE) * 0.5 + 1).to(dtype)
+    residual = (torch.randn(t, h, generator=gen).to(DEVICE) * 3).to(dtype) if with_residual else None
     s = x + residual if with_residual else x  # torch's rounding of the residual add
     normed = F.rms_norm(s.float(), (h,), eps=eps).to(dtype)
     x_before = x.clone()
@@ -110,30 +110,30 @@ def check_rms_norm(t: int, h: int, dtype: torch.dtype, with_residual: bool, seed
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
 @pytest.mark.parametrize("with_residual", [False, True])
 @pytest.mark.parametrize("t,h", [(1, 96), (5, 96), (3, 2048), (2, 1000)])
-def test_rms_norm(t, h, dtype, with_residual) -> None:
-    check_rms_norm(t, h, dtype, with_residual, seed=t * 7919 + h)
+def test_rms_norm(t, h, dtype, with_residual, gen) -> None:
+    check_rms_norm(t, h, dtype, with_residual, gen)
 
 
-def test_rms_norm_empty() -> None:
-    x = torch.randn(0, 64, device=DEVICE)
-    w = torch.randn(64, device=DEVICE)
-    r = torch.randn(0, 64, device=DEVICE)
+def test_rms_norm_empty(gen) -> None:
+    x = torch.randn(0, 64, generator=gen).to(DEVICE)
+    w = torch.randn(64, generator=gen).to(DEVICE)
+    r = torch.randn(0, 64, generator=gen).to(DEVICE)
     out, res = rms_norm(x, w, 1e-6)
     assert out.shape == (0, 64) and res is x
     out, res = rms_norm(x, w, 1e-6, residual=r)
     assert out.shape == (0, 64) and res is r
 
 
-def test_rms_norm_rejects_bad_inputs() -> None:
-    x = torch.randn(4, 64, device=DEVICE)
-    w = torch.randn(64, device=DEVICE)
+def test_rms_norm_rejects_bad_inputs(gen) -> None:
+    x = torch.randn(4, 64, generator=gen).to(DEVICE)
+    w = torch.randn(64, generator=gen).to(DEVICE)
     bad = [
         dict(x=x[None], weight=w),  # 3-D
-        dict(x=x.t(), weight=torch.randn(4, device=DEVICE)),  # not contiguous
+        dict(x=x.t(), weight=torch.randn(4, generator=gen).to(DEVICE)),  # not contiguous
         dict(x=x.long(), weight=w.long()),  # not float
         dict(x=x, weight=w[:32]),  # wrong weight size
         dict(x=x, weight=w.half()),  # weight dtype
-        dict(x=x, weight=w, residual=torch.randn(3, 64, device=DEVICE)),
+        dict(x=x, weight=w, residual=torch.randn(3, 64, generator=gen).to(DEVICE)),
         dict(x=x, weight=w, residual=x.half()),
         dict(x=x, weight=w, out=torch.empty(4, 64, dtype=torch.half, device=DEVICE)),
     ]
@@ -145,9 +145,8 @@ def test_rms_norm_rejects_bad_inputs() -> None:
 # --- silu_mul ---------------------------------------------------------------------------------
 
 
-def check_silu_mul(t: int, i: int, dtype: torch.dtype, seed: int) -> None:
-    torch.manual_seed(seed)
-    gate_up = (torch.randn(t, 2 * i, device=DEVICE) * 4).to(dtype)
+def check_silu_mul(t: int, i: int, dtype: torch.dtype, gen: torch.Generator) -> None:
+    gate_up = (torch.randn(t, 2 * i, generator=gen).to(DEVICE) * 4).to(dtype)
     gate, up = gate_up.split(i, dim=-1)
     silu = F.silu(gate)
     out = nan_like(gate_up, (t, i))
@@ -159,8 +158,8 @@ def check_silu_mul(t: int, i: int, dtype: torch.dtype, seed: int) -> None:
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
 @pytest.mark.parametrize("t,i", [(1, 96), (5, 96), (3, 1500), (1, 2048)])
-def test_silu_mul(t, i, dtype) -> None:
-    check_silu_mul(t, i, dtype, seed=t * 7919 + i)
+def test_silu_mul(t, i, dtype, gen) -> None:
+    check_silu_mul(t, i, dtype, gen)
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # numpy, in the interpreter
@@ -173,11 +172,11 @@ def test_silu_mul_extremes() -> None:
     assert got[0, :2].tolist() == [0.0, 0.0] and got[0, 6].item() == 600.0
 
 
-def test_silu_mul_empty_and_bad_inputs() -> None:
-    assert silu_mul(torch.randn(0, 64, device=DEVICE)).shape == (0, 32)
-    gate_up = torch.randn(4, 64, device=DEVICE)
+def test_silu_mul_empty_and_bad_inputs(gen) -> None:
+    assert silu_mul(torch.randn(0, 64, generator=gen).to(DEVICE)).shape == (0, 32)
+    gate_up = torch.randn(4, 64, generator=gen).to(DEVICE)
     for args, kwargs in [
-        ((torch.randn(4, 63, device=DEVICE),), {}),  # odd width
+        ((torch.randn(4, 63, generator=gen).to(DEVICE),), {}),  # odd width
         ((gate_up[None],), {}),  # 3-D
         ((gate_up.t(),), {}),  # not contiguous
         ((gate_up.long(),), {}),
@@ -198,24 +197,23 @@ def rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-def cos_sin(t: int, d: int, dtype: torch.dtype, flat: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def cos_sin(t: int, d: int, dtype: torch.dtype, flat: bool, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """(T, 1, D) (or (T, D) if flat) tables with both halves equal, as RotaryEmbedding.lookup."""
-    angles = torch.rand(t, d // 2, device=DEVICE) * 1000
+    angles = torch.rand(t, d // 2, generator=gen).to(DEVICE) * 1000
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
     cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
     return (cos, sin) if flat else (cos[:, None, :], sin[:, None, :])
 
 
 def check_rotary(t: int, hq: int, hkv: int, d: int, dtype: torch.dtype, flat: bool,
-                 seed: int) -> None:
-    torch.manual_seed(seed)
+                 gen: torch.Generator) -> None:
     h = hq + hkv
     # qk is a view of a (T, N) qkv output with N = (Hq + 2 Hkv) D, plus a few spare columns so
     # that the row stride is no multiple of anything in particular.
     n = (hq + 2 * hkv) * d + 3
-    qkv = (torch.randn(t, n, device=DEVICE) * 3).to(dtype)
+    qkv = (torch.randn(t, n, generator=gen).to(DEVICE) * 3).to(dtype)
     qk = qkv[:, : h * d].view(t, h, d)
-    cos, sin = cos_sin(t, d, dtype, flat)
+    cos, sin = cos_sin(t, d, dtype, flat, gen)
     want = rotary_reference(qk, *((cos[:, None], sin[:, None]) if flat else (cos, sin)))
     rest = qkv[:, h * d:].clone()  # v and the spare columns
 
@@ -232,19 +230,18 @@ def check_rotary(t: int, hq: int, hkv: int, d: int, dtype: torch.dtype, flat: bo
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
 @pytest.mark.parametrize("t", [1, 5])
 @pytest.mark.parametrize("hq,hkv,d", [(4, 2, 64), (4, 2, 128), (3, 1, 96)])
-def test_rotary(t, hq, hkv, d, dtype) -> None:
-    check_rotary(t, hq, hkv, d, dtype, flat=False, seed=t * 7919 + hq * 31 + d)
+def test_rotary(t, hq, hkv, d, dtype, gen) -> None:
+    check_rotary(t, hq, hkv, d, dtype, flat=False, gen=gen)
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
-def test_rotary_flat_tables_and_head_slices(dtype) -> None:
+def test_rotary_flat_tables_and_head_slices(dtype, gen) -> None:
     """(T, D) cos/sin; and k alone, a view with a head stride larger than D."""
-    check_rotary(3, 4, 2, 64, dtype, flat=True, seed=11)
-    torch.manual_seed(12)
+    check_rotary(3, 4, 2, 64, dtype, flat=True, gen=gen)
     t, d = 3, 64
-    buf = torch.randn(t, 2, 4, 2 * d, device=DEVICE).to(dtype)
+    buf = torch.randn(t, 2, 4, 2 * d, generator=gen).to(DEVICE, dtype)
     k = buf[:, 1, :, :d]  # (T, 4, D), strides (8D, 2D, 1)
-    cos, sin = cos_sin(t, d, dtype, flat=False)
+    cos, sin = cos_sin(t, d, dtype, flat=False, gen=gen)
     want, before = rotary_reference(k, cos, sin), buf.clone()
     rotary_(k, cos, sin)
     assert_equal(k, want)
@@ -252,14 +249,14 @@ def test_rotary_flat_tables_and_head_slices(dtype) -> None:
     assert_equal(buf, before)
 
 
-def test_rotary_empty_and_bad_inputs() -> None:
-    qkv = torch.randn(0, 8 * 64, device=DEVICE)
+def test_rotary_empty_and_bad_inputs(gen) -> None:
+    qkv = torch.randn(0, 8 * 64, generator=gen).to(DEVICE)
     qk = qkv[:, : 6 * 64].view(0, 6, 64)
-    cos, sin = cos_sin(0, 64, torch.float32, flat=False)
+    cos, sin = cos_sin(0, 64, torch.float32, flat=False, gen=gen)
     assert rotary_(qk, cos, sin) is qk
 
-    qk = torch.randn(4, 6, 64, device=DEVICE)
-    cos, sin = cos_sin(4, 64, torch.float32, flat=False)
+    qk = torch.randn(4, 6, 64, generator=gen).to(DEVICE)
+    cos, sin = cos_sin(4, 64, torch.float32, flat=False, gen=gen)
     for args in [
         (qk[0], cos, sin),  # 2-D
         (qk[..., :63], cos[..., :63], sin[..., :63]),  # odd head_dim
@@ -279,36 +276,36 @@ def test_rotary_empty_and_bad_inputs() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("with_residual", [False, True])
 @pytest.mark.parametrize("t", [1, 7, 256])
-def test_rms_norm_gpu(t, with_residual) -> None:
-    check_rms_norm(t, 2048, torch.bfloat16, with_residual, seed=t)
-    check_rms_norm(t, 96, torch.bfloat16, with_residual, seed=t + 1)
+def test_rms_norm_gpu(t, with_residual, gen) -> None:
+    check_rms_norm(t, 2048, torch.bfloat16, with_residual, gen)
+    check_rms_norm(t, 96, torch.bfloat16, with_residual, gen)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [1, 7, 256])
-def test_silu_mul_gpu(t) -> None:
-    check_silu_mul(t, 8192, torch.bfloat16, seed=t)
+def test_silu_mul_gpu(t, gen) -> None:
+    check_silu_mul(t, 8192, torch.bfloat16, gen)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [1, 7, 256])
-def test_rotary_gpu(t) -> None:
-    check_rotary(t, 32, 8, 64, torch.bfloat16, flat=False, seed=t)
-    check_rotary(t, 32, 8, 128, torch.bfloat16, flat=True, seed=t + 1)
+def test_rotary_gpu(t, gen) -> None:
+    check_rotary(t, 32, 8, 64, torch.bfloat16, flat=False, gen=gen)
+    check_rotary(t, 32, 8, 128, torch.bfloat16, flat=True, gen=gen)
 
 
 @pytest.mark.gpu
-def test_cuda_graph_capture() -> None:
+def test_cuda_graph_capture(gen) -> None:
     """All three kernels capture into a CUDA graph and replay on new inputs."""
     t, h, i, hq, hkv, d = 7, 2048, 8192, 32, 8, 64
     dtype = torch.bfloat16
-    x = torch.randn(t, h, device=DEVICE, dtype=dtype)
-    res = torch.randn(t, h, device=DEVICE, dtype=dtype)
-    w = torch.randn(h, device=DEVICE, dtype=dtype)
-    gate_up = torch.randn(t, 2 * i, device=DEVICE, dtype=dtype)
-    qkv = torch.randn(t, (hq + 2 * hkv) * d, device=DEVICE, dtype=dtype)
+    x = torch.randn(t, h, generator=gen).to(DEVICE, dtype)
+    res = torch.randn(t, h, generator=gen).to(DEVICE, dtype)
+    w = torch.randn(h, generator=gen).to(DEVICE, dtype)
+    gate_up = torch.randn(t, 2 * i, generator=gen).to(DEVICE, dtype)
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=gen).to(DEVICE, dtype)
     qk = qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d)
-    cos, sin = cos_sin(t, d, dtype, flat=False)
+    cos, sin = cos_sin(t, d, dtype, flat=False, gen=gen)
     norm_out = torch.empty_like(x)
     mlp_out = torch.empty(t, i, device=DEVICE, dtype=dtype)
 
@@ -323,10 +320,9 @@ def test_cuda_graph_capture() -> None:
     with torch.cuda.graph(graph):
         step_fn()
 
-    for seed in range(2):
-        torch.manual_seed(seed)
+    for _ in range(2):
         for buf in (x, res, gate_up, qkv):
-            buf.copy_(torch.randn_like(buf))
+            buf.copy_(torch.randn(buf.shape, generator=gen))
         s = x + res
         want_norm = F.rms_norm(s.float(), (h,), eps=1e-5).to(dtype)
         gate, up = gate_up.split(i, dim=-1)

@@ -80,6 +80,7 @@ CASES = [  # (arch, overrides, size): GQA everywhere; size 4 > 2 KV heads replic
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch, overrides, size", CASES, ids=[f"{a}-{o or ''}-tp{n}" for a, o, n in CASES])
 def test_sharded_model_gives_the_full_logits(rng, tmp_path, arch, overrides, size) -> None:
     model_dir = make_hf_model_dir(tmp_path, arch, weight_scale=2.0, **overrides)
@@ -88,6 +89,7 @@ def test_sharded_model_gives_the_full_logits(rng, tmp_path, arch, overrides, siz
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=f"rank {rank}")
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 @pytest.mark.parametrize("overrides", [{}, {"num_key_value_heads": 1}], ids=["gqa", "kv1"])
 def test_sharded_model_on_one_gpu(rng, tmp_path, overrides) -> None:

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from engine.config import DEFAULT_MODEL, EngineConfig
 from pie_client import Client
 from service.server import BackgroundServer, ServerConfig
+
+# slow: starts a BackgroundServer on the bundled model
+pytestmark = pytest.mark.slow
 
 
 def test_bundled_model_is_the_default_and_writes_stories():

@@ -20,6 +20,9 @@ from service.cli import _server_config, build_parser
 from service.server import BackgroundServer, ConnectionConfig, ServerConfig
 from tests.helpers import StepGate, make_hf_model_dir
 
+# slow: every test starts a BackgroundServer
+pytestmark = pytest.mark.slow
+
 
 class CountingProxy:
     """Forwards 127.0.0.1:<port> to a server; counts accepted connections and bytes each way."""

@@ -8,7 +8,10 @@ against the code; blocks it does not run name the test or script that does:
 - the `grpcurl` lines: tests/service/test_grpcurl_reflection.py;
 - `pie train --generate-corpus ...` (hours of training): tests/training/test_training.py trains
   the same code path small; here only its flags are parsed;
-- `pie serve --model models/...` (needs a downloaded model): here its flags are parsed.
+- `pie serve --model models/...` (needs a downloaded model): here its flags are parsed;
+- the Developing section's `python -m pytest`, `ruff check . && mypy` and `npx buf` lines: parts of
+  the test command (`.ci/run`); its `bash benchmarks/gpu.sh` lines need a GPU:
+  tests/benchmarks/test_gpu_suites.py checks the suites they name and runs one on the CPU.
 
 Run here: `pie serve --help`, `pie-client --help`, `pie train --help`, the `pie-client` lines and
 the Python blocks against live tiny servers, `python benchmarks/plot_results.py`.
@@ -59,13 +62,15 @@ def run(argv: list[str], **kw) -> subprocess.CompletedProcess:
 
 def test_every_shell_command_is_accounted_for():
     covered = ("python3 -m venv", "grpcurl ", "pie-client generate ", "pie-client info", "pie train ",
-               "pie serve --model ", "pie bench ", "npm ci", "node clients/node/example.mjs ")
+               "pie serve --model ", "pie bench ", "npm ci", "node clients/node/example.mjs ", "python -m pytest ",
+               "ruff check . && mypy", "npx buf ", "bash benchmarks/gpu.sh ", "BASELINE=")
     lines = shell_lines()
     assert lines, "no commands found in README.md"
     for line in lines:
         assert line.startswith(covered), f"README command not run by any test: {line}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv", [["pie", "serve", "--help"], ["pie-client", "--help"], ["pie", "train", "--help"]])
 def test_help_commands_run(argv):
     out = run(argv)
@@ -73,6 +78,7 @@ def test_help_commands_run(argv):
     assert "usage:" in out.stdout
 
 
+@pytest.mark.slow
 def test_bench_launcher():
     """The README's `pie bench` lines run in tests/test_readme_fresh_install.py (after the README's
     own install); here the launcher's listing and its refusal of an unknown name."""
@@ -83,6 +89,7 @@ def test_bench_launcher():
     assert bad.returncode == 2 and "unknown benchmark" in bad.stderr
 
 
+@pytest.mark.slow
 def test_every_serve_flag_is_in_the_readme_table():
     help_text = run(["pie", "serve", "--help"]).stdout
     # option lines start with the flag; a boolean pair reads "--x, --no-x"
@@ -121,6 +128,7 @@ def test_every_flag_of_pie_has_one_line_and_its_default_once():
     assert help_problems(build_parser(with_train=True)) == []
 
 
+@pytest.mark.slow
 def test_plot_script_draws_the_readme_figure(tmp_path):
     assert "](benchmarks/decode_bandwidth.png)" in README and (ROOT / "benchmarks/decode_bandwidth.png").is_file()
     out = subprocess.run([sys.executable, "benchmarks/plot_results.py", "--out", str(tmp_path / "p.png")],
@@ -153,6 +161,7 @@ def two_servers(tmp_path_factory):
         yield a, b
 
 
+@pytest.mark.slow
 def test_client_commands_and_python_blocks_against_live_servers(two_servers, capsys):
     a, b = two_servers
     for line in shell_lines():

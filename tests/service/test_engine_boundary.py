@@ -23,6 +23,9 @@ from service.server import BackgroundServer, ServerConfig
 from service.servicer import SERVICE_NAME
 from tests.helpers import make_hf_model_dir, slow_steps, wait_until
 
+# slow: every test starts a BackgroundServer (engine thread and process)
+pytestmark = pytest.mark.slow
+
 NUM_BLOCKS = 96
 
 

@@ -13,6 +13,9 @@ from pie_client import Client, InvalidArgument, PieError
 from service.server import BackgroundServer, ServerConfig
 from tests.helpers import exit_process_after, fail_steps_after, hang_steps_after, make_hf_model_dir, wait_until
 
+# slow: every test starts an engine process or a server
+pytestmark = pytest.mark.slow
+
 NUM_BLOCKS = 64
 
 

@@ -133,6 +133,7 @@ def _assert_serving(channel) -> None:
     assert out.usage.completion_tokens == 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case,message,code,field", CASES, ids=[c[0] for c in CASES])
 def test_hostile_request(channel, case, message, code, field):
     body = message if isinstance(message, bytes) else message.SerializeToString()
@@ -180,6 +181,7 @@ _prompt = st.one_of(st.none(), st.text(max_size=300), st.lists(st.one_of(st.inte
                                                                max_size=80))
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(prompt=_prompt, sampling=_sampling, request_id=st.one_of(st.just(""), st.text(max_size=140)),
        streaming=st.booleans())

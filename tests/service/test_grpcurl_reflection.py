@@ -20,6 +20,9 @@ from pie.v1 import generate_pb2
 from service.server import BackgroundServer, ServerConfig
 from tests.helpers import make_hf_model_dir
 
+# slow: every test calls a BackgroundServer
+pytestmark = pytest.mark.slow
+
 README = Path(__file__).resolve().parents[2] / "README.md"
 
 

@@ -73,6 +73,7 @@ def log_lines(buf: io.StringIO) -> list[dict]:
     return [json.loads(line) for line in buf.getvalue().splitlines() if line.startswith("{")]
 
 
+@pytest.mark.slow
 def test_metrics_after_traffic(server, client, log_buffer):
     before = scrape(server)
     assert value(before, "vllm:generation_tokens_total") == 0
@@ -126,6 +127,7 @@ def test_metrics_after_traffic(server, client, log_buffer):
                and d.get("event") == "request_done") == 1
 
 
+@pytest.mark.slow
 def test_gauges_during_a_stream_and_cancellation(server, client, log_buffer):
     before = scrape(server)
     cancelled_before = before.get(("pie_requests_finished_total", frozenset(
@@ -145,6 +147,7 @@ def test_gauges_during_a_stream_and_cancellation(server, client, log_buffer):
     assert line["status"] == "CANCELLED" and line["finish_reason"] is None and line["generated_tokens"] >= 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", ["/", "/metric", "/metrics/", "/metrics/x", "/favicon.ico", "/index.html"])
 def test_only_the_metrics_path_answers(server, path):
     base = f"http://{server.pie.config.host}:{server.pie.metrics_port}"

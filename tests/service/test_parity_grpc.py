@@ -15,6 +15,9 @@ from pie_client import Client
 from service.server import BackgroundServer, ServerConfig
 from tests.helpers import ARCHS, make_hf_model_dir
 
+# slow: starts a BackgroundServer per model family
+pytestmark = pytest.mark.slow
+
 N_TOKENS = 32
 
 

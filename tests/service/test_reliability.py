@@ -26,6 +26,9 @@ from service.server import EXIT_ENGINE_DEAD, BackgroundServer, ServerConfig
 from service.servicer import SERVICE_NAME
 from tests.helpers import make_hf_model_dir, wait_until
 
+# slow: every test starts a BackgroundServer or a `pie serve` subprocess
+pytestmark = pytest.mark.slow
+
 NUM_BLOCKS = 128
 
 
@@ -175,7 +178,6 @@ async def _storm(address: str, n: int, concurrency: int, seed: int) -> collectio
     return outcomes
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("engine", ["thread", "process"])
 def test_cancellation_storm_leaks_nothing(server, model_dir, engine):
     """1,000 streams, 48 at a time, cut by cancel, deadline or a dropped connection at random points,
@@ -305,7 +307,6 @@ def test_hung_step_trips_watchdog(model_dir):
             rec.block.set()  # let the stuck thread finish so the test process stays clean
 
 
-@pytest.mark.slow
 def test_hung_step_exits_process_nonzero(model_dir, tmp_path):
     """As a real process: the injected hang makes `pie serve` exit with EXIT_ENGINE_DEAD."""
     script = Path(__file__).with_name("hang_server.py")

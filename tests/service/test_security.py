@@ -19,6 +19,9 @@ from service.cli import _add_serve, _server_config
 from service.server import BackgroundServer, ServerConfig, TlsConfig
 from tests.helpers import make_hf_model_dir, wait_until
 
+# slow: every test starts a BackgroundServer, on certificates openssl makes
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):

@@ -15,6 +15,9 @@ from service.server import BackgroundServer, ServerConfig
 from service.servicer import SERVICE_NAME
 from tests.helpers import StepGate, make_hf_model_dir, wait_until
 
+# slow: every test calls a BackgroundServer
+pytestmark = pytest.mark.slow
+
 NUM_BLOCKS = 96
 
 

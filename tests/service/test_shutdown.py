@@ -20,8 +20,10 @@ from service.server import BackgroundServer, ServerConfig
 from tests.helpers import make_hf_model_dir, wait_until
 from tests.service.processes import ServerProcess, engine_children, readiness
 
+# slow: every test starts a BackgroundServer or a `pie serve` subprocess
+pytestmark = pytest.mark.slow
 
-@pytest.mark.slow
+
 @pytest.mark.parametrize("engine", ["thread", "process"])
 def test_sigterm_drains_in_flight_then_exits(tmp_path, engine):
     """SIGTERM to the server (and, with --engine-process, to its whole process group, as a

@@ -44,6 +44,7 @@ def test_every_flag_has_a_description_and_its_default_once():
     assert any("default shown 0 times" in p for p in help_problems(_train_parser(argparse.HelpFormatter)))
 
 
+@pytest.mark.slow
 def test_plain_install_trains_on_a_generated_corpus_and_exports(tmp_path):
     """`pip install -e .` brings neither `datasets` nor pyarrow (nor transformers or pandas): importing
     them fails in this child, as it would there."""

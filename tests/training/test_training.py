@@ -282,6 +282,7 @@ def test_batched_training_forward_matches_serving_forward(exported):
         torch.testing.assert_close(batched[row], _our_logits(model, ids[row].tolist()), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_cli_corpus_to_export(corpus, tmp_path):
     out, export = tmp_path / "run", tmp_path / "model"
     cmd = [sys.executable, "-m", "service.cli", "train", "--data", str(corpus["train"]),
