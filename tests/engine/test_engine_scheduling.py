@@ -166,7 +166,7 @@ def test_the_engine_teaches_the_stall_bound_and_it_cuts_prompts(model_dir) -> No
     steps with prompt tokens); a long prompt arriving beside running decodes is then cut into
     chunks within the bound of each step, and gives the tokens an unbounded engine gives."""
     greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    engine = make_engine(model_dir, max_num_batched_tokens=256, decode_stall_factor=1.5)
+    engine = make_engine(model_dir, max_num_batched_tokens=256, decode_stall_factor=1.5, num_kv_blocks=160)
     stall = engine.scheduler.stall
     for i in range(3):
         engine.add_request(f"s{i}", [30 + i, 40 + i, 50 + i] * 6, greedy)  # 18-token prompts
@@ -194,6 +194,7 @@ def test_the_engine_teaches_the_stall_bound_and_it_cuts_prompts(model_dir) -> No
         got += [t for o in engine.step() if o.request_id == "long" for t in o.new_token_ids]
     chunks = [(bound, s.num_new_tokens) for bound, rows in steps for s in rows
               if s.request.request_id == "long" and s.start < len(long)]
+    assert engine.stats().num_preemptions == 0  # (a recompute would chunk the prompt again)
     assert sum(n for _, n in chunks) == len(long)
     assert all(bound is None or n <= max(bound, stall.min_tokens) for bound, n in chunks), chunks
     alone = make_engine(model_dir, max_num_batched_tokens=256, decode_stall_factor=0)
