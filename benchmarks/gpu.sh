@@ -44,7 +44,10 @@
 #               GPUs, N=2 (Llama-1B and 4B shapes, int8 pages), and tp_vocab.py
 #
 # BASELINE=<commit> runs every suite a second time on that commit, checked out with `git worktree
-# add` (else `git archive`) outside the repo, and writes its files under $OUT/baseline/; ROUNDS=N
+# add` (else `git archive`) outside the repo, and writes its files under $OUT/baseline/. The device
+# tool sends the working tree without .git: there, check the commit out beforehand into the ignored
+# folder .baseline (`git worktree add --detach .baseline <commit>`, ~15 MiB) and carry it (carry
+# [".whl", ".baseline"]); a .baseline folder is used as the baseline tree whenever it exists. ROUNDS=N
 # (default 1) repeats each suite N times, the working tree and the baseline interleaved, so that
 # before and after come from one call on one machine. The suites' commands are this script's, run
 # in the baseline's tree with its code first on the import path: the baseline must have the scripts
@@ -177,8 +180,9 @@ suite_tp() {
 SUITES=" tests alltests kernels variants ncu extend engine profile host offline hf capacity serving scheduling mixed long fidelity seeds tp "
 
 g() { git -c safe.directory="$ROOT" -C "$ROOT" "$@"; }  # files copied to a machine may belong to another user
-baseline_tree() {  # check BASELINE out outside the repo; prints its folder
+baseline_tree() {  # check BASELINE out outside the repo (or take a carried .baseline); prints its folder
   local sha dir
+  if [ -d "$ROOT/.baseline/engine" ]; then echo "$ROOT/.baseline"; return 0; fi
   sha=$(g rev-parse --verify --quiet "$BASELINE^{commit}") \
     || { echo "BASELINE=$BASELINE: no such commit in $ROOT (git needs the repository's .git here)" >&2; return 1; }
   dir=/tmp/pie-baseline-${sha:0:12}
@@ -214,7 +218,7 @@ if [ -n "${BASELINE:-}" ]; then
   BASE=$(baseline_tree) || exit 2
   mkdir -p "$OUT/baseline"
   echo "baseline: $(g log -1 --format='%h %s' "$BASELINE" | cut -c1-90) in $BASE"
-  trap 'g worktree remove --force "$BASE" 2>/dev/null || rm -rf "$BASE"' EXIT
+  [ "$BASE" != "$ROOT/.baseline" ] && trap 'g worktree remove --force "$BASE" 2>/dev/null || rm -rf "$BASE"' EXIT
 fi
 for suite in "$@"; do
   for ((round = 1; round <= ${ROUNDS:-1}; round++)); do
