@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from engine.detokenizer import IncrementalDetokenizer
-    from engine.messages import SampledToken
 
 
 class RequestStatus(enum.IntEnum):
@@ -114,8 +113,9 @@ class Request:
         # Prompt logprobs (sample 0 of a request that asks): entries 1..P-1 as they are computed,
         # chunk by chunk (entry i: prompt token i given tokens 0..i-1); handed over with the first
         # output token, then None. While a list, the request computes its prompt in full: no
-        # prefix-cache hit on admission (cached positions have no logits).
-        self.prompt_logprobs: list[SampledToken] | None = (
+        # prefix-cache hit on admission (cached positions have no logits). The entries are
+        # engine.messages.SampledToken, not named here: that module imports this one.
+        self.prompt_logprobs: list[Any] | None = (
             [] if sampling.prompt_logprobs is not None and index == 0 else None)
         if group is None:
             group = SampleGroup(self.parent_id)
