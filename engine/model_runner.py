@@ -7,8 +7,9 @@ device, and what it drew comes back to the host in one copy: the only device->ho
 synchronization of a step, which `PendingSample.result()` waits for (async scheduling reads it a
 step later). A step that holds prompt chunks of requests asking for prompt logprobs also makes the
 logits of those prompt positions and their logprobs (engine/prompt_logprobs.py), which come back
-with the same synchronization; such a step runs eagerly. Under tensor parallelism this runner is rank 0's: it hands each step's inputs to the
-workers first (`StepBroadcast`), and the workers follow (engine/tensor_parallel.py).
+with the same synchronization; such a step runs eagerly. Under tensor parallelism this runner is
+rank 0's: it hands each step's inputs to the workers first (`StepBroadcast`), and the workers
+follow (engine/tensor_parallel.py).
 """
 
 from __future__ import annotations
@@ -189,9 +190,8 @@ class ModelRunner:
     def launch(self, out: SchedulerOutput) -> PendingSample | None:
         """Queues the step's forward pass and sampling on the device and the copy of what is
         sampled back to the host; returns without waiting (None when no row samples and no prompt
-        logprobs were computed). The sampled
-        ids also stay on the device, as the next step's input ids of requests whose newest token is
-        a placeholder."""
+        logprobs were computed). The sampled ids also stay on the device, as the next step's input
+        ids of requests whose newest token is a placeholder."""
         assert self._stream is None or torch.cuda.current_stream(self.device) == self._stream, \
             "every step must run on the runner's CUDA stream (async scheduling relies on stream order)"
         prompt = PromptLogprobRows.plan(out, self.device)  # None unless a chunk asks for prompt logprobs

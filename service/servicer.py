@@ -181,6 +181,14 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                                                          for t, lp in e.top])
                           for e in entries]
 
+    async def _prompt_logprob_messages(self, prompt: list[int], entries: list[SampledToken],
+                                       sampling: SamplingParams, tokenizer: Tokenizer) -> list[pb.PromptLogprob]:
+        """`_prompt_logprobs`, on a worker thread when there are many (a long prompt's take as long
+        to build as the answer's logprobs do)."""
+        if len(entries) * (1 + (sampling.prompt_logprobs or 0)) > INLINE_LOGPROB_ENTRIES:
+            return await self._off_loop(self._prompt_logprobs, prompt, entries, tokenizer)
+        return self._prompt_logprobs(prompt, entries, tokenizer)
+
     @staticmethod
     def _aborted(rid: str) -> ServiceError:
         return ServiceError(grpc.StatusCode.CANCELLED, f"request {rid} was aborted by an Abort call of its caller",
@@ -308,13 +316,9 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             choices = self._choices(groups, tokenizer)
         first = choices[0]
         completion = sum(len(c.token_ids) for c in choices)
-        prompt_logprobs: list[pb.PromptLogprob] = []
         entries = next((o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None), None)
-        if entries is not None:
-            if len(entries) * (1 + (sampling.prompt_logprobs or 0)) > INLINE_LOGPROB_ENTRIES:
-                prompt_logprobs = await self._off_loop(self._prompt_logprobs, prompt, entries, client.tokenizer)
-            else:
-                prompt_logprobs = self._prompt_logprobs(prompt, entries, client.tokenizer)
+        prompt_logprobs = [] if entries is None else await self._prompt_logprob_messages(
+            prompt, entries, sampling, client.tokenizer)
         s.finish_reason = _FINISH_LABEL.get(_by_index(outputs)[0][-1].status)
         self._end(s, grpc.StatusCode.OK)
         return pb.GenerateResponse(
@@ -391,7 +395,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                     if asked_prompt_logprobs:  # on the message with choice 0's first token
                         entries = next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None), None)
                         if entries is not None:
-                            msg.prompt_logprobs.extend(self._prompt_logprobs(prompt, entries, client.tokenizer))
+                            msg.prompt_logprobs.extend(await self._prompt_logprob_messages(
+                                prompt, entries, sampling, client.tokenizer))
                     if last.finished:
                         msg.finish_reason = _FINISH.get(last.status, pb.FINISH_REASON_UNSPECIFIED)
                         msg.stop_reason = "" if last.stop_reason is None else str(last.stop_reason)

@@ -92,6 +92,16 @@ def test_prompt_logprobs_unary_and_stream_match_transformers(client, hf, server,
     check_prompt_logprobs(hf, ids, text.prompt_logprobs, 0)
 
 
+def test_many_prompt_logprobs_are_built_off_the_event_loop_alike(client, hf, rng):
+    """300 positions x 21 entries: past INLINE_LOGPROB_ENTRIES, so the messages are built on a
+    worker thread, for the unary answer and the first stream message alike."""
+    prompt = [rng.randrange(3, 512) for _ in range(300)]
+    done = client.generate(prompt, max_tokens=1, prompt_logprobs=20)
+    check_prompt_logprobs(hf, prompt, done.prompt_logprobs, 20)
+    first = next(iter(client.stream(prompt, max_tokens=1, prompt_logprobs=20)))
+    assert first.prompt_logprobs == done.prompt_logprobs
+
+
 def test_prompt_logprobs_with_n_samples_come_once(client, hf, rng):
     prompt = [rng.randrange(3, 512) for _ in range(20)]
     done = client.generate(prompt, max_tokens=3, temperature=1.0, seed=3, n=2, prompt_logprobs=1, ignore_eos=True)
