@@ -202,3 +202,17 @@ def test_on_cuda_beside_graph_replayed_decodes(model_dir, hf, rng):
     bias = [t for o in outputs["bias"] for t in o.new_token_ids]
     assert bias[-1] == 2 and len(bias) == 5 and 2 not in bias[:4]
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_total_blocks
+
+
+def test_entries_beyond_the_bound_are_refused_by_field():
+    """prompt tokens x (1 + prompt_logprobs) is bounded, so one answer stays a sane message."""
+    from engine.sampling_params import MAX_PROMPT_LOGPROB_ENTRIES, SamplingParamsError
+    from engine.validation import check_request
+
+    limits = dict(config=EngineConfig(), vocab_size=512, max_model_len=10**7, num_kv_blocks=10**7)
+    n = MAX_PROMPT_LOGPROB_ENTRIES // 21
+    check_request([5] * n, SamplingParams(prompt_logprobs=20), **limits)
+    with pytest.raises(SamplingParamsError) as err:
+        check_request([5] * (n + 1), SamplingParams(prompt_logprobs=20), **limits)
+    assert err.value.field == "prompt_logprobs"
+    check_request([5] * (n + 1), SamplingParams(), **limits)  # not asked: no bound
