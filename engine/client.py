@@ -33,7 +33,7 @@ import msgspec
 import structlog
 
 from engine.config import EngineConfig
-from engine.errors import EngineDeadError, QueueFullError
+from engine.errors import EngineDeadError, QueueFullError, RequestAbortedError
 from engine.messages import AbortRequest, AddRequest, Command, EngineStats, RequestOutput, StepResult
 from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
@@ -69,7 +69,7 @@ class EngineInfo:
 class RequestStream:
     """The asyncio end of one request: outputs pushed by the engine loop, read by the RPC."""
 
-    __slots__ = ("engine_id", "caller_id", "_pending", "_event", "finished")
+    __slots__ = ("engine_id", "caller_id", "_pending", "_event", "finished", "cancelled")
 
     def __init__(self, engine_id: str, caller_id: str) -> None:
         self.engine_id = engine_id  # minted by the client; what the engine core and the pipe know
@@ -77,16 +77,26 @@ class RequestStream:
         self._pending: list[RequestOutput] = []
         self._event = asyncio.Event()
         self.finished = False
+        self.cancelled = False  # `cancel()`ed: its reader gets RequestAbortedError
 
     def _put(self, output: RequestOutput) -> None:
         self._pending.append(output)
         self.finished = self.finished or bool(output.all_finished)
         self._event.set()
 
+    def cancel(self) -> None:
+        """Ends the stream from elsewhere (an Abort call, after `EngineClient.abort` stopped the
+        request): the reader's `next_batch` raises RequestAbortedError, now or when it next waits."""
+        self.cancelled = True
+        self._event.set()
+
     async def next_batch(self) -> list[RequestOutput]:
         """Waits for at least one output and returns every output delivered so far (coalesced:
-        a slow reader gets fewer, larger batches instead of a growing backlog)."""
+        a slow reader gets fewer, larger batches instead of a growing backlog). Raises
+        RequestAbortedError once the stream is cancelled, outputs still pending or not."""
         await self._event.wait()
+        if self.cancelled:
+            raise RequestAbortedError(f"request {self.caller_id} ({self.engine_id}) was aborted")
         batch, self._pending = self._pending, []
         self._event.clear()
         return batch

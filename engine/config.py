@@ -14,6 +14,9 @@ DEFAULT_MODEL = str(Path(__file__).resolve().parents[1] / "model" / "bundled" / 
 KV_CACHE_DTYPES = ("int8", "bf16", "fp16", "fp32")
 MODEL_DTYPES = ("auto", "fp32", "bf16", "fp16")
 ATTENTION_BACKENDS = ("auto", "triton", "torch")  # auto: triton on cuda, the torch reference elsewhere
+# What TokenLogprob.logprob reports: log_softmax of the raw logits (vLLM v1's default), or of the
+# logits the token was chosen from, after bias, penalties, temperature and filters (engine/sampler.py).
+LOGPROBS_MODES = ("raw", "processed")
 
 
 @dataclass(slots=True)
@@ -58,6 +61,7 @@ class EngineConfig:
     # Ranks sharing the model (engine/tensor_parallel.py): this engine is rank 0 and starts N - 1
     # worker processes, one per further GPU (or CPU process, gloo).
     tensor_parallel_size: int = 1
+    logprobs_mode: str = "raw"  # raw | processed: which logits generated tokens' logprobs come from
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -85,6 +89,8 @@ class EngineConfig:
             raise ValueError("tensor_parallel_size must be >= 1")
         if self.decode_stall_factor and self.decode_stall_factor <= 1.0:
             raise ValueError(f"decode_stall_factor must be 0 (off) or > 1, got {self.decode_stall_factor}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
 

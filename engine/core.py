@@ -165,7 +165,8 @@ class EngineCore:
         for i in range(n):
             seed = (sampling.seed + i) % 2**63 if sampling.seed is not None else self._seed_source.getrandbits(63)
             detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
-                                                 skip_special_tokens=sampling.skip_special_tokens, stop=sampling.stop)
+                                                 skip_special_tokens=sampling.skip_special_tokens, stop=sampling.stop,
+                                                 min_tokens=sampling.min_tokens)
             Request(request_id if n == 1 else f"{request_id}#{i}", prompt_token_ids, sampling,
                     eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len, parent_id=request_id,
                     index=i, wait_for=group.samples[0] if i else None,
@@ -248,10 +249,11 @@ class EngineCore:
             return []
         try:
             sampled = pending.result()
+            prompt_logprobs = pending.prompt_logprobs()
         except Exception as e:
-            return self._step_failed(pending.requests, e)
+            return self._step_failed(pending.all_requests, e)
         self._step_done()
-        return self.scheduler.update_from_output(pending.requests, sampled)
+        return self.scheduler.update_from_output(pending.requests, sampled, prompt_logprobs)
 
     def _step_done(self) -> None:
         """A step's tokens are back: the time since the previous one's is this step's (the engine

@@ -17,8 +17,10 @@ grow forever.
 
 Stop strings: the last (longest stop string - 1) characters of decoded text are held back, so a
 stop string that spans steps is found whole; each step searches only the held tail plus the new
-text. Text from the stop string on is never emitted (unless include_stop_str_in_output keeps the
-stop string itself).
+text, for a match that ends in the new text. Text from the stop string on is never emitted (unless
+include_stop_str_in_output keeps the stop string itself). With `min_tokens`, no stop string counts
+before that many tokens have been stepped in (as vLLM checks them): the text goes on, held back as
+usual, and from then on a stop string ending in the text of a later token ends it.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         stop: Sequence[str] = (),
         include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
     ) -> None:
         self._tokenizer = tokenizer
         self._backend = tokenizer.backend
@@ -60,6 +63,8 @@ class IncrementalDetokenizer:
         self._stop = [s for s in stop if s]
         self._include_stop = include_stop_str_in_output
         self._hold = max((len(s) for s in self._stop), default=1) - 1  # chars held back
+        # Tokens still to be stepped in before a stop string may end the request (min_tokens).
+        self._stops_from = min_tokens
         context = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
         # The stream would emit a context that ends inside a character (prompt ids cut mid-way):
         # it then starts before that character, whose rest decodes as U+FFFD in the output.
@@ -86,6 +91,8 @@ class IncrementalDetokenizer:
         """Append output tokens; return the text that is now safe to emit ("" after a stop)."""
         if self.stopped:
             return ""
+        if self._stops_from:
+            self._stops_from = max(0, self._stops_from - len(new_token_ids))
         # One id goes in as an int: half the cost of a list through the binding.
         one = len(new_token_ids) == 1
         chunk = self._stream.step(self._backend, new_token_ids[0] if one else list(new_token_ids))
@@ -127,8 +134,8 @@ class IncrementalDetokenizer:
         if not new_text and not final:
             return ""
         buf = self._pending + new_text
-        if self._stop:
-            cut = self._find_stop(buf)
+        if self._stop and not self._stops_from:
+            cut = self._find_stop(buf, len(self._pending))
             if cut is not None:
                 start, stop = cut
                 self.stopped = True
@@ -139,11 +146,13 @@ class IncrementalDetokenizer:
         self._pending = buf[len(buf) - keep:] if keep else ""
         return self._push(buf[:len(buf) - keep])
 
-    def _find_stop(self, buf: str) -> tuple[int, str] | None:
-        """Earliest occurrence of any stop string in buf (ties: the first listed)."""
+    def _find_stop(self, buf: str, new_from: int) -> tuple[int, str] | None:
+        """Earliest occurrence of any stop string in buf that ends past `new_from` (in the new text:
+        one wholly in the held tail was searched before, or came before min_tokens); ties: the
+        first listed."""
         best: tuple[int, str] | None = None
         for s in self._stop:
-            i = buf.find(s)
+            i = buf.find(s, max(0, new_from - len(s) + 1))
             if i != -1 and (best is None or i < best[0]):
                 best = (i, s)
         return best

@@ -22,6 +22,11 @@ class EngineDeadError(RuntimeError):
     """The engine loop has stopped; no request can be served."""
 
 
+class RequestAbortedError(RuntimeError):
+    """The request's stream was cancelled from elsewhere (an Abort call of its caller): its reader
+    gets this instead of more outputs."""
+
+
 class StepTimeoutError(RuntimeError):
     """One engine step ran past the watchdog's limit; the engine is presumed hung."""
 

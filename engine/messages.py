@@ -44,6 +44,9 @@ class RequestOutput(msgspec.Struct, array_like=True, gc=False):
     # Every sample of the request is done: the caller's stream ends here (with n > 1, `finished`
     # ends one sample only).
     all_finished: bool = False
+    # On the first output of sample 0 when prompt logprobs were asked: entries 1..P-1, entry i the
+    # prompt token i (token_id) with its raw logprob given tokens 0..i-1 and the top-n there.
+    prompt_logprobs: list[SampledToken] | None = None
 
 
 class EngineStats(msgspec.Struct, array_like=True, gc=False):

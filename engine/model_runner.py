@@ -5,8 +5,11 @@ replays a CUDA graph where one was captured (engine/cuda_graphs.py), anything el
 the logits of the rows that sample go through the batched sampler (engine/sampler.py) on the
 device, and what it drew comes back to the host in one copy: the only device->host
 synchronization of a step, which `PendingSample.result()` waits for (async scheduling reads it a
-step later). Under tensor parallelism this runner is rank 0's: it hands each step's inputs to the
-workers first (`StepBroadcast`), and the workers follow (engine/tensor_parallel.py).
+step later). A step that holds prompt chunks of requests asking for prompt logprobs also makes the
+logits of those prompt positions and their logprobs (engine/prompt_logprobs.py), which come back
+with the same synchronization; such a step runs eagerly. Under tensor parallelism this runner is
+rank 0's: it hands each step's inputs to the workers first (`StepBroadcast`), and the workers
+follow (engine/tensor_parallel.py).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from engine.config import EngineConfig
 from engine.cuda_graphs import CudaGraphs
 from engine.kv_cache import KVCache
 from engine.messages import SampledToken
+from engine.prompt_logprobs import PromptLogprobRows
 from engine.request import Request
 from engine.sampler import SamplingTensors, sample
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -35,23 +39,43 @@ class StepBroadcast(Protocol):
     """Rank 0's link to its tensor-parallel workers (tensor_parallel.Leader): each step's inputs
     go to them before rank 0 runs its share."""
 
-    def forward(self, facts: StepFacts, ints: torch.Tensor, tables: torch.Tensor, graph_batch: int | None) -> None: ...
+    def forward(self, facts: StepFacts, ints: torch.Tensor, tables: torch.Tensor, graph_batch: int | None,
+                prompt_index: torch.Tensor | None) -> None: ...
 
 
 class PendingSample:
-    """What one launched step sampled, on its way to the host."""
+    """What one launched step sampled (and the prompt logprobs it computed), on its way to the host."""
 
     def __init__(self, requests: list[Request], host: torch.Tensor, n_top: int,
-                 done: torch.cuda.Event | None) -> None:
-        self.requests = requests  # the rows' requests, in row order
+                 done: torch.cuda.Event | None, prompt: tuple[PromptLogprobRows, torch.Tensor] | None = None) -> None:
+        self.requests = requests  # the rows' requests, in row order (none: a step of prompt chunks only)
         self._host = host  # (R, 2 + 2 * n_top) float64, pinned on CUDA
         self._n_top = n_top
-        self._done = done  # recorded after the device->host copy; None on the CPU
+        self._done = done  # recorded after the device->host copies; None on the CPU
+        self._prompt = prompt  # the step's prompt-logprob rows and their (M, 1 + 2 * top) values on the host
+
+    @property
+    def all_requests(self) -> list[Request]:
+        """Every request the step produced something for: its rows', then prompt chunks' (when they
+        fail, all of these fail)."""
+        if self._prompt is None:
+            return self.requests
+        return self.requests + [span[0] for span in self._prompt[0].spans if span[0] not in self.requests]
+
+    def prompt_logprobs(self) -> list[tuple[Request, int, list[SampledToken]]]:
+        """After `result()`: (request, first entry, entries) of the prompt positions the step
+        computed (Scheduler.update_from_output)."""
+        if self._prompt is None:
+            return []
+        rows, host = self._prompt
+        return rows.entries(host.tolist())
 
     def result(self) -> list[SampledToken]:
         """Waits for the copy (the step's one host synchronization); the token of each row."""
         if self._done is not None:
             self._done.synchronize()
+        if not self.requests:
+            return []
         n_top = self._n_top
         rows = self._host.tolist()
         if not n_top:
@@ -76,8 +100,12 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, *, vocab_size: int, softmax_scale: float,
                  device: torch.device, attention_backend: str = "auto", max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, max_model_len: int = 2048,
-                 windows: list[int | None] | None = None, tp_leader: StepBroadcast | None = None) -> None:
+                 windows: list[int | None] | None = None, tp_leader: StepBroadcast | None = None,
+                 processed_logprobs: bool = False) -> None:
         self.model = model
+        # Report logprobs of the logits each token was chosen from, not the raw ones (`pie serve
+        # --logprobs-mode processed`; engine/sampler.py).
+        self.processed_logprobs = processed_logprobs
         self._tp = tp_leader  # rank 0 of a tensor-parallel group: each step goes to the workers first
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
@@ -99,6 +127,8 @@ class ModelRunner:
                                   for _ in range(2)]
             self._sample_events = [torch.cuda.Event(), torch.cuda.Event()]
             self._parity = 0
+            # The same for prompt logprobs, allocated when a step first computes some.
+            self._host_prompt: list[torch.Tensor] | None = None
         # Every step runs on this stream: async scheduling frees and reuses blocks that a queued
         # step may still write, which is safe only in stream order (see EngineCore.step).
         self._stream = torch.cuda.current_stream(device) if on_cuda else None
@@ -116,16 +146,21 @@ class ModelRunner:
         return cls(model, kv_cache, vocab_size=mc.vocab_size, softmax_scale=mc.attn_scale, device=device,
                    attention_backend=config.attention_backend, max_num_seqs=config.max_num_seqs,
                    max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
-                   windows=[mc.layer_window(i) for i in range(mc.num_hidden_layers)], tp_leader=tp_leader)
+                   windows=[mc.layer_window(i) for i in range(mc.num_hidden_layers)], tp_leader=tp_leader,
+                   processed_logprobs=config.logprobs_mode == "processed")
 
     # ---- forward --------------------------------------------------------------------------------
-    def forward_logits(self, out: SchedulerOutput, *, eager: bool = False) -> tuple[list[int], torch.Tensor | None]:
+    def forward_logits(self, out: SchedulerOutput, *, eager: bool = False,
+                       prompt: PromptLogprobRows | None = None) -> tuple[list[int], torch.Tensor | None]:
         """Runs the step's tokens; returns the scheduled rows that sample and their logits (R, V)
-        fp32 (None when no row samples). `eager` skips the CUDA graphs (tests compare the two)."""
+        fp32 (None when no row samples). `eager` skips the CUDA graphs (tests compare the two).
+        `prompt`: prompt positions whose logprobs the step computes too, into `prompt.packed`
+        (such a step runs eagerly: a graph makes no hidden states)."""
         step = self.stager.stage(out, [s.request.block_ids for s in out.scheduled],
-                                 None if eager else self.graphs.bucket_for(out), self._last)
+                                 None if eager or prompt is not None else self.graphs.bucket_for(out), self._last)
         if self._tp is not None:
-            self._tp.forward(step.facts, step.ints, step.metadata.block_tables, step.graph_batch)
+            self._tp.forward(step.facts, step.ints, step.metadata.block_tables, step.graph_batch,
+                             None if prompt is None else prompt.index)
         rows = [i for i, s in enumerate(out.scheduled) if s.sample]
         if step.graph_batch is not None:
             logits = self.graphs.replay(step.graph_batch)
@@ -137,7 +172,11 @@ class ModelRunner:
             self.attention.metadata = None
         if self._tp is not None:  # the LM head is split by vocabulary: all ranks, every sequence
             logits = self.model.compute_logits(last_tokens(hidden, step.metadata))
+            if prompt is not None:  # then the prompt positions, as the workers do
+                prompt.compute(hidden, self.model.compute_logits, self.vocab_size)
             return rows, (logits[rows] if len(rows) < step.num_seqs else logits) if rows else None
+        if prompt is not None:
+            prompt.compute(hidden, self.model.compute_logits, self.vocab_size)
         if not rows:
             return rows, None
         qsl = step.metadata.query_start_loc
@@ -150,14 +189,15 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, out: SchedulerOutput) -> PendingSample | None:
         """Queues the step's forward pass and sampling on the device and the copy of what is
-        sampled back to the host; returns without waiting (None when no row samples). The sampled
-        ids also stay on the device, as the next step's input ids of requests whose newest token is
-        a placeholder."""
+        sampled back to the host; returns without waiting (None when no row samples and no prompt
+        logprobs were computed). The sampled ids also stay on the device, as the next step's input
+        ids of requests whose newest token is a placeholder."""
         assert self._stream is None or torch.cuda.current_stream(self.device) == self._stream, \
             "every step must run on the runner's CUDA stream (async scheduling relies on stream order)"
-        rows, logits = self.forward_logits(out)
+        prompt = PromptLogprobRows.plan(out, self.device)  # None unless a chunk asks for prompt logprobs
+        rows, logits = self.forward_logits(out, prompt=prompt)
         if logits is None:
-            return None
+            return None if prompt is None else self._to_host([], None, prompt)
         reqs = [out.scheduled[i].request for i in rows]
         last, last_tensors = self._last, self._last_tensors
         if last is not None and last_tensors is not None and not last_tensors.any_penalties and reqs == last.requests:
@@ -183,19 +223,30 @@ class ModelRunner:
                 vocab_size=logits.shape[-1],
                 device=logits.device,
                 pending_ids=pending_ids,
+                eos_token_ids=[r.eos_token_ids for r in reqs],
             )
             last_rows = {r.request_id: i for i, r in enumerate(reqs)}
-        result = sample(logits, tensors)
+        result = sample(logits, tensors, processed_logprobs=self.processed_logprobs)
         self._last = LastSample(result.token_ids, reqs, last_rows)
         self._last_tensors = tensors
         # Everything sampled comes back in one transfer, packed as float64 columns (token ids are
         # exact in float64): id, logprob, then n top ids, n top logprobs.
         cols = [result.token_ids.double()[:, None], result.logprobs.double()[:, None]]
-        n_top = 0
         if result.top_ids is not None and result.top_logprobs is not None:
-            n_top = result.top_ids.shape[1]
             cols += [result.top_ids.double(), result.top_logprobs.double()]
-        packed = torch.cat(cols, dim=1)
+        return self._to_host(reqs, torch.cat(cols, dim=1), prompt)
+
+    def _to_host(self, reqs: list[Request], packed: torch.Tensor | None,
+                 prompt: PromptLogprobRows | None) -> PendingSample:
+        """Starts the copy of what the step sampled (`packed`: (R, 2 + 2n) float64, None when no row
+        samples) and of its prompt logprobs (`prompt.packed`) to the host."""
+        n_top = 0 if packed is None else (packed.shape[1] - 2) // 2
+        if packed is None:
+            packed = torch.empty(0, 2, dtype=torch.float64, device=self.device)
+        values = None
+        if prompt is not None:
+            assert prompt.packed is not None, "the forward pass computes the prompt logprobs"
+            values = prompt.packed
         if packed.is_cuda:
             # Two pinned buffers, taken in turn: at most one step is pending, and its buffer is read
             # before the step after next writes into it. (A fresh pinned tensor per step cost a
@@ -204,10 +255,21 @@ class ModelRunner:
             self._parity ^= 1
             host = self._host_samples[self._parity][:packed.numel()].view(packed.shape)
             host.copy_(packed, non_blocking=True)
-            done = self._sample_events[self._parity]
-            done.record()
-            return PendingSample(reqs, host, n_top, done)
-        return PendingSample(reqs, packed, n_top, None)
+            packed = host
+            if values is not None:
+                if self._host_prompt is None:  # every token of a step, with the most alternatives
+                    size = self.max_tokens * (1 + 2 * MAX_LOGPROBS)
+                    self._host_prompt = [torch.empty(size, dtype=torch.float64, pin_memory=True) for _ in range(2)]
+                host = self._host_prompt[self._parity][:values.numel()].view(values.shape)
+                host.copy_(values, non_blocking=True)
+                values = host
+            event = self._sample_events[self._parity]
+            event.record()
+            done: torch.cuda.Event | None = event
+        else:
+            done = None
+        return PendingSample(reqs, packed, n_top, done,
+                             None if prompt is None or values is None else (prompt, values))
 
     def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
         """Runs the scheduled tokens and waits for the sample: the sampled token of every request
@@ -220,11 +282,13 @@ class ModelRunner:
 
     def profile(self, prompt_lens: list[int]) -> None:
         """One prefill step of sequences with these prompt lengths, sampled with every sampler
-        feature on (penalties, top-k/top-p/min-p, logprobs): what sizing the KV pool measures.
+        feature on (penalties, logit bias, top-k/top-p/min-p, logprobs, prompt logprobs): what sizing
+        the KV pool measures.
         Needs sum(prompt_lens) / block_size blocks in this runner's cache; writes block 0 onward."""
+        top = min(MAX_LOGPROBS, self.vocab_size)
         sampling = SamplingParams(max_tokens=1, temperature=1.0, top_p=0.9, min_p=0.05,
                                   repetition_penalty=1.1, frequency_penalty=0.1, presence_penalty=0.1,
-                                  logprobs=min(20, self.vocab_size))
+                                  logprobs=top, prompt_logprobs=top, logit_bias={0: 1.0})
         scheduled, next_block = [], 0
         for i, n in enumerate(prompt_lens):
             blocks = -(-n // self.block_size)
@@ -232,7 +296,9 @@ class ModelRunner:
             req.block_ids = list(range(next_block, next_block + blocks))  # outside the block manager's pool
             scheduled.append(ScheduledRequest(req, n, 0, True))
             next_block += blocks
-        self.execute(SchedulerOutput(scheduled=scheduled, num_batched_tokens=sum(prompt_lens)))
+        # Every prompt position's logprobs too: the largest slice of prompt logits is part of the peak.
+        self.execute(SchedulerOutput(scheduled=scheduled, num_batched_tokens=sum(prompt_lens),
+                                     prompt_logprobs=[s for s in scheduled if s.num_new_tokens > 1]))
 
     def warm_up(self) -> None:
         """Prefills of 2, 3, 5, 9, ... tokens, one per tile variant of the extend kernel (its

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine.sampling_params import SamplingParams
 
@@ -60,7 +60,7 @@ class Request:
         "num_computed_tokens",
         "status", "arrival_time", "max_model_len", "eos_token_ids", "num_preemptions",
         "first_scheduled_time", "stop_reason", "parent_id", "index", "wait_for", "num_cached_tokens",
-        "seed", "detokenizer", "block_ids", "block_hashes", "group", "priority",
+        "seed", "detokenizer", "block_ids", "block_hashes", "group", "priority", "prompt_logprobs",
     )
 
     def __init__(
@@ -112,6 +112,13 @@ class Request:
         # appends on allocation and empties it on free); the runner stages it as it is.
         self.block_ids: list[int] = []
         self.block_hashes: list[int] = []  # chain hash of each full block, in order (prefix caching)
+        # Prompt logprobs (sample 0 of a request that asks): entries 1..P-1 as they are computed,
+        # chunk by chunk (entry i: prompt token i given tokens 0..i-1); handed over with the first
+        # output token, then None. While a list, the request computes its prompt in full: no
+        # prefix-cache hit on admission (cached positions have no logits). The entries are
+        # engine.messages.SampledToken, not named here: that module imports this one.
+        self.prompt_logprobs: list[Any] | None = (
+            [] if sampling.prompt_logprobs is not None and index == 0 else None)
         if group is None:
             group = SampleGroup(self.parent_id)
         self.group = group

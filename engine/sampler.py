@@ -8,10 +8,16 @@ Order of operations on each row (features a batch does not use are skipped throu
 on the host, so they cost nothing):
 
     raw logits ─┬─> log_softmax -> logprobs of the sampled token and the top-n   (raw, as vLLM v1)
-                └─> repetition penalty (prompt + output) -> frequency / presence (output only)
+                └─> + logit_bias, -inf on EOS / stop ids while step < min_tokens  (one sparse add)
+                      -> repetition penalty (prompt + output) -> frequency / presence (output only)
                       -> greedy rows: argmax here
                       -> / temperature -> min_p -> top_k -> top_p -> softmax
                       -> exponential race: argmax(probs / E), E ~ Exp(1) from a hash RNG
+
+With `processed_logprobs` (`pie serve --logprobs-mode processed`) the logprobs are instead the
+log_softmax of the logits the token was chosen from: after the filters for sampled rows, after the
+penalties for greedy ones (filters and temperature do not apply to greedy rows); a token a filter
+removed has -inf.
 
 Randomness is counter-based: the uniform for (row, vocab index v) is a hash of (seed, step, v),
 where step is the index of the token being sampled. A seeded request therefore draws the same
@@ -23,6 +29,7 @@ independent exponential clocks with rates p_v), as in gpt-fast `multinomial_samp
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
 
@@ -99,6 +106,7 @@ class SamplingTensors:
     num_logprobs: torch.Tensor  # (B,) int64; top-n logprobs each row asked for
     output_counts: torch.Tensor | None  # (B, V) fp32 occurrences in the output; None = no freq/pres
     seen_mask: torch.Tensor | None  # (B, V) bool, in prompt or output; None = no repetition penalty
+    logit_adds: LogitAdds | None  # logit_bias and min_tokens; None = no row uses either
     # Host-side flags, so that features nobody in the batch uses cost nothing.
     all_greedy: bool
     any_greedy: bool
@@ -130,9 +138,14 @@ class SamplingTensors:
         vocab_size: int,
         device: torch.device | str,
         pending_ids: tuple[list[int], list[int], torch.Tensor] | None = None,
+        eos_token_ids: Sequence[Sequence[int]] | None = None,
     ) -> SamplingTensors:
         """Gather one step's parameters into tensors: two host->device copies for the scalars and
-        at most two padded id tensors for the penalties (only rows that use them are filled).
+        at most two padded id tensors for the penalties (only rows that use them are filled), and
+        one more for logit_bias / min_tokens (`LogitAdds.build`).
+
+        eos_token_ids: each row's end-of-sequence ids (Request.eos_token_ids), which min_tokens holds
+        back with the row's stop_token_ids unless the row ignores EOS; None: no row has any.
 
         pending_ids: (rows, sources, ids) for rows whose newest output id is still on the device
         (async scheduling: a placeholder, not in its host list): row rows[i]'s id is
@@ -185,6 +198,7 @@ class SamplingTensors:
             repetition_penalty=rep, presence_penalty=pres, frequency_penalty=freq,
             seed=seed, step=step, num_logprobs=num_logprobs,
             output_counts=output_counts, seen_mask=seen_mask,
+            logit_adds=LogitAdds.build(params, steps, eos_token_ids, vocab_size, device, pin),
             all_greedy=all(greedy_host), any_greedy=any(greedy_host),
             any_top_k=any(0 < p.top_k < vocab_size and p.temperature != 0.0 for p in params),
             any_top_p=any(p.top_p < 1.0 and p.temperature != 0.0 for p in params),
@@ -193,6 +207,69 @@ class SamplingTensors:
                            for p in params if p.temperature != 0.0), default=vocab_size),
             max_logprobs=max((p.logprobs for p in params), default=0),
         )
+
+
+@dataclass
+class LogitAdds:
+    """logit_bias and min_tokens of a batch as one sparse add on the flattened (B * V) logits: N
+    entries, each a (row, token id) with a bias, or -inf while its row has produced fewer than
+    `min_tokens` tokens. Only rows that use either have entries; the rest pay nothing.
+
+    The -inf entries are decided on the device from the rows' step counters, so `next_step` (steady
+    decode, no rebuild) lifts the suppression by itself once a row reaches its min_tokens."""
+
+    index: torch.Tensor  # (N,) int64: row * V + token id
+    bias: torch.Tensor  # (N,) fp32: the entry's logit_bias; 0 for an entry that min_tokens alone adds
+    row: torch.Tensor | None  # (N,) int64: each entry's row; None when no entry is suppressible
+    min_tokens: torch.Tensor | None  # (N,) int64: -inf while its row's step is below this (0: never)
+
+    @classmethod
+    def build(cls, params: Sequence[SamplingParams], steps: Sequence[int],
+              eos_token_ids: Sequence[Sequence[int]] | None, vocab_size: int, device: torch.device,
+              pin: bool) -> LogitAdds | None:
+        """The entries of the rows with a logit_bias, or a min_tokens they have not reached (their
+        EOS ids unless they ignore EOS, and their stop_token_ids); None when there is none."""
+        index: list[int] = []
+        bias: list[float] = []
+        until: list[int] = []
+        for i, (p, step) in enumerate(zip(params, steps)):
+            if not p.logit_bias and p.min_tokens <= step:
+                continue  # the common case: one comparison per row
+            base = i * vocab_size
+            for token, b in p.logit_bias.items():
+                index.append(base + token)
+                bias.append(b)
+                until.append(0)
+            if p.min_tokens > step:
+                stops = set(p.stop_token_ids)
+                if not p.ignore_eos and eos_token_ids is not None:
+                    stops.update(eos_token_ids[i])
+                for token in stops:
+                    index.append(base + token)
+                    bias.append(0.0)
+                    until.append(p.min_tokens)
+        if not index:
+            return None
+        ints = torch.tensor([index, until], dtype=torch.int64)  # (2, N)
+        floats = torch.tensor(bias, dtype=torch.float32)
+        if pin:
+            ints, floats = ints.pin_memory(), floats.pin_memory()
+        ints = ints.to(device, non_blocking=True)
+        floats = floats.to(device, non_blocking=True)
+        idx, min_tokens = ints.unbind(0)
+        if not any(until):
+            return cls(idx, floats, None, None)
+        return cls(idx, floats, torch.div(idx, vocab_size, rounding_mode="floor"), min_tokens)
+
+
+def apply_logit_adds(logits: torch.Tensor, adds: LogitAdds, step: torch.Tensor) -> torch.Tensor:
+    """logits (B, V) + the batch's logit_bias, with -inf on the EOS / stop ids of rows still below
+    their min_tokens (step: (B,) tokens each row has produced). Out of place; no host sync."""
+    add = adds.bias
+    if adds.row is not None and adds.min_tokens is not None:
+        held = step.index_select(0, adds.row) < adds.min_tokens  # (N,)
+        add = add.masked_fill(held, float("-inf"))
+    return logits.reshape(-1).index_add(0, adds.index, add).view_as(logits)
 
 
 def _pending_for(pending_ids: tuple[list[int], list[int], torch.Tensor] | None, use: list[bool],
@@ -226,9 +303,11 @@ def _flat_index(rows: list[list[list[int]]], vocab_size: int, device: torch.devi
 @dataclass
 class SamplerOutput:
     token_ids: torch.Tensor  # (B,) int64, the sampled tokens
-    logprobs: torch.Tensor  # (B,) fp32, log_softmax of the RAW logits at the sampled token
+    # (B,) fp32, log_softmax at the sampled token of the raw logits (or, with processed_logprobs,
+    # of the logits it was chosen from)
+    logprobs: torch.Tensor
     top_ids: torch.Tensor | None  # (B, n) int64, n = max_logprobs, most likely first; None if n == 0
-    top_logprobs: torch.Tensor | None  # (B, n) fp32 raw logprobs of top_ids, descending
+    top_logprobs: torch.Tensor | None  # (B, n) fp32 logprobs of top_ids (raw or processed, as above), descending
 
 
 def apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
@@ -278,32 +357,35 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
     return out.scatter_(1, order, sorted_logits)
 
 
-def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
+def sample(logits: torch.Tensor, t: SamplingTensors, *, processed_logprobs: bool = False) -> SamplerOutput:
     """Sample one token per row. logits: (B, V) fp32, left unchanged. No host sync: every branch
-    is on a host flag of `t`, never on a tensor value."""
+    is on a host flag of `t`, never on a tensor value. `processed_logprobs`: report the logprobs
+    of the logits each token was chosen from instead of the raw ones (module docstring)."""
     if logits.dim() != 2:
         raise ValueError(f"logits must be (B, V), got {tuple(logits.shape)}")
     logits = logits.float()
-    raw_logsumexp = torch.logsumexp(logits, dim=-1)  # (B,)
-    top_ids = top_logprobs = None
-    if t.max_logprobs > 0:
-        top_raw, top_ids = logits.topk(t.max_logprobs, dim=-1)  # (B, n), descending
-        top_logprobs = top_raw - raw_logsumexp[:, None]
     raw = logits
 
+    if t.logit_adds is not None:
+        logits = apply_logit_adds(logits, t.logit_adds, t.step)
     if t.any_penalties:
         logits = apply_penalties(logits, t)
 
     greedy_ids = logits.argmax(dim=-1) if t.any_greedy else None
     if greedy_ids is not None and t.all_greedy:
         token_ids = greedy_ids
+        chosen_from = logits
     else:
+        unscaled = logits
         logits = logits / t.temperature[:, None]
         if t.any_min_p:
             logits = _apply_min_p(logits, t.min_p)
         if t.any_top_k or t.any_top_p:
             logits = _apply_top_k_top_p(logits, t.top_k if t.any_top_k else None,
                                         t.top_p if t.any_top_p else None, t.max_top_k)
+        chosen_from = logits
+        if processed_logprobs and greedy_ids is not None:  # greedy rows chose before temperature and filters
+            chosen_from = torch.where(t.greedy[:, None], unscaled, logits)
         probs = torch.softmax(logits, dim=-1)
         # E = -log(u) ~ Exp(1); argmax(probs / E) is a draw from probs.
         exp = hash_uniform(t.seed, t.step, logits.shape[-1]).log_().neg_()
@@ -311,7 +393,16 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
         if greedy_ids is not None:
             token_ids = torch.where(t.greedy, greedy_ids, token_ids)
 
-    logprobs = raw.gather(1, token_ids[:, None]).squeeze(1) - raw_logsumexp
-    return SamplerOutput(token_ids=token_ids, logprobs=logprobs, top_ids=top_ids,
-                         top_logprobs=top_logprobs)
+    return _logprobs(chosen_from if processed_logprobs else raw, token_ids, t.max_logprobs)
+
+
+def _logprobs(logits: torch.Tensor, token_ids: torch.Tensor, n: int) -> SamplerOutput:
+    """The sampled tokens with their log_softmax under `logits` (B, V) and the n most likely."""
+    logsumexp = torch.logsumexp(logits, dim=-1)  # (B,)
+    top_ids = top_logprobs = None
+    if n > 0:
+        top, top_ids = logits.topk(n, dim=-1)  # (B, n), descending
+        top_logprobs = top - logsumexp[:, None]
+    logprobs = logits.gather(1, token_ids[:, None]).squeeze(1) - logsumexp
+    return SamplerOutput(token_ids=token_ids, logprobs=logprobs, top_ids=top_ids, top_logprobs=top_logprobs)
 

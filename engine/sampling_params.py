@@ -16,6 +16,11 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_N = 16  # samples per request
+MAX_LOGIT_BIAS = 1024  # logit_bias entries (OpenAI allows 300; one sparse add per entry per step)
+MAX_ABS_LOGIT_BIAS = 100.0  # OpenAI's range: -100 all but bans a token, 100 all but forces it
+# Prompt tokens x (1 + prompt_logprobs) at most: each entry is a protobuf message in one answer
+# (~20 bytes), so this keeps a whole answer of them inside the default 16 MiB message limit.
+MAX_PROMPT_LOGPROB_ENTRIES = 1 << 20
 
 
 class SamplingParamsError(ValueError):
@@ -44,6 +49,12 @@ class SamplingParams:
     logprobs: int = 0  # number of top logprobs per generated token; 0 = none
     skip_special_tokens: bool = True  # drop special tokens from the returned text
     n: int = 1  # independent samples of the same prompt (prompt prefilled once via the prefix cache)
+    # Top logprobs per prompt position (the prompt tokens' own logprobs too); None = none. A request
+    # that asks computes its whole prompt (no prefix-cache hit: cached positions have no logits).
+    prompt_logprobs: int | None = None
+    # token id -> added to its logit before penalties, temperature and the filters
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_tokens: int = 0  # EOS / stop token ids / stop strings cannot end the request before this many
 
     def __post_init__(self) -> None:
         self.validate()
@@ -104,3 +115,18 @@ class SamplingParams:
             raise SamplingParamsError("n", f"must be in [1, {MAX_N}], got {self.n}")
         if not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise SamplingParamsError("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise SamplingParamsError("prompt_logprobs",
+                                      f"must be in [0, {MAX_LOGPROBS}] (or unset), got {self.prompt_logprobs}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise SamplingParamsError("min_tokens", f"must be in [0, max_tokens = {self.max_tokens}], "
+                                                    f"got {self.min_tokens}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise SamplingParamsError("logit_bias", f"at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
+        for t, bias in self.logit_bias.items():
+            if t < 0 or (vocab_size is not None and t >= vocab_size):
+                raise SamplingParamsError("logit_bias", f"token id {t} is outside the vocabulary"
+                                          + (f" [0, {vocab_size})" if vocab_size is not None else ""))
+            if not -MAX_ABS_LOGIT_BIAS <= bias <= MAX_ABS_LOGIT_BIAS:  # NaN fails this too
+                raise SamplingParamsError("logit_bias", f"the bias of token {t} must be in "
+                                          f"[-{MAX_ABS_LOGIT_BIAS:g}, {MAX_ABS_LOGIT_BIAS:g}], got {bias}")

@@ -22,7 +22,9 @@ budget), then admissions. So a long prompt arriving mid-stream never stalls the 
 decoding: each step holds one decode per running stream and a chunk of the prompt.
 
 Admission looks up the request's longest cached prefix (block_manager.py): those tokens count as
-computed and are never scheduled. For n > 1, samples 1..n-1 wait (skipped, not blocking the queue)
+computed and are never scheduled. A request collecting prompt logprobs skips that lookup (cached
+positions have no logits) until it has them all; its chunks are listed in
+`SchedulerOutput.prompt_logprobs` so the runner computes the logits of their prompt positions. For n > 1, samples 1..n-1 wait (skipped, not blocking the queue)
 until sample 0 has computed the prompt; then they hit the cache for every full prompt block and
 compute only the rest (at least one token, for the logits). Without prefix caching they prefill
 independently.
@@ -80,6 +82,9 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     # Sum of num_new_tokens over `scheduled`; at most max_num_batched_tokens.
     num_batched_tokens: int = 0
+    # Of `scheduled`, those whose tokens include prompt positions whose logprobs their request
+    # collects (Request.prompt_logprobs); empty in almost every step.
+    prompt_logprobs: list[ScheduledRequest] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -228,6 +233,8 @@ class Scheduler:
                     # Already given tokens this step: take them back.
                     s = scheduled.pop(victim.request_id)
                     out.scheduled.remove(s)
+                    if s in out.prompt_logprobs:
+                        out.prompt_logprobs.remove(s)
                     out.num_batched_tokens -= s.num_new_tokens
                     budget += s.num_new_tokens
                 self.running.remove(victim)
@@ -254,7 +261,7 @@ class Scheduler:
                 i += 1
                 continue
             cached = None
-            if request.num_computed_tokens == 0:
+            if request.num_computed_tokens == 0 and request.prompt_logprobs is None:
                 cached = self.block_manager.find_cached_prefix(request)
             num_cached = 0 if cached is None else cached.num_blocks * self.block_manager.block_size
             num_new = min(request.num_remaining_tokens - num_cached, budget)
@@ -294,6 +301,8 @@ class Scheduler:
         s = ScheduledRequest(request, num_new, start, start + num_new == request.num_tokens)
         out.scheduled.append(s)
         out.num_batched_tokens += num_new
+        if request.prompt_logprobs is not None and start < len(request.prompt_token_ids) - 1:
+            out.prompt_logprobs.append(s)
         return s
 
     def _preempt(self, request: Request) -> None:
@@ -323,12 +332,27 @@ class Scheduler:
             if s.sample:
                 request.num_output_placeholders += 1
 
-    def update_from_output(self, requests: Sequence[Request], sampled: Sequence[SampledToken]) -> list[RequestOutput]:
+    def update_from_output(self, requests: Sequence[Request], sampled: Sequence[SampledToken],
+                           prompt_logprobs: Sequence[tuple[Request, int, list[SampledToken]]] = ()
+                           ) -> list[RequestOutput]:
         """Closes a step: each row's sampled token (rows in `SchedulerOutput.sampling_requests`
         order) joins its request, is detokenized and checked for a stop, and ends the request
         (its blocks freed) when it stops. Returns one output per row still running. A row whose
         request finished since its step was launched (aborted, failed, or stopped by the step
-        before under async scheduling) is dropped with its token."""
+        before under async scheduling) is dropped with its token.
+
+        prompt_logprobs: (request, index of its first entry, entries) of the prompt positions the
+        step computed (SchedulerOutput.prompt_logprobs), collected first, so that a request whose
+        last prompt chunk samples its first token hands them all over with that token."""
+        for request, first, entries in prompt_logprobs:
+            collected = request.prompt_logprobs
+            if collected is None or request.finished:
+                continue
+            # Entries from `first` on, less those already collected: a request preempted while a
+            # step of its was in flight computes those positions again.
+            have = len(collected) + 1  # entry 0 (the first prompt token) has none
+            if first <= have < first + len(entries):
+                collected.extend(entries[have - first:])
         outputs = []
         for request, token in zip(requests, sampled, strict=True):
             if request.finished:
@@ -365,6 +389,8 @@ class Scheduler:
             num_cached_tokens=request.num_cached_tokens, index=request.index, all_finished=False)
         if num_out == 1 and request.first_scheduled_time is not None:
             o.queue_time_s = request.first_scheduled_time - request.arrival_time
+        if request.prompt_logprobs is not None:  # all computed by now: its first token is out
+            o.prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, None
         if status is not None:
             o.all_finished = self.finish(request, status)
             o.finished, o.status, o.stop_reason = True, status, request.stop_reason

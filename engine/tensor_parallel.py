@@ -6,7 +6,9 @@ Rank 0 (`Leader`) schedules, samples and owns the block manager as with one proc
 forward pass it broadcasts what the pass needs (a header of sizes and facts, the step's packed
 ints: ids, positions, slots, lengths, query starts, and the block tables), then runs its share;
 the collectives inside the model (the layers' all-reduces, the embedding's all-reduce, the
-logits' gather, which every rank runs on every sequence's last token) keep the ranks in step.
+logits' gather, which every rank runs on every sequence's last token, and then on the prompt
+positions of a step that computes prompt logprobs, whose token indices the header counts and rank 0
+sends after the tables) keep the ranks in step.
 Workers (`worker_main`) loop on that
 header. Besides FORWARD the header carries NEW_CACHE (build a KV pool of n blocks and a runner
 over it: KV sizing and the real pool), CALIBRATE (the int8 smoothing pass, whose forward is
@@ -61,7 +63,7 @@ log = structlog.get_logger(__name__)
 BOOT = ("import sys; sys.path[:0] = sys.argv[4:]; "
         "from engine.tensor_parallel import worker_main; worker_main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))")
 OP_STOP, OP_FORWARD, OP_NEW_CACHE, OP_CALIBRATE, OP_CAPTURE = 0, 1, 2, 3, 4
-HEADER = 12  # int64 slots of the header: the op, then its numbers
+HEADER = 13  # int64 slots of the header: the op, then its numbers
 GROUP_TIMEOUT = datetime.timedelta(days=7)  # idle servers: a worker waits for the next step this long
 START_TIMEOUT_S = 600.0  # a worker that has not joined the group by then (loading aside) is lost
 
@@ -153,13 +155,19 @@ class Leader:
         self._conns.append(conn)
 
     # ---- what every rank does --------------------------------------------------------------
-    def forward(self, facts: StepFacts, ints: torch.Tensor, tables: torch.Tensor, graph_batch: int | None) -> None:
+    def forward(self, facts: StepFacts, ints: torch.Tensor, tables: torch.Tensor, graph_batch: int | None,
+                prompt_index: torch.Tensor | None) -> None:
         """Before rank 0's own forward pass: the workers start theirs on the same inputs, replaying
-        their graph of `graph_batch` (its rows of whole-width tables) or eagerly (None)."""
+        their graph of `graph_batch` (its rows of whole-width tables) or eagerly (None).
+        `prompt_index`: the token indices of prompt positions whose logits the step makes too
+        (engine/prompt_logprobs.py; eager steps only)."""
         b, w = tables.shape
-        self._link.send_header(OP_FORWARD, *facts.numbers(), b, w, graph_batch or 0)
+        m = 0 if prompt_index is None else prompt_index.shape[0]
+        self._link.send_header(OP_FORWARD, *facts.numbers(), b, w, graph_batch or 0, m)
         self._link.send(ints)
         self._link.send(tables)
+        if prompt_index is not None:
+            self._link.send(prompt_index)
 
     def capture(self) -> None:
         """Before rank 0 captures its CUDA graphs: the workers capture theirs alongside."""
@@ -240,10 +248,11 @@ def follow(runner: ModelRunner, numbers: list[int], link: _Link) -> None:
     graph replays this rank's graph of the same bucket, its inputs received into the staging
     buffers that graph reads."""
     from engine.model_runner import last_tokens
+    from engine.prompt_logprobs import run_on_worker
     from engine.staging import Packed, StepFacts
 
     facts = StepFacts(*numbers[:8])
-    b, w, graph_batch = numbers[8:11]
+    b, w, graph_batch, num_prompt_rows = numbers[8:12]
     stager = runner.stager
     if graph_batch:
         assert stager.dev_tables is not None and w == stager.dev_tables.shape[1], "graph tables are whole-width"
@@ -253,6 +262,7 @@ def follow(runner: ModelRunner, numbers: list[int], link: _Link) -> None:
         return
     ints = link.recv(facts.n_ints, torch.int32)
     tables = link.recv(b * w, torch.int32).view(b, w)
+    prompt_index = link.recv(num_prompt_rows, torch.int64) if num_prompt_rows else None
     layout = Packed(n_tok=facts.n_tok, rows=facts.rows)
     metadata = facts.metadata(ints, tables)
     runner.attention.metadata = metadata
@@ -261,6 +271,8 @@ def follow(runner: ModelRunner, numbers: list[int], link: _Link) -> None:
     finally:
         runner.attention.metadata = None
     runner.model.compute_logits(last_tokens(hidden, metadata))
+    if prompt_index is not None:  # the prompt positions' logits, in rank 0's slices
+        run_on_worker(hidden, prompt_index, runner.vocab_size, runner.model.compute_logits)
 
 
 def worker_main(parent_pid: int, rank: int, fd: int) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from engine.config import EngineConfig
 from engine.errors import PromptError
-from engine.sampling_params import SamplingParams, SamplingParamsError
+from engine.sampling_params import MAX_PROMPT_LOGPROB_ENTRIES, SamplingParams, SamplingParamsError
 
 
 def prompt_too_long(num_tokens: int, max_model_len: int, *, at_least: bool = False) -> PromptError:
@@ -38,6 +38,10 @@ def check_request(prompt_token_ids: list[int], sampling: SamplingParams, *, conf
             "sampling.max_tokens",
             f"prompt ({n} tokens) + max_tokens ({sampling.max_tokens}) exceeds the context length "
             f"{max_model_len}")
+    if sampling.prompt_logprobs is not None and n * (1 + sampling.prompt_logprobs) > MAX_PROMPT_LOGPROB_ENTRIES:
+        raise SamplingParamsError(
+            "prompt_logprobs", f"{n} prompt tokens x (1 + {sampling.prompt_logprobs}) entries exceed the "
+                               f"{MAX_PROMPT_LOGPROB_ENTRIES} a request may ask for")
     needed = -(-(n + sampling.max_tokens) // config.block_size)
     if needed > num_kv_blocks:
         raise PromptError("prompt", f"needs {needed} KV blocks but the pool holds {num_kv_blocks}", "PROMPT_TOO_LONG")

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 import structlog
 
-from engine.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, MODEL_DTYPES, EngineConfig
+from engine.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, LOGPROBS_MODES, MODEL_DTYPES, EngineConfig
 from engine.errors import StartupError
 from service.auth import read_token_file
 from service.logging import configure_logging
@@ -128,6 +128,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cpu-threads", type=int, default=None,
                    help="torch threads when the model runs on the CPU (default: the usable cores but one)")
     p.add_argument("--seed", type=int, default=d.seed, help="seeds the seeds of requests that bring none")
+    p.add_argument("--logprobs-mode", default=d.logprobs_mode, choices=LOGPROBS_MODES,
+                   help="what generated tokens' logprobs are: raw = log-softmax of the model's logits (as vLLM v1); "
+                        "processed = of the logits the token was chosen from, after logit_bias, min_tokens, "
+                        "penalties, temperature and the top-k/top-p/min-p filters")
     p.add_argument("--grace", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM")
     p.add_argument("--model-name", default=None, help="name reported by GetModelInfo and in the metrics' model_name label (default: the model folder's name)")
     p.add_argument("--max-message-bytes", type=int, default=16 << 20,
@@ -300,7 +304,8 @@ def _serve(args: argparse.Namespace, engine_setup: Callable[[EngineCore], None] 
             decode_stall_factor=args.decode_stall_factor,
             max_waiting=args.max_waiting, seed=args.seed,
             attention_backend=args.attention_backend, cpu_threads=args.cpu_threads,
-            tensor_parallel_size=args.tensor_parallel_size, enable_prefix_caching=args.enable_prefix_caching)
+            tensor_parallel_size=args.tensor_parallel_size, enable_prefix_caching=args.enable_prefix_caching,
+            logprobs_mode=args.logprobs_mode)
         server_config = dataclasses.replace(_server_config(args), engine_setup=engine_setup)
     except ValueError as e:
         return _startup_failed(_in_flag_words(str(e)), 2)

@@ -26,6 +26,7 @@ REASONS: dict[str, tuple[grpc.StatusCode, str]] = {
     "DRAINING": (grpc.StatusCode.UNAVAILABLE, "the server is shutting down: send it elsewhere"),
     "ENGINE_STOPPED": (grpc.StatusCode.UNAVAILABLE, "the engine died or hung; the server exits with status 3"),
     "ENGINE_FAULT": (grpc.StatusCode.INTERNAL, "the engine failed this request (the server log has its id)"),
+    "REQUEST_ABORTED": (grpc.StatusCode.CANCELLED, "an Abort call of the same caller ended the request"),
 }
 
 

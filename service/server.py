@@ -124,7 +124,8 @@ class PieServer:
         self.metrics = ServiceMetrics(name, self._engine_stats)
         self.metrics_port: int | None = None  # bound once start() served /metrics
         self.servicer = GenerateServicer(model_name=name, limits=server_config.limits, metrics=self.metrics,
-                                         stream_interval=server_config.stream_interval)
+                                         stream_interval=server_config.stream_interval,
+                                         auth=bool(server_config.auth_tokens))
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.port: int | None = None

@@ -13,19 +13,29 @@ import structlog
 
 from engine.client import EngineClient, RequestStream
 from engine.config import usable_cores
-from engine.errors import EngineDeadError, PromptError, QueueFullError
-from engine.messages import RequestOutput
+from engine.errors import EngineDeadError, PromptError, QueueFullError, RequestAbortedError
+from engine.messages import RequestOutput, SampledToken
 from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.validation import prompt_too_long
 from model import Tokenizer, TooManyTokens
 from pie.v1 import generate_pb2 as pb
 from pie.v1 import generate_pb2_grpc
+from service.aborts import InFlight, caller_of
 from service.errors import ServiceError, invalid_argument, send_error
 from service.logging import RequestSummary
 from service.memory import release_free_memory
 from service.metrics import ServiceMetrics
-from service.validation import FieldError, Limits, prompt_from_proto, qualify, request_id_from, sampling_from_proto
+from service.validation import (
+    FieldError,
+    Limits,
+    abort_ids_from_proto,
+    detokenize_ids_from_proto,
+    prompt_from_proto,
+    qualify,
+    request_id_from,
+    sampling_from_proto,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -38,6 +48,8 @@ RELEASE_MEMORY_CHARS = 65536
 # the messages is Python work the loop would otherwise do in one piece (4,096 entries take ~3 ms
 # on this 2-core machine; 16 samples x 2,048 tokens x 21 entries would take ~0.5 s).
 INLINE_LOGPROB_ENTRIES = 4096
+# Detokenize answers up to this many ids on the event loop; longer ones on a worker thread.
+INLINE_DETOKENIZE_IDS = 4096
 # A caller whose RPC ends within this many seconds of its deadline is counted as DEADLINE_EXCEEDED
 # (the client's own timer fires a little before the server's).
 DEADLINE_SLACK_S = 0.05
@@ -71,7 +83,7 @@ def _cached(outputs: list[RequestOutput]) -> int:
 
 class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     def __init__(self, *, model_name: str, limits: Limits | None = None, metrics: ServiceMetrics | None = None,
-                 stream_interval: int = 1) -> None:
+                 stream_interval: int = 1, auth: bool = False) -> None:
         if stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
         self.model_name = model_name
@@ -81,6 +93,10 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         self.limits = limits or Limits()
         self.metrics = metrics or ServiceMetrics(model_name)
         self.engine_client: EngineClient | None = None  # set once the model is loaded
+        # Callers are told apart by bearer token when the server requires one, else by connection
+        # (service/aborts.py): whose requests an Abort call may end.
+        self.auth = auth
+        self.in_flight = InFlight()
         self.draining = False
         # Set by the server's stop when it lets gRPC cut what still runs (its grace is over): an
         # RPC cancelled from then on was ended by the shutdown, not by its caller.
@@ -154,6 +170,29 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         except EngineDeadError as e:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, str(e), reason="ENGINE_STOPPED") from e
         return client, prompt, sampling, stream
+
+    @staticmethod
+    def _prompt_logprobs(prompt: list[int], entries: list[SampledToken], tokenizer: Tokenizer) -> list[pb.PromptLogprob]:
+        """One entry per prompt token: the first with no logprob, then each one's given those before."""
+        text = tokenizer.token_text
+        first = pb.PromptLogprob(token_id=prompt[0], token=text(prompt[0]))
+        return [first] + [pb.PromptLogprob(token_id=e.token_id, logprob=e.logprob, token=text(e.token_id),
+                                           top_logprobs=[pb.TopLogprob(token_id=t, logprob=lp, token=text(t))
+                                                         for t, lp in e.top])
+                          for e in entries]
+
+    async def _prompt_logprob_messages(self, prompt: list[int], entries: list[SampledToken],
+                                       sampling: SamplingParams, tokenizer: Tokenizer) -> list[pb.PromptLogprob]:
+        """`_prompt_logprobs`, on a worker thread when there are many (a long prompt's take as long
+        to build as the answer's logprobs do)."""
+        if len(entries) * (1 + (sampling.prompt_logprobs or 0)) > INLINE_LOGPROB_ENTRIES:
+            return await self._off_loop(self._prompt_logprobs, prompt, entries, tokenizer)
+        return self._prompt_logprobs(prompt, entries, tokenizer)
+
+    @staticmethod
+    def _aborted(rid: str) -> ServiceError:
+        return ServiceError(grpc.StatusCode.CANCELLED, f"request {rid} was aborted by an Abort call of its caller",
+                            reason="REQUEST_ABORTED")
 
     @staticmethod
     def _logprobs(outputs: list[RequestOutput], tokenizer: Tokenizer) -> list[pb.TokenLogprob]:
@@ -248,17 +287,23 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         s.engine_request_id = stream.engine_id
         outputs: list[RequestOutput] = []
         finished = False
+        caller = caller_of(context, self.auth)
         try:  # from here on the engine holds the request: every way out must abort it
+            self.in_flight.add(caller, client, stream)
             await context.send_initial_metadata((("x-request-id", rid),))
             while not finished:
                 batch = await stream.next_batch()
                 self._observe(s, batch)
                 outputs.extend(batch)
                 finished = batch[-1].all_finished
+        except RequestAbortedError:
+            raise self._fail(s, self._aborted(rid)) from None
         finally:
-            if not finished:  # the caller went away (cancel or deadline)
+            self.in_flight.remove(caller, stream)
+            if not finished:  # the caller went away (cancel or deadline), or aborted it
                 client.abort(stream)
-                self._gone(context, s)
+                if not s.ended:
+                    self._gone(context, s)
         failed = next((o for o in outputs if o.status == RequestStatus.FINISHED_ERROR), None)
         if failed is not None:
             log.error("request_failed", request_id=rid, engine_request_id=stream.engine_id, error=failed.error)
@@ -271,6 +316,9 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             choices = self._choices(groups, tokenizer)
         first = choices[0]
         completion = sum(len(c.token_ids) for c in choices)
+        entries = next((o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None), None)
+        prompt_logprobs = [] if entries is None else await self._prompt_logprob_messages(
+            prompt, entries, sampling, client.tokenizer)
         s.finish_reason = _FINISH_LABEL.get(_by_index(outputs)[0][-1].status)
         self._end(s, grpc.StatusCode.OK)
         return pb.GenerateResponse(
@@ -278,7 +326,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             stop_reason=first.stop_reason, logprobs=first.logprobs,
             usage=pb.Usage(prompt_tokens=len(prompt), completion_tokens=completion,
                            total_tokens=len(prompt) + completion, cached_prompt_tokens=_cached(outputs)),
-            choices=choices if sampling.n > 1 else [],
+            choices=choices if sampling.n > 1 else [], prompt_logprobs=prompt_logprobs,
         )
 
     def _choices(self, groups: list[tuple[int, list[RequestOutput]]], tokenizer: Tokenizer | None) -> list[pb.Choice]:
@@ -316,7 +364,10 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         s.engine_request_id = stream.engine_id
         finished = False
         cached = 0
+        asked_prompt_logprobs = sampling.prompt_logprobs is not None
+        caller = caller_of(context, self.auth)
         try:  # from here on the engine holds the request: every way out must abort it
+            self.in_flight.add(caller, client, stream)
             await context.send_initial_metadata((("x-request-id", rid),))
             while not finished:
                 batch = await stream.next_batch()
@@ -341,6 +392,11 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                         request_id=rid, index=index, text="".join(o.new_text for o in outs),
                         token_ids=[t for o in outs for t in o.new_token_ids],
                         logprobs=self._logprobs(outs, client.tokenizer) if sampling.logprobs else [])
+                    if asked_prompt_logprobs:  # on the message with choice 0's first token
+                        entries = next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None), None)
+                        if entries is not None:
+                            msg.prompt_logprobs.extend(await self._prompt_logprob_messages(
+                                prompt, entries, sampling, client.tokenizer))
                     if last.finished:
                         msg.finish_reason = _FINISH.get(last.status, pb.FINISH_REASON_UNSPECIFIED)
                         msg.stop_reason = "" if last.stop_reason is None else str(last.stop_reason)
@@ -353,7 +409,10 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                                                     cached_prompt_tokens=cached))
                     yield msg
             self._end(s, grpc.StatusCode.OK)
+        except RequestAbortedError:
+            raise self._fail(s, self._aborted(rid)) from None
         finally:
+            self.in_flight.remove(caller, stream)
             if not finished:
                 client.abort(stream)
             if not s.ended:  # the caller went away (cancel or deadline) before the last message
@@ -388,7 +447,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             model_name=self.model_name, architecture=mc.architecture, model_type=mc.model_type,
             max_model_len=info.max_model_len, vocab_size=info.vocab_size, eos_token_ids=list(info.eos_token_ids),
             kv_cache_dtype=cfg.kv_cache_dtype, block_size=cfg.block_size, device=info.device,
-            dtype=info.dtype_name,
+            dtype=info.dtype_name, logprobs_mode=cfg.logprobs_mode,
             load=pb.ModelLoad(
                 kv_blocks_total=stats.kv_blocks_total, kv_blocks_free=stats.kv_blocks_free,
                 kv_blocks_cached=stats.kv_blocks_cached,
@@ -398,6 +457,37 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         if client.tokenizer.bos_token_id is not None:
             resp.bos_token_id = client.tokenizer.bos_token_id
         return resp
+
+    async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
+        """Ends the caller's in-flight requests under the ids it names (service/aborts.py). Needs no
+        loaded engine: before there is one, nothing is in flight."""
+        try:
+            ids = abort_ids_from_proto(request)
+        except FieldError as e:
+            send_error(context, invalid_argument(e.field, e.description), None)
+            return None  # type: ignore[return-value]
+        found = self.in_flight.abort(caller_of(context, self.auth), ids)
+        if found:
+            log.info("requests_aborted", request_ids=found, peer=context.peer())
+        return pb.AbortResponse(aborted_request_ids=found)
+
+    async def Detokenize(self, request: pb.DetokenizeRequest, context) -> pb.DetokenizeResponse:
+        try:
+            return await self._detokenize(request)
+        except ServiceError as e:
+            send_error(context, e, None)
+            return None  # type: ignore[return-value]
+        except FieldError as e:
+            send_error(context, invalid_argument(e.field, e.description), None)
+            return None  # type: ignore[return-value]
+
+    async def _detokenize(self, request: pb.DetokenizeRequest) -> pb.DetokenizeResponse:
+        client = self._ready_client()
+        ids = detokenize_ids_from_proto(request, self.limits, vocab_size=client.info.vocab_size)
+        skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+        decode = functools.partial(client.tokenizer.decode, ids, skip)
+        text = decode() if len(ids) <= INLINE_DETOKENIZE_IDS else await self._off_loop(decode)
+        return pb.DetokenizeResponse(text=text)
 
 
 def _encode_and_release(encode, release: bool) -> list[int]:

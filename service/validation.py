@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.sampling_params import SamplingParams, SamplingParamsError
+from engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams, SamplingParamsError
 
 DEFAULT_MAX_TOKENS = 16
+MAX_ABORT_IDS = 1024  # request ids one Abort call may name
 
 
 class FieldError(ValueError):
@@ -34,6 +35,8 @@ def sampling_from_proto(msg, *, max_model_len: int) -> SamplingParams:
     are SamplingParams.validate's to check; its errors come back here named by their proto field."""
     if msg.max_tokens > max_model_len:
         raise FieldError("sampling.max_tokens", f"must be <= the context length {max_model_len}, got {msg.max_tokens}")
+    if len(msg.logit_bias) > MAX_LOGIT_BIAS:  # before building a dict of them
+        raise FieldError("sampling.logit_bias", f"at most {MAX_LOGIT_BIAS} entries, got {len(msg.logit_bias)}")
     try:
         return SamplingParams(
             max_tokens=msg.max_tokens or DEFAULT_MAX_TOKENS,
@@ -51,6 +54,9 @@ def sampling_from_proto(msg, *, max_model_len: int) -> SamplingParams:
             logprobs=msg.logprobs,
             skip_special_tokens=msg.skip_special_tokens if msg.HasField("skip_special_tokens") else True,
             n=msg.n or 1,
+            prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
+            logit_bias=dict(msg.logit_bias),
+            min_tokens=msg.min_tokens,
         )
     except SamplingParamsError as e:
         raise FieldError(qualify(e.field), e.message) from e
@@ -58,8 +64,8 @@ def sampling_from_proto(msg, *, max_model_len: int) -> SamplingParams:
 
 def qualify(field: str) -> str:
     """Engine field names are sampling field names unless they are prompt fields."""
-    if field.startswith(("prompt", "sampling.", "request_id")):
-        return field
+    if field in ("prompt", "prompt_token_ids", "request_id") or field.startswith("sampling."):
+        return field  # (prompt_logprobs is a sampling field: a prefix test would take it for a prompt field)
     return f"sampling.{field}"
 
 
@@ -88,6 +94,34 @@ def request_id_from(request, metadata: dict[str, str], make_id) -> str:
     rid = request.request_id or metadata.get("x-request-id", "")
     if not rid:
         return make_id()
-    if len(rid) > 128 or not (rid.isascii() and rid.isprintable()):  # it travels in metadata: ASCII only
+    if not _valid_request_id(rid):
         raise FieldError("request_id", "must be at most 128 printable ASCII characters")
     return rid
+
+
+def _valid_request_id(rid: str) -> bool:
+    return len(rid) <= 128 and rid.isascii() and rid.isprintable()  # it travels in metadata: ASCII only
+
+
+def abort_ids_from_proto(request) -> list[str]:
+    """The request ids of a pie.v1.AbortRequest, each one a request id a caller could have given."""
+    ids = list(request.request_ids)
+    if not ids:
+        raise FieldError("request_ids", "name at least one request id")
+    if len(ids) > MAX_ABORT_IDS:
+        raise FieldError("request_ids", f"at most {MAX_ABORT_IDS} ids, got {len(ids)}")
+    for i, rid in enumerate(ids):
+        if not rid or not _valid_request_id(rid):
+            raise FieldError("request_ids", f"id {i} must be 1 to 128 printable ASCII characters, got {rid!r:.60}")
+    return ids
+
+
+def detokenize_ids_from_proto(request, limits: Limits, *, vocab_size: int) -> list[int]:
+    """The token ids of a pie.v1.DetokenizeRequest, each in the vocabulary."""
+    ids = list(request.token_ids)
+    if len(ids) > limits.max_prompt_token_ids:
+        raise FieldError("token_ids", f"has more than {limits.max_prompt_token_ids} ids")
+    if ids and max(ids) >= vocab_size:
+        bad = next(i for i, t in enumerate(ids) if t >= vocab_size)
+        raise FieldError("token_ids", f"id {ids[bad]} (at {bad}) is outside the vocabulary [0, {vocab_size})")
+    return ids

@@ -1,13 +1,15 @@
 // Calling pie from Node.js: the contract (protos/pie/v1/generate.proto) loaded at run time with
-// @grpc/proto-loader, four promise/async-iterator helpers over @grpc/grpc-js, and PieError, which
-// reads the google.rpc.Status that pie puts in the `grpc-status-details-bin` trailer.
+// @grpc/proto-loader, a promise or async-iterator helper per RPC over @grpc/grpc-js, and PieError,
+// which reads the google.rpc.Status that pie puts in the `grpc-status-details-bin` trailer.
 //
 //   const pie = new PieClient('127.0.0.1:50051');
 //   const done = await pie.generate({ prompt: 'Hello', sampling: { max_tokens: 32 } });
 //   for await (const message of pie.stream({ prompt: 'Hello' })) process.stdout.write(message.text);
 //
 // Messages are plain objects with the .proto's field names (snake_case) and enum names as strings
-// ('FINISH_REASON_STOP'); unset scalar fields read as their proto3 defaults (0, '', []).
+// ('FINISH_REASON_STOP'); unset scalar fields read as their proto3 defaults (0, '', []), and an
+// unset `optional` one is absent (PromptLogprob.logprob of the first prompt token). A map field is
+// an object: sampling: { logit_bias: { 13: -100 } }.
 
 import path from 'node:path';
 import { fileURLToPath } from 'node:url';
@@ -174,6 +176,22 @@ export class PieClient {
   /** Tokenize: { token_ids, tokens, count }. */
   tokenize(request, options) {
     return this.#unary(this.service, 'Tokenize', request, options);
+  }
+
+  /** Detokenize: { text } of { token_ids, skip_special_tokens } (the inverse of Tokenize). */
+  detokenize(request, options) {
+    return this.#unary(this.service, 'Detokenize', request, options);
+  }
+
+  /**
+   * Abort: ends this caller's in-flight Generate/GenerateStream calls by the request ids they were
+   * given ({ request_ids: ['job-17'] }); resolves to { aborted_request_ids } (those found). The
+   * aborted calls fail with a PieError of codeName 'CANCELLED', reason 'REQUEST_ABORTED'. A caller
+   * is its bearer token on a server with --auth-token-file, else its connection: call it on the
+   * PieClient that carries the requests.
+   */
+  abort(request, options) {
+    return this.#unary(this.service, 'Abort', request, options);
   }
 
   /** GetModelInfo: the model, and the server's load now (`load`). */

@@ -17,7 +17,18 @@ from .errors import (
     Unavailable,
     from_rpc_error,
 )
-from .types import Choice, Completion, Delta, ModelInfo, ModelLoad, Tokenization, TokenLogprob, TopLogprob, Usage
+from .types import (
+    Choice,
+    Completion,
+    Delta,
+    ModelInfo,
+    ModelLoad,
+    PromptLogprob,
+    Tokenization,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
 
 __all__ = [
     "AsyncClient",
@@ -32,6 +43,7 @@ __all__ = [
     "ModelInfo",
     "ModelLoad",
     "PieError",
+    "PromptLogprob",
     "ResourceExhausted",
     "TokenLogprob",
     "Tokenization",

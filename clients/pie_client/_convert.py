@@ -11,12 +11,29 @@ from google.protobuf.descriptor import FieldDescriptor
 
 from pie.v1 import generate_pb2 as pb
 
-from .types import Choice, Completion, Delta, ModelInfo, ModelLoad, Tokenization, TokenLogprob, TopLogprob, Usage
+from .types import (
+    Choice,
+    Completion,
+    Delta,
+    ModelInfo,
+    ModelLoad,
+    PromptLogprob,
+    Tokenization,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
 
 # Every SamplingParams field is a keyword of generate/stream, under the same name.
 SAMPLING_FIELDS: frozenset[str] = frozenset(f.name for f in pb.SamplingParams.DESCRIPTOR.fields)
+# Map fields (logit_bias): name -> (key type, value type).
+_MAP_FIELDS: dict[str, tuple[int, int]] = {
+    f.name: (f.message_type.fields_by_name["key"].type, f.message_type.fields_by_name["value"].type)
+    for f in pb.SamplingParams.DESCRIPTOR.fields
+    if f.message_type is not None and f.message_type.GetOptions().map_entry
+}
 _REPEATED_FIELDS = frozenset(
-    f.name for f in pb.SamplingParams.DESCRIPTOR.fields if f.is_repeated
+    f.name for f in pb.SamplingParams.DESCRIPTOR.fields if f.is_repeated and f.name not in _MAP_FIELDS
 )
 _FIELD_TYPES: dict[str, int] = {f.name: f.type for f in pb.SamplingParams.DESCRIPTOR.fields}
 _UINT_MAX = {FieldDescriptor.TYPE_UINT32: 2**32 - 1, FieldDescriptor.TYPE_UINT64: 2**64 - 1}
@@ -45,15 +62,30 @@ def value_problem(name: str, value: Any) -> str | None:
     are the server's to check; it names the field in its INVALID_ARGUMENT answer. For a repeated
     field, `value` is one of its items. Values of a wrong type are left to protobuf.
     """
-    kind = _FIELD_TYPES[name]
+    return _scalar_problem(_FIELD_TYPES[name], value, ZERO_MEANS_DEFAULT.get(name))
+
+
+def _scalar_problem(kind: int, value: Any, zero_means: str | None = None) -> str | None:
+    """`value_problem` for one scalar of protobuf type `kind` (a field, a map key or a map value)."""
     if kind in _UINT_MAX and isinstance(value, int) and not isinstance(value, bool):
-        return _uint_problem(value, _UINT_MAX[kind], ZERO_MEANS_DEFAULT.get(name))
+        return _uint_problem(value, _UINT_MAX[kind], zero_means)
     if kind == FieldDescriptor.TYPE_FLOAT and isinstance(value, (int, float)) and not isinstance(value, bool):
         try:
             struct.pack("<f", value)
         except OverflowError:
             return f"must fit a 32-bit float (magnitude below 3.4e38), got {value}"
     return None
+
+
+def map_problem(name: str, key: Any, value: Any) -> str | None:
+    """`value_problem` for one entry of map field `name` (logit_bias: a token id and its bias), as a
+    message naming the entry ("logit_bias[5]: must fit a 32-bit float ..."), or None."""
+    key_kind, value_kind = _MAP_FIELDS[name]
+    problem = _scalar_problem(key_kind, key)
+    if problem:
+        return f"{name}: key {key!r} {problem}"
+    problem = _scalar_problem(value_kind, value)
+    return f"{name}[{key!r}]: {problem}" if problem else None
 
 
 def token_id_problem(token_id: int) -> str | None:
@@ -98,7 +130,15 @@ def sampling_params(sampling: Mapping[str, Any]) -> pb.SamplingParams:
     for name, value in sampling.items():
         if value is None:
             continue
-        if name in _REPEATED_FIELDS:
+        if name in _MAP_FIELDS:
+            if not isinstance(value, Mapping):
+                raise TypeError(f"{name}: expected a mapping (token id -> bias), got {type(value).__name__}")
+            for key, item in value.items():
+                problem = map_problem(name, key, item)
+                if problem:
+                    raise ValueError(problem)
+            _put(name, dict(value), getattr(params, name).update)
+        elif name in _REPEATED_FIELDS:
             items = _items(name, value)
             for i, item in enumerate(items):
                 problem = value_problem(name, item)
@@ -138,6 +178,29 @@ def build_request(
     return request
 
 
+def detokenize_request(token_ids: Sequence[int], skip_special_tokens: bool) -> pb.DetokenizeRequest:
+    """A DetokenizeRequest; a token id that is not a uint32 is refused here, naming its index."""
+    if isinstance(token_ids, (str, bytes, bytearray)):
+        raise TypeError(f"token_ids must be a sequence of ints, not {type(token_ids).__name__}")
+    ids = list(token_ids)
+    for i, token_id in enumerate(ids):
+        if not isinstance(token_id, int) or isinstance(token_id, bool):
+            raise TypeError(f"token_ids[{i}]: expected an int, got {type(token_id).__name__}")
+        problem = token_id_problem(token_id)
+        if problem:
+            raise ValueError(f"token_ids[{i}]: {problem}")
+    return pb.DetokenizeRequest(token_ids=ids, skip_special_tokens=skip_special_tokens)
+
+
+def abort_request(request_ids: str | Sequence[str]) -> pb.AbortRequest:
+    """An AbortRequest for one request id or several."""
+    ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+    for i, rid in enumerate(ids):
+        if not isinstance(rid, str):
+            raise TypeError(f"request_ids[{i}]: expected a str, got {type(rid).__name__}")
+    return pb.AbortRequest(request_ids=ids)
+
+
 def finish_reason(value: int) -> str | None:
     """FINISH_REASON_STOP -> "stop"; UNSPECIFIED -> None; a value newer than these stubs -> its number."""
     if value == pb.FINISH_REASON_UNSPECIFIED:
@@ -154,6 +217,18 @@ def _logprobs(items: Sequence[pb.TokenLogprob]) -> list[TokenLogprob]:
             token_id=lp.token_id,
             logprob=lp.logprob,
             token=lp.token,
+            top_logprobs=[TopLogprob(t.token_id, t.logprob, t.token) for t in lp.top_logprobs],
+        )
+        for lp in items
+    ]
+
+
+def _prompt_logprobs(items: Sequence[pb.PromptLogprob]) -> list[PromptLogprob]:
+    return [
+        PromptLogprob(
+            token_id=lp.token_id,
+            token=lp.token,
+            logprob=lp.logprob if lp.HasField("logprob") else None,
             top_logprobs=[TopLogprob(t.token_id, t.logprob, t.token) for t in lp.top_logprobs],
         )
         for lp in items
@@ -177,6 +252,7 @@ def completion(response: pb.GenerateResponse) -> Completion:
         logprobs=_logprobs(response.logprobs),
         choices=[_choice(c) for c in response.choices],
         cached_prompt_tokens=response.usage.cached_prompt_tokens,
+        prompt_logprobs=_prompt_logprobs(response.prompt_logprobs),
     )
 
 
@@ -194,6 +270,7 @@ def delta(response: pb.GenerateStreamResponse) -> Delta:
         usage=usage,
         logprobs=_logprobs(response.logprobs),
         index=response.index,
+        prompt_logprobs=_prompt_logprobs(response.prompt_logprobs),
     )
 
 
@@ -215,6 +292,7 @@ def model_info(response: pb.GetModelInfoResponse) -> ModelInfo:
         block_size=response.block_size,
         device=response.device,
         dtype=response.dtype,
+        logprobs_mode=response.logprobs_mode,
         load=ModelLoad(
             kv_blocks_total=load.kv_blocks_total,
             kv_blocks_free=load.kv_blocks_free,

@@ -133,6 +133,26 @@ class AsyncClient:
             raise from_rpc_error(error) from None
         return _convert.tokenization(response)
 
+    async def detokenize(
+        self, token_ids: Sequence[int], *, skip_special_tokens: bool = True, timeout: float | None = _DEFAULT
+    ) -> str:
+        """The text of `token_ids`; see `Client.detokenize`."""
+        request = _convert.detokenize_request(token_ids, skip_special_tokens)
+        try:
+            response = await self._stub.Detokenize(request, timeout=self._timeout(timeout), metadata=self._metadata)
+        except grpc.RpcError as error:
+            raise from_rpc_error(error) from None
+        return response.text
+
+    async def abort(self, request_ids: str | Sequence[str], *, timeout: float | None = _DEFAULT) -> list[str]:
+        """Abort this caller's in-flight calls by request id; see `Client.abort`."""
+        request = _convert.abort_request(request_ids)
+        try:
+            response = await self._stub.Abort(request, timeout=self._timeout(timeout), metadata=self._metadata)
+        except grpc.RpcError as error:
+            raise from_rpc_error(error) from None
+        return list(response.aborted_request_ids)
+
     async def model_info(self, *, timeout: float | None = _DEFAULT) -> ModelInfo:
         """The served model and the server's current load."""
         try:

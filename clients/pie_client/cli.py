@@ -1,24 +1,29 @@
 """pie-client: call a pie inference server to generate text (streamed by default), describe its
-model (info) or tokenize text.
+model (info), tokenize text or detokenize token ids, or abort requests by id.
 
 Examples:
 
     pie-client generate "Once upon a time" --max-tokens 64 --temperature 0.8
     pie-client generate "Hi" --no-stream --address 10.0.0.1:50051 --address 10.0.0.2:50051
     pie-client generate "Hi" --logprobs 3            # each token's logprob: a table on stderr
+    pie-client generate "Hi" --prompt-logprobs 2     # the prompt tokens' logprobs too
+    pie-client generate "Hi" --min-tokens 8 --logit-bias 13=-100
     pie-client generate "Hi" --json | jq -r .text    # JSON lines on stdout, for scripts
     echo "Once upon a time" | pie-client generate -  # the prompt from stdin (also with no PROMPT)
     pie-client info
     pie-client tokenize "Hello world"
+    pie-client detokenize 1 9038 2501
+    pie-client --token-file token.txt abort job-17 job-18
 
 Global options (--address, --timeout, --request-id, --token-file, --tls, --tls-ca, --gzip) go
 before or after the subcommand. Given after it, --timeout and --request-id replace a value given
 before; --address adds to the list.
 
 Output of generate: stdout carries the generated text and nothing else, written as it arrives,
-so it can be piped. Everything else goes to stderr after the text: with --logprobs K a table (each
-generated token, its logprob, the K most likely alternatives with theirs), then one summary line
-(finish reason, stop reason, token counts, request id). Several samples (--n) are printed whole,
+so it can be piped. Everything else goes to stderr after the text: with --prompt-logprobs K a table
+of the prompt's tokens, with --logprobs K one of the generated tokens (each token, its logprob, the
+K most likely alternatives with theirs), then one summary line (finish reason, stop reason, token
+counts, request id). Several samples (--n) are printed whole,
 one after another, each headed by its index. With --json, stdout is JSON lines and stderr stays
 empty: while streaming, one object per stream message (request_id, text, token_ids,
 finish_reason, stop_reason, usage, logprobs, index; the last has finish_reason and usage); with
@@ -46,7 +51,7 @@ from . import _convert
 from ._channel import DEFAULT_TARGET
 from .client import Client
 from .errors import REQUEST_ID_KEY, PieError
-from .types import TokenLogprob
+from .types import PromptLogprob, TokenLogprob
 
 _SUMMARY, _, _DETAILS = (__doc__ or "").partition("\n\n")
 
@@ -73,6 +78,13 @@ _SAMPLING_FLAGS: tuple[tuple[str, str, type, str, str], ...] = (
      "or in --json; 0 reports none (default: 0, none)"),
     ("--n", "n", int, "N",
      "independent samples of the prompt, 1..16, printed whole one after another, never streamed (default: 1)"),
+    ("--min-tokens", "min_tokens", int, "N",
+     "generate at least N tokens: until then end-of-sequence, stop token ids and stop strings cannot end it "
+     "(default: 0, off)"),
+    ("--prompt-logprobs", "prompt_logprobs", int, "K",
+     "report each prompt token's logprob given the tokens before it and the K most likely tokens there "
+     "(0: its own only): a table on stderr, or in --json; the server then computes the whole prompt, "
+     "without its prefix cache (default: none)"),
 )
 
 
@@ -104,6 +116,24 @@ def _checked(name: str, kind: type) -> Callable[[str], Any]:
 
     parse.__name__ = kind.__name__
     return parse
+
+
+def _logit_bias(text: str) -> tuple[int, float]:
+    """argparse type of --logit-bias ID=BIAS: a token id and the bias added to its logit."""
+    token, sep, bias = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"expected ID=BIAS (e.g. 13=-100), got {text!r}")
+    try:
+        entry = int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer token id and a number, got {text!r}") from None
+    problem = _convert.map_problem("logit_bias", *entry)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return entry
+
+
+_logit_bias.__name__ = "ID=BIAS"
 
 
 def _seconds(text: str) -> float:
@@ -184,6 +214,10 @@ def _parser() -> argparse.ArgumentParser:
                      metavar="ID", default=None,
                      help="token id that ends generation besides the model's end-of-sequence ids; repeatable "
                           "(default: none)")
+    gen.add_argument("--logit-bias", dest="logit_bias", type=_logit_bias, action="append", metavar="ID=BIAS",
+                     default=None,
+                     help="add BIAS, in [-100, 100], to token ID's logit before sampling (-100 all but bans it, "
+                          "100 all but forces it); repeatable (default: none)")
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     gen.add_argument("--priority", type=_int32("--priority"), default=0, metavar="P",
                      help="scheduling priority: lower runs first, requests of one priority in arrival order")
@@ -209,7 +243,42 @@ def _parser() -> argparse.ArgumentParser:
     tok.add_argument("--no-special-tokens", action="store_true",
                      help="do not add BOS and the like, which a text prompt gets")
     _add_global_flags(tok, after_command=True)
+
+    detok = commands.add_parser("detokenize", help="print the text of token ids as JSON",
+                                description="Print the text of token ids as JSON, with the served model's tokenizer.",
+                                formatter_class=HelpFormatter)
+    detok.add_argument("token_ids", nargs="+", type=_token_id, metavar="ID",
+                       help="token ids, as separate arguments or separated by commas")
+    detok.add_argument("--keep-special-tokens", action="store_true", help="leave special tokens in the text")
+    _add_global_flags(detok, after_command=True)
+
+    abort = commands.add_parser(
+        "abort", help="abort in-flight requests by their request ids",
+        description="Abort in-flight generate calls of this caller by the request ids they were given, and\n"
+                    "print the ids found as JSON. The server tells callers apart by bearer token when it\n"
+                    "requires one (--auth-token-file): give --token-file with the token the requests were\n"
+                    "sent with. Without tokens a caller is its connection, which this command shares with\n"
+                    "no other process: it then finds nothing.",
+        formatter_class=HelpFormatter)
+    abort.add_argument("request_ids", nargs="+", metavar="ID", help="request ids to abort")
+    _add_global_flags(abort, after_command=True)
     return parser
+
+
+def _token_id(text: str) -> list[int]:
+    """argparse type of a detokenize argument: one id, or several separated by commas."""
+    try:
+        ids = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"token ids are integers, got {text!r}") from None
+    for token_id in ids:
+        problem = _convert.token_id_problem(token_id)
+        if problem:
+            raise argparse.ArgumentTypeError(problem)
+    return ids
+
+
+_token_id.__name__ = "token id"
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -250,6 +319,8 @@ def _sampling(args: argparse.Namespace) -> dict[str, Any]:
     """The keywords of Client.generate/stream for the flags given; an absent flag sends nothing."""
     names = [name for _, name, _, _, _ in _SAMPLING_FLAGS] + ["stop", "stop_token_ids"]
     sampling = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    if args.logit_bias:
+        sampling["logit_bias"] = dict(args.logit_bias)  # a token given twice: the last bias
     if args.ignore_eos:
         sampling["ignore_eos"] = True
     if args.keep_special_tokens:
@@ -262,15 +333,17 @@ def _shown(token: str, token_id: int) -> str:
     return json.dumps(token, ensure_ascii=False) if token else f"#{token_id}"
 
 
-def logprob_table(logprobs: Sequence[TokenLogprob]) -> list[str]:
-    """Lines of a table of generated tokens: position, token id, text, logprob, and the most
-    likely alternatives ("text logprob", most likely first)."""
+def logprob_table(logprobs: Sequence[TokenLogprob | PromptLogprob]) -> list[str]:
+    """Lines of a table of generated (or prompt) tokens: position, token id, text, logprob ("-" for
+    the first prompt token, which has none), and the most likely alternatives ("text logprob", most
+    likely first)."""
     texts = [_shown(lp.token, lp.token_id) for lp in logprobs]
     width = max([len("token"), *map(len, texts)])
     lines = [f"{'#':>4} {'id':>7}  {'token':<{width}}  {'logprob':>8}  alternatives"]
     for position, (lp, text) in enumerate(zip(logprobs, texts)):
         alternatives = "  ".join(f"{_shown(t.token, t.token_id)} {t.logprob:.4f}" for t in lp.top_logprobs)
-        lines.append(f"{position:>4} {lp.token_id:>7}  {text:<{width}}  {lp.logprob:>8.4f}  {alternatives}".rstrip())
+        value = "-" if lp.logprob is None else f"{lp.logprob:.4f}"
+        lines.append(f"{position:>4} {lp.token_id:>7}  {text:<{width}}  {value:>8}  {alternatives}".rstrip())
     return lines
 
 
@@ -294,6 +367,7 @@ def _int32(flag: str):
 def _generate(client: Client, args: argparse.Namespace) -> None:
     sampling = _sampling(args)
     logprobs: dict[int, list[TokenLogprob]] = {}  # by choice
+    prompt_logprobs: list[PromptLogprob] = []
     if args.no_stream or sampling.get("n", 1) > 1:  # several choices: printed whole, one after another
         done = client.generate(args.prompt, request_id=args.request_id, priority=args.priority, **sampling)
         if args.json:
@@ -304,6 +378,7 @@ def _generate(client: Client, args: argparse.Namespace) -> None:
         sys.stdout.write("\n\n".join(f"[{i}] {text}" if several else text for i, text, _ in choices) + "\n")
         sys.stdout.flush()
         logprobs = {i: items for i, _, items in choices}
+        prompt_logprobs = done.prompt_logprobs
         reason, stop, request_id = done.finish_reason, done.stop_reason, done.request_id
         prompt_tokens, completion_tokens = done.prompt_tokens, done.completion_tokens
     else:
@@ -316,6 +391,7 @@ def _generate(client: Client, args: argparse.Namespace) -> None:
                 sys.stdout.write(delta.text)
                 sys.stdout.flush()
             logprobs.setdefault(delta.index, []).extend(delta.logprobs)
+            prompt_logprobs = prompt_logprobs or delta.prompt_logprobs
             request_id = delta.request_id or request_id
             if delta.finish_reason is not None:
                 reason, stop = delta.finish_reason, delta.stop_reason
@@ -325,6 +401,8 @@ def _generate(client: Client, args: argparse.Namespace) -> None:
             return
         sys.stdout.write("\n")
         sys.stdout.flush()
+    if args.prompt_logprobs is not None:
+        print("\n".join(["prompt logprobs:", *logprob_table(prompt_logprobs)]), file=sys.stderr)
     if args.logprobs:
         for index, items in sorted(logprobs.items()):
             title = f"logprobs of choice {index}:" if len(logprobs) > 1 else "logprobs:"
@@ -350,6 +428,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 _generate(client, args)
             elif args.command == "info":
                 print(json.dumps(dataclasses.asdict(client.model_info()), indent=2))
+            elif args.command == "detokenize":
+                ids = [t for part in args.token_ids for t in part]
+                text = client.detokenize(ids, skip_special_tokens=not args.keep_special_tokens)
+                print(json.dumps({"text": text}, ensure_ascii=False))
+            elif args.command == "abort":
+                print(json.dumps({"aborted_request_ids": client.abort(args.request_ids)}))
             else:
                 result = client.tokenize(args.text, add_special_tokens=not args.no_special_tokens)
                 print(json.dumps({"token_ids": result.token_ids, "tokens": result.tokens, "count": len(result)}))

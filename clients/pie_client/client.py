@@ -151,6 +151,32 @@ class Client:
             raise from_rpc_error(error) from None
         return _convert.tokenization(response)
 
+    def detokenize(
+        self, token_ids: Sequence[int], *, skip_special_tokens: bool = True, timeout: float | None = _DEFAULT
+    ) -> str:
+        """The text of `token_ids` under the served model's tokenizer (the inverse of `tokenize`)."""
+        request = _convert.detokenize_request(token_ids, skip_special_tokens)
+        try:
+            response = self._stub.Detokenize(request, timeout=self._timeout(timeout), metadata=self._metadata)
+        except grpc.RpcError as error:
+            raise from_rpc_error(error) from None
+        return response.text
+
+    def abort(self, request_ids: str | Sequence[str], *, timeout: float | None = _DEFAULT) -> list[str]:
+        """Abort this caller's in-flight generate/stream calls by the request ids given to them.
+
+        Returns the ids that named one (aborted now: their calls raise `Cancelled`, reason
+        "REQUEST_ABORTED"); an id not returned was unknown, finished or another caller's. A caller is
+        its token on a server with --auth-token-file, else its connection: without a token, call
+        `abort` on the client that carries the requests.
+        """
+        request = _convert.abort_request(request_ids)
+        try:
+            response = self._stub.Abort(request, timeout=self._timeout(timeout), metadata=self._metadata)
+        except grpc.RpcError as error:
+            raise from_rpc_error(error) from None
+        return list(response.aborted_request_ids)
+
     def model_info(self, *, timeout: float | None = _DEFAULT) -> ModelInfo:
         """The served model and the server's current load."""
         try:

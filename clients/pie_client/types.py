@@ -25,6 +25,16 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True, slots=True)
+class PromptLogprob:
+    """Log-probability of one prompt token given the prompt tokens before it (`prompt_logprobs=K`)."""
+
+    token_id: int
+    token: str  # text piece of the token
+    logprob: float | None  # natural log; None for the first prompt token, which nothing precedes
+    top_logprobs: list[TopLogprob] = field(default_factory=list)  # the K most likely there, most likely first
+
+
+@dataclass(frozen=True, slots=True)
 class Usage:
     """Token counts of one request."""
 
@@ -60,6 +70,7 @@ class Completion:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token when asked
     choices: list[Choice] = field(default_factory=list)  # all n samples when n > 1 (the fields above are choice 0's)
     cached_prompt_tokens: int = 0  # of prompt_tokens, served from the server's prefix cache
+    prompt_logprobs: list[PromptLogprob] = field(default_factory=list)  # one per prompt token when asked
 
     @property
     def total_tokens(self) -> int:
@@ -81,6 +92,8 @@ class Delta:
     usage: Usage | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     index: int = 0  # the choice this delta belongs to (n > 1)
+    # On the stream's first delta (of choice 0) when prompt_logprobs was asked: one per prompt token.
+    prompt_logprobs: list[PromptLogprob] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,3 +138,4 @@ class ModelInfo:
     device: str
     dtype: str  # weights
     load: ModelLoad
+    logprobs_mode: str = ""  # "raw" or "processed": what generated tokens' logprobs are (empty: an older server)

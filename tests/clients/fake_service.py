@@ -68,7 +68,16 @@ class FakeGenerateService(pb_grpc.GenerateServiceServicer):
             stop_reason="\n",
             usage=pb.Usage(prompt_tokens=4, completion_tokens=3, total_tokens=7),
             logprobs=logprobs,
+            prompt_logprobs=self._prompt_logprobs(request.sampling),
         )
+
+    @staticmethod
+    def _prompt_logprobs(sampling: pb.SamplingParams) -> list[pb.PromptLogprob]:
+        if not sampling.HasField("prompt_logprobs"):
+            return []
+        top = [pb.TopLogprob(token_id=8, logprob=-0.25, token="y")][:sampling.prompt_logprobs]
+        return [pb.PromptLogprob(token_id=1, token="<s>"),
+                pb.PromptLogprob(token_id=72, logprob=-3.5, token="H", top_logprobs=top)]
 
     def GenerateStream(
         self, request: pb.GenerateStreamRequest, context: grpc.ServicerContext
@@ -80,7 +89,8 @@ class FakeGenerateService(pb_grpc.GenerateServiceServicer):
             yield pb.GenerateStreamResponse(request_id=request_id, text="tick", token_ids=[7])
             self.stream_cancelled.wait(10)
             return
-        yield pb.GenerateStreamResponse(request_id=request_id, text="Hel", token_ids=[1, 2])
+        yield pb.GenerateStreamResponse(request_id=request_id, text="Hel", token_ids=[1, 2],
+                                        prompt_logprobs=self._prompt_logprobs(request.sampling))
         yield pb.GenerateStreamResponse(request_id=request_id, text="lo", token_ids=[3])
         yield pb.GenerateStreamResponse(
             request_id=request_id,
@@ -97,6 +107,17 @@ class FakeGenerateService(pb_grpc.GenerateServiceServicer):
         tokens = (["<s>"] if add_bos else []) + list(request.text)
         return pb.TokenizeResponse(token_ids=ids, tokens=tokens, count=len(ids))
 
+    def Detokenize(self, request: pb.DetokenizeRequest, context: grpc.ServicerContext) -> pb.DetokenizeResponse:
+        self._record(request, context)
+        skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+        return pb.DetokenizeResponse(text="".join("" if t == 1 and skip else "<s>" if t == 1 else chr(t)
+                                                  for t in request.token_ids))
+
+    def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortResponse:
+        """Finds the ids that start with "live"."""
+        self._record(request, context)
+        return pb.AbortResponse(aborted_request_ids=[r for r in request.request_ids if r.startswith("live")])
+
     def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.ServicerContext) -> pb.GetModelInfoResponse:
         self._record(request, context)
         return pb.GetModelInfoResponse(
@@ -110,6 +131,7 @@ class FakeGenerateService(pb_grpc.GenerateServiceServicer):
             block_size=16,
             device="cpu",
             dtype="fp32",
+            logprobs_mode="raw",
             load=pb.ModelLoad(kv_blocks_total=100, kv_blocks_free=90, requests_running=1, max_num_seqs=8, max_waiting=64),
         )
 

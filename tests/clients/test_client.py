@@ -78,6 +78,13 @@ def test_unknown_sampling_keyword_raises_type_error(client: pie_client.Client) -
         ("hi", {"max_tokens": "3"}, TypeError, "max_tokens: cannot be '3' ("),
         ("hi", {"stop": [1]}, TypeError, "stop: cannot be [1] ("),
         ("hi", {"stop": 1.5}, TypeError, "stop: expected a list, got float"),
+        ("hi", {"logit_bias": {-1: 1.0}}, ValueError, "logit_bias: key -1 must be >= 0, got -1"),
+        ("hi", {"logit_bias": {2**32: 1.0}}, ValueError, "logit_bias: key 4294967296 must be <= 4294967295"),
+        ("hi", {"logit_bias": {5: 1e39}}, ValueError, "logit_bias[5]: must fit a 32-bit float"),
+        ("hi", {"logit_bias": [5]}, TypeError, "logit_bias: expected a mapping (token id -> bias), got list"),
+        ("hi", {"logit_bias": {5: "x"}}, TypeError, "logit_bias: cannot be {5: 'x'} ("),
+        ("hi", {"min_tokens": -1}, ValueError, "min_tokens: must be >= 0, got -1"),
+        ("hi", {"prompt_logprobs": -1}, ValueError, "prompt_logprobs: must be >= 0, got -1"),
     ],
 )
 def test_a_value_the_request_cannot_carry_is_refused_by_field_name(
@@ -96,6 +103,37 @@ def test_zeros_that_mean_zero_are_sent(client: pie_client.Client, fake: tuple[Fa
     client.generate("hi", seed=0, top_k=0, logprobs=0, temperature=0.0, max_tokens=None)
     sent = fake[0].requests[-1].sampling
     assert sent.HasField("seed") and sent.seed == 0 and sent.max_tokens == 0  # max_tokens unset: the default
+
+
+def test_new_options_are_sent_and_prompt_logprobs_read(
+    client: pie_client.Client, fake: tuple[FakeGenerateService, str]
+) -> None:
+    done = client.generate("hi", logit_bias={5: -100, 7: 2.5}, min_tokens=2, prompt_logprobs=0)
+    sent = fake[0].requests[-1].sampling
+    assert dict(sent.logit_bias) == {5: -100.0, 7: 2.5} and sent.min_tokens == 2
+    assert sent.HasField("prompt_logprobs") and sent.prompt_logprobs == 0  # 0 is sent: the prompt tokens' own
+    assert done.prompt_logprobs == [pie_client.PromptLogprob(1, "<s>", None),
+                                    pie_client.PromptLogprob(72, "H", -3.5)]
+    assert client.generate("hi").prompt_logprobs == [] and not fake[0].requests[-1].sampling.HasField("prompt_logprobs")
+    deltas = list(client.stream("hi", prompt_logprobs=1))
+    assert deltas[0].prompt_logprobs[1].top_logprobs == [pie_client.TopLogprob(8, -0.25, "y")]
+    assert all(d.prompt_logprobs == [] for d in deltas[1:])
+
+
+def test_detokenize_and_abort(client: pie_client.Client, fake: tuple[FakeGenerateService, str]) -> None:
+    assert client.detokenize([1, 72, 105]) == "Hi"
+    assert client.detokenize((1, 72), skip_special_tokens=False) == "<s>H"
+    assert client.abort("live-1") == ["live-1"]
+    assert list(fake[0].requests[-1].request_ids) == ["live-1"]
+    assert client.abort(["gone", "live-2"]) == ["live-2"]
+    sent = len(fake[0].requests)
+    with pytest.raises(ValueError, match=r"^token_ids\[1\]: must be >= 0, got -3"):
+        client.detokenize([1, -3])
+    with pytest.raises(TypeError, match="token_ids must be a sequence of ints"):
+        client.detokenize("12")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"request_ids\[0\]: expected a str"):
+        client.abort([7])  # type: ignore[list-item]
+    assert len(fake[0].requests) == sent  # refused before sending
 
 
 def test_stream_yields_deltas_and_a_final_summary(client: pie_client.Client) -> None:
@@ -123,7 +161,7 @@ def test_tokenize_and_model_info(client: pie_client.Client) -> None:
     info = client.model_info()
     assert info.model_name == "fake" and info.architecture == "LlamaForCausalLM"
     assert info.eos_token_ids == [2] and info.bos_token_id is None
-    assert info.load == pie_client.ModelLoad(100, 90, 1, 0, 8, 64)
+    assert info.load == pie_client.ModelLoad(100, 90, 1, 0, 8, 64) and info.logprobs_mode == "raw"
 
 
 def test_invalid_argument_carries_field_violations(client: pie_client.Client) -> None:
@@ -234,6 +272,8 @@ def test_async_client(fake: tuple[FakeGenerateService, str]) -> None:
             assert deltas[-1].finish_reason == "length" and deltas[-1].usage is not None
             assert (await client.tokenize("a")).token_ids == [1, 97]
             assert (await client.model_info()).model_name == "fake"
+            assert await client.detokenize([1, 72]) == "H"
+            assert await client.abort(["live-a", "b"]) == ["live-a"]
             with pytest.raises(pie_client.InvalidArgument) as caught:
                 await client.generate("invalid")
             assert caught.value.field_violations == [("sampling.top_p", "must be in (0, 1]")]

@@ -29,7 +29,7 @@ def test_every_flag_has_a_description_and_its_default_once() -> None:
     assert help_problems(cli._parser()) == []
 
 
-@pytest.mark.parametrize("command", [[], ["generate"], ["info"], ["tokenize"]])
+@pytest.mark.parametrize("command", [[], ["generate"], ["info"], ["tokenize"], ["detokenize"], ["abort"]])
 def test_help_of_every_command_renders(command: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main([*command, "--help"]) == 0
     out = " ".join(capsys.readouterr().out.split())  # as one line, whatever the terminal's width
@@ -59,7 +59,7 @@ def test_the_formatter_appends_defaults_once_and_help_problems_sees_a_missing_on
 def test_every_sampling_field_has_a_flag() -> None:
     parser = cli._parser()
     args = parser.parse_args(["generate", "x"])
-    flags = {name for _, name, _, _, _ in cli._SAMPLING_FLAGS} | {"stop", "stop_token_ids", "ignore_eos"}
+    flags = {name for _, name, _, _, _ in cli._SAMPLING_FLAGS} | {"stop", "stop_token_ids", "ignore_eos", "logit_bias"}
     assert all(hasattr(args, name) for name in flags)
     assert flags | {"skip_special_tokens"} == SAMPLING_FIELDS  # --keep-special-tokens sets the last
 
@@ -101,6 +101,13 @@ def test_global_options_after_the_subcommand_reach_the_server(fake: Fake, capsys
         (["--top-k", "x"], "argument --top-k: invalid int value: 'x'"),
         (["--timeout", "0"], "argument --timeout: must be > 0 and finite, got 0 (leave it out for no deadline)"),
         (["--token-ids"], "argument prompt: token id 1: must be >= 0, got -2"),
+        (["--min-tokens", "-1"], "argument --min-tokens: must be >= 0, got -1"),
+        (["--prompt-logprobs", "-1"], "argument --prompt-logprobs: must be >= 0, got -1"),
+        (["--logit-bias", "5"], "argument --logit-bias: expected ID=BIAS (e.g. 13=-100), got '5'"),
+        (["--logit-bias", "x=1"], "argument --logit-bias: expected an integer token id and a number, got 'x=1'"),
+        (["--logit-bias=-5=1"], "argument --logit-bias: logit_bias: key -5 must be >= 0, got -5"),
+        (["--logit-bias", "5=1e39"],
+         "argument --logit-bias: logit_bias[5]: must fit a 32-bit float (magnitude below 3.4e38), got 1e+39"),
     ],
 )
 def test_values_the_request_cannot_carry_are_refused_by_flag(
@@ -118,6 +125,46 @@ def test_zeros_that_mean_zero_are_sent(fake: Fake) -> None:
     assert cli.main(argv) == 0
     sent = servicer.requests[-1].sampling
     assert sent.HasField("seed") and (sent.seed, sent.top_k, sent.logprobs, sent.max_tokens) == (0, 0, 0, 1)
+
+
+def test_new_sampling_flags_are_sent(fake: Fake) -> None:
+    servicer, address = fake
+    argv = ["generate", "Hi", "--address", address, "--min-tokens", "3", "--prompt-logprobs", "0",
+            "--logit-bias", "13=-100", "--logit-bias", "7=2.5", "--logit-bias", "13=-50"]
+    assert cli.main(argv) == 0
+    sent = servicer.requests[-1].sampling
+    assert sent.min_tokens == 3 and sent.HasField("prompt_logprobs") and sent.prompt_logprobs == 0
+    assert dict(sent.logit_bias) == {13: -50.0, 7: 2.5}  # a token given twice: the last bias
+    assert cli.main(["generate", "Hi", "--address", address]) == 0
+    assert not servicer.requests[-1].sampling.HasField("prompt_logprobs")
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_prompt_logprobs_table_goes_to_stderr(fake: Fake, capsys: pytest.CaptureFixture[str], stream: bool) -> None:
+    argv = ["--address", fake[1], "generate", "Hi", "--prompt-logprobs", "1"] + ([] if stream else ["--no-stream"])
+    assert cli.main(argv) == 0
+    out, err = capsys.readouterr()
+    assert out == "Hello!\n"
+    assert err.splitlines()[:4] == [
+        "prompt logprobs:",
+        "   #      id  token   logprob  alternatives",
+        '   0       1  "<s>"         -',
+        '   1      72  "H"     -3.5000  "y" -0.2500',
+    ]
+
+
+def test_detokenize_and_abort_commands(fake: Fake, capsys: pytest.CaptureFixture[str]) -> None:
+    servicer, address = fake
+    assert cli.main(["detokenize", "1", "72,105", "--address", address]) == 0
+    assert json.loads(capsys.readouterr().out) == {"text": "Hi"}
+    assert list(servicer.requests[-1].token_ids) == [1, 72, 105]
+    assert cli.main(["detokenize", "1", "72", "--keep-special-tokens", "--address", address]) == 0
+    assert json.loads(capsys.readouterr().out) == {"text": "<s>H"}
+    assert cli.main(["detokenize", "1", "-2", "--address", address]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == "pie-client detokenize: error: argument ID: must be >= 0, got -2"
+    assert cli.main(["abort", "live-1", "gone-2", "--address", address]) == 0
+    assert json.loads(capsys.readouterr().out) == {"aborted_request_ids": ["live-1"]}
+    assert list(servicer.requests[-1].request_ids) == ["live-1", "gone-2"]
 
 
 def test_logprobs_table_goes_to_stderr_after_the_text(fake: Fake, capsys: pytest.CaptureFixture[str]) -> None:

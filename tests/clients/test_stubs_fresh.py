@@ -13,10 +13,10 @@ REPO = Path(__file__).resolve().parents[2]
 PROTO = REPO / "protos" / "pie" / "v1" / "generate.proto"
 
 # Lines that declare something a reader needs explained: services, rpcs, messages, enums, oneofs,
-# fields (optional/repeated, scalar or message typed) and enum values.
+# fields (optional/repeated, scalar, message or map typed) and enum values.
 _DECLARATION = re.compile(
     r"^(service|rpc|message|enum|oneof)\s+\w+"
-    r"|^(optional\s+|repeated\s+)?[\w.]+\s+\w+\s*=\s*\d+\s*;"
+    r"|^(optional\s+|repeated\s+)?([\w.]+|map<[\w.]+,\s*[\w.]+>)\s+\w+\s*=\s*\d+\s*;"
     r"|^[A-Z][A-Z0-9_]*\s*=\s*\d+\s*;"
 )
 
@@ -46,7 +46,7 @@ def test_codegen_check_passes() -> None:
 def test_every_proto_element_has_a_comment() -> None:
     text = PROTO.read_text()
     assert undocumented(text) == []
-    assert len(re.findall(r"^\s*rpc ", text, re.M)) == 4  # the checker saw the declarations at all
+    assert len(re.findall(r"^\s*rpc ", text, re.M)) == 6  # the checker saw the declarations at all
 
 
 def test_comment_checker_flags_missing_comments() -> None:
@@ -57,9 +57,11 @@ def test_comment_checker_flags_missing_comments() -> None:
           uint32 x = 1;
           repeated string y = 2;
           B z = 3;  // trailing comment counts
+          map<uint32, float> m = 4;
         }
         enum E {
           E_UNSPECIFIED = 0;
         }
     """
-    assert undocumented(proto) == ["repeated string y = 2;", "enum E {", "E_UNSPECIFIED = 0;"]
+    assert undocumented(proto) == ["repeated string y = 2;", "map<uint32, float> m = 4;", "enum E {",
+                                   "E_UNSPECIFIED = 0;"]

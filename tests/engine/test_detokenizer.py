@@ -269,3 +269,46 @@ def test_property_random_strings(tok, prompt, body, stop, chunk):
     expected, found = cut_at_stop(full, [stop], False)
     assert "".join(run(detok, output, [chunk] * len(output))) == expected
     assert detok.stop_string == found
+
+
+def stop_after_min_tokens(tok: Adapter, ids: list[int], stop: str, min_tokens: int) -> str | None:
+    """Reference for min_tokens (one token a step, ASCII text): the text before the first stop
+    string that ends in the text of token k >= min_tokens; None when there is none."""
+    ends = [len(tok.decode(ids[:k], True)) for k in range(len(ids) + 1)]
+    full = tok.decode(ids, True)
+    for k in range(max(1, min_tokens), len(ids) + 1):
+        starts = [i for i in range(len(full)) if full.startswith(stop, i) and ends[k - 1] < i + len(stop) <= ends[k]]
+        if starts:
+            return full[:starts[0]]
+    return None
+
+
+def test_stop_strings_wait_for_min_tokens(tok):
+    rng = random.Random(7)
+    ascii_words = [w for w in WORDS if w.isascii()]
+    cut_early = 0
+    for _ in range(120):
+        ids = tok.encode(" ".join(rng.choice(ascii_words) for _ in range(rng.randint(4, 14))))
+        full = tok.decode(ids, True)
+        a = rng.randrange(len(full))
+        stop = full[a:a + rng.randint(1, 4)]
+        min_tokens = rng.randint(0, len(ids))
+        detok = IncrementalDetokenizer(tok, [1], stop=[stop], min_tokens=min_tokens)
+        text = "".join(run(detok, ids))
+        expected = stop_after_min_tokens(tok, ids, stop, min_tokens)
+        assert (text, detok.stopped) == ((full, False) if expected is None else (expected, True)), \
+            (full, stop, min_tokens)
+        plain = "".join(run(IncrementalDetokenizer(tok, [1], stop=[stop]), ids))
+        cut_early += expected != plain
+    assert cut_early >= 20  # min_tokens let many texts past a stop string the plain run stops at
+
+
+def test_a_stop_string_held_back_before_min_tokens_does_not_count_later(tok):
+    """A stop string completed before min_tokens is still in the held-back tail when the check
+    begins; only one that ends in later text ends the request."""
+    ids = tok.encode("the cat sat on the mat")
+    first = len(tok.encode("the cat"))
+    detok = IncrementalDetokenizer(tok, [1], stop=["cat", "zzzzzz"], min_tokens=first + 1)
+    assert "".join(run(detok, ids)) == "the cat sat on the mat" and not detok.stopped
+    detok = IncrementalDetokenizer(tok, [1], stop=["at"], min_tokens=first + 1)
+    assert "".join(run(detok, ids)) == "the cat s" and detok.stop_string == "at"

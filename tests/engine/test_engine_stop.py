@@ -1,4 +1,5 @@
-"""Finish reasons at the edge: a stop string that only appears when held-back text is flushed."""
+"""Finish reasons at the edge: a stop string that only appears when held-back text is flushed;
+min_tokens holding back EOS and stop token ids that logit_bias makes all but certain."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from engine.core import EngineCore
 from engine.messages import SampledToken
 from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
-from tests.helpers import make_hf_model_dir
+from tests.helpers import EOS_ID, make_hf_model_dir
 
 
 def test_stop_string_found_in_flushed_text_ends_as_stop(tmp_path):
@@ -33,8 +34,39 @@ class Forced:
     """A launched step whose sampled tokens are given, not computed (ModelRunner.launch's result)."""
 
     def __init__(self, out, tokens) -> None:
-        self.requests = out.sampling_requests
+        self.requests = self.all_requests = out.sampling_requests
         self._tokens = tokens
 
     def result(self) -> list[SampledToken]:
         return [SampledToken(next(self._tokens), 0.0, []) for _ in self.requests]
+
+    def prompt_logprobs(self) -> list:
+        return []
+
+
+def test_min_tokens_holds_back_eos_and_stop_ids_the_bias_forces(tmp_path):
+    """logit_bias +100 on EOS (or a stop token id): the first token allowed to end the request is
+    the one after min_tokens, in a batch with a request that uses neither."""
+    engine = EngineCore(EngineConfig(model=str(make_hf_model_dir(tmp_path, "llama")), device="cpu",
+                                     kv_cache_dtype="fp32", num_kv_blocks=32))
+    stop_id = 77
+    requests = {
+        "eos": SamplingParams(max_tokens=20, temperature=0.8, seed=1, min_tokens=5, logit_bias={EOS_ID: 100.0}),
+        "stop_id": SamplingParams(max_tokens=20, temperature=0, min_tokens=3, stop_token_ids=[stop_id],
+                                  logit_bias={stop_id: 100.0}, ignore_eos=True),
+        "plain": SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+        "eos_now": SamplingParams(max_tokens=20, temperature=0, logit_bias={EOS_ID: 100.0}),
+    }
+    for rid, sp in requests.items():
+        engine.add_request(rid, [5, 6, 7], sp)
+    tokens: dict[str, list[int]] = {rid: [] for rid in requests}
+    last = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            tokens[o.request_id].extend(o.new_token_ids)
+            last[o.request_id] = o
+    assert tokens["eos"][-1] == EOS_ID and len(tokens["eos"]) == 6 and EOS_ID not in tokens["eos"][:5]
+    assert tokens["stop_id"] == tokens["stop_id"][:3] + [stop_id] and stop_id not in tokens["stop_id"][:3]
+    assert last["stop_id"].stop_reason == stop_id
+    assert len(tokens["plain"]) == 6
+    assert tokens["eos_now"] == [EOS_ID]  # without min_tokens the bias ends it at once

@@ -9,7 +9,14 @@ import math
 import pytest
 import torch
 
-from engine.sampler import SamplingTensors, _apply_top_k_top_p, apply_penalties, hash_uniform, sample
+from engine.sampler import (
+    SamplingTensors,
+    _apply_top_k_top_p,
+    apply_logit_adds,
+    apply_penalties,
+    hash_uniform,
+    sample,
+)
 from engine.sampling_params import SamplingParams
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -304,3 +311,109 @@ def test_pending_ids_on_the_device_count_like_listed_ones(rng):
                                     pending_ids=([0, 1, 2, 3], [3, 2, 1, 0], torch.tensor(newest[::-1])))
     assert torch.equal(listed.output_counts, pending.output_counts)
     assert torch.equal(listed.seen_mask, pending.seen_mask)
+
+
+# ---- logit_bias, min_tokens, processed logprobs ---------------------------------------------------
+
+def reference_adjust(row: torch.Tensor, p: SamplingParams, step: int, eos: tuple[int, ...]) -> torch.Tensor:
+    """Per-row reference of logit_bias and min_tokens: a plain loop over the row's entries."""
+    row = row.clone()
+    for token, bias in p.logit_bias.items():
+        row[token] += bias
+    if step < p.min_tokens:
+        for token in set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos)):
+            row[token] = float("-inf")
+    return row
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_logit_bias_and_min_tokens_match_reference(device, rng):
+    v, eos = 40, (2, 7)
+    params = [
+        SamplingParams(logit_bias={3: 5.0, 9: -100.0, 39: 0.5}),
+        SamplingParams(min_tokens=4, stop_token_ids=[11]),
+        SamplingParams(min_tokens=4, stop_token_ids=[11], ignore_eos=True),
+        SamplingParams(min_tokens=2, logit_bias={2: 100.0, 5: -3.0}),  # bias on an EOS it still holds back
+        SamplingParams(),  # untouched row in a batch that uses both
+        SamplingParams(min_tokens=1, logit_bias={0: 1.0}),  # past its min_tokens: bias only
+    ]
+    steps = [rng.randrange(10), 1, 3, 0, 5, 1]
+    logits = rand_logits(len(params), v, seed=rng.randrange(1000), device=device)
+    t = SamplingTensors.build(params, list(range(len(params))), steps, [[0]] * len(params), [[]] * len(params),
+                              v, device, eos_token_ids=[eos] * len(params))
+    assert t.logit_adds is not None
+    got = apply_logit_adds(logits, t.logit_adds, t.step).cpu()
+    for i, p in enumerate(params):
+        assert torch.equal(got[i], reference_adjust(logits[i].cpu(), p, steps[i], eos)), i
+
+
+def test_min_tokens_lifts_itself_in_steady_decode():
+    """The suppression is decided on the device from the step counter: the tensors reused by
+    next_step (no rebuild) let EOS through exactly from step == min_tokens on."""
+    v, eos = 8, (2,)
+    logits = torch.full((1, v), -5.0)
+    logits[0, 2] = 5.0  # EOS is by far the most likely token
+    p = SamplingParams(temperature=0.0, min_tokens=3)
+    t = SamplingTensors.build([p], [0], [0], [[0]], [[]], v, "cpu", eos_token_ids=[eos])
+    picks = []
+    for _ in range(5):
+        picks.append(int(sample(logits, t).token_ids[0]))
+        t = t.next_step()
+    assert 2 not in picks[:3] and picks[3:] == [2, 2]
+
+
+def test_unused_options_cost_nothing():
+    params = [SamplingParams(temperature=0.7, top_k=5), SamplingParams(min_tokens=2)]
+    t = SamplingTensors.build(params, [0, 1], [0, 2], [[0], [0]], [[], []], 16, "cpu", eos_token_ids=[(2,), (2,)])
+    assert t.logit_adds is None  # row 1 has reached its min_tokens already
+
+
+def test_logit_bias_moves_the_sampled_distribution():
+    v, n = 6, 8000
+    logits = torch.zeros(1, v)
+    p = SamplingParams(temperature=1.0, logit_bias={4: math.log(5.0)})  # token 4: 5x as likely
+    t = build([p] * n, seeds=list(range(n)), vocab=v)
+    counts = torch.bincount(sample(logits.expand(n, v), t).token_ids, minlength=v).double()
+    expected = torch.tensor([1, 1, 1, 1, 5, 1], dtype=torch.float64) / 10 * n
+    chi2 = ((counts - expected) ** 2 / expected).sum().item()
+    assert chi2 < 25.0, counts
+    greedy = build([SamplingParams(temperature=0.0, logit_bias={1: 100.0})], vocab=v)
+    assert sample(rand_logits(1, v), greedy).token_ids.item() == 1
+
+
+def reference_processed(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The logits a row's token is chosen from, by the documented order, one row at a time."""
+    row = reference_adjust(row, p, 0, ())
+    row = reference_penalties(row, p, [1, 2], [3, 3])
+    if p.temperature == 0.0:
+        return row
+    row = row / p.temperature
+    probs = torch.softmax(row, -1)
+    if p.min_p > 0:
+        row = row.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+    if p.top_k:
+        kth = row.topk(p.top_k).values[-1]
+        row = row.masked_fill(row < kth, float("-inf"))
+    return row
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_processed_logprobs_are_of_the_logits_sampled_from(device):
+    v = 40
+    logits = rand_logits(4, v, seed=11, device=device)
+    params = [SamplingParams(temperature=0.0, repetition_penalty=1.5, logprobs=3),
+              SamplingParams(temperature=0.5, logit_bias={5: 2.0}, frequency_penalty=0.5, logprobs=5),
+              SamplingParams(temperature=2.0, top_k=3, logprobs=5),
+              SamplingParams(temperature=1.0, min_p=0.2, logprobs=1)]
+    t = build(params, prompts=[[1, 2]] * 4, outputs=[[3, 3]] * 4, vocab=v, device=device)
+    raw = sample(logits, t)
+    out = sample(logits, t, processed_logprobs=True)
+    assert torch.equal(raw.token_ids, out.token_ids)  # the mode changes what is reported, not what is drawn
+    for i, p in enumerate(params):
+        ref = torch.log_softmax(reference_processed(logits[i].cpu(), p), -1)
+        tok = int(out.token_ids[i])
+        assert math.isfinite(out.logprobs[i].item())
+        torch.testing.assert_close(out.logprobs[i].cpu(), ref[tok], rtol=1e-5, atol=1e-5)
+        top = out.top_logprobs[i].cpu()
+        torch.testing.assert_close(top, ref.topk(5).values, rtol=1e-5, atol=1e-5)
+    assert out.top_logprobs[2, 3:].eq(float("-inf")).all()  # top_k=3: the rest were filtered out

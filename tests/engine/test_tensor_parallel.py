@@ -87,6 +87,43 @@ def test_vocab_split_unevenly_and_seeded_sampling(rng, tmp_path) -> None:
 
 
 @pytest.mark.slow
+def test_prompt_logprobs_and_logit_bias(rng, tmp_path) -> None:
+    """Prompt logprobs make the LM head run on prompt positions too, a collective every rank must
+    join in the same slices: chunked prompts give the same values and tokens as one process, with
+    logit_bias and min_tokens in the same batch."""
+    model_dir = make_hf_model_dir(tmp_path, "qwen3", weight_scale=4.0, vocab_size=509)
+    prompts = _prompts(rng, 3, vocab=509)
+    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, prompt_logprobs=3,
+                        logit_bias={7: 3.0}, min_tokens=2)
+    small = {"max_num_batched_tokens": 16, "decode_stall_factor": 0}  # several chunks a prompt, as in both runs
+
+    def run(tp: int):
+        engine = EngineCore(_config(model_dir, tp, **small))
+        try:
+            for i, prompt in enumerate(prompts):
+                engine.add_request(f"r{i}", prompt, sp)
+            tokens, entries = {}, {}
+            while engine.has_unfinished():
+                for o in engine.step():
+                    tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+                    if o.prompt_logprobs is not None:
+                        entries[o.request_id] = o.prompt_logprobs
+            return tokens, entries
+        finally:
+            engine.close()
+
+    want_tokens, want = run(1)
+    got_tokens, got = run(2)
+    assert got_tokens == want_tokens
+    assert sorted(got) == sorted(want) == [f"r{i}" for i in range(3)]
+    for rid, entries in want.items():
+        assert [e.token_id for e in got[rid]] == [e.token_id for e in entries]
+        assert [e.logprob for e in got[rid]] == pytest.approx([e.logprob for e in entries], abs=1e-4)
+        assert [[t for t, _ in e.top] for e in got[rid]] == [[t for t, _ in e.top] for e in entries]
+    assert _workers() == [], "the workers outlived their engine"
+
+
+@pytest.mark.slow
 def test_preemption_and_prefix_caching(rng, tmp_path) -> None:
     """A pool too small for the batch preempts and recomputes; shared prefixes hit the cache. Both
     touch only rank 0's block manager: the workers' pools follow the same block ids."""

@@ -61,9 +61,10 @@ def run(argv: list[str], **kw) -> subprocess.CompletedProcess:
 
 
 def test_every_shell_command_is_accounted_for():
-    covered = ("python3 -m venv", "grpcurl ", "pie-client generate ", "pie-client info", "pie train ",
-               "pie serve --model ", "pie bench ", "npm ci", "node clients/node/example.mjs ", "python -m pytest ",
-               "ruff check . && mypy", "npx buf ", "bash benchmarks/gpu.sh ", "BASELINE=")
+    covered = ("python3 -m venv", "grpcurl ", "pie-client generate ", "pie-client info", "pie-client detokenize ",
+               "pie-client abort ", "pie train ", "pie serve --model ", "pie bench ", "npm ci",
+               "node clients/node/example.mjs ", "python -m pytest ", "ruff check . && mypy", "npx buf ",
+               "bash benchmarks/gpu.sh ", "BASELINE=")
     lines = shell_lines()
     assert lines, "no commands found in README.md"
     for line in lines:

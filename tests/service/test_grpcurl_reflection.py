@@ -5,6 +5,7 @@ README.md, so the docs cannot drift from the server."""
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 from pathlib import Path
@@ -131,6 +132,14 @@ def test_readme_grpcurl_commands_through_reflection(server):
                 assert result["requestId"] and result["text"] and result["finishReason"] in (
                     "FINISH_REASON_STOP", "FINISH_REASON_LENGTH")
                 assert 1 <= result["usage"]["completionTokens"] <= 32
+                body = json.loads(argv[argv.index("-d") + 1])
+                if "prompt_logprobs" in body["sampling"]:  # the options example
+                    prompt = server.core.tokenizer.encode(body["prompt"])
+                    entries = result["promptLogprobs"]
+                    assert [int(e["tokenId"]) for e in entries] == prompt
+                    assert "logprob" not in entries[0] and all(len(e["topLogprobs"]) == 2 for e in entries[1:])
+                    assert result["usage"]["completionTokens"] >= body["sampling"]["min_tokens"]
+                    assert 13 not in [int(t) for t in result["tokenIds"]]  # logit_bias -100
             elif target.endswith("/GenerateStream"):
                 assert all(m["requestId"] == "readme-stream-1" for m in result)  # from the -H header
                 assert "finishReason" in result[-1] and all("finishReason" not in m for m in result[:-1])
@@ -138,12 +147,18 @@ def test_readme_grpcurl_commands_through_reflection(server):
                 assert n == result[-1]["usage"]["completionTokens"] and 1 <= n <= 32
             elif target.endswith("/Tokenize"):
                 assert [int(i) for i in result["tokenIds"]] == server.core.tokenizer.encode("Once upon a time")
+            elif target.endswith("/Detokenize"):
+                ids = [int(i) for i in json.loads(argv[argv.index("-d") + 1])["token_ids"]]
+                assert result == {"text": server.core.tokenizer.decode(ids, skip_special_tokens=False)}
+            elif target.endswith("/Abort"):
+                assert result == {}  # nothing of this caller's is in flight: no id found
             elif target.endswith("Health/Check"):
                 assert result == {"status": "SERVING"}
             else:
                 raise AssertionError(f"README grpcurl target {target} is not checked by this test")
     # The README shows each of these at least once.
     assert {"list", "describe", "pie.v1.GenerateService/Generate", "pie.v1.GenerateService/GenerateStream",
+            "pie.v1.GenerateService/Detokenize", "pie.v1.GenerateService/Abort",
             "grpc.health.v1.Health/Check"} <= verbs
 
 

@@ -117,6 +117,12 @@ BAD_INPUTS = [
     ("sampling.stop", dict(stop=["x" * 1000])),
     ("sampling.stop_token_ids", dict(stop_token_ids=[10**7])),
     ("sampling.logprobs", dict(logprobs=1000)),
+    ("sampling.prompt_logprobs", dict(prompt_logprobs=21)),
+    ("sampling.logit_bias", dict(logit_bias={10**6: 1.0})),
+    ("sampling.logit_bias", dict(logit_bias={5: 1000.0})),
+    ("sampling.logit_bias", dict(logit_bias={5: float("nan")})),
+    ("sampling.logit_bias", dict(logit_bias={i: 1.0 for i in range(1025)})),
+    ("sampling.min_tokens", dict(max_tokens=4, min_tokens=5)),
 ]
 
 
@@ -194,7 +200,8 @@ def test_reflection_lists_and_describes_services(server):
         assert {SERVICE_NAME, "grpc.health.v1.Health"} <= services
         pool = DescriptorPool(db)
         svc = pool.FindServiceByName(SERVICE_NAME)
-        assert {m.name for m in svc.methods} == {"Generate", "GenerateStream", "Tokenize", "GetModelInfo"}
+        assert {m.name for m in svc.methods} == {"Generate", "GenerateStream", "Tokenize", "GetModelInfo", "Abort",
+                                                 "Detokenize"}
         sampling = pool.FindMessageTypeByName("pie.v1.SamplingParams")
         assert "repetition_penalty" in sampling.fields_by_name
 

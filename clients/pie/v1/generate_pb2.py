@@ -24,49 +24,63 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15pie/v1/generate.proto\x12\x06pie.v1\"\x8f\x03\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x11\n\x04seed\x18\t \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x10\n\x08logprobs\x18\r \x01(\r\x12 \n\x13skip_special_tokens\x18\x0e \x01(\x08H\x03\x88\x01\x01\x12\t\n\x01n\x18\x0f \x01(\rB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x16\n\x14_skip_special_tokens\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xb1\x01\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12,\n\x10prompt_token_ids\x18\x02 \x01(\x0b\x32\x10.pie.v1.TokenIdsH\x00\x12(\n\x08sampling\x18\x03 \x01(\x0b\x32\x16.pie.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x10\n\x08priority\x18\x05 \x01(\x05\x42\x0e\n\x0cprompt_input\"\xb7\x01\n\x15GenerateStreamRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12,\n\x10prompt_token_ids\x18\x02 \x01(\x0b\x32\x10.pie.v1.TokenIdsH\x00\x12(\n\x08sampling\x18\x03 \x01(\x0b\x32\x16.pie.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x10\n\x08priority\x18\x05 \x01(\x05\x42\x0e\n\x0cprompt_input\"m\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x04 \x01(\r\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"j\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\x12(\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x12.pie.v1.TopLogprob\"\xa2\x01\n\x06\x43hoice\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12+\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x14.pie.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x05 \x01(\t\x12&\n\x08logprobs\x18\x06 \x03(\x0b\x32\x14.pie.v1.TokenLogprob\"\xf0\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12+\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x14.pie.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x05 \x01(\t\x12\x1c\n\x05usage\x18\x06 \x01(\x0b\x32\r.pie.v1.Usage\x12&\n\x08logprobs\x18\x07 \x03(\x0b\x32\x14.pie.v1.TokenLogprob\x12\x1f\n\x07\x63hoices\x18\x08 \x03(\x0b\x32\x0e.pie.v1.Choice\"\xe4\x01\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12&\n\x08logprobs\x18\x04 \x03(\x0b\x32\x14.pie.v1.TokenLogprob\x12+\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x14.pie.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\x12\x1c\n\x05usage\x18\x07 \x01(\x0b\x32\r.pie.v1.Usage\x12\r\n\x05index\x18\x08 \x01(\r\"W\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x15\n\x13_add_special_tokens\"D\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\x12\r\n\x05\x63ount\x18\x03 \x01(\r\"\x15\n\x13GetModelInfoRequest\"\xcf\x02\n\tModelLoad\x12\x17\n\x0fkv_blocks_total\x18\x01 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x02 \x01(\r\x12\x18\n\x10requests_running\x18\x03 \x01(\r\x12\x18\n\x10requests_waiting\x18\x04 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x05 \x01(\r\x12\x13\n\x0bmax_waiting\x18\x06 \x01(\r\x12\x18\n\x10kv_blocks_cached\x18\x07 \x01(\r\x12V\n\x1crequests_waiting_by_priority\x18\x08 \x03(\x0b\x32\x30.pie.v1.ModelLoad.RequestsWaitingByPriorityEntry\x1a@\n\x1eRequestsWaitingByPriorityEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"\xae\x02\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nmodel_type\x18\x03 \x01(\t\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x15\n\reos_token_ids\x18\x06 \x03(\r\x12\x19\n\x0c\x62os_token_id\x18\x07 \x01(\rH\x00\x88\x01\x01\x12\x16\n\x0ekv_cache_dtype\x18\x08 \x01(\t\x12\x12\n\nblock_size\x18\t \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\n \x01(\t\x12\r\n\x05\x64type\x18\x0b \x01(\t\x12\x1f\n\x04load\x18\x14 \x01(\x0b\x32\x11.pie.v1.ModelLoadB\x0f\n\r_bos_token_id*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xad\x02\n\x0fGenerateService\x12=\n\x08Generate\x12\x17.pie.v1.GenerateRequest\x1a\x18.pie.v1.GenerateResponse\x12Q\n\x0eGenerateStream\x12\x1d.pie.v1.GenerateStreamRequest\x1a\x1e.pie.v1.GenerateStreamResponse0\x01\x12=\n\x08Tokenize\x12\x17.pie.v1.TokenizeRequest\x1a\x18.pie.v1.TokenizeResponse\x12I\n\x0cGetModelInfo\x12\x1b.pie.v1.GetModelInfoRequest\x1a\x1c.pie.v1.GetModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15pie/v1/generate.proto\x12\x06pie.v1\"\xc2\x04\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x11\n\x04seed\x18\t \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x10\n\x08logprobs\x18\r \x01(\r\x12 \n\x13skip_special_tokens\x18\x0e \x01(\x08H\x03\x88\x01\x01\x12\t\n\x01n\x18\x0f \x01(\r\x12\x1c\n\x0fprompt_logprobs\x18( \x01(\rH\x04\x88\x01\x01\x12\x39\n\nlogit_bias\x18) \x03(\x0b\x32%.pie.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18* \x01(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x16\n\x14_skip_special_tokensB\x12\n\x10_prompt_logprobs\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xb1\x01\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12,\n\x10prompt_token_ids\x18\x02 \x01(\x0b\x32\x10.pie.v1.TokenIdsH\x00\x12(\n\x08sampling\x18\x03 \x01(\x0b\x32\x16.pie.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x10\n\x08priority\x18\x05 \x01(\x05\x42\x0e\n\x0cprompt_input\"\xb7\x01\n\x15GenerateStreamRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12,\n\x10prompt_token_ids\x18\x02 \x01(\x0b\x32\x10.pie.v1.TokenIdsH\x00\x12(\n\x08sampling\x18\x03 \x01(\x0b\x32\x16.pie.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x10\n\x08priority\x18\x05 \x01(\x05\x42\x0e\n\x0cprompt_input\"m\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x04 \x01(\r\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"j\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\x12(\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x12.pie.v1.TopLogprob\"|\n\rPromptLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x14\n\x07logprob\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05token\x18\x03 \x01(\t\x12(\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x12.pie.v1.TopLogprobB\n\n\x08_logprob\"\xa2\x01\n\x06\x43hoice\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12+\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x14.pie.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x05 \x01(\t\x12&\n\x08logprobs\x18\x06 \x03(\x0b\x32\x14.pie.v1.TokenLogprob\"\xa0\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12+\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x14.pie.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x05 \x01(\t\x12\x1c\n\x05usage\x18\x06 \x01(\x0b\x32\r.pie.v1.Usage\x12&\n\x08logprobs\x18\x07 \x03(\x0b\x32\x14.pie.v1.TokenLogprob\x12\x1f\n\x07\x63hoices\x18\x08 \x03(\x0b\x32\x0e.pie.v1.Choice\x12.\n\x0fprompt_logprobs\x18( \x03(\x0b\x32\x15.pie.v1.PromptLogprob\"\x94\x02\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12&\n\x08logprobs\x18\x04 \x03(\x0b\x32\x14.pie.v1.TokenLogprob\x12+\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x14.pie.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\x12\x1c\n\x05usage\x18\x07 \x01(\x0b\x32\r.pie.v1.Usage\x12\r\n\x05index\x18\x08 \x01(\r\x12.\n\x0fprompt_logprobs\x18( \x03(\x0b\x32\x15.pie.v1.PromptLogprob\"W\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x15\n\x13_add_special_tokens\"D\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\x12\r\n\x05\x63ount\x18\x03 \x01(\r\"\x15\n\x13GetModelInfoRequest\"\xcf\x02\n\tModelLoad\x12\x17\n\x0fkv_blocks_total\x18\x01 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x02 \x01(\r\x12\x18\n\x10requests_running\x18\x03 \x01(\r\x12\x18\n\x10requests_waiting\x18\x04 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x05 \x01(\r\x12\x13\n\x0bmax_waiting\x18\x06 \x01(\r\x12\x18\n\x10kv_blocks_cached\x18\x07 \x01(\r\x12V\n\x1crequests_waiting_by_priority\x18\x08 \x03(\x0b\x32\x30.pie.v1.ModelLoad.RequestsWaitingByPriorityEntry\x1a@\n\x1eRequestsWaitingByPriorityEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"\xc5\x02\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nmodel_type\x18\x03 \x01(\t\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x15\n\reos_token_ids\x18\x06 \x03(\r\x12\x19\n\x0c\x62os_token_id\x18\x07 \x01(\rH\x00\x88\x01\x01\x12\x16\n\x0ekv_cache_dtype\x18\x08 \x01(\t\x12\x12\n\nblock_size\x18\t \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\n \x01(\t\x12\r\n\x05\x64type\x18\x0b \x01(\t\x12\x1f\n\x04load\x18\x14 \x01(\x0b\x32\x11.pie.v1.ModelLoad\x12\x15\n\rlogprobs_mode\x18( \x01(\tB\x0f\n\r_bos_token_id\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\",\n\rAbortResponse\x12\x1b\n\x13\x61\x62orted_request_ids\x18\x01 \x03(\t\"`\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12 \n\x13skip_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_skip_special_tokens\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xa8\x03\n\x0fGenerateService\x12=\n\x08Generate\x12\x17.pie.v1.GenerateRequest\x1a\x18.pie.v1.GenerateResponse\x12Q\n\x0eGenerateStream\x12\x1d.pie.v1.GenerateStreamRequest\x1a\x1e.pie.v1.GenerateStreamResponse0\x01\x12=\n\x08Tokenize\x12\x17.pie.v1.TokenizeRequest\x1a\x18.pie.v1.TokenizeResponse\x12I\n\x0cGetModelInfo\x12\x1b.pie.v1.GetModelInfoRequest\x1a\x1c.pie.v1.GetModelInfoResponse\x12\x34\n\x05\x41\x62ort\x12\x14.pie.v1.AbortRequest\x1a\x15.pie.v1.AbortResponse\x12\x43\n\nDetokenize\x12\x19.pie.v1.DetokenizeRequest\x1a\x1a.pie.v1.DetokenizeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pie.v1.generate_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_MODELLOAD_REQUESTSWAITINGBYPRIORITYENTRY']._loaded_options = None
   _globals['_MODELLOAD_REQUESTSWAITINGBYPRIORITYENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2573
-  _globals['_FINISHREASON']._serialized_end=2693
+  _globals['_FINISHREASON']._serialized_start=3214
+  _globals['_FINISHREASON']._serialized_end=3334
   _globals['_SAMPLINGPARAMS']._serialized_start=34
-  _globals['_SAMPLINGPARAMS']._serialized_end=433
-  _globals['_TOKENIDS']._serialized_start=435
-  _globals['_TOKENIDS']._serialized_end=458
-  _globals['_GENERATEREQUEST']._serialized_start=461
-  _globals['_GENERATEREQUEST']._serialized_end=638
-  _globals['_GENERATESTREAMREQUEST']._serialized_start=641
-  _globals['_GENERATESTREAMREQUEST']._serialized_end=824
-  _globals['_USAGE']._serialized_start=826
-  _globals['_USAGE']._serialized_end=935
-  _globals['_TOPLOGPROB']._serialized_start=937
-  _globals['_TOPLOGPROB']._serialized_end=999
-  _globals['_TOKENLOGPROB']._serialized_start=1001
-  _globals['_TOKENLOGPROB']._serialized_end=1107
-  _globals['_CHOICE']._serialized_start=1110
-  _globals['_CHOICE']._serialized_end=1272
-  _globals['_GENERATERESPONSE']._serialized_start=1275
-  _globals['_GENERATERESPONSE']._serialized_end=1515
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1518
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1746
-  _globals['_TOKENIZEREQUEST']._serialized_start=1748
-  _globals['_TOKENIZEREQUEST']._serialized_end=1835
-  _globals['_TOKENIZERESPONSE']._serialized_start=1837
-  _globals['_TOKENIZERESPONSE']._serialized_end=1905
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1907
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1928
-  _globals['_MODELLOAD']._serialized_start=1931
-  _globals['_MODELLOAD']._serialized_end=2266
-  _globals['_MODELLOAD_REQUESTSWAITINGBYPRIORITYENTRY']._serialized_start=2202
-  _globals['_MODELLOAD_REQUESTSWAITINGBYPRIORITYENTRY']._serialized_end=2266
-  _globals['_GETMODELINFORESPONSE']._serialized_start=2269
-  _globals['_GETMODELINFORESPONSE']._serialized_end=2571
-  _globals['_GENERATESERVICE']._serialized_start=2696
-  _globals['_GENERATESERVICE']._serialized_end=2997
+  _globals['_SAMPLINGPARAMS']._serialized_end=612
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=478
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=526
+  _globals['_TOKENIDS']._serialized_start=614
+  _globals['_TOKENIDS']._serialized_end=637
+  _globals['_GENERATEREQUEST']._serialized_start=640
+  _globals['_GENERATEREQUEST']._serialized_end=817
+  _globals['_GENERATESTREAMREQUEST']._serialized_start=820
+  _globals['_GENERATESTREAMREQUEST']._serialized_end=1003
+  _globals['_USAGE']._serialized_start=1005
+  _globals['_USAGE']._serialized_end=1114
+  _globals['_TOPLOGPROB']._serialized_start=1116
+  _globals['_TOPLOGPROB']._serialized_end=1178
+  _globals['_TOKENLOGPROB']._serialized_start=1180
+  _globals['_TOKENLOGPROB']._serialized_end=1286
+  _globals['_PROMPTLOGPROB']._serialized_start=1288
+  _globals['_PROMPTLOGPROB']._serialized_end=1412
+  _globals['_CHOICE']._serialized_start=1415
+  _globals['_CHOICE']._serialized_end=1577
+  _globals['_GENERATERESPONSE']._serialized_start=1580
+  _globals['_GENERATERESPONSE']._serialized_end=1868
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1871
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=2147
+  _globals['_TOKENIZEREQUEST']._serialized_start=2149
+  _globals['_TOKENIZEREQUEST']._serialized_end=2236
+  _globals['_TOKENIZERESPONSE']._serialized_start=2238
+  _globals['_TOKENIZERESPONSE']._serialized_end=2306
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2308
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2329
+  _globals['_MODELLOAD']._serialized_start=2332
+  _globals['_MODELLOAD']._serialized_end=2667
+  _globals['_MODELLOAD_REQUESTSWAITINGBYPRIORITYENTRY']._serialized_start=2603
+  _globals['_MODELLOAD_REQUESTSWAITINGBYPRIORITYENTRY']._serialized_end=2667
+  _globals['_GETMODELINFORESPONSE']._serialized_start=2670
+  _globals['_GETMODELINFORESPONSE']._serialized_end=2995
+  _globals['_ABORTREQUEST']._serialized_start=2997
+  _globals['_ABORTREQUEST']._serialized_end=3032
+  _globals['_ABORTRESPONSE']._serialized_start=3034
+  _globals['_ABORTRESPONSE']._serialized_end=3078
+  _globals['_DETOKENIZEREQUEST']._serialized_start=3080
+  _globals['_DETOKENIZEREQUEST']._serialized_end=3176
+  _globals['_DETOKENIZERESPONSE']._serialized_start=3178
+  _globals['_DETOKENIZERESPONSE']._serialized_end=3212
+  _globals['_GENERATESERVICE']._serialized_start=3337
+  _globals['_GENERATESERVICE']._serialized_end=3761
 # @@protoc_insertion_point(module_scope)

@@ -26,7 +26,8 @@ if _version_not_supported:
 
 
 class GenerateServiceStub:
-    """Generates text from a prompt, tokenizes text, and describes the served model.
+    """Generates text from a prompt, tokenizes and detokenizes, aborts requests by id, and describes
+    the served model.
     """
 
     def __init__(self, channel):
@@ -55,10 +56,21 @@ class GenerateServiceStub:
                 request_serializer=pie_dot_v1_dot_generate__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=pie_dot_v1_dot_generate__pb2.GetModelInfoResponse.FromString,
                 _registered_method=True)
+        self.Abort = channel.unary_unary(
+                '/pie.v1.GenerateService/Abort',
+                request_serializer=pie_dot_v1_dot_generate__pb2.AbortRequest.SerializeToString,
+                response_deserializer=pie_dot_v1_dot_generate__pb2.AbortResponse.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/pie.v1.GenerateService/Detokenize',
+                request_serializer=pie_dot_v1_dot_generate__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=pie_dot_v1_dot_generate__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class GenerateServiceServicer:
-    """Generates text from a prompt, tokenizes text, and describes the served model.
+    """Generates text from a prompt, tokenizes and detokenizes, aborts requests by id, and describes
+    the served model.
     """
 
     def Generate(self, request, context):
@@ -90,6 +102,25 @@ class GenerateServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Abort(self, request, context):
+        """Aborts in-flight Generate and GenerateStream calls by the request ids their caller gave them,
+        from any call of the same caller: the aborted calls end with CANCELLED (reason
+        REQUEST_ABORTED) and their KV-cache blocks are free within one engine step. A caller is its
+        bearer token when the server requires one (--auth-token-file), else its connection (gRPC's
+        peer address, host and port: send Abort on the channel that carries the requests). Only the
+        caller's own requests are found; idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """Turns token ids into text with the served model's tokenizer (the inverse of Tokenize).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerateServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -113,6 +144,16 @@ def add_GenerateServiceServicer_to_server(servicer, server):
                     request_deserializer=pie_dot_v1_dot_generate__pb2.GetModelInfoRequest.FromString,
                     response_serializer=pie_dot_v1_dot_generate__pb2.GetModelInfoResponse.SerializeToString,
             ),
+            'Abort': grpc.unary_unary_rpc_method_handler(
+                    servicer.Abort,
+                    request_deserializer=pie_dot_v1_dot_generate__pb2.AbortRequest.FromString,
+                    response_serializer=pie_dot_v1_dot_generate__pb2.AbortResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=pie_dot_v1_dot_generate__pb2.DetokenizeRequest.FromString,
+                    response_serializer=pie_dot_v1_dot_generate__pb2.DetokenizeResponse.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'pie.v1.GenerateService', rpc_method_handlers)
@@ -122,7 +163,8 @@ def add_GenerateServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class GenerateService:
-    """Generates text from a prompt, tokenizes text, and describes the served model.
+    """Generates text from a prompt, tokenizes and detokenizes, aborts requests by id, and describes
+    the served model.
     """
 
     @staticmethod
@@ -223,6 +265,60 @@ class GenerateService:
             '/pie.v1.GenerateService/GetModelInfo',
             pie_dot_v1_dot_generate__pb2.GetModelInfoRequest.SerializeToString,
             pie_dot_v1_dot_generate__pb2.GetModelInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Abort(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pie.v1.GenerateService/Abort',
+            pie_dot_v1_dot_generate__pb2.AbortRequest.SerializeToString,
+            pie_dot_v1_dot_generate__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pie.v1.GenerateService/Detokenize',
+            pie_dot_v1_dot_generate__pb2.DetokenizeRequest.SerializeToString,
+            pie_dot_v1_dot_generate__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,
