@@ -3,6 +3,20 @@
 # the import path and the offline switches, and makes $OUT (a fresh folder unless OUT is set).
 OUT=${OUT:-$(mktemp -d /tmp/pie-gpu.XXXX)}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .site .whl/*.whl \
-  && export PYTHONPATH=$PWD/.site:$PWD:$PWD/clients || exit 1
+# Only the wheels this interpreter can take (a .whl filled for the GPU's Python 3.12 may sit in a
+# checkout that runs the suites on another Python, as tests/benchmarks does).
+WHEELS=$(python3 - <<'PY'
+import glob
+from pip._vendor.packaging.tags import sys_tags
+from pip._vendor.packaging.utils import parse_wheel_filename
+ours = set(sys_tags())
+print(" ".join(w for w in sorted(glob.glob(".whl/*.whl"))
+               if set(parse_wheel_filename(w.rsplit("/", 1)[-1])[3]) & ours))
+PY
+) || exit 1
+if [ -n "$WHEELS" ]; then
+  # shellcheck disable=SC2086  # one word per wheel
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .site $WHEELS || exit 1
+fi
+export PYTHONPATH=$PWD/.site:$PWD:$PWD/clients
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1

@@ -97,7 +97,7 @@ def test_a_suite_runs_on_the_working_tree_and_on_a_baseline_commit(tmp_path) -> 
                                   "OFFLINE_ARGS": "--tiny --repeats 1 --requests 4 --max-tokens 4"})
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     tree = f"/tmp/pie-baseline-{head[:12]}"
-    assert re.search(rf"^=== offline \(baseline HEAD\) .*\n    in {tree}, PYTHONPATH={tree}:{tree}/clients", run.stdout,
+    assert re.search(rf"^=== offline \(baseline HEAD\) .*\n    in {tree}, PYTHONPATH=(?:{ROOT}/\.site:)?{tree}:{tree}/clients", run.stdout,
                      re.M), run.stdout
     for out in (tmp_path, tmp_path / "baseline"):
         table = (out / "offline.md").read_text()
