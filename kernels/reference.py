@@ -311,3 +311,30 @@ def paged_attention(
                                       None if k_new is None else k_new[lo:hi],
                                       None if v_new is None else v_new[lo:hi], window)
     return out
+
+
+# ---- structured output: token masks ------------------------------------------------------------
+
+def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Forbids tokens in place: logits[rows[s], v] = -inf where bit v of bitmask[s] is 0; returns
+    logits.
+
+    logits (B, V) float with a unit stride along V; bitmask (S, W) int32 with W = ceil(V / 32):
+    token v is bit v % 32 of word v // 32 (llguidance's layout; the bits past V are ignored);
+    rows (S,) int32/int64: which row of logits each mask constrains (distinct). Rows of logits
+    that no mask names are left as they are.
+    """
+    assert logits.dim() == 2 and bitmask.dim() == 2 and rows.dim() == 1, \
+        f"logits (B, V), bitmask (S, W), rows (S,); got {tuple(logits.shape)}, {tuple(bitmask.shape)}, {tuple(rows.shape)}"
+    vocab = logits.shape[1]
+    num_masks, words = bitmask.shape
+    assert bitmask.dtype == torch.int32, f"bitmask must be int32, got {bitmask.dtype}"
+    assert words == -(-vocab // 32), f"bitmask has {words} words per row; V = {vocab} needs {-(-vocab // 32)}"
+    assert rows.shape[0] == num_masks, f"{rows.shape[0]} rows for {num_masks} masks"
+    if num_masks == 0:
+        return logits
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    allowed = ((bitmask[:, :, None] >> shifts) & 1).bool().reshape(num_masks, words * 32)[:, :vocab]  # (S, V)
+    index = rows.to(device=logits.device, dtype=torch.int64)
+    logits[index] = logits[index].masked_fill(~allowed.to(logits.device), float("-inf"))
+    return logits
