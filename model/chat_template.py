@@ -45,6 +45,8 @@ SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_
 # What a template leaves after the continued message: found and cut (transformers' marker, so
 # that templates which strip or inspect the content see the same text).
 _CONTINUE_MARKER = "CONTINUE_FINAL_MESSAGE_TAG "
+# Variables the renderer sets itself: a caller's extra variables may not replace them.
+RESERVED_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
 
 
 class ChatTemplateError(ValueError):
@@ -235,6 +237,9 @@ class ChatTemplates:
             raise ValueError("a conversation needs at least one message")
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt exclude each other")
+        reserved = sorted(RESERVED_VARIABLES & set(extra or ()))
+        if reserved:
+            raise ValueError(f"extra variables may not replace {', '.join(reserved)}")
         name = self._select(bool(tools))
         chat = [{k: v for k, v in m.items() if v is not None} for m in messages]
         final = None

@@ -166,5 +166,7 @@ def test_conversations_that_cannot_be_rendered(folders):
         templates.render([])
     with pytest.raises(ValueError, match="exclude each other"):
         templates.render(CONVERSATIONS["one turn"], add_generation_prompt=True, continue_final_message=True)
+    with pytest.raises(ValueError, match="may not replace messages"):
+        templates.render(CONVERSATIONS["one turn"], extra={"messages": []})
     with pytest.raises(ValueError, match="text content"):
         templates.render([{"role": "assistant"}], add_generation_prompt=False, continue_final_message=True)
