@@ -9,6 +9,7 @@ from .client import Client
 from .errors import (
     Cancelled,
     DeadlineExceeded,
+    FailedPrecondition,
     InternalError,
     InvalidArgument,
     PieError,
@@ -27,6 +28,7 @@ __all__ = [
     "Completion",
     "DeadlineExceeded",
     "Delta",
+    "FailedPrecondition",
     "InternalError",
     "InvalidArgument",
     "ModelInfo",
