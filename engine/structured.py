@@ -44,6 +44,10 @@ if TYPE_CHECKING:
 # states: kilobytes to megabytes).
 MAX_CACHED_GRAMMARS = 256
 _ANY_OBJECT = '{"type": "object"}'
+# JSON's layout unless the schema's "x-guidance" says otherwise: json.dumps' separators and no other
+# whitespace. Where any whitespace may come between tokens (llguidance's default), models run into
+# long runs of newlines (a story model wrote 50 of them after a key and hit max_tokens every time).
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 class StructuredOutputError(ValueError):
@@ -65,9 +69,9 @@ def grammar_of(params: StructuredOutputParams) -> str:
             raise StructuredOutputError(params.field, f"is not JSON: {e}") from None
         if not isinstance(schema, (dict, bool)):
             raise StructuredOutputError(params.field, f"must be a JSON object (a schema), got {type(schema).__name__}")
-        return llguidance.LLMatcher.grammar_from_json_schema(params.text)
+        return llguidance.LLMatcher.grammar_from_json_schema(params.text, defaults=JSON_LAYOUT)
     if params.kind == "json_object":
-        return llguidance.LLMatcher.grammar_from_json_schema(_ANY_OBJECT)
+        return llguidance.LLMatcher.grammar_from_json_schema(_ANY_OBJECT, defaults=JSON_LAYOUT)
     if params.kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(params.text)
     if params.kind == "grammar":

@@ -34,8 +34,8 @@ PERSON = {
     "required": ["name", "age", "ok"],
     "additionalProperties": False,
 }
-# Compact JSON (no whitespace between tokens): shorter outputs for the tests that run many steps.
-COMPACT_PERSON = {**PERSON, "x-guidance": {"whitespace_flexible": False}}
+# llguidance's own layout: any whitespace between tokens.
+FLEXIBLE_PERSON = {**PERSON, "x-guidance": {"whitespace_flexible": True}}
 DATE = r"(19|20)\d\d-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])"
 COLORS = ("red", "green", "blue", "dark violet", "日本")
 LARK = r"""
@@ -107,7 +107,24 @@ def test_seeded_samples_at_temperature_one_validate_against_their_schema(model_d
     assert len(res) == 24
     for key, r in res.items():
         assert r["status"] == RequestStatus.FINISHED_STOPPED, (key, r["text"])
-        jsonschema.validate(json.loads(r["text"]), PERSON)
+        value = json.loads(r["text"])
+        jsonschema.validate(value, PERSON)
+        if "\\" not in r["text"]:  # (escapes in strings may be written either way)
+            assert r["text"] == json.dumps(value, ensure_ascii=False), "not json.dumps' layout"
+
+
+def test_the_schema_sets_its_own_layout(model_dir, rng):
+    """"x-guidance": {"whitespace_flexible": true}: any whitespace between tokens (a random model
+    at temperature 1 then writes plenty of it), and the output still validates."""
+    engine = _engine(model_dir)
+    res = _run(engine, [("f", _prompt(rng), SamplingParams(max_tokens=480, temperature=1.0, n=8,
+                                                           seed=rng.randrange(2**31),
+                                                           structured=json_schema(FLEXIBLE_PERSON)))])
+    texts = [r["text"] for r in res.values() if r["status"] == RequestStatus.FINISHED_STOPPED]
+    assert len(texts) >= 6
+    for text in texts:
+        jsonschema.validate(json.loads(text), PERSON)
+    assert any(text != json.dumps(json.loads(text), ensure_ascii=False) for text in texts)
 
 
 def test_regex_choice_and_grammar(model_dir, rng):
@@ -203,7 +220,7 @@ def test_with_stop_strings_logprobs_and_penalties(model_dir, rng):
     engine = _engine(model_dir)
     sp_logprobs = SamplingParams(max_tokens=300, temperature=1.0, n=3, seed=rng.randrange(2**31), logprobs=5,
                                  repetition_penalty=1.5, presence_penalty=1.0, frequency_penalty=0.5,
-                                 structured=json_schema(COMPACT_PERSON))
+                                 structured=json_schema(PERSON))
     sp_stop = SamplingParams(max_tokens=50, temperature=1.0, seed=rng.randrange(2**31), stop=["-"],
                              structured=regex(DATE))
     sp_greedy = SamplingParams(max_tokens=100, temperature=0.0, structured=choice(*COLORS))
@@ -214,8 +231,7 @@ def test_with_stop_strings_logprobs_and_penalties(model_dir, rng):
         r = res[("lp", index)]
         assert r["status"] == RequestStatus.FINISHED_STOPPED
         jsonschema.validate(json.loads(r["text"]), PERSON)
-        assert r["text"].startswith('{"'), r["text"]  # compact JSON: no whitespace after the brace
-        matcher = compiler.compile(json_schema(COMPACT_PERSON)).deep_copy()
+        matcher = compiler.compile(json_schema(PERSON)).deep_copy()
         assert len(r["logprobs"]) == len(r["ids"])
         for token, entry in zip(r["ids"], r["logprobs"]):
             assert entry.token_id == token and entry.logprob <= 0.0
@@ -233,7 +249,7 @@ def test_preempted_samples_keep_their_matchers(model_dir, rng, async_scheduling)
     """A pool too small for everyone: constrained samples are preempted and recomputed, and their
     outputs still validate (the matcher holds what was appended, nothing is consumed twice)."""
     engine = _engine(model_dir, async_scheduling, num_kv_blocks=40, block_size=4)
-    sp = SamplingParams(max_tokens=120, temperature=1.0, seed=rng.randrange(2**31), structured=json_schema(COMPACT_PERSON))
+    sp = SamplingParams(max_tokens=120, temperature=1.0, seed=rng.randrange(2**31), structured=json_schema(PERSON))
     res = _run(engine, [(f"p{i}", _prompt(rng), sp) for i in range(8)])
     assert engine.stats().num_preemptions > 0
     for r in res.values():
