@@ -21,6 +21,9 @@
 #             pool); LONG_ARGS adds flags (e.g. "--repeats 2")
 #   fidelity  benchmarks/kv_fidelity.py --device cuda (greedy agreement, teacher-forced, KL)
 #   seeds     benchmarks/seed_consistency.py (cold / cached / chunked / batch sizes on the GPU)
+#   structured tests/kernels/test_triton_bitmask.py and tests/engine/test_structured.py on the GPU,
+#             then benchmarks/structured.py (compile and mask-fill time, decode steps with token
+#             masks against free ones: 64 and 256 rows, Qwen3-4B shape, 152k vocabulary)
 # Add a suite as one more function and case arm below (engine, serving, tp, ...): one script,
 # not one per issue. Each suite runs under `timeout`: TIMEOUT_<suite> seconds, else SUITE_TIMEOUT,
 # else 300.
@@ -71,6 +74,12 @@ suite_long() {
 suite_fidelity() {
   timeout "$(t fidelity)" python3 benchmarks/kv_fidelity.py --device cuda --seeds 1 --exact-prefill 2>&1 | quiet | grep "^|" | tee "$OUT/fidelity.md"
 }
+suite_structured() {
+  timeout "$(t structured)" python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_bitmask.py \
+    tests/engine/test_structured.py 2>&1 | tail -8 | tee "$OUT/structured.log"
+  timeout "$(t structured)" python3 benchmarks/structured.py --out "$OUT/structured.json" 2>&1 | quiet \
+    | tee "$OUT/structured.md"
+}
 suite_seeds() {
   timeout "$(t seeds)" python3 benchmarks/seed_consistency.py 2>&1 | quiet | grep "^|" | tee "$OUT/seeds.md"
 }
@@ -82,7 +91,7 @@ git log -1 --format='commit %h %s' 2>/dev/null | cut -c1-100
 for suite in "$@"; do
   echo "=== $suite ($(date -u +%H:%M:%S))"
   case $suite in
-    tests|kernels|variants|ncu|extend|engine|offline|long|fidelity|seeds) "suite_$suite" ;;
+    tests|kernels|variants|ncu|extend|engine|offline|long|fidelity|seeds|structured) "suite_$suite" ;;
     *) echo "unknown suite: $suite"; exit 2 ;;
   esac
 done

@@ -363,3 +363,20 @@ def test_compiler_over_a_larger_vocabulary_than_the_tokenizer(model_dir):
     assert masks is not None and masks.bitmask.shape == (1, -(-600 // 32))
     words = masks.bitmask[0].tolist()
     assert not any((words[v // 32] >> (v % 32)) & 1 for v in range(512, 600))
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_with_cuda_graphs_and_async_scheduling(model_dir, rng):
+    """As served on CUDA: decode steps replay CUDA graphs, the masks go onto the graph's logits
+    (the Triton kernel), and async scheduling fills them while the forward pass runs."""
+    engine = _engine(model_dir, None, device="cuda", dtype="fp32")
+    assert engine.runner.graphs and engine._async
+    sp = SamplingParams(max_tokens=480, temperature=1.0, n=8, seed=rng.randrange(2**31), structured=json_schema(PERSON))
+    res = _run(engine, [(f"g{i}", _prompt(rng), sp) for i in range(4)] +
+               [("free", _prompt(rng), SamplingParams(max_tokens=64, temperature=1.0, ignore_eos=True))])
+    for key, r in res.items():
+        if key[0] == "free":
+            assert r["status"] == RequestStatus.FINISHED_LENGTH
+            continue
+        assert r["status"] == RequestStatus.FINISHED_STOPPED, (key, r["text"])
+        jsonschema.validate(json.loads(r["text"]), PERSON)
