@@ -27,9 +27,10 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import llguidance
 import torch
@@ -38,7 +39,7 @@ from engine.config import usable_cores
 from engine.sampling_params import StructuredOutputParams
 
 if TYPE_CHECKING:
-    from engine.request import Request
+    from llguidance._lib import JsonCompileOptions
 
 # Compiled constraints kept, least recently used dropped first (a matcher holds its lexer's
 # states: kilobytes to megabytes).
@@ -47,7 +48,7 @@ _ANY_OBJECT = '{"type": "object"}'
 # JSON's layout unless the schema's "x-guidance" says otherwise: json.dumps' separators and no other
 # whitespace. Where any whitespace may come between tokens (llguidance's default), models run into
 # long runs of newlines (a story model wrote 50 of them after a key and hit max_tokens every time).
-JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_LAYOUT: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 class StructuredOutputError(ValueError):
@@ -192,6 +193,12 @@ class GrammarState:
         return self.matcher is not None and self.matcher.is_stopped()
 
 
+class Constrained(Protocol):
+    """What mask filling reads of a request (engine.request.Request has it)."""
+
+    grammar: GrammarState | None
+
+
 @dataclass(slots=True)
 class TokenMasks:
     """One step's token masks, on the host (pinned with CUDA): row s of `bitmask` constrains
@@ -222,7 +229,7 @@ class StructuredOutputs:
         """A new sample's constraint (its compilation starts now unless cached)."""
         return GrammarState(self.compiler.submit(params))
 
-    def fill(self, requests: list[Request]) -> TokenMasks | None:
+    def fill(self, requests: Sequence[Constrained]) -> TokenMasks | None:
         """The masks of one step's sampling rows (`requests`, in row order); None when no row is
         constrained. A row whose constraint failed gets no mask: its request fails when its token
         is read back."""
