@@ -119,20 +119,21 @@ class GrammarCompiler:
         return future
 
     def _compile_into(self, params: StructuredOutputParams, future: Future) -> None:
+        """Settles `future` with the compiled matcher or the reason it cannot be: always, since
+        every request of that constraint waits on it."""
         try:
             grammar = grammar_of(params)
+            # Never raises for a bad grammar: the matcher is then in an error state, saying why.
+            matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         except StructuredOutputError as e:
             future.set_exception(e)
-            return
-        except Exception as e:  # the grammar builders' ValueError for malformed input
-            future.set_exception(StructuredOutputError(params.field, str(e)))
-            return
-        # Never raises for a bad grammar: the matcher is then in an error state, saying why.
-        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
-        if matcher.is_error():
-            future.set_exception(StructuredOutputError(params.field, matcher.get_error().strip()))
+        except Exception as e:  # the grammar builders' ValueError for malformed input, or worse
+            future.set_exception(StructuredOutputError(params.field, f"{type(e).__name__}: {e}"))
         else:
-            future.set_result(matcher)
+            if matcher.is_error():
+                future.set_exception(StructuredOutputError(params.field, matcher.get_error().strip()))
+            else:
+                future.set_result(matcher)
 
     def cached(self, params: StructuredOutputParams) -> Future[llguidance.LLMatcher] | None:
         """The finished compilation of `params` if there is one (no compiling here)."""
