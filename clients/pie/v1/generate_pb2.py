@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15pie/v1/generate.proto\x12\x06pie.v1\"\xbd\x03\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x11\n\x04seed\x18\t \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x10\n\x08logprobs\x18\r \x01(\r\x12 \n\x13skip_special_tokens\x18\x0e \x01(\x08H\x03\x88\x01\x01\x12\t\n\x01n\x18\x0f \x01(\r\x12,\n\nstructured\x18\x1e \x01(\x0b\x32\x18.pie.v1.StructuredOutputB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x16\n\x14_skip_special_tokens\"\x92\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12$\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\x12.pie.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x05 \x01(\x08H\x00\x42\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xb7\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x14\n\x07\x63ontent\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x11\n\x04name\x18\x03 \x01(\tH\x01\x88\x01\x01\x12\x19\n\x0ctool_call_id\x18\x04 \x01(\tH\x02\x88\x01\x01\x12\x1c\n\x0ftool_calls_json\x18\x05 \x01(\tH\x03\x88\x01\x01\x42\n\n\x08_contentB\x07\n\x05_nameB\x0f\n\r_tool_call_idB\x12\n\x10_tool_calls_json\"\xc2\x01\n\tChatInput\x12%\n\x08messages\x18\x01 \x03(\x0b\x32\x13.pie.v1.ChatMessage\x12\x12\n\ntools_json\x18\x02 \x01(\t\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x03 \x01(\x08H\x00\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18\x04 \x01(\x08\x12\x1c\n\x14template_kwargs_json\x18\x05 \x01(\tB\x18\n\x16_add_generation_prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xc2\x01\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12,\n\x10prompt_token_ids\x18\x02 \x01(\x0b\x32\x10.pie.v1.TokenIdsH\x00\x12!\n\x04\x63hat\x18\x1e \x01(\x0b\x32\x11.pie.v1.ChatInputH\x00\x12(\n\x08sampling\x18\x03 \x01(\x0b\x32\x16.pie.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x04 \x01(\tB\x0e\n\x0cprompt_input\"\xc8\x01\n\x15GenerateStreamRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12,\n\x10prompt_token_ids\x18\x02 \x01(\x0b\x32\x10.pie.v1.TokenIdsH\x00\x12!\n\x04\x63hat\x18\x1e \x01(\x0b\x32\x11.pie.v1.ChatInputH\x00\x12(\n\x08sampling\x18\x03 \x01(\x0b\x32\x16.pie.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x04 \x01(\tB\x0e\n\x0cprompt_input\"m\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x04 \x01(\r\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"j\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\x12(\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x12.pie.v1.TopLogprob\"\xa2\x01\n\x06\x43hoice\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12+\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x14.pie.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x05 \x01(\t\x12&\n\x08logprobs\x18\x06 \x03(\x0b\x32\x14.pie.v1.TokenLogprob\"\xf0\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12+\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x14.pie.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x05 \x01(\t\x12\x1c\n\x05usage\x18\x06 \x01(\x0b\x32\r.pie.v1.Usage\x12&\n\x08logprobs\x18\x07 \x03(\x0b\x32\x14.pie.v1.TokenLogprob\x12\x1f\n\x07\x63hoices\x18\x08 \x03(\x0b\x32\x0e.pie.v1.Choice\"\xe4\x01\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12&\n\x08logprobs\x18\x04 \x03(\x0b\x32\x14.pie.v1.TokenLogprob\x12+\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x14.pie.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\x12\x1c\n\x05usage\x18\x07 \x01(\x0b\x32\r.pie.v1.Usage\x12\r\n\x05index\x18\x08 \x01(\r\"x\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x1f\n\x04\x63hat\x18\x1e \x01(\x0b\x32\x11.pie.v1.ChatInputB\x15\n\x13_add_special_tokens\"[\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\x12\r\n\x05\x63ount\x18\x03 \x01(\r\x12\x15\n\rrendered_text\x18\x1e \x01(\t\"\x15\n\x13GetModelInfoRequest\"\xb5\x01\n\tModelLoad\x12\x17\n\x0fkv_blocks_total\x18\x01 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x02 \x01(\r\x12\x18\n\x10requests_running\x18\x03 \x01(\r\x12\x18\n\x10requests_waiting\x18\x04 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x05 \x01(\r\x12\x13\n\x0bmax_waiting\x18\x06 \x01(\r\x12\x18\n\x10kv_blocks_cached\x18\x07 \x01(\r\"\xae\x02\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nmodel_type\x18\x03 \x01(\t\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x15\n\reos_token_ids\x18\x06 \x03(\r\x12\x19\n\x0c\x62os_token_id\x18\x07 \x01(\rH\x00\x88\x01\x01\x12\x16\n\x0ekv_cache_dtype\x18\x08 \x01(\t\x12\x12\n\nblock_size\x18\t \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\n \x01(\t\x12\r\n\x05\x64type\x18\x0b \x01(\t\x12\x1f\n\x04load\x18\x14 \x01(\x0b\x32\x11.pie.v1.ModelLoadB\x0f\n\r_bos_token_id*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xad\x02\n\x0fGenerateService\x12=\n\x08Generate\x12\x17.pie.v1.GenerateRequest\x1a\x18.pie.v1.GenerateResponse\x12Q\n\x0eGenerateStream\x12\x1d.pie.v1.GenerateStreamRequest\x1a\x1e.pie.v1.GenerateStreamResponse0\x01\x12=\n\x08Tokenize\x12\x17.pie.v1.TokenizeRequest\x1a\x18.pie.v1.TokenizeResponse\x12I\n\x0cGetModelInfo\x12\x1b.pie.v1.GetModelInfoRequest\x1a\x1c.pie.v1.GetModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15pie/v1/generate.proto\x12\x06pie.v1\"\xbd\x03\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x11\n\x04seed\x18\t \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x10\n\x08logprobs\x18\r \x01(\r\x12 \n\x13skip_special_tokens\x18\x0e \x01(\x08H\x03\x88\x01\x01\x12\t\n\x01n\x18\x0f \x01(\r\x12,\n\nstructured\x18\x1e \x01(\x0b\x32\x18.pie.v1.StructuredOutputB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x16\n\x14_skip_special_tokens\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xc2\x01\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12,\n\x10prompt_token_ids\x18\x02 \x01(\x0b\x32\x10.pie.v1.TokenIdsH\x00\x12!\n\x04\x63hat\x18\x1e \x01(\x0b\x32\x11.pie.v1.ChatInputH\x00\x12(\n\x08sampling\x18\x03 \x01(\x0b\x32\x16.pie.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x04 \x01(\tB\x0e\n\x0cprompt_input\"\xc8\x01\n\x15GenerateStreamRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12,\n\x10prompt_token_ids\x18\x02 \x01(\x0b\x32\x10.pie.v1.TokenIdsH\x00\x12!\n\x04\x63hat\x18\x1e \x01(\x0b\x32\x11.pie.v1.ChatInputH\x00\x12(\n\x08sampling\x18\x03 \x01(\x0b\x32\x16.pie.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x04 \x01(\tB\x0e\n\x0cprompt_input\"m\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x04 \x01(\r\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"j\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\x12(\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x12.pie.v1.TopLogprob\"\xa2\x01\n\x06\x43hoice\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12+\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x14.pie.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x05 \x01(\t\x12&\n\x08logprobs\x18\x06 \x03(\x0b\x32\x14.pie.v1.TokenLogprob\"\xf0\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12+\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x14.pie.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x05 \x01(\t\x12\x1c\n\x05usage\x18\x06 \x01(\x0b\x32\r.pie.v1.Usage\x12&\n\x08logprobs\x18\x07 \x03(\x0b\x32\x14.pie.v1.TokenLogprob\x12\x1f\n\x07\x63hoices\x18\x08 \x03(\x0b\x32\x0e.pie.v1.Choice\"\xe4\x01\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12&\n\x08logprobs\x18\x04 \x03(\x0b\x32\x14.pie.v1.TokenLogprob\x12+\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x14.pie.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\x12\x1c\n\x05usage\x18\x07 \x01(\x0b\x32\r.pie.v1.Usage\x12\r\n\x05index\x18\x08 \x01(\r\"x\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x1f\n\x04\x63hat\x18\x1e \x01(\x0b\x32\x11.pie.v1.ChatInputB\x15\n\x13_add_special_tokens\"[\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\x12\r\n\x05\x63ount\x18\x03 \x01(\r\x12\x15\n\rrendered_text\x18\x1e \x01(\t\"\x15\n\x13GetModelInfoRequest\"\xb5\x01\n\tModelLoad\x12\x17\n\x0fkv_blocks_total\x18\x01 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x02 \x01(\r\x12\x18\n\x10requests_running\x18\x03 \x01(\r\x12\x18\n\x10requests_waiting\x18\x04 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x05 \x01(\r\x12\x13\n\x0bmax_waiting\x18\x06 \x01(\r\x12\x18\n\x10kv_blocks_cached\x18\x07 \x01(\r\"\xae\x02\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nmodel_type\x18\x03 \x01(\t\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x15\n\reos_token_ids\x18\x06 \x03(\r\x12\x19\n\x0c\x62os_token_id\x18\x07 \x01(\rH\x00\x88\x01\x01\x12\x16\n\x0ekv_cache_dtype\x18\x08 \x01(\t\x12\x12\n\nblock_size\x18\t \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\n \x01(\t\x12\r\n\x05\x64type\x18\x0b \x01(\t\x12\x1f\n\x04load\x18\x14 \x01(\x0b\x32\x11.pie.v1.ModelLoadB\x0f\n\r_bos_token_id\"\x92\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12$\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\x12.pie.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x05 \x01(\x08H\x00\x42\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xb7\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x14\n\x07\x63ontent\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x11\n\x04name\x18\x03 \x01(\tH\x01\x88\x01\x01\x12\x19\n\x0ctool_call_id\x18\x04 \x01(\tH\x02\x88\x01\x01\x12\x1c\n\x0ftool_calls_json\x18\x05 \x01(\tH\x03\x88\x01\x01\x42\n\n\x08_contentB\x07\n\x05_nameB\x0f\n\r_tool_call_idB\x12\n\x10_tool_calls_json\"\xc2\x01\n\tChatInput\x12%\n\x08messages\x18\x01 \x03(\x0b\x32\x13.pie.v1.ChatMessage\x12\x12\n\ntools_json\x18\x02 \x01(\t\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x03 \x01(\x08H\x00\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18\x04 \x01(\x08\x12\x1c\n\x14template_kwargs_json\x18\x05 \x01(\tB\x18\n\x16_add_generation_prompt*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xad\x02\n\x0fGenerateService\x12=\n\x08Generate\x12\x17.pie.v1.GenerateRequest\x1a\x18.pie.v1.GenerateResponse\x12Q\n\x0eGenerateStream\x12\x1d.pie.v1.GenerateStreamRequest\x1a\x1e.pie.v1.GenerateStreamResponse0\x01\x12=\n\x08Tokenize\x12\x17.pie.v1.TokenizeRequest\x1a\x18.pie.v1.TokenizeResponse\x12I\n\x0cGetModelInfo\x12\x1b.pie.v1.GetModelInfoRequest\x1a\x1c.pie.v1.GetModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,42 +35,42 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_FINISHREASON']._serialized_end=3238
   _globals['_SAMPLINGPARAMS']._serialized_start=34
   _globals['_SAMPLINGPARAMS']._serialized_end=479
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=482
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=628
-  _globals['_CHOICELIST']._serialized_start=630
-  _globals['_CHOICELIST']._serialized_end=659
-  _globals['_CHATMESSAGE']._serialized_start=662
-  _globals['_CHATMESSAGE']._serialized_end=845
-  _globals['_CHATINPUT']._serialized_start=848
-  _globals['_CHATINPUT']._serialized_end=1042
-  _globals['_TOKENIDS']._serialized_start=1044
-  _globals['_TOKENIDS']._serialized_end=1067
-  _globals['_GENERATEREQUEST']._serialized_start=1070
-  _globals['_GENERATEREQUEST']._serialized_end=1264
-  _globals['_GENERATESTREAMREQUEST']._serialized_start=1267
-  _globals['_GENERATESTREAMREQUEST']._serialized_end=1467
-  _globals['_USAGE']._serialized_start=1469
-  _globals['_USAGE']._serialized_end=1578
-  _globals['_TOPLOGPROB']._serialized_start=1580
-  _globals['_TOPLOGPROB']._serialized_end=1642
-  _globals['_TOKENLOGPROB']._serialized_start=1644
-  _globals['_TOKENLOGPROB']._serialized_end=1750
-  _globals['_CHOICE']._serialized_start=1753
-  _globals['_CHOICE']._serialized_end=1915
-  _globals['_GENERATERESPONSE']._serialized_start=1918
-  _globals['_GENERATERESPONSE']._serialized_end=2158
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=2161
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=2389
-  _globals['_TOKENIZEREQUEST']._serialized_start=2391
-  _globals['_TOKENIZEREQUEST']._serialized_end=2511
-  _globals['_TOKENIZERESPONSE']._serialized_start=2513
-  _globals['_TOKENIZERESPONSE']._serialized_end=2604
-  _globals['_GETMODELINFOREQUEST']._serialized_start=2606
-  _globals['_GETMODELINFOREQUEST']._serialized_end=2627
-  _globals['_MODELLOAD']._serialized_start=2630
-  _globals['_MODELLOAD']._serialized_end=2811
-  _globals['_GETMODELINFORESPONSE']._serialized_start=2814
-  _globals['_GETMODELINFORESPONSE']._serialized_end=3116
+  _globals['_TOKENIDS']._serialized_start=481
+  _globals['_TOKENIDS']._serialized_end=504
+  _globals['_GENERATEREQUEST']._serialized_start=507
+  _globals['_GENERATEREQUEST']._serialized_end=701
+  _globals['_GENERATESTREAMREQUEST']._serialized_start=704
+  _globals['_GENERATESTREAMREQUEST']._serialized_end=904
+  _globals['_USAGE']._serialized_start=906
+  _globals['_USAGE']._serialized_end=1015
+  _globals['_TOPLOGPROB']._serialized_start=1017
+  _globals['_TOPLOGPROB']._serialized_end=1079
+  _globals['_TOKENLOGPROB']._serialized_start=1081
+  _globals['_TOKENLOGPROB']._serialized_end=1187
+  _globals['_CHOICE']._serialized_start=1190
+  _globals['_CHOICE']._serialized_end=1352
+  _globals['_GENERATERESPONSE']._serialized_start=1355
+  _globals['_GENERATERESPONSE']._serialized_end=1595
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1598
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1826
+  _globals['_TOKENIZEREQUEST']._serialized_start=1828
+  _globals['_TOKENIZEREQUEST']._serialized_end=1948
+  _globals['_TOKENIZERESPONSE']._serialized_start=1950
+  _globals['_TOKENIZERESPONSE']._serialized_end=2041
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2043
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2064
+  _globals['_MODELLOAD']._serialized_start=2067
+  _globals['_MODELLOAD']._serialized_end=2248
+  _globals['_GETMODELINFORESPONSE']._serialized_start=2251
+  _globals['_GETMODELINFORESPONSE']._serialized_end=2553
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=2556
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=2702
+  _globals['_CHOICELIST']._serialized_start=2704
+  _globals['_CHOICELIST']._serialized_end=2733
+  _globals['_CHATMESSAGE']._serialized_start=2736
+  _globals['_CHATMESSAGE']._serialized_end=2919
+  _globals['_CHATINPUT']._serialized_start=2922
+  _globals['_CHATINPUT']._serialized_end=3116
   _globals['_GENERATESERVICE']._serialized_start=3241
   _globals['_GENERATESERVICE']._serialized_end=3542
 # @@protoc_insertion_point(module_scope)
