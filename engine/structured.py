@@ -74,7 +74,9 @@ def grammar_of(params: StructuredOutputParams) -> str:
     if params.kind == "json_object":
         return llguidance.LLMatcher.grammar_from_json_schema(_ANY_OBJECT, defaults=JSON_LAYOUT)
     if params.kind == "regex":
-        return llguidance.LLMatcher.grammar_from_regex(params.text)
+        # Rust's regex syntax, with \d as [0-9]: Rust's (and Python's) \d takes every Unicode
+        # digit, and a random model at temperature 1 did write a date in Javanese digits.
+        return llguidance.LLMatcher.grammar_from_lark(f"start: /{llguidance.regex_to_lark(params.text, 'd')}/")
     if params.kind == "grammar":
         return llguidance.LLMatcher.grammar_from_lark(params.text)
     if params.kind == "choice":

@@ -149,6 +149,25 @@ def test_regex_choice_and_grammar(model_dir, rng):
     assert len(seen_choices) > 1, "at temperature 1 the choices should vary"
 
 
+def test_a_regex_digit_is_an_ascii_digit(model_dir):
+    """\\d is [0-9] (Rust's \\d would take every Unicode digit: a random model wrote a date in
+    Javanese digits): every token the mask allows at the start of `\\d+` is ASCII digits only."""
+    engine = _engine(model_dir)
+    compiler = engine.structured.compiler
+    state = GrammarState(Future())
+    state.matcher = compiler.compile(regex(r"\d+")).deep_copy()
+
+    class Row:
+        grammar = state
+
+    masks = engine.structured.fill([Row()])  # type: ignore[list-item]
+    assert masks is not None
+    words = masks.bitmask[0].tolist()
+    allowed = [v for v in range(engine.vocab_size) if (words[v // 32] >> (v % 32)) & 1]
+    pieces = [compiler.tokenizer.decode_bytes([v]) for v in allowed]
+    assert len(pieces) >= 10 and all(p.isdigit() and p.isascii() for p in pieces), pieces
+
+
 def test_json_object(model_dir, rng):
     """Any JSON object: its strings are unbounded, so a random model may run into max_tokens (then
     LENGTH, cut at exactly max_tokens); whatever ends on its own parses as an object."""
