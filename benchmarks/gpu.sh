@@ -39,6 +39,9 @@
 #               pool); LONG_ARGS adds flags (e.g. "--repeats 2")
 #   fidelity    benchmarks/kv_fidelity.py --device cuda (greedy agreement, teacher-forced, KL)
 #   seeds       benchmarks/seed_consistency.py (cold / cached / chunked / batch sizes on the GPU)
+#   structured  tests/kernels/test_triton_bitmask.py and tests/engine/test_structured.py on the GPU,
+#               then benchmarks/structured.py (compile and mask-fill time, decode steps with token
+#               masks against free ones: 64 and 256 rows, Qwen3-4B shape, 152k vocabulary)
 #   tp          tensor parallelism: its GPU tests (the NCCL ones need 2 GPUs), the collectives of one
 #               decode step (tp_collectives.py over every visible GPU), throughput at N=1 and, with 2+
 #               GPUs, N=2 (Llama-1B and 4B shapes, int8 pages), and tp_vocab.py
@@ -155,6 +158,12 @@ suite_fidelity() {
   timeout "$(t fidelity)" python3 benchmarks/kv_fidelity.py --device cuda --seeds 1 --exact-prefill 2>&1 | quiet | grep "^|" \
     | tee -a "$D/fidelity.md"
 }
+suite_structured() {
+  timeout "$(t structured)" python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_bitmask.py \
+    tests/engine/test_structured.py 2>&1 | tail -8 | tee -a "$D/structured.log"
+  timeout "$(t structured)" python3 benchmarks/structured.py --out "$D/structured.json" 2>&1 | quiet \
+    | tee -a "$D/structured.md"
+}
 suite_seeds() {
   timeout "$(t seeds)" python3 benchmarks/seed_consistency.py 2>&1 | quiet | grep "^|" | tee -a "$D/seeds.md"
 }
@@ -177,7 +186,7 @@ suite_tp() {
   done
   timeout "$(t tp)" python3 benchmarks/tp_vocab.py 2>&1 | quiet | tee -a "$D/tp.md"
 }
-SUITES=" tests alltests kernels variants ncu extend engine profile host offline hf capacity serving scheduling mixed long fidelity seeds tp "
+SUITES=" tests alltests kernels variants ncu extend engine profile host offline hf capacity serving scheduling mixed long fidelity seeds structured tp "
 
 g() { git -c safe.directory="$ROOT" -C "$ROOT" "$@"; }  # files copied to a machine may belong to another user
 baseline_tree() {  # check BASELINE out outside the repo (or take a carried .baseline); prints its folder

@@ -36,7 +36,8 @@ from engine.config import EngineConfig
 from engine.errors import EngineDeadError, QueueFullError, RequestAbortedError
 from engine.messages import AbortRequest, AddRequest, Command, EngineStats, RequestOutput, StepResult
 from engine.request import RequestStatus
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputParams
+from engine.structured import GrammarCompiler, StructuredOutputError
 from engine.validation import check_request
 
 if TYPE_CHECKING:
@@ -129,6 +130,8 @@ class EngineClient(Protocol):
     def num_queued(self) -> int: ...
     def stats(self) -> EngineStats: ...
     def check_request(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None: ...
+    def structured_known(self, params: StructuredOutputParams) -> bool: ...
+    def check_structured(self, params: StructuredOutputParams) -> None: ...
     def submit(self, prompt_token_ids: list[int], sampling: SamplingParams, *, caller_id: str,
                priority: int = 0) -> RequestStream: ...
     def abort(self, stream: RequestStream) -> None: ...
@@ -144,6 +147,9 @@ class EngineClientBase:
     def __init__(self, *, on_dead: Callable[[BaseException], None] | None = None) -> None:
         self._info: EngineInfo | None = None  # set by launch()
         self._tokenizer: Tokenizer | None = None  # the parent's own copy: tokenizing needs no round trip
+        # Structured outputs are compiled here too, to refuse one that does not compile before it is
+        # queued (the engine's own compiler, where the engine runs in this process).
+        self._grammars: GrammarCompiler | None = None
         self.dead: BaseException | None = None
         self._steps = 0  # as of the engine loop's latest message
         self._on_dead = on_dead or (lambda error: None)
@@ -209,6 +215,23 @@ class EngineClientBase:
         info = self.info
         check_request(prompt_token_ids, sampling, config=info.config, vocab_size=info.vocab_size,
                       max_model_len=info.max_model_len, num_kv_blocks=info.num_kv_blocks)
+
+    def structured_known(self, params: StructuredOutputParams) -> bool:
+        """`params` has been compiled here already: check_structured answers at once."""
+        return self._grammar_compiler().cached(params) is not None
+
+    def check_structured(self, params: StructuredOutputParams) -> None:
+        """Raises SamplingParamsError (`structured.json_schema`, ..., with the compiler's message)
+        when `params` does not compile. Compiles unless cached: blocking, so off the event loop."""
+        try:
+            self._grammar_compiler().check(params)
+        except StructuredOutputError as e:
+            raise SamplingParamsError(e.field, e.message) from None
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        if self._grammars is None:
+            raise RuntimeError("the engine is not loaded")
+        return self._grammars
 
     async def wait_idle(self) -> None:
         """Returns once no request is in flight (used to drain before shutting down)."""

@@ -23,9 +23,9 @@ flight, the child reports at least every heartbeat (engine/loop.py); silence lon
 timeout declares the engine dead (requests fail UNAVAILABLE, readiness off, the server exits 3)
 and kills the child. An engine with nothing to do sends nothing and is not stalled.
 
-The parent keeps what the service reads without a round trip: its own tokenizer, the engine's
-facts (EngineInfo, sent once when the child is ready), and the stats the child sends with every
-step. Requests are validated in the parent, the one place they are checked (engine/client.py).
+The parent keeps what the service reads without a round trip: its own tokenizer (and structured
+output's compiler over it, which checks constraints before they are sent), the engine's facts
+(EngineInfo, sent once when the child is ready), and the stats the child sends with every step. Requests are validated in the parent, the one place they are checked (engine/client.py).
 
 The child never outlives the parent (see core_process.py). Its parent-death signal is tied to the
 thread that started it, so the link thread, which lives exactly as long as the child serves,
@@ -55,6 +55,7 @@ from engine.core_process import BOOT
 from engine.errors import StartupError, StepTimeoutError
 from engine.loop import Watchdog, heartbeat_interval
 from engine.messages import Command, StepResult, StopCore, decode_result, encode
+from engine.structured import GrammarCompiler
 from model import Tokenizer
 
 log = structlog.get_logger(__name__)
@@ -104,6 +105,7 @@ class ProcessEngineClient(EngineClientBase):
         if self._launch_error is not None:
             raise self._launch_error
         self._tokenizer = Tokenizer.from_pretrained(self.config.model, self.info.model_config)
+        self._grammars = GrammarCompiler(self._tokenizer.backend.to_str(), self.info.vocab_size, self.info.eos_token_ids)
         log.info("engine_process_ready", pid=self.pid)
 
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:

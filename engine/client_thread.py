@@ -65,6 +65,7 @@ class ThreadEngineClient(EngineClientBase):
         self.core = engine
         self._info = EngineInfo.of(engine)
         self._tokenizer = engine.tokenizer
+        self._grammars = engine.structured.compiler  # one cache: what the service checked, the engine reuses
         self._stats = engine.stats()
 
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:

@@ -8,6 +8,7 @@ batched sample) -> update (the scheduler appends the tokens, detokenizes, checks
 
 from __future__ import annotations
 
+import concurrent.futures
 import gc
 import random
 import time
@@ -26,14 +27,19 @@ from engine.messages import EngineStats, RequestOutput
 from engine.model_check import check_vocab, read_model_config, read_tokenizer
 from engine.model_runner import ModelRunner, PendingSample
 from engine.request import Request, RequestStatus, SampleGroup
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.structured import GrammarCompiler, StructuredOutputError, StructuredOutputs
 from engine.tensor_parallel import Leader, check_devices
 from engine.validation import check_request
 from model import ModelConfig, load_model, smoothing
 from model.parallel import TensorParallel, check_shardable
 
 log = structlog.get_logger(__name__)
+
+# A step that finds nothing to run but requests whose constraints still compile waits this long at
+# most for one to finish (instead of spinning), so commands still come in between waits.
+GRAMMAR_WAIT_S = 0.05
 
 
 class EngineCore:
@@ -87,10 +93,14 @@ class EngineCore:
         self.kv_cache = self._make_kv_cache(num_blocks)
         self.block_manager = BlockManager(num_blocks, config.block_size,
                                           enable_caching=config.enable_prefix_caching)
+        # Structured output (engine/structured.py): llguidance over the model's tokenizer and vocabulary.
+        self.structured = StructuredOutputs(
+            GrammarCompiler(self.tokenizer.backend.to_str(), self.vocab_size, self.eos_token_ids),
+            max_num_seqs=config.max_num_seqs, pin_memory=self.device.type == "cuda")
         self.scheduler = Scheduler(
             self.block_manager, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=self.max_model_len,
-            stall_factor=config.decode_stall_factor)
+            stall_factor=config.decode_stall_factor, structured=self.structured)
         self.runner = self._make_runner(self.kv_cache)
         if self.device.type == "cuda":
             self.runner.warm_up()
@@ -142,15 +152,23 @@ class EngineCore:
     def close(self) -> None:
         """Stops the tensor-parallel workers (nothing to do without them); the engine serves no
         more steps after this."""
+        if getattr(self, "structured", None) is not None:
+            self.structured.close()
         if self._tp is not None:
             self.runner.drop_cuda_graphs()  # before the process group their collectives belong to
             self._tp.close()
 
     # ---- requests in and out -------------------------------------------------------------
     def check_request(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
-        """Raises PromptError / SamplingParamsError for a request that could never be served."""
+        """Raises PromptError / SamplingParamsError for a request that could never be served, a
+        structured output that does not compile included (compiled here, on the caller's thread)."""
         check_request(prompt_token_ids, sampling, config=self.config, vocab_size=self.vocab_size,
                       max_model_len=self.max_model_len, num_kv_blocks=self.block_manager.num_total_blocks)
+        if sampling.structured is not None:
+            try:
+                self.structured.compiler.check(sampling.structured)
+            except StructuredOutputError as e:
+                raise SamplingParamsError(e.field, e.message) from None
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, *,
                     priority: int = 0) -> SampleGroup:
@@ -158,11 +176,13 @@ class EngineCore:
         engine: EngineClient.submit, or `generate` here). With sampling.n > 1, n samples
         (ids f"{request_id}#{i}") whose outputs carry `request_id` and `index` = i; sample i draws
         from seed + i when a seed is given (so one seed reproduces all n), else from a random seed
-        of its own. `priority`: lower is scheduled first (engine/scheduler.py). Raises ValueError
-        for an id in use."""
+        of its own. `priority`: lower is scheduled first (engine/scheduler.py). A structured
+        output's constraint starts compiling now (on a thread; the samples are admitted once it is
+        done). Raises ValueError for an id in use."""
         n = sampling.n
         group = SampleGroup(request_id)
         for i in range(n):
+            grammar = self.structured.grammar_for(sampling.structured) if sampling.structured is not None else None
             seed = (sampling.seed + i) % 2**63 if sampling.seed is not None else self._seed_source.getrandbits(63)
             detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
                                                  skip_special_tokens=sampling.skip_special_tokens, stop=sampling.stop,
@@ -171,7 +191,7 @@ class EngineCore:
                     eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len, parent_id=request_id,
                     index=i, wait_for=group.samples[0] if i else None,
                     arrival_time=group.samples[0].arrival_time if i else None,
-                    seed=seed, detokenizer=detokenizer, group=group, priority=priority)
+                    seed=seed, detokenizer=detokenizer, group=group, priority=priority, grammar=grammar)
         self.scheduler.add_request(group)
         return group
 
@@ -223,23 +243,46 @@ class EngineCore:
           later step does to those blocks. The runner asserts that each step launches on the
           stream it was built on.
         - The previous step's tokens are read back (`update_from_output`) before this step counts
-          as launched (`step_launched`), so the blocks it fills are hashed with known ids."""
+          as launched (`step_launched`), so the blocks it fills are hashed with known ids.
+
+        Structured output: a step with constrained rows queues its forward pass, then (async) reads
+        the previous step's tokens back, which advances the matchers, then fills the rows' token
+        masks on the host while the device runs the forward pass, and queues the sampling after
+        them (`ModelRunner.forward`, `StructuredOutputs.fill`, `ModelRunner.sample`)."""
         out = self.scheduler.schedule()
         launched = None
+        outputs: list[RequestOutput] | None = None  # the previous step's, once read back
         if out.scheduled:
             try:
-                launched = self.runner.launch(out)
+                sampling = out.sampling_requests
+                if any(r.grammar is not None for r in sampling):
+                    step = self.runner.forward(out)
+                    if self._async:
+                        outputs = self._collect()  # the matchers take the previous step's tokens first
+                    launched = self.runner.sample(step, self.structured.fill(sampling))
+                else:
+                    launched = self.runner.launch(out)
             except Exception as e:  # an engine fault fails this step's requests, not the engine
-                return self._collect() + self._step_failed([s.request for s in out.scheduled], e)
+                return (outputs or []) + self._collect() + self._step_failed([s.request for s in out.scheduled], e)
+        elif self._pending is None:
+            self._wait_for_grammars()
         shape = _shape(out) if launched is not None else None
         if self._async:
-            outputs = self._collect()  # the previous step's tokens, while this one runs
+            if outputs is None:
+                outputs = self._collect()  # the previous step's tokens, while this one runs
             self.scheduler.step_launched(out)
             self._pending, self._pending_shape = launched, shape
             return outputs
         self.scheduler.step_launched(out)
         self._pending, self._pending_shape = launched, shape
         return self._collect()  # this step's tokens
+
+    def _wait_for_grammars(self) -> None:
+        """Nothing could be scheduled: if requests wait for their constraints to compile, waits a
+        little for one (so that the loop does not spin while a large grammar compiles)."""
+        compiling = self.scheduler.compiling()
+        if compiling:
+            concurrent.futures.wait(compiling, timeout=GRAMMAR_WAIT_S, return_when=concurrent.futures.FIRST_COMPLETED)
 
     def _collect(self) -> list[RequestOutput]:
         """Reads back the pending step's tokens (waiting for the device) and closes that step."""

@@ -8,7 +8,8 @@ unsupported architecture), instead of a FileNotFoundError or KeyError from deep 
   `embed_tokens` (and the sampler never produces it, so the text could not round-trip);
 - `model_notes` lists what is worth one log line at start: no end-of-sequence id anywhere
   (generation then stops only at max_tokens), a model vocabulary much larger than the tokenizer's
-  (likely another model's tokenizer), no chat template (prompts reach the model as sent).
+  (likely another model's tokenizer), no chat template (prompts reach the model as sent; chat
+  requests are refused), a chat template that does not compile (chat requests are refused).
 
 `pie serve` runs these before it binds (service/startup.py) and logs the notes once; the engine
 reads the folder through the same functions, so an engine built directly fails the same way.
@@ -23,6 +24,7 @@ from typing import Any
 
 from engine.errors import StartupError
 from model import ModelConfig, Tokenizer
+from model.chat_template import ChatTemplates, NoChatTemplate, read_templates
 
 FOLDER_HINT = "give a Hugging Face-layout folder holding config.json, *.safetensors and tokenizer.json"
 
@@ -106,19 +108,33 @@ def check_vocab(path: str, model_config: ModelConfig, tokenizer: Tokenizer) -> N
 
 
 def has_chat_template(path: str) -> bool:
-    """tokenizer_config.json has a `chat_template`, or the folder a chat_template.jinja/.json."""
-    folder = Path(path)
-    if (folder / "chat_template.jinja").is_file() or (folder / "chat_template.json").is_file():
-        return True
+    """The folder has a chat template: tokenizer_config.json's `chat_template`, a
+    chat_template.jinja (or named ones in chat_templates/), or a chat_template.json."""
     try:
-        config = json.loads((folder / "tokenizer_config.json").read_text())
+        return bool(read_templates(Path(path)))
     except (OSError, ValueError):
         return False
-    return isinstance(config, dict) and bool(config.get("chat_template"))
 
 
-def model_notes(path: str, model_config: ModelConfig, tokenizer: Tokenizer) -> list[ModelNote]:
-    """What to log once at start about the folder (see the module docstring)."""
+def check_chat_template(path: str, override: str) -> None:
+    """`pie serve --chat-template FILE`: the file is readable and compiles."""
+    file = Path(override)
+    if not file.is_file():
+        raise StartupError(f"--chat-template {override}: {'is a folder' if file.is_dir() else 'no such file'}; "
+                           "give a Jinja chat template file")
+    try:
+        ChatTemplates.load(path, override)
+    except NoChatTemplate as e:
+        raise StartupError(f"--chat-template {override}: {str(e).removeprefix(override + ' ')}") from e
+    except (OSError, ValueError) as e:
+        raise StartupError(f"--chat-template {override}: cannot read it ({e}); give a UTF-8 Jinja template "
+                           "file") from e
+
+
+def model_notes(path: str, model_config: ModelConfig, tokenizer: Tokenizer,
+                chat_template: str | None = None) -> list[ModelNote]:
+    """What to log once at start about the folder (see the module docstring); `chat_template`:
+    the template file that replaces the folder's (nothing is said about the folder's then)."""
     notes = []
     if not tokenizer.eos_token_ids:
         notes.append(ModelNote("warning", "model_has_no_eos", {
@@ -131,8 +147,17 @@ def model_notes(path: str, model_config: ModelConfig, tokenizer: Tokenizer) -> l
             "model_vocab_size": model_config.vocab_size, "tokenizer_vocab_size": tokenizer.vocab_size,
             "hint": f"{spare} embedding rows no token id reaches: is tokenizer.json this model's? (sampled ids "
                     "past the tokenizer decode to nothing)"}))
+    if chat_template is not None:
+        return notes
     if not has_chat_template(path):
         notes.append(ModelNote("info", "model_has_no_chat_template", {
             "hint": "no chat_template in tokenizer_config.json and no chat_template.jinja: likely a base model; "
-                    "prompts reach it as sent"}))
+                    "prompts reach it as sent, and chat requests are refused (or give --chat-template FILE)"}))
+    else:
+        try:
+            ChatTemplates.load(path)
+        except (NoChatTemplate, OSError, ValueError) as e:
+            notes.append(ModelNote("warning", "model_chat_template_unusable", {
+                "error": str(e), "hint": "chat requests are refused with FAILED_PRECONDITION; give a working "
+                                         "template with --chat-template FILE"}))
     return notes

@@ -7,9 +7,12 @@ device, and what it drew comes back to the host in one copy: the only device->ho
 synchronization of a step, which `PendingSample.result()` waits for (async scheduling reads it a
 step later). A step that holds prompt chunks of requests asking for prompt logprobs also makes the
 logits of those prompt positions and their logprobs (engine/prompt_logprobs.py), which come back
-with the same synchronization; such a step runs eagerly. Under tensor parallelism this runner is
-rank 0's: it hands each step's inputs to the workers first (`StepBroadcast`), and the workers
-follow (engine/tensor_parallel.py).
+with the same synchronization; such a step runs eagerly. Structured output's token masks, where a
+step has them, are applied to the logits on the device before sampling, after the forward pass
+(and after a CUDA graph's replay): `launch` = `forward` then `sample`, which the engine calls apart
+when it fills masks on the host while the device runs the forward pass. Under tensor parallelism
+this runner is rank 0's: it hands each step's inputs to the workers first (`StepBroadcast`), and
+the workers follow (engine/tensor_parallel.py).
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from engine.sampler import SamplingTensors, sample
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 from engine.staging import LastSample, StepFacts, StepStager
+from engine.structured import TokenMasks
+from kernels import reference
 from model import LlamaForCausalLM
 
 log = structlog.get_logger(__name__)
@@ -41,6 +46,19 @@ class StepBroadcast(Protocol):
 
     def forward(self, facts: StepFacts, ints: torch.Tensor, tables: torch.Tensor, graph_batch: int | None,
                 prompt_index: torch.Tensor | None) -> None: ...
+
+
+class StepLogits:
+    """A step's forward pass, queued on the device: the rows that sample and their logits."""
+
+    __slots__ = ("out", "rows", "logits", "prompt")
+
+    def __init__(self, out: SchedulerOutput, rows: list[int], logits: torch.Tensor | None,
+                 prompt: PromptLogprobRows | None) -> None:
+        self.out = out
+        self.rows = rows  # indices into out.scheduled of the rows that sample
+        self.logits = logits  # (R, V) fp32; None when no row samples
+        self.prompt = prompt  # the prompt positions whose logprobs this step computes, if any
 
 
 class PendingSample:
@@ -132,6 +150,13 @@ class ModelRunner:
         # Every step runs on this stream: async scheduling frees and reuses blocks that a queued
         # step may still write, which is safe only in stream order (see EngineCore.step).
         self._stream = torch.cuda.current_stream(device) if on_cuda else None
+        # Structured output's masks onto the logits: the Triton kernel on CUDA, its torch twin here.
+        if on_cuda:
+            from kernels import triton_bitmask
+
+            self._apply_masks = triton_bitmask.apply_token_bitmask_
+        else:
+            self._apply_masks = reference.apply_token_bitmask_
         # Async scheduling: the last step's sampled ids stay on the device; a request whose newest
         # token is a placeholder (sampled, not yet read back) takes its input id from there.
         self._last: LastSample | None = None
@@ -187,17 +212,35 @@ class ModelRunner:
         return rows, self.model.compute_logits(last)
 
     @torch.inference_mode()
-    def launch(self, out: SchedulerOutput) -> PendingSample | None:
+    def launch(self, out: SchedulerOutput, masks: TokenMasks | None = None) -> PendingSample | None:
         """Queues the step's forward pass and sampling on the device and the copy of what is
         sampled back to the host; returns without waiting (None when no row samples and no prompt
         logprobs were computed). The sampled ids also stay on the device, as the next step's input
-        ids of requests whose newest token is a placeholder."""
+        ids of requests whose newest token is a placeholder. `masks`: structured output's token
+        masks of the sampling rows."""
+        return self.sample(self.forward(out), masks)
+
+    @torch.inference_mode()
+    def forward(self, out: SchedulerOutput) -> StepLogits:
+        """Queues the step's forward pass (and its logits) on the device; returns without waiting."""
         assert self._stream is None or torch.cuda.current_stream(self.device) == self._stream, \
             "every step must run on the runner's CUDA stream (async scheduling relies on stream order)"
         prompt = PromptLogprobRows.plan(out, self.device)  # None unless a chunk asks for prompt logprobs
-        rows, logits = self.forward_logits(out, prompt=prompt)
+        return StepLogits(out, *self.forward_logits(out, prompt=prompt), prompt)
+
+    @torch.inference_mode()
+    def sample(self, step: StepLogits, masks: TokenMasks | None = None) -> PendingSample | None:
+        """Queues the sampling of a step whose forward pass is queued (`forward`), after its token
+        masks, and the copy of what is sampled back to the host (None when no row samples and no
+        prompt logprobs were computed)."""
+        out, rows, logits, prompt = step.out, step.rows, step.logits, step.prompt
         if logits is None:
             return None if prompt is None else self._to_host([], None, prompt)
+        if masks is not None:
+            # Pinned host buffers: the copies are queued on the stream, behind the forward pass.
+            bitmask = masks.bitmask.to(self.device, non_blocking=True)
+            row_index = masks.rows.to(self.device, non_blocking=True)
+            self._apply_masks(logits, bitmask, row_index)
         reqs = [out.scheduled[i].request for i in rows]
         last, last_tensors = self._last, self._last_tensors
         if last is not None and last_tensors is not None and not last_tensors.any_penalties and reqs == last.requests:

@@ -6,7 +6,8 @@ remaining tokens; prefill, chunked prefill, decode and recompute after preemptio
 rule. The request samples a new token only in the step that brings it to `num_tokens`.
 
 Everything the engine keeps about one request lives on it: its seed, its detokenizer, its block
-table and the chain hashes of its full blocks, and the group of samples it belongs to (n > 1). No
+table and the chain hashes of its full blocks, the group of samples it belongs to (n > 1), and its
+structured output's matcher (engine/structured.py). No
 component keeps a map keyed by request id beside it (each such map was one more place to clean up
 on finish, abort and preemption); the scheduler's table of groups is the one lookup by id.
 """
@@ -21,6 +22,7 @@ from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from engine.detokenizer import IncrementalDetokenizer
+    from engine.structured import GrammarState
 
 
 class RequestStatus(enum.IntEnum):
@@ -60,7 +62,7 @@ class Request:
         "num_computed_tokens",
         "status", "arrival_time", "max_model_len", "eos_token_ids", "num_preemptions",
         "first_scheduled_time", "stop_reason", "parent_id", "index", "wait_for", "num_cached_tokens",
-        "seed", "detokenizer", "block_ids", "block_hashes", "group", "priority", "prompt_logprobs",
+        "seed", "detokenizer", "block_ids", "block_hashes", "group", "priority", "prompt_logprobs", "grammar",
     )
 
     def __init__(
@@ -79,6 +81,7 @@ class Request:
         detokenizer: IncrementalDetokenizer | None = None,
         group: SampleGroup | None = None,
         priority: int = 0,
+        grammar: GrammarState | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt_token_ids must not be empty")
@@ -119,6 +122,9 @@ class Request:
         # engine.messages.SampledToken, not named here: that module imports this one.
         self.prompt_logprobs: list[Any] | None = (
             [] if sampling.prompt_logprobs is not None and index == 0 else None)
+        # Structured output: this sample's matcher (None: free text). Not admitted before its
+        # constraint is compiled; it advances with every token appended (Scheduler.update_from_output).
+        self.grammar = grammar
         if group is None:
             group = SampleGroup(self.parent_id)
         self.group = group

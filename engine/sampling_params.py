@@ -21,6 +21,13 @@ MAX_ABS_LOGIT_BIAS = 100.0  # OpenAI's range: -100 all but bans a token, 100 all
 # Prompt tokens x (1 + prompt_logprobs) at most: each entry is a protobuf message in one answer
 # (~20 bytes), so this keeps a whole answer of them inside the default 16 MiB message limit.
 MAX_PROMPT_LOGPROB_ENTRIES = 1 << 20
+# Structured output: a schema, regex or grammar text of at most this many characters (a large
+# JSON schema is tens of KB), and at most this many choices of at most MAX_CHOICE_CHARS each.
+MAX_STRUCTURED_CHARS = 256 * 1024
+MAX_CHOICES = 1024
+MAX_CHOICE_CHARS = 1024
+# The kinds of structured output (the oneof of pie.v1.StructuredOutput, by field name).
+STRUCTURED_KINDS = ("json_schema", "regex", "choice", "grammar", "json_object")
 
 
 class SamplingParamsError(ValueError):
@@ -30,6 +37,43 @@ class SamplingParamsError(ValueError):
         super().__init__(f"{field_name}: {message}")
         self.field = field_name
         self.message = message
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputParams:
+    """What a structured output must be (compiled by engine/structured.py into an llguidance
+    matcher). Hashable: the compiled grammars are cached by it."""
+
+    kind: str  # one of STRUCTURED_KINDS
+    text: str = ""  # the JSON schema, regex or Lark grammar; "" for choice and json_object
+    choices: tuple[str, ...] = ()  # kind == "choice": the output is exactly one of them
+
+    @property
+    def field(self) -> str:
+        """The field a problem with it is reported under (`structured.json_schema`, ...)."""
+        return f"structured.{self.kind}"
+
+    def validate(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise SamplingParamsError("structured", f"kind must be one of {', '.join(STRUCTURED_KINDS)}, got "
+                                                    f"{self.kind!r}")
+        if self.kind in ("json_schema", "regex", "grammar"):
+            if not self.text:
+                raise SamplingParamsError(self.field, "must not be empty")
+            if len(self.text) > MAX_STRUCTURED_CHARS:
+                raise SamplingParamsError(self.field, f"is longer than {MAX_STRUCTURED_CHARS} characters")
+        elif self.text:
+            raise SamplingParamsError(self.field, "takes no text")
+        if self.kind == "choice":
+            if not 1 <= len(self.choices) <= MAX_CHOICES:
+                raise SamplingParamsError(self.field, f"needs 1 to {MAX_CHOICES} choices, got {len(self.choices)}")
+            for c in self.choices:
+                if not c:
+                    raise SamplingParamsError(self.field, "choices must not be empty")
+                if len(c) > MAX_CHOICE_CHARS:
+                    raise SamplingParamsError(self.field, f"choices are at most {MAX_CHOICE_CHARS} characters")
+        elif self.choices:
+            raise SamplingParamsError(self.field, "takes no choices")
 
 
 @dataclass(slots=True)
@@ -55,6 +99,9 @@ class SamplingParams:
     # token id -> added to its logit before penalties, temperature and the filters
     logit_bias: dict[int, float] = field(default_factory=dict)
     min_tokens: int = 0  # EOS / stop token ids / stop strings cannot end the request before this many
+    # Constrain the output (a JSON schema, regex, choice or grammar): tokens outside it are masked
+    # before sampling, and the request ends when the constraint is complete. None = free text.
+    structured: StructuredOutputParams | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -130,3 +177,5 @@ class SamplingParams:
             if not -MAX_ABS_LOGIT_BIAS <= bias <= MAX_ABS_LOGIT_BIAS:  # NaN fails this too
                 raise SamplingParamsError("logit_bias", f"the bias of token {t} must be in "
                                           f"[-{MAX_ABS_LOGIT_BIAS:g}, {MAX_ABS_LOGIT_BIAS:g}], got {bias}")
+        if self.structured is not None:
+            self.structured.validate()

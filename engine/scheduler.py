@@ -27,7 +27,8 @@ positions have no logits) until it has them all; its chunks are listed in
 `SchedulerOutput.prompt_logprobs` so the runner computes the logits of their prompt positions. For n > 1, samples 1..n-1 wait (skipped, not blocking the queue)
 until sample 0 has computed the prompt; then they hit the cache for every full prompt block and
 compute only the rest (at least one token, for the logits). Without prefix caching they prefill
-independently.
+independently. A request with structured output is skipped the same way until its constraint is
+compiled (engine/structured.py: compiling runs on a thread of its own, not in the step).
 
 Priority: every request has one (lower first, 0 by default, as vLLM's). The waiting queue is kept
 in (priority, arrival) order, so admission takes the most urgent first and requests of one
@@ -54,6 +55,7 @@ import bisect
 import time
 from collections import deque
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import structlog
@@ -61,6 +63,7 @@ import structlog
 from engine.block_manager import BlockManager
 from engine.messages import RequestOutput, SampledToken
 from engine.request import Request, RequestStatus, SampleGroup
+from engine.structured import StructuredOutputs
 
 log = structlog.get_logger(__name__)
 
@@ -149,6 +152,7 @@ class Scheduler:
         # A step with running decodes and prompt tokens: at most this many times a decode-only
         # step (StallBound; 0 = only max_num_batched_tokens bounds it).
         stall_factor: float = 0.0,
+        structured: StructuredOutputs | None = None,  # advances the matchers of structured outputs
     ) -> None:
         if min(max_num_seqs, max_num_batched_tokens, max_model_len) < 1:
             raise ValueError("max_num_seqs, max_num_batched_tokens and max_model_len must be >= 1")
@@ -156,6 +160,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        self.structured = structured
         self.stall = StallBound(stall_factor, min_tokens=block_manager.block_size)
         # In (priority, arrival) order; preempted requests re-enter in their place.
         self.waiting: deque[Request] = deque()
@@ -280,7 +285,10 @@ class Scheduler:
         return out
 
     def _held_back(self, request: Request) -> bool:
-        """True while the request waits for its sample 0 to compute the shared prompt."""
+        """True while the request waits for its constraint to compile, or for its sample 0 to
+        compute the shared prompt."""
+        if request.grammar is not None and not request.grammar.ready:
+            return True
         leader = request.wait_for
         if leader is None:
             return False
@@ -289,6 +297,11 @@ class Scheduler:
             request.wait_for = None
             return False
         return True
+
+    def compiling(self) -> list[Future]:
+        """The compilations waiting requests wait for (the engine waits on them when a step finds
+        nothing else to run)."""
+        return [f for r in self.waiting if r.grammar is not None and (f := r.grammar.pending) is not None]
 
     def _pick_victim(self) -> Request:
         """The running request of the least urgent priority that arrived last (ties: admitted
@@ -339,7 +352,9 @@ class Scheduler:
         order) joins its request, is detokenized and checked for a stop, and ends the request
         (its blocks freed) when it stops. Returns one output per row still running. A row whose
         request finished since its step was launched (aborted, failed, or stopped by the step
-        before under async scheduling) is dropped with its token.
+        before under async scheduling) is dropped with its token. A structured output's matcher
+        takes the token first (all of the step's at once, in parallel); one that refuses it fails
+        its request.
 
         prompt_logprobs: (request, index of its first entry, entries) of the prompt positions the
         step computed (SchedulerOutput.prompt_logprobs), collected first, so that a request whose
@@ -353,12 +368,20 @@ class Scheduler:
             have = len(collected) + 1  # entry 0 (the first prompt token) has none
             if first <= have < first + len(entries):
                 collected.extend(entries[have - first:])
+        if self.structured is not None:
+            self.structured.consume([(r.grammar, t.token_id) for r, t in zip(requests, sampled, strict=True)
+                                     if r.grammar is not None and not r.finished])
         outputs = []
         for request, token in zip(requests, sampled, strict=True):
             if request.finished:
                 continue
             request.num_output_placeholders -= 1
             request.output_token_ids.append(token.token_id)
+            grammar = request.grammar
+            if grammar is not None and grammar.error is not None:  # a bug, or a constraint that never compiled
+                log.error("structured_output_failed", request_id=request.request_id, error=grammar.error)
+                outputs += self.fail([request], grammar.error)
+                continue
             outputs.append(self._output(request, token))
         return outputs
 
@@ -373,6 +396,8 @@ class Scheduler:
             text = detok.step((token.token_id,))
             stopped = detok.stopped
         status = RequestStatus.FINISHED_STOPPED if stopped else request.check_token_stop()
+        if request.grammar is not None and request.grammar.finished and status != RequestStatus.FINISHED_STOPPED:
+            status = RequestStatus.FINISHED_STOPPED  # the constraint is complete: nothing may follow
         if status is not None and not stopped and detok is not None:
             # Ending for another reason: text held back (a possible stop string, a split
             # character) comes out now, and a stop string found in it still ends the request.

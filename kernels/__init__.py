@@ -10,9 +10,13 @@ contiguously): one symmetric scale per (token, kv head), computed once when the 
 None. A token lives at slot = block_id * block_size + offset, and a slot of -1 marks padding that
 writes skip. `reference` holds the torch versions used on the CPU and as test oracles for the
 Triton kernels (`triton_cache_write`, `triton_decode`, `triton_extend`, sharing `triton_tile`).
+
+One op is not about the cache: `apply_token_bitmask_` forbids tokens in the logits from structured
+output's token masks (one bit per vocabulary entry; `triton_bitmask` is its kernel).
 """
 
 from kernels.reference import (
+    apply_token_bitmask_,
     dequantize,
     paged_attention,
     paged_attention_decode,
@@ -21,6 +25,7 @@ from kernels.reference import (
 )
 
 __all__ = [
+    "apply_token_bitmask_",
     "dequantize",
     "paged_attention",
     "paged_attention_decode",

@@ -19,6 +19,8 @@ cached positions 0 ..= that position (causal). Its own K/V are written before at
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 
@@ -311,3 +313,34 @@ def paged_attention(
                                       None if k_new is None else k_new[lo:hi],
                                       None if v_new is None else v_new[lo:hi], window)
     return out
+
+
+# ---- structured output: token masks ------------------------------------------------------------
+
+def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Forbids tokens in place: logits[rows[s], v] = -inf where bit v of bitmask[s] is 0; returns
+    logits.
+
+    logits (B, V) float with a unit stride along V; bitmask (S, W) int32 with W = ceil(V / 32):
+    token v is bit v % 32 of word v // 32 (llguidance's layout; the bits past V are ignored);
+    rows (S,) int32/int64: which row of logits each mask constrains (distinct). Rows of logits
+    that no mask names are left as they are.
+    """
+    assert logits.dim() == 2 and bitmask.dim() == 2 and rows.dim() == 1, \
+        f"logits (B, V), bitmask (S, W), rows (S,); got {tuple(logits.shape)}, {tuple(bitmask.shape)}, {tuple(rows.shape)}"
+    vocab = logits.shape[1]
+    num_masks, words = bitmask.shape
+    assert bitmask.dtype == torch.int32, f"bitmask must be int32, got {bitmask.dtype}"
+    assert words == -(-vocab // 32), f"bitmask has {words} words per row; V = {vocab} needs {-(-vocab // 32)}"
+    assert rows.shape[0] == num_masks, f"{rows.shape[0]} rows for {num_masks} masks"
+    if num_masks == 0:
+        return logits
+    # Bit v of a row is bit v % 8 of its byte v // 8 in memory (the int32 words are little-endian):
+    # shifting bytes is a quarter of the work of shifting words by 0..31.
+    assert sys.byteorder == "little", "the mask's bytes are read as little-endian words"
+    shifts = torch.arange(8, device=bitmask.device, dtype=torch.uint8)
+    bits = (bitmask.contiguous().view(torch.uint8).unsqueeze(-1) >> shifts) & 1  # (S, 4W, 8)
+    forbidden = (bits.view(num_masks, words * 32)[:, :vocab] == 0).to(logits.device)  # (S, V)
+    index = rows.to(device=logits.device, dtype=torch.int64)
+    masked = logits.index_select(0, index).masked_fill_(forbidden, float("-inf"))
+    return logits.index_copy_(0, index, masked)

@@ -137,7 +137,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-message-bytes", type=int, default=16 << 20,
                    help="largest gRPC message received or sent; larger ones get RESOURCE_EXHAUSTED")
     p.add_argument("--max-prompt-chars", type=int, default=Limits().max_prompt_chars,
-                   help="text prompts longer than this are refused before tokenizing")
+                   help="text prompts (and chats) longer than this are refused before tokenizing")
+    p.add_argument("--chat-template", metavar="FILE", default=None,
+                   help="Jinja chat template that renders chat requests instead of the model's own "
+                        "(default: the model's: chat_template.jinja or tokenizer_config.json's chat_template)")
     p.add_argument("--max-concurrent-rpcs", type=int, default=None,
                    help="RPCs in progress at most (streams included); beyond it RESOURCE_EXHAUSTED (default: no cap)")
     p.add_argument("--step-timeout", type=float, default=60.0,
@@ -392,6 +395,7 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
         max_concurrent_rpcs=args.max_concurrent_rpcs, step_timeout_s=args.step_timeout or None, tls=tls,
         auth_tokens=tokens, connection=connection,
         metrics_port=args.metrics_port, engine_process=args.engine_process, stream_interval=args.stream_interval,
+        chat_template=args.chat_template,
         log_setup=functools.partial(configure_logging, json=None if args.log_format == "auto" else args.log_format == "json",
                                     level=args.log_level))
 

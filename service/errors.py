@@ -16,9 +16,12 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 DOMAIN = "pie.v1"
 # ErrorInfo.reason -> (status code, when). The README's error table is checked against this.
 REASONS: dict[str, tuple[grpc.StatusCode, str]] = {
-    "INVALID_FIELD": (grpc.StatusCode.INVALID_ARGUMENT, "a request field is out of range or malformed (BadRequest names it)"),
+    "INVALID_FIELD": (grpc.StatusCode.INVALID_ARGUMENT, "a request field is out of range or malformed, a chat the model's "
+                      "template refuses, a structured output that does not compile (BadRequest names it)"),
     "PROMPT_TOO_LONG": (grpc.StatusCode.INVALID_ARGUMENT, "the prompt leaves no room in the context or the KV pool"),
     "MALFORMED_MESSAGE": (grpc.StatusCode.INVALID_ARGUMENT, "the request bytes do not parse as the RPC's message"),
+    "NO_CHAT_TEMPLATE": (grpc.StatusCode.FAILED_PRECONDITION, "a chat was sent and the model has no usable chat "
+                         "template (none, or it does not compile): start pie serve with --chat-template FILE"),
     "UNAUTHENTICATED": (grpc.StatusCode.UNAUTHENTICATED, "bearer token missing or not accepted (--auth-token-file)"),
     "QUEUE_FULL": (grpc.StatusCode.RESOURCE_EXHAUSTED, "the waiting queue is at --max-waiting (RetryInfo: 1 s)"),
     "OUT_OF_MEMORY": (grpc.StatusCode.RESOURCE_EXHAUSTED, "the device ran out of memory for this request (RetryInfo: 1 s)"),

@@ -21,6 +21,7 @@ from engine.client_thread import ThreadEngineClient
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.errors import StartupError, StepTimeoutError
+from model.chat_template import ChatTemplates, NoChatTemplate
 from pie.v1 import generate_pb2_grpc
 from service.auth import BearerTokenInterceptor
 from service.interceptors import UndecodableRequestInterceptor
@@ -107,6 +108,7 @@ class ServerConfig:
     # the H200: 44k tokens/s against 6.7k on a thread). Off here so that tests start fast.
     engine_process: bool = False
     stream_interval: int = 1  # after the first, a stream message carries at least this many tokens (or the end)
+    chat_template: str | None = None  # a Jinja chat template file that replaces the model's own
     log_setup: Callable[[], None] | None = None  # configures logging in that child (picklable)
     # Called with the EngineCore once it is built (in the engine process when engine_process, so it
     # must be picklable there: a module-level function): tests and benchmarks swap parts of it.
@@ -146,7 +148,8 @@ class PieServer:
         host, tls = self.config.host, self.config.tls
         check_startup(self.engine_config, host=host,
                       ports={"--port": self.config.port, "--metrics-port": self.config.metrics_port},
-                      tls=None if tls is None else (tls.cert, tls.key, tls.client_ca))
+                      tls=None if tls is None else (tls.cert, tls.key, tls.client_ca),
+                      chat_template=self.config.chat_template)
         opts = [("grpc.max_receive_message_length", self.config.max_message_bytes),
                 ("grpc.max_send_message_length", self.config.max_message_bytes),
                 ("grpc.so_reuseport", 0), *self.config.connection.options()]
@@ -207,9 +210,22 @@ class PieServer:
         if self.servicer.draining:
             raise LaunchCancelled("the server stopped while the engine was starting")
         client.start(loop)
+        self._load_chat_templates()
         self.servicer.engine_client = client
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         log.info("server_ready", model=self.servicer.model_name)
+
+    def _load_chat_templates(self) -> None:
+        """The model's chat templates (or --chat-template's) for chat requests; without a usable
+        one, chat requests are refused with the reason (NO_CHAT_TEMPLATE)."""
+        try:
+            self.servicer.chat_templates = ChatTemplates.load(self.engine_config.model, self.config.chat_template)
+        except (NoChatTemplate, OSError, ValueError) as e:
+            self.servicer.chat_templates = None
+            self.servicer.chat_template_problem = str(e)
+            return
+        log.info("chat_template_loaded", origin=self.servicer.chat_templates.origin,
+                 templates=sorted(self.servicer.chat_templates.templates))
 
     def _engine_dead(self, err: BaseException) -> None:
         """On the loop, as the engine is declared dead (its RPCs fail next): readiness off, then exit."""

@@ -16,9 +16,10 @@ from engine.config import usable_cores
 from engine.errors import EngineDeadError, PromptError, QueueFullError, RequestAbortedError
 from engine.messages import RequestOutput, SampledToken
 from engine.request import RequestStatus
-from engine.sampling_params import SamplingParams, SamplingParamsError
+from engine.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputParams
 from engine.validation import prompt_too_long
 from model import Tokenizer, TooManyTokens
+from model.chat_template import ChatTemplateError, ChatTemplates, NoChatTemplate
 from pie.v1 import generate_pb2 as pb
 from pie.v1 import generate_pb2_grpc
 from service.aborts import InFlight, caller_of
@@ -27,9 +28,11 @@ from service.logging import RequestSummary
 from service.memory import release_free_memory
 from service.metrics import ServiceMetrics
 from service.validation import (
+    ChatPrompt,
     FieldError,
     Limits,
     abort_ids_from_proto,
+    chat_from_proto,
     detokenize_ids_from_proto,
     prompt_from_proto,
     qualify,
@@ -42,6 +45,9 @@ log = structlog.get_logger(__name__)
 # Texts up to this many characters are tokenized on the event loop (~1 ms at most); longer ones on
 # a worker thread, with the GIL released (model.Tokenizer.encode), so the loop keeps serving.
 INLINE_TOKENIZE_CHARS = 2048
+# Conversations with more characters than this are rendered with their chat template on a worker
+# thread (a template loops over every message in Python: ~1 ms per few KB).
+INLINE_RENDER_CHARS = 8192
 # After tokenizing a text this long the worker hands freed heap pages back (service/memory.py).
 RELEASE_MEMORY_CHARS = 65536
 # A unary answer with more logprob entries than this is assembled on a worker thread: building
@@ -97,6 +103,9 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         # (service/aborts.py): whose requests an Abort call may end.
         self.auth = auth
         self.in_flight = InFlight()
+        # The model's chat templates (set with the engine client), or why chats cannot be served.
+        self.chat_templates: ChatTemplates | None = None
+        self.chat_template_problem = "the model is still loading"
         self.draining = False
         # Set by the server's stop when it lets gRPC cut what still runs (its grace is over): an
         # RPC cancelled from then on was ended by the shutdown, not by its caller.
@@ -144,20 +153,59 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         async with self._tokenize_slots:
             return await self._off_loop(_encode_and_release, encode, len(text) >= RELEASE_MEMORY_CHARS)
 
+    async def _render(self, chat: ChatPrompt, field: str = "chat") -> str:
+        """The conversation rendered with the model's chat template (on a worker thread when long)."""
+        templates = self.chat_templates
+        if templates is None:
+            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, f"{field}: {self.chat_template_problem}",
+                               reason="NO_CHAT_TEMPLATE")
+        render = functools.partial(templates.render, chat.messages, tools=chat.tools,
+                                   add_generation_prompt=chat.add_generation_prompt,
+                                   continue_final_message=chat.continue_final_message, extra=chat.extra)
+        try:
+            return render() if chat.chars <= INLINE_RENDER_CHARS else await self._off_loop(render)
+        except ChatTemplateError as e:
+            raise invalid_argument(f"{field}.messages", f"the model's chat template refused the conversation: {e}") \
+                from None
+        except NoChatTemplate as e:
+            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, f"{field}: {e}", reason="NO_CHAT_TEMPLATE") from None
+        except ValueError as e:  # a conversation no template can render (continue_final_message without text)
+            raise invalid_argument(field, str(e)) from None
+
+    async def _prompt_ids(self, client: EngineClient, text: str, field: str, *, add_special_tokens: bool) -> list[int]:
+        max_len = client.info.max_model_len
+        try:  # a prompt must leave room for one token: longer ones are refused uncounted
+            ids = await self._encode(client, text, add_special_tokens, max_tokens=max_len - 1)
+        except TooManyTokens as e:
+            raise invalid_argument(field, prompt_too_long(e.count, max_len, at_least=e.at_least).message,
+                                   "PROMPT_TOO_LONG") from None
+        if not ids:
+            raise FieldError(field, "tokenizes to no tokens")
+        return ids
+
+    async def _check_structured(self, client: EngineClient, params: StructuredOutputParams) -> None:
+        """Refuses a constraint that does not compile, with the compiler's message (compiled off
+        the event loop the first time, answered from the cache after)."""
+        try:
+            if client.structured_known(params):
+                client.check_structured(params)
+            else:
+                await self._off_loop(client.check_structured, params)
+        except SamplingParamsError as e:
+            raise invalid_argument(qualify(e.field), e.message) from None
+
     async def _submit(self, request, rid: str) -> tuple[EngineClient, list[int], SamplingParams, RequestStream]:
         client = self._ready_client()
         prompt = prompt_from_proto(request, self.limits)
         sampling = sampling_from_proto(request.sampling, max_model_len=client.info.max_model_len)
-        if isinstance(prompt, str):
-            max_len = client.info.max_model_len
-            try:  # a prompt must leave room for one token: longer ones are refused uncounted
-                prompt = await self._encode(client, prompt, max_tokens=max_len - 1)
-            except TooManyTokens as e:
-                raise invalid_argument("prompt", prompt_too_long(e.count, max_len, at_least=e.at_least).message,
-                                       "PROMPT_TOO_LONG") from None
-            if not prompt:
-                raise FieldError("prompt", "tokenizes to no tokens")
-            client = self._ready_client()  # it may have stopped while the text was tokenized
+        if isinstance(prompt, ChatPrompt):
+            # The template writes the special tokens (BOS included): none are added when tokenizing.
+            prompt = await self._prompt_ids(client, await self._render(prompt), "chat", add_special_tokens=False)
+        elif isinstance(prompt, str):
+            prompt = await self._prompt_ids(client, prompt, "prompt", add_special_tokens=True)
+        if sampling.structured is not None:
+            await self._check_structured(client, sampling.structured)
+        client = self._ready_client()  # it may have stopped while the prompt was prepared
         try:
             stream = client.submit(prompt, sampling, caller_id=rid, priority=request.priority)
         except PromptError as e:
@@ -427,12 +475,26 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
 
     async def _tokenize(self, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
         client = self._ready_client()
-        if len(request.text) > self.limits.max_prompt_chars:
-            raise invalid_argument("text", f"is longer than {self.limits.max_prompt_chars} characters")
-        add = request.add_special_tokens if request.HasField("add_special_tokens") else True
-        ids = await self._encode(client, request.text, add)
+        rendered = ""
+        if request.HasField("chat"):
+            if request.text:
+                raise invalid_argument("text", "set text or chat, not both")
+            if request.HasField("add_special_tokens"):
+                raise invalid_argument("add_special_tokens", "is not used with chat (the template writes them)")
+            try:
+                chat = chat_from_proto(request.chat, self.limits)
+            except FieldError as e:
+                raise invalid_argument(e.field, e.description) from None
+            rendered = await self._render(chat)
+            ids = await self._encode(client, rendered, False)
+        else:
+            if len(request.text) > self.limits.max_prompt_chars:
+                raise invalid_argument("text", f"is longer than {self.limits.max_prompt_chars} characters")
+            add = request.add_special_tokens if request.HasField("add_special_tokens") else True
+            ids = await self._encode(client, request.text, add)
         tok = client.tokenizer
-        return pb.TokenizeResponse(token_ids=ids, tokens=[tok.id_to_token(i) or "" for i in ids], count=len(ids))
+        return pb.TokenizeResponse(token_ids=ids, tokens=[tok.id_to_token(i) or "" for i in ids], count=len(ids),
+                                   rendered_text=rendered)
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.GetModelInfoResponse:
         try:

@@ -4,8 +4,8 @@ rather than a traceback after `server_listening`.
 
 Checked, in this order: the device (`--device cuda` without CUDA), the TLS files (present,
 readable, PEM), the model folder (engine/model_check.py: config.json readable and of a supported
-architecture, weights and tokenizer present, the tokenizer within the embedding; its notes logged
-once), tensor-parallel shardability, a KV budget that holds one sequence (where it is known
+architecture, weights and tokenizer present, the tokenizer within the embedding, --chat-template's
+file readable and compiling; its notes logged once), tensor-parallel shardability, a KV budget that holds one sequence (where it is known
 before the model loads), and last the ports (bindable now; the binds follow at once). What only
 loading the model can show (a tensor missing from the checkpoint, the GPU's memory) fails after
 the server bound, and `pie serve` says that in one line too.
@@ -27,6 +27,7 @@ from engine.kv_cache import KVCache
 from engine.kv_sizing import budget_blocks
 from engine.model_check import (
     ModelNote,
+    check_chat_template,
     check_vocab,
     check_weights_present,
     model_notes,
@@ -40,14 +41,14 @@ log = structlog.get_logger(__name__)
 
 
 def check_startup(engine: EngineConfig, *, host: str, ports: dict[str, int | None],
-                  tls: tuple[str, str, str | None] | None = None) -> None:
+                  tls: tuple[str, str, str | None] | None = None, chat_template: str | None = None) -> None:
     """Everything that can be checked before binding; raises StartupError. `ports` maps a flag
     ("--port") to its port (None: off, 0: any free port); `tls` is (certificate chain, key, client
-    CA bundle or None), or None for plaintext."""
+    CA bundle or None), or None for plaintext; `chat_template`: --chat-template's file."""
     device = resolve_device(engine.device)
     if tls is not None:
         check_tls(*tls)
-    model_config, notes = check_model(engine)
+    model_config, notes = check_model(engine, chat_template)
     if engine.tensor_parallel_size > 1:
         try:
             check_shardable(model_config, engine.tensor_parallel_size)
@@ -68,13 +69,16 @@ def check_startup(engine: EngineConfig, *, host: str, ports: dict[str, int | Non
         (log.warning if note.level == "warning" else log.info)(note.event, model=engine.model, **note.fields)
 
 
-def check_model(engine: EngineConfig) -> tuple[ModelConfig, list[ModelNote]]:
-    """The model folder as engine/model_check.py reads it, and its notes (to log once)."""
+def check_model(engine: EngineConfig, chat_template: str | None = None) -> tuple[ModelConfig, list[ModelNote]]:
+    """The model folder as engine/model_check.py reads it (and --chat-template's file), and its
+    notes (to log once)."""
     model_config = read_model_config(engine.model)
     check_weights_present(engine.model)
     tokenizer = read_tokenizer(engine.model, model_config)
     check_vocab(engine.model, model_config, tokenizer)
-    return model_config, model_notes(engine.model, model_config, tokenizer)
+    if chat_template is not None:
+        check_chat_template(engine.model, chat_template)
+    return model_config, model_notes(engine.model, model_config, tokenizer, chat_template)
 
 
 def check_tls(cert: str, key: str, client_ca: str | None) -> None:

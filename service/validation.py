@@ -7,9 +7,12 @@ grpcurl can find the field in the contract. Range checks on sampling live in
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
+from typing import Any
 
-from engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams, SamplingParamsError
+from engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams, SamplingParamsError, StructuredOutputParams
+from model.chat_template import RESERVED_VARIABLES
 
 DEFAULT_MAX_TOKENS = 16
 MAX_ABORT_IDS = 1024  # request ids one Abort call may name
@@ -22,6 +25,22 @@ class FieldError(ValueError):
         super().__init__(f"{field}: {description}")
         self.field = field
         self.description = description
+
+
+@dataclass(slots=True)
+class ChatPrompt:
+    """A ChatInput as plain Python, checked: what model.chat_template renders."""
+
+    messages: list[dict[str, Any]]  # role, and content / name / tool_call_id / tool_calls where set
+    tools: list[Any] | None  # the parsed tools_json; None without tools
+    add_generation_prompt: bool
+    continue_final_message: bool
+    extra: dict[str, Any] = field(default_factory=dict)  # the parsed template_kwargs_json
+    chars: int = 0  # characters of text in it: long conversations are rendered off the event loop
+
+
+# Largest role name: the template decides which roles it knows; this only bounds the field.
+MAX_ROLE_CHARS = 64
 
 
 @dataclass(slots=True)
@@ -57,25 +76,90 @@ def sampling_from_proto(msg, *, max_model_len: int) -> SamplingParams:
             prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
             logit_bias=dict(msg.logit_bias),
             min_tokens=msg.min_tokens,
+            structured=structured_from_proto(msg.structured) if msg.HasField("structured") else None,
         )
     except SamplingParamsError as e:
         raise FieldError(qualify(e.field), e.message) from e
 
 
+def structured_from_proto(msg) -> StructuredOutputParams | None:
+    """`msg` is a pie.v1.StructuredOutput; None for `json_object: false` (the same as unset)."""
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        raise FieldError("sampling.structured", "set one of json_schema, regex, choice, grammar or json_object")
+    if kind == "choice":
+        return StructuredOutputParams("choice", choices=tuple(msg.choice.choices))
+    if kind == "json_object":
+        return StructuredOutputParams("json_object") if msg.json_object else None
+    return StructuredOutputParams(kind, getattr(msg, kind))
+
+
 def qualify(field: str) -> str:
     """Engine field names are sampling field names unless they are prompt fields."""
-    if field in ("prompt", "prompt_token_ids", "request_id") or field.startswith("sampling."):
+    if field in ("prompt", "prompt_token_ids", "request_id") or field.startswith(("chat", "sampling.")):
         return field  # (prompt_logprobs is a sampling field: a prefix test would take it for a prompt field)
     return f"sampling.{field}"
 
 
-def prompt_from_proto(request, limits: Limits) -> str | list[int]:
-    """The request's prompt as given: text (to be tokenized with the model's special tokens) or
-    token ids. Checks what needs no tokenizer; tokenizing is the caller's, off the event loop
-    when the text is long."""
+def _json(field: str, text: str, kind: type, what: str) -> Any:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise FieldError(field, f"is not JSON ({e})") from None
+    if not isinstance(value, kind):
+        raise FieldError(field, f"must be {what}, got JSON {type(value).__name__}")
+    return value
+
+
+def chat_from_proto(chat, limits: Limits, field: str = "chat") -> ChatPrompt:
+    """`chat` is a pie.v1.ChatInput: its messages as dicts of the fields set, JSON fields parsed,
+    each problem named by its field (`chat.messages[2].role`)."""
+    if not chat.messages:
+        raise FieldError(f"{field}.messages", "must hold at least one message")
+    messages: list[dict[str, Any]] = []
+    chars = len(chat.tools_json) + len(chat.template_kwargs_json)
+    for i, m in enumerate(chat.messages):
+        where = f"{field}.messages[{i}]"
+        if not m.role:
+            raise FieldError(f"{where}.role", "must not be empty")
+        if len(m.role) > MAX_ROLE_CHARS:
+            raise FieldError(f"{where}.role", f"is longer than {MAX_ROLE_CHARS} characters")
+        message: dict[str, Any] = {"role": m.role}
+        for name in ("content", "name", "tool_call_id"):
+            if m.HasField(name):
+                message[name] = getattr(m, name)
+                chars += len(message[name])
+        if m.HasField("tool_calls_json"):
+            message["tool_calls"] = _json(f"{where}.tool_calls_json", m.tool_calls_json, list, "a JSON array")
+            chars += len(m.tool_calls_json)
+        messages.append(message)
+    if chars > limits.max_prompt_chars:
+        raise FieldError(field, f"is longer than {limits.max_prompt_chars} characters")
+    tools = _json(f"{field}.tools_json", chat.tools_json, list, "a JSON array") if chat.tools_json else None
+    extra = (_json(f"{field}.template_kwargs_json", chat.template_kwargs_json, dict, "a JSON object")
+             if chat.template_kwargs_json else {})
+    reserved = sorted(RESERVED_VARIABLES & set(extra))
+    if reserved:
+        raise FieldError(f"{field}.template_kwargs_json", f"may not set {', '.join(reserved)} (the request's own fields)")
+    continue_final = chat.continue_final_message
+    if chat.HasField("add_generation_prompt"):
+        add_prompt = chat.add_generation_prompt
+        if add_prompt and continue_final:
+            raise FieldError(f"{field}.add_generation_prompt", "cannot be true with continue_final_message")
+    else:
+        add_prompt = not continue_final
+    return ChatPrompt(messages, tools, add_prompt, continue_final, extra, chars)
+
+
+def prompt_from_proto(request, limits: Limits) -> str | list[int] | ChatPrompt:
+    """The request's prompt as given: text (to be tokenized with the model's special tokens),
+    token ids, or a chat (to be rendered with the model's template). Checks what needs no
+    tokenizer; rendering and tokenizing are the caller's, off the event loop when long."""
     which = request.WhichOneof("prompt_input")
     if which is None:
-        raise FieldError("prompt", "set either prompt (text) or prompt_token_ids")
+        raise FieldError("prompt", "set one of prompt (text), prompt_token_ids or chat")
+    if which == "chat":
+        return chat_from_proto(request.chat, limits)
     if which == "prompt":
         if not request.prompt:
             raise FieldError("prompt", "must not be empty")

@@ -62,8 +62,8 @@ def sample_sentences(n: int = 400, seed: int = 0) -> list[str]:
     return out
 
 
-@functools.lru_cache(maxsize=4)
-def _trained_tokenizer_json(vocab_size: int) -> str:
+@functools.lru_cache(maxsize=8)
+def _trained_tokenizer_json(vocab_size: int, extra_special_tokens: tuple[str, ...] = ()) -> str:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
@@ -71,7 +71,8 @@ def _trained_tokenizer_json(vocab_size: int) -> str:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=["<pad>", "<s>", "</s>"],  # ids 0, 1, 2
+        # ids 0, 1, 2, then the extra special tokens in order (a chat template's markers)
+        special_tokens=["<pad>", "<s>", "</s>", *extra_special_tokens],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte encodable
         show_progress=False,
     )
@@ -82,16 +83,20 @@ def _trained_tokenizer_json(vocab_size: int) -> str:
     return tok.to_str()
 
 
-def write_tokenizer(path: Path, vocab_size: int = 512) -> Path:
-    """Writes tokenizer.json (byte-level BPE with <pad>/<s>/</s> = 0/1/2, BOS added by the
-    post-processor; at most vocab_size ids) and tokenizer_config.json into `path`; returns path."""
+def write_tokenizer(path: Path, vocab_size: int = 512, *, extra_special_tokens: tuple[str, ...] = (),
+                    tokenizer_config: dict[str, Any] | None = None) -> Path:
+    """Writes tokenizer.json (byte-level BPE with <pad>/<s>/</s> = 0/1/2 and then
+    `extra_special_tokens` as ids 3, 4, ...; BOS added by the post-processor; at most vocab_size
+    ids) and tokenizer_config.json (updated with `tokenizer_config`, e.g. a chat_template) into
+    `path`; returns path."""
     path.mkdir(parents=True, exist_ok=True)
-    (path / "tokenizer.json").write_text(_trained_tokenizer_json(vocab_size))
+    (path / "tokenizer.json").write_text(_trained_tokenizer_json(vocab_size, tuple(extra_special_tokens)))
     (path / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": "<s>",
         "eos_token": "</s>",
         "pad_token": "<pad>",
+        **(tokenizer_config or {}),
     }, indent=2))
     return path
 
@@ -140,7 +145,9 @@ def add_massive_k_channels(model, scale: float, pairs: list[int]) -> None:
 
 def make_hf_model_dir(tmp_path: Path, arch: str, *, seed: int | None = None, weight_scale: float = 1.0,
                       max_shard_size: str | None = None, generation_eos: int | list[int] | None = None,
-                      massive_k: tuple[float, list[int]] | None = None, **overrides: Any) -> Path:
+                      massive_k: tuple[float, list[int]] | None = None,
+                      extra_special_tokens: tuple[str, ...] = (), tokenizer_config: dict[str, Any] | None = None,
+                      **overrides: Any) -> Path:
     """A tiny random `arch` model folder under tmp_path, loadable by transformers and by model/.
 
     arch: "llama" | "mistral" | "qwen2" | "qwen3". overrides: config fields over TINY_CONFIG (e.g.
@@ -151,6 +158,8 @@ def make_hf_model_dir(tmp_path: Path, arch: str, *, seed: int | None = None, wei
     a dropped bias shows. max_shard_size (e.g. "20KB") forces a sharded checkpoint.
     generation_eos: eos_token_id written to generation_config.json (default: the config's).
     massive_k: (scale, pair channels): see `add_massive_k_channels`.
+    extra_special_tokens, tokenizer_config: see `write_tokenizer` (tests/chat_templates.py uses
+    them for chat models).
     """
     import torch
     import transformers
@@ -182,7 +191,8 @@ def make_hf_model_dir(tmp_path: Path, arch: str, *, seed: int | None = None, wei
     (path / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": cfg_kwargs.get("bos_token_id"), "eos_token_id": eos,
          "pad_token_id": cfg_kwargs.get("pad_token_id")}, indent=2))
-    write_tokenizer(path, vocab_size=min(cfg_kwargs["vocab_size"], 512))
+    write_tokenizer(path, vocab_size=min(cfg_kwargs["vocab_size"], 512), extra_special_tokens=extra_special_tokens,
+                    tokenizer_config=tokenizer_config)
     return path
 
 

@@ -10,6 +10,12 @@
 // ('FINISH_REASON_STOP'); unset scalar fields read as their proto3 defaults (0, '', []), and an
 // unset `optional` one is absent (PromptLogprob.logprob of the first prompt token). A map field is
 // an object: sampling: { logit_bias: { 13: -100 } }.
+//
+// Chats and structured output:
+//   const answer = await pie.chat([{ role: 'user', content: 'Name a color.' }],
+//     { sampling: { max_tokens: 16, structured: { choice: { choices: ['red', 'green'] } } } });
+//   // structured: { json_schema: JSON.stringify(schema) } | { regex } | { choice: { choices } } |
+//   //             { grammar } (Lark) | { json_object: true }, on every call's `sampling`
 
 import path from 'node:path';
 import { fileURLToPath } from 'node:url';
@@ -103,6 +109,34 @@ export function decodeError(error) {
   return typeof error?.code === 'number' && 'metadata' in error ? new PieError(error) : error;
 }
 
+function chatMessage(message, index) {
+  if (message === null || typeof message !== 'object') throw new TypeError(`messages[${index}] must be an object`);
+  const { tool_calls: toolCalls, ...fields } = message;
+  // Unset optional fields are left out (proto3 presence): null and undefined mean "not set".
+  const out = Object.fromEntries(Object.entries(fields).filter(([, value]) => value !== null && value !== undefined));
+  if (toolCalls !== null && toolCalls !== undefined) {
+    out.tool_calls_json = typeof toolCalls === 'string' ? toolCalls : JSON.stringify(toolCalls);
+  }
+  return out;
+}
+
+/**
+ * The request of a conversation: `messages` as [{ role, content, name, tool_call_id, tool_calls }]
+ * (tool_calls an array of tool calls, sent as JSON), `tools` (an array of tool definitions, sent as
+ * JSON), `addGenerationPrompt` (default: the server's, true unless continuing),
+ * `continueFinalMessage`, `templateKwargs` (more template variables), and the rest of a
+ * GenerateRequest (`sampling`, `request_id`) as they are.
+ */
+export function chatRequest(messages, { tools, addGenerationPrompt, continueFinalMessage = false, templateKwargs,
+  ...rest } = {}) {
+  if (!Array.isArray(messages)) throw new TypeError('messages must be an array of { role, content, ... }');
+  const chat = { messages: messages.map(chatMessage), continue_final_message: continueFinalMessage };
+  if (tools !== undefined) chat.tools_json = typeof tools === 'string' ? tools : JSON.stringify(tools);
+  if (addGenerationPrompt !== undefined) chat.add_generation_prompt = addGenerationPrompt;
+  if (templateKwargs !== undefined) chat.template_kwargs_json = JSON.stringify(templateKwargs);
+  return { ...rest, chat };
+}
+
 function callArgs({ metadata = {}, timeoutMs } = {}) {
   const md = new grpc.Metadata();
   for (const [key, value] of Object.entries(metadata)) md.set(key, value);
@@ -173,7 +207,7 @@ export class PieClient {
     return iterator;
   }
 
-  /** Tokenize: { token_ids, tokens, count }. */
+  /** Tokenize: { token_ids, tokens, count } (and rendered_text for a `chat`). */
   tokenize(request, options) {
     return this.#unary(this.service, 'Tokenize', request, options);
   }
@@ -192,6 +226,22 @@ export class PieClient {
    */
   abort(request, options) {
     return this.#unary(this.service, 'Abort', request, options);
+  }
+
+  /** Generate for a conversation rendered with the model's chat template (see chatRequest). */
+  chat(messages, request = {}, options) {
+    return this.generate(chatRequest(messages, request), options);
+  }
+
+  /** GenerateStream for a conversation: the async iterator of `stream`. */
+  chatStream(messages, request = {}, options) {
+    return this.stream(chatRequest(messages, request), options);
+  }
+
+  /** Tokenize a conversation: the ids the model sees for it, and the rendered text. */
+  tokenizeChat(messages, request = {}, options) {
+    const { chat } = chatRequest(messages, request);
+    return this.tokenize({ chat }, options);
   }
 
   /** GetModelInfo: the model, and the server's load now (`load`). */

@@ -9,6 +9,7 @@ from .client import Client
 from .errors import (
     Cancelled,
     DeadlineExceeded,
+    FailedPrecondition,
     InternalError,
     InvalidArgument,
     PieError,
@@ -38,6 +39,7 @@ __all__ = [
     "Completion",
     "DeadlineExceeded",
     "Delta",
+    "FailedPrecondition",
     "InternalError",
     "InvalidArgument",
     "ModelInfo",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import struct
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -35,6 +36,12 @@ _MAP_FIELDS: dict[str, tuple[int, int]] = {
 _REPEATED_FIELDS = frozenset(
     f.name for f in pb.SamplingParams.DESCRIPTOR.fields if f.is_repeated and f.name not in _MAP_FIELDS
 )
+# Fields that take a message: built by their own converter (`structured`).
+_MESSAGE_FIELDS = frozenset(
+    f.name for f in pb.SamplingParams.DESCRIPTOR.fields if f.type == FieldDescriptor.TYPE_MESSAGE
+)
+# The kinds of a structured output (StructuredOutput's oneof), each a keyword of `structured`.
+STRUCTURED_KINDS: tuple[str, ...] = tuple(f.name for f in pb.StructuredOutput.DESCRIPTOR.oneofs_by_name["kind"].fields)
 _FIELD_TYPES: dict[str, int] = {f.name: f.type for f in pb.SamplingParams.DESCRIPTOR.fields}
 _UINT_MAX = {FieldDescriptor.TYPE_UINT32: 2**32 - 1, FieldDescriptor.TYPE_UINT64: 2**64 - 1}
 
@@ -51,6 +58,65 @@ def _uint_problem(value: int, hi: int, zero_means: str | None) -> str | None:
     if value > hi:
         return f"must be <= {hi}, got {value}"
     return None
+
+
+def structured_output(value: Any) -> pb.StructuredOutput:
+    """The `structured=` argument as a StructuredOutput: a pb.StructuredOutput as it is, or a dict
+    of one kind: {"json_schema": schema (a dict, or its JSON text)}, {"regex": "..."},
+    {"choice": ["yes", "no"]}, {"grammar": "<Lark grammar>"} or {"json_object": True}."""
+    if isinstance(value, pb.StructuredOutput):
+        return value
+    if not isinstance(value, Mapping) or len(value) != 1:
+        raise TypeError(f"structured: expected a dict with one of {', '.join(STRUCTURED_KINDS)}, got {value!r}")
+    (kind, item), = value.items()
+    if kind == "json_schema":
+        text = item if isinstance(item, str) else json.dumps(item)
+        return pb.StructuredOutput(json_schema=text)
+    if kind in ("regex", "grammar"):
+        if not isinstance(item, str):
+            raise TypeError(f"structured.{kind}: expected a str, got {type(item).__name__}")
+        return pb.StructuredOutput(regex=item) if kind == "regex" else pb.StructuredOutput(grammar=item)
+    if kind == "choice":
+        choices = [item] if isinstance(item, str) else list(item)
+        if not all(isinstance(c, str) for c in choices):
+            raise TypeError("structured.choice: expected a list of str")
+        return pb.StructuredOutput(choice=pb.ChoiceList(choices=choices))
+    if kind == "json_object":
+        return pb.StructuredOutput(json_object=bool(item))
+    raise TypeError(f"structured: unknown kind {kind!r}; one of {', '.join(STRUCTURED_KINDS)}")
+
+
+def chat_input(messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Any] | str | None = None,
+               add_generation_prompt: bool | None = None, continue_final_message: bool = False,
+               template_kwargs: Mapping[str, Any] | None = None) -> pb.ChatInput:
+    """A ChatInput from messages as dicts: "role", and optionally "content", "name",
+    "tool_call_id" and "tool_calls" (a list, sent as JSON; or its JSON text); `tools`: tool
+    definitions (dicts, sent as a JSON array, or its JSON text); `template_kwargs`: further template
+    variables. A key whose value is None is left out."""
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise TypeError(f"messages: expected a list of dicts, got {type(messages).__name__}")
+    chat = pb.ChatInput(continue_final_message=continue_final_message)
+    known = {"role", "content", "name", "tool_call_id", "tool_calls"}
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise TypeError(f"messages[{i}]: expected a dict, got {type(message).__name__}")
+        unknown = sorted(set(message) - known)
+        if unknown:
+            raise TypeError(f"messages[{i}]: unknown key(s) {', '.join(unknown)}; expected some of {', '.join(sorted(known))}")
+        m = chat.messages.add(role=message.get("role") or "")
+        for key in ("content", "name", "tool_call_id"):
+            if message.get(key) is not None:
+                setattr(m, key, message[key])
+        calls = message.get("tool_calls")
+        if calls is not None:
+            m.tool_calls_json = calls if isinstance(calls, str) else json.dumps(calls)
+    if tools is not None:
+        chat.tools_json = tools if isinstance(tools, str) else json.dumps(list(tools))
+    if add_generation_prompt is not None:
+        chat.add_generation_prompt = add_generation_prompt
+    if template_kwargs:
+        chat.template_kwargs_json = json.dumps(dict(template_kwargs))
+    return chat
 
 
 def value_problem(name: str, value: Any) -> str | None:
@@ -138,6 +204,8 @@ def sampling_params(sampling: Mapping[str, Any]) -> pb.SamplingParams:
                 if problem:
                     raise ValueError(problem)
             _put(name, dict(value), getattr(params, name).update)
+        elif name in _MESSAGE_FIELDS:
+            getattr(params, name).CopyFrom(structured_output(value))
         elif name in _REPEATED_FIELDS:
             items = _items(name, value)
             for i, item in enumerate(items):
@@ -154,14 +222,16 @@ def sampling_params(sampling: Mapping[str, Any]) -> pb.SamplingParams:
 
 
 def build_request(
-    cls: type[RequestT], prompt: str | Sequence[int], request_id: str | None, sampling: Mapping[str, Any],
-    priority: int = 0,
+    cls: type[RequestT], prompt: str | Sequence[int] | pb.ChatInput, request_id: str | None,
+    sampling: Mapping[str, Any], priority: int = 0,
 ) -> RequestT:
-    """A GenerateRequest or GenerateStreamRequest for a text prompt or a list of token ids."""
+    """A GenerateRequest or GenerateStreamRequest for a text prompt, a list of token ids or a chat."""
     if isinstance(priority, bool) or not isinstance(priority, int) or not -2**31 <= priority < 2**31:
         raise ValueError(f"priority: must be an int32, got {priority!r}")
     request = cls(sampling=sampling_params(sampling), request_id=request_id or "", priority=priority)
-    if isinstance(prompt, str):
+    if isinstance(prompt, pb.ChatInput):
+        request.chat.CopyFrom(prompt)
+    elif isinstance(prompt, str):
         request.prompt = prompt
     elif isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)) and all(
         isinstance(t, int) for t in prompt
@@ -275,7 +345,8 @@ def delta(response: pb.GenerateStreamResponse) -> Delta:
 
 
 def tokenization(response: pb.TokenizeResponse) -> Tokenization:
-    return Tokenization(token_ids=list(response.token_ids), tokens=list(response.tokens))
+    return Tokenization(token_ids=list(response.token_ids), tokens=list(response.tokens),
+                        rendered_text=response.rendered_text)
 
 
 def model_info(response: pb.GetModelInfoResponse) -> ModelInfo:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -80,7 +80,7 @@ class AsyncClient:
 
     async def generate(
         self,
-        prompt: str | Sequence[int],
+        prompt: str | Sequence[int] | pb.ChatInput,
         *,
         request_id: str | None = None,
         priority: int = 0,
@@ -99,7 +99,7 @@ class AsyncClient:
 
     def stream(
         self,
-        prompt: str | Sequence[int],
+        prompt: str | Sequence[int] | pb.ChatInput,
         *,
         request_id: str | None = None,
         priority: int = 0,
@@ -121,6 +121,40 @@ class AsyncClient:
             raise from_rpc_error(error, request_id) from None
         finally:
             call.cancel()  # no-op once the stream ended; stops it when the caller left early
+
+    async def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Any] | str | None = None,
+        add_generation_prompt: bool | None = None,
+        continue_final_message: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
+        request_id: str | None = None,
+        timeout: float | None = _DEFAULT,
+        **sampling: Any,
+    ) -> Completion:
+        """Generate the answer to a conversation; see `Client.chat`."""
+        chat = _convert.chat_input(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                   continue_final_message=continue_final_message, template_kwargs=template_kwargs)
+        return await self.generate(chat, request_id=request_id, timeout=timeout, **sampling)
+
+    def chat_stream(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Any] | str | None = None,
+        add_generation_prompt: bool | None = None,
+        continue_final_message: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
+        request_id: str | None = None,
+        timeout: float | None = _DEFAULT,
+        **sampling: Any,
+    ) -> AsyncIterator[Delta]:
+        """The answer to a conversation as deltas: arguments as for `chat`, deltas as for `stream`."""
+        chat = _convert.chat_input(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                   continue_final_message=continue_final_message, template_kwargs=template_kwargs)
+        return self.stream(chat, request_id=request_id, timeout=timeout, **sampling)
 
     async def tokenize(
         self, text: str, *, add_special_tokens: bool = True, timeout: float | None = _DEFAULT
@@ -152,6 +186,28 @@ class AsyncClient:
         except grpc.RpcError as error:
             raise from_rpc_error(error) from None
         return list(response.aborted_request_ids)
+
+    async def tokenize_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]] | pb.ChatInput,
+        *,
+        tools: Sequence[Any] | str | None = None,
+        add_generation_prompt: bool | None = None,
+        continue_final_message: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
+        timeout: float | None = _DEFAULT,
+    ) -> Tokenization:
+        """The token ids the model sees for a conversation (arguments as for `chat`), with the
+        rendered text in `rendered_text`. `messages` may be a pb.ChatInput built already."""
+        chat = messages if isinstance(messages, pb.ChatInput) else _convert.chat_input(
+            messages, tools=tools, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, template_kwargs=template_kwargs)
+        try:
+            response = await self._stub.Tokenize(pb.TokenizeRequest(chat=chat), timeout=self._timeout(timeout),
+                                           metadata=self._metadata)
+        except grpc.RpcError as error:
+            raise from_rpc_error(error) from None
+        return _convert.tokenization(response)
 
     async def model_info(self, *, timeout: float | None = _DEFAULT) -> ModelInfo:
         """The served model and the server's current load."""

@@ -1,5 +1,6 @@
-"""pie-client: call a pie inference server to generate text (streamed by default), describe its
-model (info), tokenize text or detokenize token ids, or abort requests by id.
+"""pie-client: call a pie inference server to generate text (streamed by default), answer a chat
+with the model's chat template, describe its model (info), tokenize text or detokenize token ids,
+or abort requests by id.
 
 Examples:
 
@@ -10,8 +11,12 @@ Examples:
     pie-client generate "Hi" --min-tokens 8 --logit-bias 13=-100
     pie-client generate "Hi" --json | jq -r .text    # JSON lines on stdout, for scripts
     echo "Once upon a time" | pie-client generate -  # the prompt from stdin (also with no PROMPT)
+    pie-client chat "Name a color." --system "Answer in one word." --choice red --choice blue
+    pie-client chat --messages chat.json --json-schema person.json   # output that parses
+    pie-client generate "Date: " --regex '20[0-9]{2}-[01][0-9]-[0-3][0-9]'
     pie-client info
     pie-client tokenize "Hello world"
+    pie-client tokenize --chat "Hello"               # the ids of a chat as the model sees it
     pie-client detokenize 1 9038 2501
     pie-client --token-file token.txt abort job-17 job-18
 
@@ -19,11 +24,11 @@ Global options (--address, --timeout, --request-id, --token-file, --tls, --tls-c
 before or after the subcommand. Given after it, --timeout and --request-id replace a value given
 before; --address adds to the list.
 
-Output of generate: stdout carries the generated text and nothing else, written as it arrives,
-so it can be piped. Everything else goes to stderr after the text: with --prompt-logprobs K a table
-of the prompt's tokens, with --logprobs K one of the generated tokens (each token, its logprob, the
-K most likely alternatives with theirs), then one summary line (finish reason, stop reason, token
-counts, request id). Several samples (--n) are printed whole,
+Output of generate and chat: stdout carries the generated text and nothing else, written as it
+arrives, so it can be piped. Everything else goes to stderr after the text: with --prompt-logprobs
+K a table of the prompt's tokens, with --logprobs K one of the generated tokens (each token, its
+logprob, the K most likely alternatives with theirs), then one summary line (finish reason, stop
+reason, token counts, request id). Several samples (--n) are printed whole,
 one after another, each headed by its index. With --json, stdout is JSON lines and stderr stays
 empty: while streaming, one object per stream message (request_id, text, token_ids,
 finish_reason, stop_reason, usage, logprobs, index; the last has finish_reason and usage); with
@@ -85,6 +90,15 @@ _SAMPLING_FLAGS: tuple[tuple[str, str, type, str, str], ...] = (
      "report each prompt token's logprob given the tokens before it and the K most likely tokens there "
      "(0: its own only): a table on stderr, or in --json; the server then computes the whole prompt, "
      "without its prefix cache (default: none)"),
+)
+# The structured-output flags: (flag, StructuredOutput kind, help); at most one per call.
+_STRUCTURED_FLAGS: tuple[tuple[str, str, str], ...] = (
+    ("--json-schema", "json_schema", "FILE holding a JSON schema: the output is JSON that validates against it "
+                                     "('-': stdin) (default: free text)"),
+    ("--regex", "regex", "regular expression the whole output matches (default: free text)"),
+    ("--choice", "choice", "the output is exactly one of these strings; repeatable (default: free text)"),
+    ("--grammar", "grammar", "FILE holding a Lark grammar the output belongs to ('-': stdin) (default: free text)"),
+    ("--json-object", "json_object", "the output is a JSON object"),
 )
 
 
@@ -206,27 +220,20 @@ def _parser() -> argparse.ArgumentParser:
                      help="prompt text (or token ids with --token-ids); - reads it from stdin, less one final "
                           "newline (default: stdin, when it is not a terminal)")
     gen.add_argument("--token-ids", action="store_true", help="PROMPT is token ids separated by spaces or commas")
-    for flag, name, kind, metavar, text in _SAMPLING_FLAGS:
-        gen.add_argument(flag, dest=name, type=_checked(name, kind), metavar=metavar, default=None, help=text)
-    gen.add_argument("--stop", action="append", metavar="TEXT", default=None,
-                     help="stop string, left out of the text; repeatable (default: none)")
-    gen.add_argument("--stop-token-id", dest="stop_token_ids", type=_checked("stop_token_ids", int), action="append",
-                     metavar="ID", default=None,
-                     help="token id that ends generation besides the model's end-of-sequence ids; repeatable "
-                          "(default: none)")
-    gen.add_argument("--logit-bias", dest="logit_bias", type=_logit_bias, action="append", metavar="ID=BIAS",
-                     default=None,
-                     help="add BIAS, in [-100, 100], to token ID's logit before sampling (-100 all but bans it, "
-                          "100 all but forces it); repeatable (default: none)")
-    gen.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
-    gen.add_argument("--priority", type=_int32("--priority"), default=0, metavar="P",
-                     help="scheduling priority: lower runs first, requests of one priority in arrival order")
-    gen.add_argument("--keep-special-tokens", action="store_true", help="leave special tokens in the text")
-    gen.add_argument("--no-stream", action="store_true", help="one unary call; print the whole answer")
-    gen.add_argument("--json", action="store_true",
-                     help="print JSON lines on stdout instead of text: one object per stream message, or the "
-                          "whole completion with --no-stream or --n > 1; nothing on stderr")
+    _add_generation_flags(gen)
     _add_global_flags(gen, after_command=True)
+
+    chat = commands.add_parser("chat", help="answer a conversation, rendered with the model's chat template",
+                               description="Answer a conversation: MESSAGE as the user's turn (after --messages and "
+                                           "--system), rendered with the served model's chat template.",
+                               epilog=_DETAILS, formatter_class=HelpFormatter)
+    chat.set_defaults(command_parser=chat)
+    chat.add_argument("message", nargs="?", default=None,
+                      help="the user's message; - reads it from stdin, less one final newline (default: stdin when "
+                           "it is not a terminal and --messages is not given; none with --messages)")
+    _add_chat_flags(chat)
+    _add_generation_flags(chat)
+    _add_global_flags(chat, after_command=True)
 
     info = commands.add_parser("info", help="print model info and server load as JSON",
                                description="Print the served model and the server's load as JSON.",
@@ -242,6 +249,10 @@ def _parser() -> argparse.ArgumentParser:
                           "final newline (default: stdin, when it is not a terminal)")
     tok.add_argument("--no-special-tokens", action="store_true",
                      help="do not add BOS and the like, which a text prompt gets")
+    tok.add_argument("--chat", action="store_true",
+                     help="TEXT is a user's message: print the ids of the chat rendered with the model's template "
+                          "(with --messages, --system and --tools as for chat) and the rendered text")
+    _add_chat_flags(tok)
     _add_global_flags(tok, after_command=True)
 
     detok = commands.add_parser("detokenize", help="print the text of token ids as JSON",
@@ -281,15 +292,67 @@ def _token_id(text: str) -> list[int]:
 _token_id.__name__ = "token id"
 
 
+def _add_chat_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("the conversation")
+    group.add_argument("--system", metavar="TEXT", default=None, help="a system message first (default: none)")
+    group.add_argument("--messages", metavar="FILE", default=None,
+                       help="FILE holding the conversation so far: a JSON array of messages (role, content, name, "
+                            "tool_call_id, tool_calls); '-': stdin (default: none)")
+    group.add_argument("--tools", metavar="FILE", default=None,
+                       help="FILE holding a JSON array of tool definitions for the template (default: none)")
+    group.add_argument("--continue", dest="continue_final_message", action="store_true",
+                       help="the model continues the last message instead of answering it")
+
+
+def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
+    """The sampling, stop, structured-output and output flags of generate and chat."""
+    for flag, name, kind, metavar, text in _SAMPLING_FLAGS:
+        parser.add_argument(flag, dest=name, type=_checked(name, kind), metavar=metavar, default=None, help=text)
+    parser.add_argument("--stop", action="append", metavar="TEXT", default=None,
+                        help="stop string, left out of the text; repeatable (default: none)")
+    parser.add_argument("--stop-token-id", dest="stop_token_ids", type=_checked("stop_token_ids", int),
+                        action="append", metavar="ID", default=None,
+                        help="token id that ends generation besides the model's end-of-sequence ids; repeatable "
+                             "(default: none)")
+    parser.add_argument("--logit-bias", dest="logit_bias", type=_logit_bias, action="append", metavar="ID=BIAS",
+                        default=None,
+                        help="add BIAS, in [-100, 100], to token ID's logit before sampling (-100 all but bans it, "
+                             "100 all but forces it); repeatable (default: none)")
+    parser.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+    parser.add_argument("--priority", type=_int32("--priority"), default=0, metavar="P",
+                        help="scheduling priority: lower runs first, requests of one priority in arrival order")
+    parser.add_argument("--keep-special-tokens", action="store_true", help="leave special tokens in the text")
+    structured = parser.add_argument_group("structured output (one of these; the server refuses what does not "
+                                           "compile)").add_mutually_exclusive_group()
+    for flag, constraint, text in _STRUCTURED_FLAGS:
+        if constraint == "json_object":
+            structured.add_argument(flag, dest=constraint, action="store_true", help=text)
+        else:
+            structured.add_argument(flag, dest=constraint, action="append" if constraint == "choice" else "store",
+                                    metavar="TEXT" if constraint in ("regex", "choice") else "FILE", default=None,
+                                    help=text)
+    parser.add_argument("--no-stream", action="store_true", help="one unary call; print the whole answer")
+    parser.add_argument("--json", action="store_true",
+                        help="print JSON lines on stdout instead of text: one object per stream message, or the "
+                             "whole completion with --no-stream or --n > 1; nothing on stderr")
+
+
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     """Parsed arguments, with --address given before and after the subcommand joined (or the
     default) and a --token-ids prompt turned into its list of ids."""
     args = _parser().parse_args(argv)
     args.address = (args.address or []) + vars(args).pop("address_after", []) or [DEFAULT_TARGET]
     command_parser = vars(args).pop("command_parser", None)
-    text_arg = {"generate": "prompt", "tokenize": "text"}.get(args.command)
-    if command_parser is not None and text_arg is not None and getattr(args, text_arg) in (None, "-"):
-        setattr(args, text_arg, _read_stdin(command_parser, text_arg, asked=getattr(args, text_arg) == "-"))
+    text_arg = {"generate": "prompt", "tokenize": "text", "chat": "message"}.get(args.command)
+    if args.command == "tokenize":
+        args.chat = args.chat or args.messages is not None
+        if not args.chat and (args.system is not None or args.tools is not None or args.continue_final_message):
+            command_parser.error("--system, --tools and --continue need --chat (or --messages)")
+    # A chat may consist of --messages alone (then MESSAGE is not read from stdin).
+    optional = args.command in ("chat", "tokenize") and getattr(args, "messages", None) is not None
+    value = getattr(args, text_arg) if text_arg is not None else None
+    if command_parser is not None and text_arg is not None and (value == "-" or (value is None and not optional)):
+        setattr(args, text_arg, _read_stdin(command_parser, text_arg, asked=value == "-"))
     if args.command == "generate" and args.token_ids:
         try:
             args.prompt = [int(t) for t in args.prompt.replace(",", " ").split()]
@@ -315,6 +378,43 @@ def _read_stdin(parser: argparse.ArgumentParser, name: str, *, asked: bool) -> s
     return text
 
 
+def _read_file(flag: str, path: str) -> str:
+    """A file's text for a flag ('-': stdin); OSError (exit 2) when it cannot be read."""
+    if path == "-":
+        return sys.stdin.read()
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as error:
+        raise OSError(f"{flag} {path}: {error.strerror or error}") from None
+
+
+def _read_json(flag: str, path: str, kind: type | tuple[type, ...], what: str) -> Any:
+    """A file's JSON (ValueError, exit 2, when it is not JSON of the kind asked)."""
+    try:
+        value = json.loads(_read_file(flag, path))
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{flag} {path}: not JSON ({error})") from None
+    if not isinstance(value, kind):
+        raise ValueError(f"{flag} {path}: must hold {what}")
+    return value
+
+
+def _structured(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The `structured=` keyword of the structured-output flag given, or None."""
+    if args.json_schema is not None:
+        return {"json_schema": json.dumps(_read_json("--json-schema", args.json_schema, (dict, bool), "a JSON schema"))}
+    if args.regex is not None:
+        return {"regex": args.regex}
+    if args.choice is not None:
+        return {"choice": args.choice}
+    if args.grammar is not None:
+        return {"grammar": _read_file("--grammar", args.grammar)}
+    if args.json_object:
+        return {"json_object": True}
+    return None
+
+
 def _sampling(args: argparse.Namespace) -> dict[str, Any]:
     """The keywords of Client.generate/stream for the flags given; an absent flag sends nothing."""
     names = [name for _, name, _, _, _ in _SAMPLING_FLAGS] + ["stop", "stop_token_ids"]
@@ -325,7 +425,29 @@ def _sampling(args: argparse.Namespace) -> dict[str, Any]:
         sampling["ignore_eos"] = True
     if args.keep_special_tokens:
         sampling["skip_special_tokens"] = False
+    structured = _structured(args)
+    if structured is not None:
+        sampling["structured"] = structured
     return sampling
+
+
+def _chat(args: argparse.Namespace, message: str | None) -> Any:
+    """The pb.ChatInput of --messages, --system, the user's message and --tools."""
+    messages: list[dict[str, Any]] = []
+    if args.system is not None:
+        messages.append({"role": "system", "content": args.system})
+    if args.messages is not None:
+        listed = _read_json("--messages", args.messages, list, "a JSON array of messages")
+        if not all(isinstance(m, dict) for m in listed):
+            raise ValueError(f"--messages {args.messages}: every message must be a JSON object")
+        messages += listed
+    if message is not None:
+        messages.append({"role": "user", "content": message})
+    tools = _read_json("--tools", args.tools, list, "a JSON array of tools") if args.tools is not None else None
+    try:
+        return _convert.chat_input(messages, tools=tools, continue_final_message=args.continue_final_message)
+    except TypeError as error:  # a message of --messages with a key or value a message cannot have
+        raise ValueError(f"--messages {args.messages}: {error}") from None
 
 
 def _shown(token: str, token_id: int) -> str:
@@ -364,12 +486,13 @@ def _int32(flag: str):
     return parse
 
 
-def _generate(client: Client, args: argparse.Namespace) -> None:
+def _generate(client: Client, args: argparse.Namespace, prompt: Any) -> None:
+    """generate and chat: `prompt` is text, token ids or a pb.ChatInput."""
     sampling = _sampling(args)
     logprobs: dict[int, list[TokenLogprob]] = {}  # by choice
     prompt_logprobs: list[PromptLogprob] = []
     if args.no_stream or sampling.get("n", 1) > 1:  # several choices: printed whole, one after another
-        done = client.generate(args.prompt, request_id=args.request_id, priority=args.priority, **sampling)
+        done = client.generate(prompt, request_id=args.request_id, priority=args.priority, **sampling)
         if args.json:
             _print_json(done)
             return
@@ -383,7 +506,7 @@ def _generate(client: Client, args: argparse.Namespace) -> None:
         prompt_tokens, completion_tokens = done.prompt_tokens, done.completion_tokens
     else:
         reason, stop, request_id, prompt_tokens, completion_tokens = None, "", "", 0, 0
-        for delta in client.stream(args.prompt, request_id=args.request_id, priority=args.priority, **sampling):
+        for delta in client.stream(prompt, request_id=args.request_id, priority=args.priority, **sampling):
             if args.json:
                 _print_json(delta)
                 continue
@@ -425,7 +548,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with Client(args.address, timeout=args.timeout, metadata=metadata, **_connection(args)) as client:
             if args.command == "generate":
-                _generate(client, args)
+                _generate(client, args, args.prompt)
+            elif args.command == "chat":
+                _generate(client, args, _chat(args, args.message))
             elif args.command == "info":
                 print(json.dumps(dataclasses.asdict(client.model_info()), indent=2))
             elif args.command == "detokenize":
@@ -434,6 +559,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(json.dumps({"text": text}, ensure_ascii=False))
             elif args.command == "abort":
                 print(json.dumps({"aborted_request_ids": client.abort(args.request_ids)}))
+            elif args.chat:
+                result = client.tokenize_chat(_chat(args, args.text))
+                print(json.dumps({"token_ids": result.token_ids, "tokens": result.tokens, "count": len(result),
+                                  "rendered_text": result.rendered_text}, ensure_ascii=False))
             else:
                 result = client.tokenize(args.text, add_special_tokens=not args.no_special_tokens)
                 print(json.dumps({"token_ids": result.token_ids, "tokens": result.tokens, "count": len(result)}))

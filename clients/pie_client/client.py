@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -93,18 +93,21 @@ class Client:
 
     def generate(
         self,
-        prompt: str | Sequence[int],
+        prompt: str | Sequence[int] | pb.ChatInput,
         *,
         request_id: str | None = None,
         priority: int = 0,
         timeout: float | None = _DEFAULT,
         **sampling: Any,
     ) -> Completion:
-        """Generate a whole completion of a text prompt or a list of token ids.
+        """Generate a whole completion of a text prompt or a list of token ids (or a pb.ChatInput:
+        `chat` builds one).
 
         `sampling` takes SamplingParams field names (max_tokens, temperature, top_k, top_p, ...);
-        an unknown name raises TypeError. `request_id` is sent as `x-request-id`. `priority`: lower
-        is scheduled first (0 by default; requests of one priority in arrival order).
+        an unknown name raises TypeError. `structured` constrains the output: {"json_schema":
+        schema}, {"regex": "..."}, {"choice": [...]}, {"grammar": "<Lark>"} or {"json_object": True}.
+        `request_id` is sent as `x-request-id`. `priority`: lower is scheduled first (0 by default;
+        requests of one priority in arrival order).
         """
         request = _convert.build_request(pb.GenerateRequest, prompt, request_id, sampling, priority)
         try:
@@ -117,7 +120,7 @@ class Client:
 
     def stream(
         self,
-        prompt: str | Sequence[int],
+        prompt: str | Sequence[int] | pb.ChatInput,
         *,
         request_id: str | None = None,
         priority: int = 0,
@@ -141,6 +144,50 @@ class Client:
             raise from_rpc_error(error, request_id) from None
         finally:
             call.cancel()  # no-op once the stream ended; stops it when the caller left early
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Any] | str | None = None,
+        add_generation_prompt: bool | None = None,
+        continue_final_message: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
+        request_id: str | None = None,
+        timeout: float | None = _DEFAULT,
+        **sampling: Any,
+    ) -> Completion:
+        """Generate the answer to a conversation, rendered with the served model's chat template.
+
+            client.chat([{"role": "user", "content": "Name a color."}], max_tokens=16,
+                        structured={"choice": ["red", "green", "blue"]})
+
+        `messages`: dicts with "role" and optionally "content", "name", "tool_call_id" and
+        "tool_calls" (a list of tool calls); `tools`: tool definitions (JSON schemas of functions);
+        `add_generation_prompt`: None means the server's default (True, or False when continuing);
+        `continue_final_message`: the model continues the last message; `template_kwargs`: further
+        variables for the template. `sampling` as for `generate` (structured= included).
+        """
+        chat = _convert.chat_input(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                   continue_final_message=continue_final_message, template_kwargs=template_kwargs)
+        return self.generate(chat, request_id=request_id, timeout=timeout, **sampling)
+
+    def chat_stream(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Any] | str | None = None,
+        add_generation_prompt: bool | None = None,
+        continue_final_message: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
+        request_id: str | None = None,
+        timeout: float | None = _DEFAULT,
+        **sampling: Any,
+    ) -> Iterator[Delta]:
+        """The answer to a conversation as deltas: arguments as for `chat`, deltas as for `stream`."""
+        chat = _convert.chat_input(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                   continue_final_message=continue_final_message, template_kwargs=template_kwargs)
+        return self.stream(chat, request_id=request_id, timeout=timeout, **sampling)
 
     def tokenize(self, text: str, *, add_special_tokens: bool = True, timeout: float | None = _DEFAULT) -> Tokenization:
         """Token ids (and their text pieces) of `text` under the served model's tokenizer."""
@@ -176,6 +223,28 @@ class Client:
         except grpc.RpcError as error:
             raise from_rpc_error(error) from None
         return list(response.aborted_request_ids)
+
+    def tokenize_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]] | pb.ChatInput,
+        *,
+        tools: Sequence[Any] | str | None = None,
+        add_generation_prompt: bool | None = None,
+        continue_final_message: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
+        timeout: float | None = _DEFAULT,
+    ) -> Tokenization:
+        """The token ids the model sees for a conversation (arguments as for `chat`), with the
+        rendered text in `rendered_text`. `messages` may be a pb.ChatInput built already."""
+        chat = messages if isinstance(messages, pb.ChatInput) else _convert.chat_input(
+            messages, tools=tools, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, template_kwargs=template_kwargs)
+        try:
+            response = self._stub.Tokenize(pb.TokenizeRequest(chat=chat), timeout=self._timeout(timeout),
+                                           metadata=self._metadata)
+        except grpc.RpcError as error:
+            raise from_rpc_error(error) from None
+        return _convert.tokenization(response)
 
     def model_info(self, *, timeout: float | None = _DEFAULT) -> ModelInfo:
         """The served model and the server's current load."""

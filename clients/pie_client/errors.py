@@ -72,6 +72,11 @@ class InvalidArgument(PieError):
     """The request was rejected as malformed; see `field_violations`."""
 
 
+class FailedPrecondition(PieError):
+    """The server cannot serve this kind of request as it is set up (e.g. a chat to a model
+    without a chat template: reason NO_CHAT_TEMPLATE)."""
+
+
 class ResourceExhausted(PieError):
     """The server is full (its waiting queue is at its bound); retry after `retry_after` seconds."""
 
@@ -99,6 +104,7 @@ class Unauthenticated(PieError):
 _CLASS_BY_CODE: dict[grpc.StatusCode, type[PieError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
     grpc.StatusCode.OUT_OF_RANGE: InvalidArgument,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
     grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
     grpc.StatusCode.UNAVAILABLE: Unavailable,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,

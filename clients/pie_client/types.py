@@ -102,6 +102,7 @@ class Tokenization:
 
     token_ids: list[int]
     tokens: list[str]  # text piece of each token, parallel to token_ids
+    rendered_text: str = ""  # of a chat: the conversation as the model's template rendered it
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -222,6 +222,7 @@ class _Error(grpc.RpcError):
         (grpc.StatusCode.INTERNAL, pie_client.InternalError),
         (grpc.StatusCode.UNAUTHENTICATED, pie_client.Unauthenticated),
         (grpc.StatusCode.UNAVAILABLE, pie_client.Unavailable),
+        (grpc.StatusCode.FAILED_PRECONDITION, pie_client.FailedPrecondition),
         (grpc.StatusCode.ABORTED, pie_client.PieError),
     ],
 )
@@ -286,8 +287,78 @@ def test_async_client(fake: tuple[FakeGenerateService, str]) -> None:
                 await client.generate("hi", max_tokens=0)
             with pytest.raises(ValueError, match=r"^n: must be >= 1"):
                 client.stream("hi", n=0)
+            done = await client.chat([{"role": "user", "content": "Hi"}], structured={"regex": "[a-z]+"})
+            assert done.text == "Hello!" and servicer.requests[-1].chat.messages[0].content == "Hi"
+            assert servicer.requests[-1].sampling.structured.regex == "[a-z]+"
+            deltas = [d async for d in client.chat_stream([{"role": "user", "content": "Hi"}], add_generation_prompt=False)]
+            assert "".join(d.text for d in deltas) == "Hello!"
+            assert servicer.requests[-1].chat.HasField("add_generation_prompt")
+            await client.tokenize_chat([{"role": "user", "content": "Hi"}])
+            assert servicer.requests[-1].chat.messages[0].role == "user"
 
     asyncio.run(scenario())
+
+
+def test_chat_builds_the_conversation(client: pie_client.Client, fake: tuple[FakeGenerateService, str]) -> None:
+    servicer = fake[0]
+    calls = [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    done = client.chat(
+        [{"role": "system", "content": "Be brief."},
+         {"role": "user", "content": "Weather?", "name": "ann"},
+         {"role": "assistant", "tool_calls": calls, "content": None},
+         {"role": "tool", "tool_call_id": "call_1", "content": "21 C"}],
+        tools=tools, template_kwargs={"enable_thinking": False}, max_tokens=7, request_id="chat-1")
+    assert done.text == "Hello!" and done.request_id == "chat-1"
+    sent = servicer.requests[-1]
+    assert sent.WhichOneof("prompt_input") == "chat" and sent.sampling.max_tokens == 7
+    m = sent.chat.messages
+    assert [x.role for x in m] == ["system", "user", "assistant", "tool"]
+    assert m[1].name == "ann" and not m[0].HasField("name")
+    assert not m[2].HasField("content") and json.loads(m[2].tool_calls_json) == calls  # None: left out
+    assert m[3].tool_call_id == "call_1"
+    assert json.loads(sent.chat.tools_json) == tools
+    assert json.loads(sent.chat.template_kwargs_json) == {"enable_thinking": False}
+    assert not sent.chat.HasField("add_generation_prompt") and not sent.chat.continue_final_message
+    assert "".join(d.text for d in client.chat_stream([{"role": "user", "content": "x"}], continue_final_message=True))
+    assert servicer.requests[-1].chat.continue_final_message
+    with pytest.raises(TypeError, match=r"messages\[0\]: unknown key\(s\) text"):
+        client.chat([{"role": "user", "text": "x"}])
+    with pytest.raises(TypeError, match="expected a list of dicts"):
+        client.chat("hello")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("structured", "kind", "value"), [
+    ({"json_schema": {"type": "object"}}, "json_schema", '{"type": "object"}'),
+    ({"json_schema": '{"type": "string"}'}, "json_schema", '{"type": "string"}'),
+    ({"regex": "[0-9]+"}, "regex", "[0-9]+"),
+    ({"choice": ["yes", "no"]}, "choice", ["yes", "no"]),
+    ({"grammar": "start: \"a\""}, "grammar", "start: \"a\""),
+    ({"json_object": True}, "json_object", True),
+    (pb.StructuredOutput(regex="x"), "regex", "x"),
+])
+def test_structured_on_every_call(client: pie_client.Client, fake: tuple[FakeGenerateService, str],
+                                  structured, kind: str, value) -> None:
+    servicer = fake[0]
+    for call in (lambda: client.generate("Hi", structured=structured),
+                 lambda: "".join(d.text for d in client.stream("Hi", structured=structured)),
+                 lambda: client.chat([{"role": "user", "content": "Hi"}], structured=structured)):
+        call()
+        sent = servicer.requests[-1].sampling.structured
+        assert sent.WhichOneof("kind") == kind
+        got = list(sent.choice.choices) if kind == "choice" else getattr(sent, kind)
+        assert got == value
+
+
+@pytest.mark.parametrize(("structured", "error"), [
+    ({"yaml": "x"}, "unknown kind 'yaml'"),
+    ({"regex": "a", "choice": ["b"]}, "expected a dict with one of"),
+    ({"regex": 3}, "structured.regex: expected a str"),
+    ({"choice": ["a", 1]}, "structured.choice: expected a list of str"),
+])
+def test_structured_that_cannot_be_sent_raises_type_error(client: pie_client.Client, structured, error: str) -> None:
+    with pytest.raises(TypeError, match=error):
+        client.generate("Hi", structured=structured)
 
 
 def test_cli_streams_text(fake: tuple[FakeGenerateService, str], capsys: pytest.CaptureFixture[str]) -> None:

@@ -29,13 +29,13 @@ def test_every_flag_has_a_description_and_its_default_once() -> None:
     assert help_problems(cli._parser()) == []
 
 
-@pytest.mark.parametrize("command", [[], ["generate"], ["info"], ["tokenize"], ["detokenize"], ["abort"]])
+@pytest.mark.parametrize("command", [[], ["generate"], ["chat"], ["info"], ["tokenize"], ["detokenize"], ["abort"]])
 def test_help_of_every_command_renders(command: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main([*command, "--help"]) == 0
     out = " ".join(capsys.readouterr().out.split())  # as one line, whatever the terminal's width
     assert out.startswith(f"usage: {' '.join(['pie-client', *command])} ")
     assert out.count(f"(default: {DEFAULT_TARGET})") == 1  # the global options, also after the subcommand
-    if command == ["generate"]:
+    if command in (["generate"], ["chat"]):
         for words in ("(default: the server's, 16)", "(default: 0, greedy)", "(default: 1.0, off)", "(default: off)"):
             assert words in out
         assert "JSON lines" in out and "stderr" in out  # where --logprobs and --json write
@@ -61,7 +61,11 @@ def test_every_sampling_field_has_a_flag() -> None:
     args = parser.parse_args(["generate", "x"])
     flags = {name for _, name, _, _, _ in cli._SAMPLING_FLAGS} | {"stop", "stop_token_ids", "ignore_eos", "logit_bias"}
     assert all(hasattr(args, name) for name in flags)
-    assert flags | {"skip_special_tokens"} == SAMPLING_FIELDS  # --keep-special-tokens sets the last
+    # --keep-special-tokens sets skip_special_tokens, the structured-output flags `structured`
+    assert flags | {"skip_special_tokens", "structured"} == SAMPLING_FIELDS
+    kinds = {kind for _, kind, _ in cli._STRUCTURED_FLAGS}
+    assert kinds == {f.name for f in pb.StructuredOutput.DESCRIPTOR.oneofs_by_name["kind"].fields}
+    assert all(hasattr(args, kind) for kind in kinds)
 
 
 def test_global_options_go_before_or_after_the_subcommand() -> None:
@@ -270,3 +274,76 @@ def test_a_prompt_piped_into_the_command_line(fake: Fake) -> None:
                           env={**os.environ, "PYTHONPATH": str(root / "clients")})
     assert done.returncode == 0, done.stderr
     assert fake[0].requests[-1].prompt == "Once upon a time"
+
+
+def test_chat_sends_the_conversation_and_structured_flags_send_their_constraint(
+    fake: Fake, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    servicer, address = fake
+    history = tmp_path / "chat.json"
+    history.write_text(json.dumps([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]))
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps([{"type": "function", "function": {"name": "f"}}]))
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "object", "properties": {"a": {"type": "integer"}}}')
+    argv = ["chat", "Name a color.", "--address", address, "--system", "Be brief.", "--messages", str(history),
+            "--tools", str(tools), "--json-schema", str(schema), "--max-tokens", "8"]
+    assert cli.main(argv) == 0
+    assert capsys.readouterr().out == "Hello!\n"
+    sent = servicer.requests[-1]
+    assert sent.WhichOneof("prompt_input") == "chat"
+    assert [(m.role, m.content) for m in sent.chat.messages] == [
+        ("system", "Be brief."), ("user", "Hi"), ("assistant", "Hello."), ("user", "Name a color.")]
+    assert json.loads(sent.chat.tools_json) == [{"type": "function", "function": {"name": "f"}}]
+    assert not sent.chat.HasField("add_generation_prompt")  # the server's default
+    assert json.loads(sent.sampling.structured.json_schema) == json.loads(schema.read_text())
+    assert sent.sampling.max_tokens == 8
+
+    assert cli.main(["chat", "--address", address, "--messages", str(history), "--continue", "--no-stream"]) == 0
+    sent = servicer.requests[-1]
+    assert len(sent.chat.messages) == 2 and sent.chat.continue_final_message
+    for flags, kind, value in [(["--regex", "[a-z]+"], "regex", "[a-z]+"), (["--json-object"], "json_object", True)]:
+        assert cli.main(["generate", "x", "--address", address, *flags]) == 0
+        structured = servicer.requests[-1].sampling.structured
+        assert structured.WhichOneof("kind") == kind and getattr(structured, kind) == value
+    assert cli.main(["generate", "x", "--address", address, "--choice", "red", "--choice", "日本"]) == 0
+    assert list(servicer.requests[-1].sampling.structured.choice.choices) == ["red", "日本"]
+    assert cli.main(["generate", "x", "--address", address]) == 0
+    assert not servicer.requests[-1].sampling.HasField("structured")
+
+
+def test_tokenize_chat_sends_the_conversation(fake: Fake, capsys: pytest.CaptureFixture[str]) -> None:
+    servicer, address = fake
+    assert cli.main(["tokenize", "--chat", "Hello", "--system", "S", "--address", address]) == 0
+    sent = servicer.requests[-1]
+    assert not sent.text and [(m.role, m.content) for m in sent.chat.messages] == [("system", "S"), ("user", "Hello")]
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) == {"token_ids", "tokens", "count", "rendered_text"}
+
+
+@pytest.mark.parametrize(("args", "error"), [
+    (["chat", "x", "--regex", "a", "--choice", "b"], "argument --choice: not allowed with argument --regex"),
+    (["tokenize", "x", "--system", "s"], "--system, --tools and --continue need --chat (or --messages)"),
+])
+def test_chat_and_structured_usage_errors(fake: Fake, capsys: pytest.CaptureFixture[str], args: list[str],
+                                          error: str) -> None:
+    sent = len(fake[0].requests)
+    assert cli.main([*args, "--address", fake[1]]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"pie-client {args[0]}: error: {error}"
+    assert len(fake[0].requests) == sent
+
+
+@pytest.mark.parametrize(("content", "error"), [
+    ("{not json", "--json-schema {path}: not JSON"),
+    ("[1, 2]", "--json-schema {path}: must hold a JSON schema"),
+])
+def test_a_schema_file_that_is_not_a_schema_exits_2(fake: Fake, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                    content: str, error: str) -> None:
+    path = tmp_path / "schema.json"
+    path.write_text(content)
+    sent = len(fake[0].requests)
+    assert cli.main(["generate", "x", "--address", fake[1], "--json-schema", str(path)]) == 2
+    assert f"pie-client: {error.format(path=path)}" in capsys.readouterr().err
+    assert len(fake[0].requests) == sent
+    assert cli.main(["generate", "x", "--address", fake[1], "--json-schema", str(tmp_path / "missing.json")]) == 2
+    assert "missing.json" in capsys.readouterr().err

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from grpc_health.v1 import health_pb2
 
-from tests.helpers import make_hf_model_dir
+from tests.chat_templates import make_chat_model_dir
 from tests.service.processes import ServerProcess, readiness
 
 # slow: runs node against a live server
@@ -73,7 +73,8 @@ def test_node_calls_a_live_server(tmp_path: Path) -> None:
     missing = [name for name in _example_dependencies() if not (ROOT / "node_modules" / name).is_dir()]
     assert not missing, f"node_modules/ lacks {missing}: run `npm ci` in the repository root (the README's test command does)"
 
-    model = make_hf_model_dir(tmp_path, "llama", weight_scale=4.0, max_position_embeddings=CONTEXT)
+    # A ChatML model: chat.test.mjs renders conversations with its template.
+    model = make_chat_model_dir(tmp_path, "chatml", weight_scale=4.0, max_position_embeddings=CONTEXT)
     server = ServerProcess(["--model", str(model), *SERVE_ARGS])
     try:
         address = _ready_address(server)

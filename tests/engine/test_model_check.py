@@ -120,10 +120,17 @@ def test_notes_no_eos_a_much_larger_vocabulary_and_no_chat_template(model_dir, t
     # the tiny folder: an embedding of 512 rows over a tokenizer of a few hundred ids (padding: no note)
     assert _notes(model_dir) == {"model_has_no_chat_template": ("info", {"hint": (
         "no chat_template in tokenizer_config.json and no chat_template.jinja: likely a base model; prompts reach "
-        "it as sent")})}
+        "it as sent, and chat requests are refused (or give --chat-template FILE)")})}
     templated = _copy(model_dir, tmp_path / "templated")
     (templated / "chat_template.jinja").write_text("{{ messages }}")
     assert has_chat_template(str(templated)) and _notes(templated) == {}
+    # A template that does not compile: a warning with the compiler's words.
+    (templated / "chat_template.jinja").write_text("{% for m in messages %}{{ m")
+    level, fields = _notes(templated)["model_chat_template_unusable"]
+    assert level == "warning" and "does not compile" in fields["error"]
+    mc = read_model_config(str(model_dir))
+    tokenizer = read_tokenizer(str(model_dir), mc)
+    assert model_notes(str(model_dir), mc, tokenizer, chat_template="t.jinja") == []  # --chat-template: no note
     in_config = _copy(model_dir, tmp_path / "in-config")
     tok_cfg = json.loads((in_config / "tokenizer_config.json").read_text())
     (in_config / "tokenizer_config.json").write_text(json.dumps({**tok_cfg, "chat_template": "{{ messages }}"}))

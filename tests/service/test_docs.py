@@ -37,7 +37,8 @@ from engine.config import EngineConfig
 from service.logging import RequestSummary
 from service.server import BackgroundServer, ServerConfig
 from service.servicer import SERVICE_NAME
-from tests.helpers import help_problems, make_hf_model_dir
+from tests.chat_templates import make_chat_model_dir
+from tests.helpers import help_problems
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
@@ -61,10 +62,10 @@ def run(argv: list[str], **kw) -> subprocess.CompletedProcess:
 
 
 def test_every_shell_command_is_accounted_for():
-    covered = ("python3 -m venv", "grpcurl ", "pie-client generate ", "pie-client info", "pie-client detokenize ",
-               "pie-client abort ", "pie train ", "pie serve --model ", "pie bench ", "npm ci",
-               "node clients/node/example.mjs ", "python -m pytest ", "ruff check . && mypy", "npx buf ",
-               "bash benchmarks/gpu.sh ", "BASELINE=")
+    covered = ("python3 -m venv", "grpcurl ", "pie-client generate ", "pie-client chat ", "pie-client tokenize ",
+               "pie-client info", "pie-client detokenize ", "pie-client abort ", "pie train ", "pie serve --model ",
+               "pie bench ", "npm ci", "node clients/node/example.mjs ", "python -m pytest ",
+               "ruff check . && mypy", "npx buf ", "bash benchmarks/gpu.sh ", "BASELINE=")
     lines = shell_lines()
     assert lines, "no commands found in README.md"
     for line in lines:
@@ -155,7 +156,7 @@ def test_probe_snippet_and_log_example_match_the_server():
 
 @pytest.fixture(scope="module")
 def two_servers(tmp_path_factory):
-    model_dir = make_hf_model_dir(tmp_path_factory.mktemp("llama"), "llama")
+    model_dir = make_chat_model_dir(tmp_path_factory.mktemp("llama"), "chatml")  # the README's chat lines need a template
     cfg = EngineConfig(model=str(model_dir), device="cpu", kv_cache_dtype="fp32", num_kv_blocks=64, max_num_seqs=8)
     with BackgroundServer(ServerConfig(port=0, grace_s=2), cfg) as a, BackgroundServer(ServerConfig(port=0, grace_s=2),
                                                                                        cfg) as b:

@@ -11,6 +11,7 @@ import shlex
 from pathlib import Path
 
 import grpc
+import jsonschema
 import pytest
 from google.protobuf import descriptor_pool, json_format, message_factory
 from google.protobuf.descriptor import FieldDescriptor
@@ -19,7 +20,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from engine.config import EngineConfig
 from pie.v1 import generate_pb2
 from service.server import BackgroundServer, ServerConfig
-from tests.helpers import make_hf_model_dir
+from tests.chat_templates import make_chat_model_dir
 
 # slow: every test calls a BackgroundServer
 pytestmark = pytest.mark.slow
@@ -33,7 +34,7 @@ def readme_grpcurl_commands() -> list[list[str]]:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    model_dir = make_hf_model_dir(tmp_path_factory.mktemp("llama"), "llama")
+    model_dir = make_chat_model_dir(tmp_path_factory.mktemp("llama"), "chatml")  # the chat examples need a template
     cfg = EngineConfig(model=str(model_dir), device="cpu", kv_cache_dtype="fp32", num_kv_blocks=64, max_num_seqs=8)
     with BackgroundServer(ServerConfig(port=0, grace_s=2), cfg) as s:
         yield s
@@ -129,22 +130,40 @@ def test_readme_grpcurl_commands_through_reflection(server):
             elif verb == "describe":
                 assert result.full_name == target
             elif target.endswith("/Generate"):
-                assert result["requestId"] and result["text"] and result["finishReason"] in (
-                    "FINISH_REASON_STOP", "FINISH_REASON_LENGTH")
-                assert 1 <= result["usage"]["completionTokens"] <= 32
                 body = json.loads(argv[argv.index("-d") + 1])
-                if "prompt_logprobs" in body["sampling"]:  # the options example
+                sampling = body.get("sampling", {})
+                assert result["requestId"] and result["finishReason"] in ("FINISH_REASON_STOP", "FINISH_REASON_LENGTH")
+                assert 1 <= result["usage"]["completionTokens"] <= sampling.get("max_tokens", 16)
+                structured = sampling.get("structured")
+                if structured is not None:
+                    assert result["finishReason"] == "FINISH_REASON_STOP", result
+                    if "json_schema" in structured:
+                        jsonschema.validate(json.loads(result["text"]), json.loads(structured["json_schema"]))
+                    else:
+                        assert result["text"] in structured["choice"]["choices"]
+                if "prompt_logprobs" in sampling:  # the options example
                     prompt = server.core.tokenizer.encode(body["prompt"])
                     entries = result["promptLogprobs"]
                     assert [int(e["tokenId"]) for e in entries] == prompt
                     assert "logprob" not in entries[0] and all(len(e["topLogprobs"]) == 2 for e in entries[1:])
-                    assert result["usage"]["completionTokens"] >= body["sampling"]["min_tokens"]
+                    assert result["usage"]["completionTokens"] >= sampling["min_tokens"]
                     assert 13 not in [int(t) for t in result["tokenIds"]]  # logit_bias -100
+                if "chat" in body:  # the prompt is the rendered conversation
+                    rendered = client.call("pie.v1.GenerateService/Tokenize", json.dumps({"chat": body["chat"]}))
+                    assert result["usage"]["promptTokens"] == len(rendered["tokenIds"])
+                else:
+                    assert result["text"]
+                verbs.add(f"{target} {'chat' if 'chat' in body else 'structured' if structured else 'prompt'}")
             elif target.endswith("/GenerateStream"):
                 assert all(m["requestId"] == "readme-stream-1" for m in result)  # from the -H header
                 assert "finishReason" in result[-1] and all("finishReason" not in m for m in result[:-1])
                 n = sum(len(m.get("tokenIds", [])) for m in result)
                 assert n == result[-1]["usage"]["completionTokens"] and 1 <= n <= 32
+            elif target.endswith("/Tokenize") and "chat" in argv[argv.index("-d") + 1]:
+                chat = json.loads(argv[argv.index("-d") + 1])["chat"]
+                text = server.pie.servicer.chat_templates.render(chat["messages"])
+                assert result["renderedText"] == text and "<|im_start|>assistant" in text
+                assert [int(i) for i in result["tokenIds"]] == server.core.tokenizer.encode(text, add_special_tokens=False)
             elif target.endswith("/Tokenize"):
                 assert [int(i) for i in result["tokenIds"]] == server.core.tokenizer.encode("Once upon a time")
             elif target.endswith("/Detokenize"):
@@ -159,7 +178,8 @@ def test_readme_grpcurl_commands_through_reflection(server):
     # The README shows each of these at least once.
     assert {"list", "describe", "pie.v1.GenerateService/Generate", "pie.v1.GenerateService/GenerateStream",
             "pie.v1.GenerateService/Detokenize", "pie.v1.GenerateService/Abort",
-            "grpc.health.v1.Health/Check"} <= verbs
+            "grpc.health.v1.Health/Check", "pie.v1.GenerateService/Generate chat",
+            "pie.v1.GenerateService/Generate structured"} <= verbs
 
 
 def test_describe_shows_every_message_fully(server):

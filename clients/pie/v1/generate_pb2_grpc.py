@@ -89,7 +89,8 @@ class GenerateServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Tokenize(self, request, context):
-        """Turns text into token ids with the served model's tokenizer.
+        """Turns text, or a chat rendered with the model's chat template, into token ids with the served
+        model's tokenizer.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
