@@ -222,6 +222,24 @@ def test_where_the_constraint_may_end_every_end_of_sequence_id_is_allowed(model_
     assert {engine.tokenizer.decode([t]) for t in allowed - set(engine.eos_token_ids)} <= {"b"}
 
 
+def test_min_tokens_holds_back_the_end_but_not_a_complete_constraint(model_dir, rng):
+    """min_tokens bans the EOS ids where the constraint may still go on (so the output goes on),
+    and never leaves a row with nothing allowed: a constraint that can take nothing more ends its
+    sample, whatever min_tokens says."""
+    engine = _engine(model_dir)
+    seed = rng.randrange(2**31)
+    res = _run(engine, [
+        ("digits", _prompt(rng), SamplingParams(max_tokens=30, temperature=1.0, seed=seed, min_tokens=12,
+                                                structured=regex("[0-9]+"))),
+        ("word", _prompt(rng), SamplingParams(max_tokens=30, temperature=1.0, seed=seed, min_tokens=12,
+                                              structured=choice("red", "blue"))),
+    ])
+    digits, word = res[("digits", 0)], res[("word", 0)]
+    assert re.fullmatch("[0-9]+", digits["text"]) and len(digits["ids"]) >= 12, digits
+    assert word["text"] in ("red", "blue") and word["status"] == RequestStatus.FINISHED_STOPPED, word
+    assert len(word["ids"]) < 12
+
+
 def test_only_max_tokens_cuts_an_output_short(model_dir, rng):
     engine = _engine(model_dir)
     res = _run(engine, [("cut", _prompt(rng), SamplingParams(max_tokens=3, temperature=1.0, seed=rng.randrange(2**31),
