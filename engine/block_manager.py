@@ -271,6 +271,23 @@ class BlockManager:
                     self.num_cached_free_blocks += 1
         table.clear()
 
+    def trim(self, request: Request) -> int:
+        """Gives back the request's blocks past those its tokens need (`num_tokens`): after a
+        verify step, the tail that only rejected proposals filled (engine/speculative.py). Such
+        blocks never held a hashed (fully computed) prefix. Returns how many went back."""
+        table = request.block_ids
+        keep = self.blocks_needed(request.num_tokens)
+        if len(table) <= keep:
+            return 0
+        for block_id in reversed(table[keep:]):
+            assert self._hashes[block_id] is None, f"block {block_id} past the request's tokens is hashed"
+            self._ref_counts[block_id] -= 1
+            if self._ref_counts[block_id] == 0:
+                self._free.append(block_id)
+        dropped = len(table) - keep
+        del table[keep:]
+        return dropped
+
     def slot_mapping(self, request: Request, start: int, end: int) -> list[int]:
         """Slots of the request's tokens at positions start .. end-1 (they must be allocated).
 

@@ -17,6 +17,9 @@ ATTENTION_BACKENDS = ("auto", "triton", "torch")  # auto: triton on cuda, the to
 # What TokenLogprob.logprob reports: log_softmax of the raw logits (vLLM v1's default), or of the
 # logits the token was chosen from, after bias, penalties, temperature and filters (engine/sampler.py).
 LOGPROBS_MODES = ("raw", "processed")
+# Speculative decoding's proposers (engine/speculative.py): prompt lookup, or a small draft model.
+SPECULATIVE_METHODS = ("ngram", "draft")
+MAX_SPECULATIVE_TOKENS = 16  # proposals per step at most: a verify row is 1 + K tokens
 
 
 @dataclass(slots=True)
@@ -62,6 +65,19 @@ class EngineConfig:
     # worker processes, one per further GPU (or CPU process, gloo).
     tensor_parallel_size: int = 1
     logprobs_mode: str = "raw"  # raw | processed: which logits generated tokens' logprobs come from
+    # Speculative decoding (engine/speculative.py): None = off (the default: decoding as without it);
+    # "ngram" proposes from earlier text, "draft" from `draft_model`. One forward pass verifies
+    # `num_speculative_tokens` proposals per request (fewer where fewer are found or fit).
+    speculative: str | None = None
+    num_speculative_tokens: int = 4
+    draft_model: str | None = None  # HF-layout folder of the draft (speculative="draft"); same tokenizer
+    # Speculation runs only in steps with at most this many running decodes: above it, verifying
+    # proposals costs more than it saves (benchmarks/speculative.py measures where).
+    speculative_max_batch: int = 8
+    # n-gram proposer: the longest suffix of this many tokens down to the shorter bound that occurred
+    # earlier proposes what followed it (vLLM's prompt_lookup_max / prompt_lookup_min).
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -93,6 +109,28 @@ class EngineConfig:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
+        self._check_speculative()
+
+    def _check_speculative(self) -> None:
+        if self.speculative is None:
+            if self.draft_model is not None:
+                raise ValueError("draft_model is given but speculative decoding is off: add speculative='draft'")
+            return
+        if self.speculative not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative must be one of {SPECULATIVE_METHODS}, got {self.speculative!r}")
+        if (self.speculative == "draft") != (self.draft_model is not None):
+            raise ValueError("speculative='draft' needs draft_model (a model folder), and only it takes one")
+        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], "
+                             f"got {self.num_speculative_tokens}")
+        if self.speculative_max_batch < 1:
+            raise ValueError("speculative_max_batch must be >= 1")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min}, "
+                             f"{self.prompt_lookup_max}")
+        if self.tensor_parallel_size > 1:
+            raise ValueError("speculative decoding does not run with tensor parallelism yet: "
+                             "leave out speculative or tensor_parallel_size")
 
 
 def usable_cores() -> int:

@@ -29,6 +29,7 @@ from engine.model_runner import ModelRunner, PendingSample
 from engine.request import Request, RequestStatus, SampleGroup
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.speculative import NgramProposer, Proposer, Speculator
 from engine.structured import GrammarCompiler, StructuredOutputError, StructuredOutputs
 from engine.tensor_parallel import Leader, check_devices
 from engine.validation import check_request
@@ -97,10 +98,12 @@ class EngineCore:
         self.structured = StructuredOutputs(
             GrammarCompiler(self.tokenizer.backend.to_str(), self.vocab_size, self.eos_token_ids),
             max_num_seqs=config.max_num_seqs, pin_memory=self.device.type == "cuda")
+        # Speculative decoding (engine/speculative.py): None unless asked for.
+        self.speculator = self._make_speculator(config, num_blocks)
         self.scheduler = Scheduler(
             self.block_manager, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=self.max_model_len,
-            stall_factor=config.decode_stall_factor, structured=self.structured)
+            stall_factor=config.decode_stall_factor, structured=self.structured, speculator=self.speculator)
         self.runner = self._make_runner(self.kv_cache)
         if self.device.type == "cuda":
             self.runner.warm_up()
@@ -124,7 +127,18 @@ class EngineCore:
         log.info("engine_ready", model=config.model, architecture=mc.architecture, device=str(self.device),
                  dtype=dtype_name, kv_cache_dtype=config.kv_cache_dtype, kv_blocks=num_blocks,
                  block_size=config.block_size, kv_cache_tokens=num_blocks * config.block_size,
-                 max_model_len=self.max_model_len)
+                 max_model_len=self.max_model_len, speculative=config.speculative,
+                 num_speculative_tokens=config.num_speculative_tokens if config.speculative else None)
+
+    def _make_speculator(self, config: EngineConfig, num_blocks: int) -> Speculator | None:
+        if config.speculative is None:
+            return None
+        proposer: Proposer
+        if config.speculative == "ngram":
+            proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        else:
+            raise ValueError(f"unknown speculative method {config.speculative!r}")
+        return Speculator(proposer, config.num_speculative_tokens, config.speculative_max_batch)
 
     def _smooth_kv(self) -> None:
         """Evens out K/V channel magnitudes before anything is quantized (model/smoothing.py)."""
@@ -220,7 +234,15 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions,
             kv_blocks_cached=self.block_manager.num_cached_free_blocks,
             requests_waiting_by_priority=self.scheduler.num_waiting_by_priority(),
+            **self._spec_stats(),
         )
+
+    def _spec_stats(self) -> dict:
+        if self.speculator is None:
+            return {}
+        s = self.speculator.stats
+        return dict(spec_num_drafts=s.num_drafts, spec_num_draft_tokens=s.num_draft_tokens,
+                    spec_num_accepted_tokens=s.num_accepted_tokens, spec_accepted_per_pos=list(s.accepted_per_pos))
 
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -249,30 +271,40 @@ class EngineCore:
         the previous step's tokens back, which advances the matchers, then fills the rows' token
         masks on the host while the device runs the forward pass, and queues the sampling after
         them (`ModelRunner.forward`, `StructuredOutputs.fill`, `ModelRunner.sample`)."""
+        early: list[RequestOutput] = []
+        spec = self.speculator
+        if spec is not None and self._pending is not None and (
+                self._pending.speculative or spec.active(self.scheduler.num_running)):
+            # Speculative decoding under async scheduling: proposals need the tokens, and a step
+            # with proposals decides where the next one starts (engine/speculative.py).
+            early = self._collect()
         out = self.scheduler.schedule()
         launched = None
         outputs: list[RequestOutput] | None = None  # the previous step's, once read back
         if out.scheduled:
             try:
+                draft = spec.propose(out) if spec is not None and out.num_spec_tokens else None
                 sampling = out.sampling_requests
                 if any(r.grammar is not None for r in sampling):
                     step = self.runner.forward(out)
                     if self._async:
                         outputs = self._collect()  # the matchers take the previous step's tokens first
-                    launched = self.runner.sample(step, self.structured.fill(sampling))
+                    launched = self.runner.sample(step, self.structured.fill(sampling, bool(out.num_spec_tokens)),
+                                                  draft)
                 else:
-                    launched = self.runner.launch(out)
+                    launched = self.runner.launch(out) if draft is None else self.runner.launch(out, draft=draft)
             except Exception as e:  # an engine fault fails this step's requests, not the engine
-                return (outputs or []) + self._collect() + self._step_failed([s.request for s in out.scheduled], e)
+                return (early + (outputs or []) + self._collect()
+                        + self._step_failed([s.request for s in out.scheduled], e))
         elif self._pending is None:
             self._wait_for_grammars()
-        shape = _shape(out) if launched is not None else None
+        shape = _shape(out) if launched is not None and not out.num_spec_tokens else None
         if self._async:
             if outputs is None:
                 outputs = self._collect()  # the previous step's tokens, while this one runs
             self.scheduler.step_launched(out)
             self._pending, self._pending_shape = launched, shape
-            return outputs
+            return early + outputs if early else outputs
         self.scheduler.step_launched(out)
         self._pending, self._pending_shape = launched, shape
         return self._collect()  # this step's tokens
@@ -296,7 +328,7 @@ class EngineCore:
         except Exception as e:
             return self._step_failed(pending.all_requests, e)
         self._step_done()
-        return self.scheduler.update_from_output(pending.requests, sampled, prompt_logprobs)
+        return self.scheduler.update_from_output(pending.requests, sampled, prompt_logprobs, pending.speculated())
 
     def _step_done(self) -> None:
         """A step's tokens are back: the time since the previous one's is this step's (the engine

@@ -28,7 +28,7 @@ class RequestOutput(msgspec.Struct, array_like=True, gc=False):
     """What one step produced for one request (only requests that changed appear)."""
 
     request_id: str  # the engine request id (for n > 1, of the whole group)
-    new_token_ids: list[int]  # tokens sampled this step (0 or 1 today)
+    new_token_ids: list[int]  # tokens sampled this step (0 or 1; more in a step that verified proposals)
     new_text: str  # text now safe to emit (may be empty while a multi-byte char or stop string is pending)
     new_logprobs: list[SampledToken] = []  # per new token, when asked
     finished: bool = False
@@ -47,6 +47,10 @@ class RequestOutput(msgspec.Struct, array_like=True, gc=False):
     # On the first output of sample 0 when prompt logprobs were asked: entries 1..P-1, entry i the
     # prompt token i (token_id) with its raw logprob given tokens 0..i-1 and the top-n there.
     prompt_logprobs: list[SampledToken] | None = None
+    # On the output that finishes a sample that speculated (engine/speculative.py): proposals
+    # verified for it and how many of them were accepted.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 class EngineStats(msgspec.Struct, array_like=True, gc=False):
@@ -59,6 +63,12 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False):
     num_preemptions: int = 0  # requests preempted (cumulative)
     kv_blocks_cached: int = 0  # free blocks still holding reusable cached content (part of kv_blocks_free)
     requests_waiting_by_priority: dict[int, int] = {}  # of requests_waiting, how many at each priority
+    # Speculative decoding (cumulative; vLLM's spec_decode counters): verify rows that carried
+    # proposals, proposals verified, accepted, and accepted at each proposal position (1st, 2nd, ...).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = []
 
 
 # ---- client -> core --------------------------------------------------------------------------------

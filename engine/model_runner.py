@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import numpy as np
 import structlog
 import torch
 
@@ -32,6 +33,7 @@ from engine.request import Request
 from engine.sampler import SamplingTensors, sample
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from engine.scheduler import ScheduledRequest, SchedulerOutput
+from engine.speculative import DraftProbs, verify
 from engine.staging import LastSample, StepFacts, StepStager
 from engine.structured import TokenMasks
 from kernels import reference
@@ -57,7 +59,9 @@ class StepLogits:
                  prompt: PromptLogprobRows | None) -> None:
         self.out = out
         self.rows = rows  # indices into out.scheduled of the rows that sample
-        self.logits = logits  # (R, V) fp32; None when no row samples
+        # (R, V) fp32; None when no row samples. In a step with proposals (out.num_spec_tokens),
+        # 1 + num_spec rows per sampling row: its newest token's position, then each proposal's.
+        self.logits = logits
         self.prompt = prompt  # the prompt positions whose logprobs this step computes, if any
 
 
@@ -65,12 +69,27 @@ class PendingSample:
     """What one launched step sampled (and the prompt logprobs it computed), on its way to the host."""
 
     def __init__(self, requests: list[Request], host: torch.Tensor, n_top: int,
-                 done: torch.cuda.Event | None, prompt: tuple[PromptLogprobRows, torch.Tensor] | None = None) -> None:
+                 done: torch.cuda.Event | None, prompt: tuple[PromptLogprobRows, torch.Tensor] | None = None,
+                 num_spec: list[int] | None = None) -> None:
         self.requests = requests  # the rows' requests, in row order (none: a step of prompt chunks only)
-        self._host = host  # (R, 2 + 2 * n_top) float64, pinned on CUDA
+        # (R, 2 + 2 * n_top) float64, pinned on CUDA; a step with proposals: 1 + num_spec[i] rows for
+        # row i, each (id, logprob, accepted, n_top ids, n_top logprobs)
+        self._host = host
         self._n_top = n_top
         self._done = done  # recorded after the device->host copies; None on the CPU
         self._prompt = prompt  # the step's prompt-logprob rows and their (M, 1 + 2 * top) values on the host
+        self._num_spec = num_spec  # proposals of each row (a step that verified some), else None
+        self._speculated: list[list[SampledToken]] | None = None
+
+    @property
+    def speculative(self) -> bool:
+        """The step verified proposals: the next one cannot be scheduled before it is read back."""
+        return self._num_spec is not None
+
+    def speculated(self) -> list[list[SampledToken]] | None:
+        """After `result()`, in a step that verified proposals: each row's accepted proposals and
+        the token after them (Scheduler.update_from_output); None in other steps."""
+        return self._speculated
 
     @property
     def all_requests(self) -> list[Request]:
@@ -96,6 +115,8 @@ class PendingSample:
             return []
         n_top = self._n_top
         rows = self._host.tolist()
+        if self._num_spec is not None:
+            return self._verified(rows)
         if not n_top:
             return [SampledToken(int(row[0]), row[1], []) for row in rows]
         sampled = []
@@ -104,6 +125,27 @@ class PendingSample:
             top = [(int(t), lp) for t, lp in zip(row[2:2 + n], row[2 + n_top:2 + n_top + n])]
             sampled.append(SampledToken(int(row[0]), row[1], top))
         return sampled
+
+
+    def _verified(self, rows: list[list[float]]) -> list[SampledToken]:
+        """A verify step's rows: each request's tokens up to its first rejected proposal (the
+        token drawn there instead) or its bonus token; returns each request's first."""
+        assert self._num_spec is not None
+        n_top = self._n_top
+        speculated = []
+        at = 0
+        for r, k in zip(self.requests, self._num_spec):
+            n = min(r.sampling.logprobs, n_top)
+            tokens = []
+            for row in rows[at:at + k + 1]:
+                top = [(int(t), lp) for t, lp in zip(row[3:3 + n], row[3 + n_top:3 + n_top + n])] if n else []
+                tokens.append(SampledToken(int(row[0]), row[1], top))
+                if not row[2]:  # its proposal rejected (always so on the last row: nothing to judge)
+                    break
+            speculated.append(tokens)
+            at += k + 1
+        self._speculated = speculated
+        return [t[0] for t in speculated]
 
 
 def last_tokens(hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
@@ -119,8 +161,12 @@ class ModelRunner:
                  device: torch.device, attention_backend: str = "auto", max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, max_model_len: int = 2048,
                  windows: list[int | None] | None = None, tp_leader: StepBroadcast | None = None,
-                 processed_logprobs: bool = False) -> None:
+                 processed_logprobs: bool = False, max_spec_tokens: int = 0) -> None:
         self.model = model
+        # Speculative decoding: proposals one step verifies at most (their rows come back too).
+        self.max_spec_tokens = max_spec_tokens
+        # A draft model's runner (engine/draft.py) stages rows that run into the proposals.
+        self.reads_proposals = False
         # Report logprobs of the logits each token was chosen from, not the raw ones (`pie serve
         # --logprobs-mode processed`; engine/sampler.py).
         self.processed_logprobs = processed_logprobs
@@ -140,9 +186,9 @@ class ModelRunner:
         self.graphs = CudaGraphs()
         if on_cuda:
             # Sampled ids, logprobs and top logprobs of a step, on their way to the host (launch()).
-            sample_cols = 2 + 2 * MAX_LOGPROBS
-            self._host_samples = [torch.empty(max_num_seqs * sample_cols, dtype=torch.float64, pin_memory=True)
-                                  for _ in range(2)]
+            sample_cols = 2 + 2 * MAX_LOGPROBS + (1 if max_spec_tokens else 0)  # + accepted, verifying
+            self._host_samples = [torch.empty((max_num_seqs + max_spec_tokens) * sample_cols, dtype=torch.float64,
+                                              pin_memory=True) for _ in range(2)]
             self._sample_events = [torch.cuda.Event(), torch.cuda.Event()]
             self._parity = 0
             # The same for prompt logprobs, allocated when a step first computes some.
@@ -172,7 +218,10 @@ class ModelRunner:
                    attention_backend=config.attention_backend, max_num_seqs=config.max_num_seqs,
                    max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
                    windows=[mc.layer_window(i) for i in range(mc.num_hidden_layers)], tp_leader=tp_leader,
-                   processed_logprobs=config.logprobs_mode == "processed")
+                   processed_logprobs=config.logprobs_mode == "processed",
+                   max_spec_tokens=(config.num_speculative_tokens * min(config.speculative_max_batch,
+                                                                        config.max_num_seqs)
+                                    if config.speculative is not None else 0))
 
     # ---- forward --------------------------------------------------------------------------------
     def forward_logits(self, out: SchedulerOutput, *, eager: bool = False,
@@ -182,7 +231,8 @@ class ModelRunner:
         `prompt`: prompt positions whose logprobs the step computes too, into `prompt.packed`
         (such a step runs eagerly: a graph makes no hidden states)."""
         step = self.stager.stage(out, [s.request.block_ids for s in out.scheduled],
-                                 None if eager or prompt is not None else self.graphs.bucket_for(out), self._last)
+                                 None if eager or prompt is not None else self.graphs.bucket_for(out), self._last,
+                                 proposals=bool(out.num_spec_tokens) or self.reads_proposals)
         if self._tp is not None:
             self._tp.forward(step.facts, step.ints, step.metadata.block_tables, step.graph_batch,
                              None if prompt is None else prompt.index)
@@ -204,6 +254,10 @@ class ModelRunner:
             prompt.compute(hidden, self.model.compute_logits, self.vocab_size)
         if not rows:
             return rows, None
+        if out.num_spec_tokens:  # every position of a row with proposals: the newest token's, then each proposal's
+            ends = np.cumsum([s.num_new_tokens for s in out.scheduled])
+            index = np.concatenate([np.arange(ends[i] - 1 - out.scheduled[i].num_spec, ends[i]) for i in rows])
+            return rows, self.model.compute_logits(hidden[torch.from_numpy(index).to(self.device)])
         qsl = step.metadata.query_start_loc
         if step.metadata.max_query_len == 1 and len(rows) == step.num_seqs:
             last = hidden  # pure decode: every token is its sequence's last
@@ -212,13 +266,15 @@ class ModelRunner:
         return rows, self.model.compute_logits(last)
 
     @torch.inference_mode()
-    def launch(self, out: SchedulerOutput, masks: TokenMasks | None = None) -> PendingSample | None:
+    def launch(self, out: SchedulerOutput, masks: TokenMasks | None = None,
+               draft: DraftProbs | None = None) -> PendingSample | None:
         """Queues the step's forward pass and sampling on the device and the copy of what is
         sampled back to the host; returns without waiting (None when no row samples and no prompt
         logprobs were computed). The sampled ids also stay on the device, as the next step's input
         ids of requests whose newest token is a placeholder. `masks`: structured output's token
-        masks of the sampling rows."""
-        return self.sample(self.forward(out), masks)
+        masks of the sampling rows (of their logits rows, in a step with proposals). `draft`: the
+        draft model's distributions of the step's proposals (engine/speculative.py)."""
+        return self.sample(self.forward(out), masks, draft)
 
     @torch.inference_mode()
     def forward(self, out: SchedulerOutput) -> StepLogits:
@@ -229,10 +285,11 @@ class ModelRunner:
         return StepLogits(out, *self.forward_logits(out, prompt=prompt), prompt)
 
     @torch.inference_mode()
-    def sample(self, step: StepLogits, masks: TokenMasks | None = None) -> PendingSample | None:
+    def sample(self, step: StepLogits, masks: TokenMasks | None = None,
+               draft: DraftProbs | None = None) -> PendingSample | None:
         """Queues the sampling of a step whose forward pass is queued (`forward`), after its token
         masks, and the copy of what is sampled back to the host (None when no row samples and no
-        prompt logprobs were computed)."""
+        prompt logprobs were computed). A step with proposals verifies them (`_verify`)."""
         out, rows, logits, prompt = step.out, step.rows, step.logits, step.prompt
         if logits is None:
             return None if prompt is None else self._to_host([], None, prompt)
@@ -241,6 +298,8 @@ class ModelRunner:
             bitmask = masks.bitmask.to(self.device, non_blocking=True)
             row_index = masks.rows.to(self.device, non_blocking=True)
             self._apply_masks(logits, bitmask, row_index)
+        if out.num_spec_tokens:
+            return self._verify(step, logits, draft)
         reqs = [out.scheduled[i].request for i in rows]
         last, last_tensors = self._last, self._last_tensors
         if last is not None and last_tensors is not None and not last_tensors.any_penalties and reqs == last.requests:
@@ -279,11 +338,56 @@ class ModelRunner:
             cols += [result.top_ids.double(), result.top_logprobs.double()]
         return self._to_host(reqs, torch.cat(cols, dim=1), prompt)
 
+    def _verify(self, step: StepLogits, logits: torch.Tensor, draft: DraftProbs | None) -> PendingSample:
+        """Samples each of a verify step's logits rows as plain decoding would sample that output
+        token had the proposals before it been outputs, and judges the proposals
+        (engine/speculative.py). Rows are read back as they come: no placeholder is left behind."""
+        out = step.out
+        scheduled = [out.scheduled[i] for i in step.rows]
+        reqs = [s.request for s in scheduled]
+        num_spec = [s.num_spec for s in scheduled]
+        params: list[SamplingParams] = []
+        seeds: list[int] = []
+        steps: list[int] = []
+        prompt_ids: list[list[int]] = []
+        output_ids: list[list[int]] = []
+        eos: list[tuple[int, ...]] = []
+        next_ids: list[int] = []
+        draft_rows: list[int] = []
+        for r, k in zip(reqs, num_spec):
+            assert not r.num_output_placeholders, f"{r}: a verify step's row with an id not read back"
+            outputs, spec, base = r.output_token_ids, r.spec_token_ids, len(r.output_token_ids)
+            draft_rows.extend(range(len(next_ids), len(next_ids) + k))
+            for j in range(k + 1):
+                params.append(r.sampling)
+                seeds.append(r.seed)
+                steps.append(base + j)
+                prompt_ids.append(r.prompt_token_ids)
+                output_ids.append(outputs + spec[:j] if j else outputs)
+                eos.append(r.eos_token_ids)
+                next_ids.append(spec[j] if j < k else -1)
+        tensors = SamplingTensors.build(params=params, seeds=seeds, steps=steps, prompt_ids=prompt_ids,
+                                        output_ids=output_ids, vocab_size=logits.shape[-1], device=logits.device,
+                                        eos_token_ids=eos)
+        ints = torch.tensor([next_ids, draft_rows + [0] * (len(next_ids) - len(draft_rows))], dtype=torch.int64)
+        if self.device.type == "cuda":
+            ints = ints.pin_memory()
+        ints = ints.to(self.device, non_blocking=True)
+        result, accepted = verify(logits, tensors, ints[0], ints[1, :len(draft_rows)] if draft is not None else None,
+                                  draft, processed_logprobs=self.processed_logprobs)
+        # The next step starts from what comes back, not from ids left on the device.
+        self._last = self._last_tensors = None
+        cols = [result.token_ids.double()[:, None], result.logprobs.double()[:, None], accepted.double()[:, None]]
+        if result.top_ids is not None and result.top_logprobs is not None:
+            cols += [result.top_ids.double(), result.top_logprobs.double()]
+        return self._to_host(reqs, torch.cat(cols, dim=1), step.prompt, num_spec)
+
     def _to_host(self, reqs: list[Request], packed: torch.Tensor | None,
-                 prompt: PromptLogprobRows | None) -> PendingSample:
+                 prompt: PromptLogprobRows | None, num_spec: list[int] | None = None) -> PendingSample:
         """Starts the copy of what the step sampled (`packed`: (R, 2 + 2n) float64, None when no row
-        samples) and of its prompt logprobs (`prompt.packed`) to the host."""
-        n_top = 0 if packed is None else (packed.shape[1] - 2) // 2
+        samples; with `num_spec`, a verify step's (N, 3 + 2n)) and of its prompt logprobs
+        (`prompt.packed`) to the host."""
+        n_top = 0 if packed is None else (packed.shape[1] - (2 if num_spec is None else 3)) // 2
         if packed is None:
             packed = torch.empty(0, 2, dtype=torch.float64, device=self.device)
         values = None
@@ -312,7 +416,7 @@ class ModelRunner:
         else:
             done = None
         return PendingSample(reqs, packed, n_top, done,
-                             None if prompt is None or values is None else (prompt, values))
+                             None if prompt is None or values is None else (prompt, values), num_spec)
 
     def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
         """Runs the scheduled tokens and waits for the sample: the sampled token of every request

@@ -63,6 +63,7 @@ class Request:
         "status", "arrival_time", "max_model_len", "eos_token_ids", "num_preemptions",
         "first_scheduled_time", "stop_reason", "parent_id", "index", "wait_for", "num_cached_tokens",
         "seed", "detokenizer", "block_ids", "block_hashes", "group", "priority", "prompt_logprobs", "grammar",
+        "spec_token_ids", "ngram", "draft_computed", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
     )
 
     def __init__(
@@ -125,6 +126,16 @@ class Request:
         # Structured output: this sample's matcher (None: free text). Not admitted before its
         # constraint is compiled; it advances with every token appended (Scheduler.update_from_output).
         self.grammar = grammar
+        # Speculative decoding (engine/speculative.py): the ids proposed after the newest token in
+        # the step in flight (empty otherwise; they are not outputs until verified), the n-gram
+        # proposer's index of this request's tokens, and how many of its tokens the draft model's
+        # cache holds (0 after a preemption).
+        self.spec_token_ids: list[int] = []
+        self.ngram: Any = None  # engine.speculative.NgramIndex, made on the first lookup
+        self.draft_computed = 0
+        self.num_drafts = 0  # verify steps of this request that carried proposals
+        self.num_draft_tokens = 0  # proposals verified
+        self.num_accepted_tokens = 0  # of those, accepted
         if group is None:
             group = SampleGroup(self.parent_id)
         self.group = group
@@ -161,6 +172,14 @@ class Request:
             ids = self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
         missing = end - start - len(ids)
         return ids + [0] * missing if missing > 0 else ids
+
+    def input_slice(self, start: int, end: int) -> list[int]:
+        """`token_slice` going on into the proposals in flight (`spec_token_ids`): the input ids of
+        a step's row (a placeholder still reads as 0)."""
+        known = len(self.prompt_token_ids) + len(self.output_token_ids)
+        if end <= known or not self.spec_token_ids:
+            return self.token_slice(start, end)
+        return self.token_slice(start, known) + self.spec_token_ids[max(start - known, 0):end - known]
 
     @property
     def num_remaining_tokens(self) -> int:

@@ -361,6 +361,16 @@ def sample(logits: torch.Tensor, t: SamplingTensors, *, processed_logprobs: bool
     """Sample one token per row. logits: (B, V) fp32, left unchanged. No host sync: every branch
     is on a host flag of `t`, never on a tensor value. `processed_logprobs`: report the logprobs
     of the logits each token was chosen from instead of the raw ones (module docstring)."""
+    token_ids, chosen_from, _ = choose(logits, t, processed_logprobs=processed_logprobs)
+    return logprobs_of(chosen_from, token_ids, t.max_logprobs)
+
+
+def choose(logits: torch.Tensor, t: SamplingTensors, *, processed_logprobs: bool = False,
+           keep_probs: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`sample` without the logprobs: (token ids (B,), the logits the logprobs are read from (raw,
+    or with `processed_logprobs` those each token was chosen from), and with `keep_probs` the
+    distribution each sampled row drew from (B, V), softmax of the processed logits; a greedy row's
+    is its processed softmax too, which speculative decoding does not read)."""
     if logits.dim() != 2:
         raise ValueError(f"logits must be (B, V), got {tuple(logits.shape)}")
     logits = logits.float()
@@ -371,32 +381,48 @@ def sample(logits: torch.Tensor, t: SamplingTensors, *, processed_logprobs: bool
     if t.any_penalties:
         logits = apply_penalties(logits, t)
 
+    kept: torch.Tensor | None = None
     greedy_ids = logits.argmax(dim=-1) if t.any_greedy else None
     if greedy_ids is not None and t.all_greedy:
         token_ids = greedy_ids
         chosen_from = logits
+        if keep_probs:
+            kept = torch.softmax(logits, dim=-1)
     else:
         unscaled = logits
-        logits = logits / t.temperature[:, None]
-        if t.any_min_p:
-            logits = _apply_min_p(logits, t.min_p)
-        if t.any_top_k or t.any_top_p:
-            logits = _apply_top_k_top_p(logits, t.top_k if t.any_top_k else None,
-                                        t.top_p if t.any_top_p else None, t.max_top_k)
+        logits = filtered(logits, t)
         chosen_from = logits
         if processed_logprobs and greedy_ids is not None:  # greedy rows chose before temperature and filters
             chosen_from = torch.where(t.greedy[:, None], unscaled, logits)
         probs = torch.softmax(logits, dim=-1)
-        # E = -log(u) ~ Exp(1); argmax(probs / E) is a draw from probs.
-        exp = hash_uniform(t.seed, t.step, logits.shape[-1]).log_().neg_()
-        token_ids = probs.div_(exp).argmax(dim=-1)
+        if keep_probs:
+            kept = probs.clone()
+        token_ids = race(probs, t.seed, t.step)
         if greedy_ids is not None:
             token_ids = torch.where(t.greedy, greedy_ids, token_ids)
+    return token_ids, (chosen_from if processed_logprobs else raw), kept
 
-    return _logprobs(chosen_from if processed_logprobs else raw, token_ids, t.max_logprobs)
+
+def filtered(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """Logits after penalties -> / temperature -> min_p -> top_k -> top_p (out of place): what a
+    sampled row draws from, through softmax."""
+    logits = logits / t.temperature[:, None]
+    if t.any_min_p:
+        logits = _apply_min_p(logits, t.min_p)
+    if t.any_top_k or t.any_top_p:
+        logits = _apply_top_k_top_p(logits, t.top_k if t.any_top_k else None,
+                                    t.top_p if t.any_top_p else None, t.max_top_k)
+    return logits
 
 
-def _logprobs(logits: torch.Tensor, token_ids: torch.Tensor, n: int) -> SamplerOutput:
+def race(probs: torch.Tensor, seed: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """A draw from each row of `probs` (B, V), overwritten: the exponential race
+    argmax(probs / E), E = -log(u) ~ Exp(1), u the (seed, step) row of `hash_uniform`."""
+    exp = hash_uniform(seed, step, probs.shape[-1]).log_().neg_()
+    return probs.div_(exp).argmax(dim=-1)
+
+
+def logprobs_of(logits: torch.Tensor, token_ids: torch.Tensor, n: int) -> SamplerOutput:
     """The sampled tokens with their log_softmax under `logits` (B, V) and the n most likely."""
     logsumexp = torch.logsumexp(logits, dim=-1)  # (B,)
     top_ids = top_logprobs = None

@@ -102,6 +102,9 @@ class SamplingParams:
     # Constrain the output (a JSON schema, regex, choice or grammar): tokens outside it are masked
     # before sampling, and the request ends when the constraint is complete. None = free text.
     structured: StructuredOutputParams | None = None
+    # This request decodes without speculative decoding even where the server speculates (its
+    # tokens are the same either way; speculation only changes how fast they come).
+    disable_speculation: bool = False
 
     def __post_init__(self) -> None:
         self.validate()

@@ -63,6 +63,7 @@ import structlog
 from engine.block_manager import BlockManager
 from engine.messages import RequestOutput, SampledToken
 from engine.request import Request, RequestStatus, SampleGroup
+from engine.speculative import Speculator
 from engine.structured import StructuredOutputs
 
 log = structlog.get_logger(__name__)
@@ -71,9 +72,12 @@ log = structlog.get_logger(__name__)
 @dataclass(slots=True)
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int  # tokens of the request run through the model this step (>= 1)
+    num_new_tokens: int  # tokens of the request run through the model this step (>= 1), proposals included
     start: int  # their first position: num_computed_tokens before the step
-    sample: bool  # start + num_new_tokens == num_tokens: this step produces the next token
+    sample: bool  # start + num_new_tokens - num_spec == num_tokens: this step produces the next token
+    # Of num_new_tokens, the proposed ones after the newest token (Request.spec_token_ids, verified
+    # this step; engine/speculative.py); 0 without speculative decoding.
+    num_spec: int = 0
 
 
 @dataclass(slots=True)
@@ -88,6 +92,8 @@ class SchedulerOutput:
     # Of `scheduled`, those whose tokens include prompt positions whose logprobs their request
     # collects (Request.prompt_logprobs); empty in almost every step.
     prompt_logprobs: list[ScheduledRequest] = field(default_factory=list)
+    # Sum of num_spec over `scheduled`: proposals this step verifies (0: no row speculates).
+    num_spec_tokens: int = 0
 
     @property
     def is_empty(self) -> bool:
@@ -153,6 +159,7 @@ class Scheduler:
         # step (StallBound; 0 = only max_num_batched_tokens bounds it).
         stall_factor: float = 0.0,
         structured: StructuredOutputs | None = None,  # advances the matchers of structured outputs
+        speculator: Speculator | None = None,  # speculative decoding's proposals (None: off)
     ) -> None:
         if min(max_num_seqs, max_num_batched_tokens, max_model_len) < 1:
             raise ValueError("max_num_seqs, max_num_batched_tokens and max_model_len must be >= 1")
@@ -161,6 +168,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.structured = structured
+        self.speculator = speculator
         self.stall = StallBound(stall_factor, min_tokens=block_manager.block_size)
         # In (priority, arrival) order; preempted requests re-enter in their place.
         self.waiting: deque[Request] = deque()
@@ -224,6 +232,9 @@ class Scheduler:
         # Prompt tokens (running prefills and admissions) beside this step's decodes.
         bound = self.stall.prompt_tokens(len(decodes))
         prompt_budget = budget if bound is None else bound
+        speculator = self.speculator
+        if speculator is not None and not speculator.active(len(decodes)):
+            speculator = None  # too many decodes: verifying costs more than it saves
         for request, remaining in decodes + prefills if prefills else decodes:
             if budget <= 0:
                 break
@@ -232,6 +243,13 @@ class Scheduler:
             num_new = min(remaining, budget) if remaining == 1 else min(remaining, budget, prompt_budget)
             if num_new <= 0:
                 break
+            num_spec = 0
+            if speculator is not None and remaining == 1:
+                num_spec = speculator.reserve(request, budget - 1)
+                if num_spec and allocate(request, 1 + num_spec) is None:
+                    num_spec = 0  # no blocks for the proposals: a plain decode (speculation never preempts)
+                    request.spec_token_ids = []
+                num_new += num_spec
             while (new_blocks := allocate(request, num_new)) is None:
                 victim = self._pick_victim()
                 if victim is not request and victim.request_id in scheduled:
@@ -241,6 +259,7 @@ class Scheduler:
                     if s in out.prompt_logprobs:
                         out.prompt_logprobs.remove(s)
                     out.num_batched_tokens -= s.num_new_tokens
+                    out.num_spec_tokens -= s.num_spec
                     budget += s.num_new_tokens
                 self.running.remove(victim)
                 self._preempt(victim)
@@ -249,7 +268,7 @@ class Scheduler:
                     break
             if new_blocks is None:  # it was the latest arrival: preempted itself
                 continue
-            scheduled[request.request_id] = self._schedule(out, request, num_new)
+            scheduled[request.request_id] = self._schedule(out, request, num_new, num_spec)
             budget -= num_new
             if remaining > 1:
                 prompt_budget -= num_new
@@ -309,11 +328,12 @@ class Scheduler:
         victim of newer ones of its priority: nothing starves within a priority."""
         return max(enumerate(self.running), key=lambda ir: (ir[1].priority, ir[1].arrival_time, ir[0]))[1]
 
-    def _schedule(self, out: SchedulerOutput, request: Request, num_new: int) -> ScheduledRequest:
+    def _schedule(self, out: SchedulerOutput, request: Request, num_new: int, num_spec: int = 0) -> ScheduledRequest:
         start = request.num_computed_tokens
-        s = ScheduledRequest(request, num_new, start, start + num_new == request.num_tokens)
+        s = ScheduledRequest(request, num_new, start, start + num_new - num_spec == request.num_tokens, num_spec)
         out.scheduled.append(s)
         out.num_batched_tokens += num_new
+        out.num_spec_tokens += num_spec
         if request.prompt_logprobs is not None and start < len(request.prompt_token_ids) - 1:
             out.prompt_logprobs.append(s)
         return s
@@ -321,6 +341,8 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.block_manager.free(request)
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
+        request.draft_computed = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -340,14 +362,16 @@ class Scheduler:
             request = s.request
             if request.finished:  # aborted or failed since it was scheduled
                 continue
-            request.num_computed_tokens += s.num_new_tokens
+            # Proposals count as computed only once accepted (update_from_output), so blocks holding
+            # them are hashed from accepted tokens alone.
+            request.num_computed_tokens += s.num_new_tokens - s.num_spec
             self.block_manager.cache_full_blocks(request)
             if s.sample:
                 request.num_output_placeholders += 1
 
     def update_from_output(self, requests: Sequence[Request], sampled: Sequence[SampledToken],
-                           prompt_logprobs: Sequence[tuple[Request, int, list[SampledToken]]] = ()
-                           ) -> list[RequestOutput]:
+                           prompt_logprobs: Sequence[tuple[Request, int, list[SampledToken]]] = (),
+                           speculated: Sequence[list[SampledToken]] | None = None) -> list[RequestOutput]:
         """Closes a step: each row's sampled token (rows in `SchedulerOutput.sampling_requests`
         order) joins its request, is detokenized and checked for a stop, and ends the request
         (its blocks freed) when it stops. Returns one output per row still running. A row whose
@@ -358,7 +382,10 @@ class Scheduler:
 
         prompt_logprobs: (request, index of its first entry, entries) of the prompt positions the
         step computed (SchedulerOutput.prompt_logprobs), collected first, so that a request whose
-        last prompt chunk samples its first token hands them all over with that token."""
+        last prompt chunk samples its first token hands them all over with that token.
+
+        speculated: in a step that verified proposals (engine/speculative.py), each row's tokens:
+        its accepted proposals and the token after them (`sampled` is then not read)."""
         for request, first, entries in prompt_logprobs:
             collected = request.prompt_logprobs
             if collected is None or request.finished:
@@ -368,6 +395,8 @@ class Scheduler:
             have = len(collected) + 1  # entry 0 (the first prompt token) has none
             if first <= have < first + len(entries):
                 collected.extend(entries[have - first:])
+        if speculated is not None:
+            return self._update_speculative(requests, speculated)
         if self.structured is not None:
             self.structured.consume([(r.grammar, t.token_id) for r, t in zip(requests, sampled, strict=True)
                                      if r.grammar is not None and not r.finished])
@@ -419,7 +448,88 @@ class Scheduler:
         if status is not None:
             o.all_finished = self.finish(request, status)
             o.finished, o.status, o.stop_reason = True, status, request.stop_reason
+            if request.num_drafts:
+                o.num_draft_tokens, o.num_accepted_tokens = request.num_draft_tokens, request.num_accepted_tokens
         return o
+
+    def _update_speculative(self, requests: Sequence[Request], speculated: Sequence[list[SampledToken]]
+                            ) -> list[RequestOutput]:
+        """update_from_output of a step that verified proposals: each row's accepted proposals and
+        the token after them join the request one at a time, as plain decoding would append them;
+        the rejected proposals are rolled back (their K/V no longer count, the blocks only they
+        filled go back to the pool; blocks are hashed from accepted tokens only)."""
+        bm, speculator = self.block_manager, self.speculator
+        outputs = []
+        for request, tokens in zip(requests, speculated, strict=True):
+            if request.finished:
+                continue
+            k = len(request.spec_token_ids)
+            accepted = len(tokens) - 1
+            assert 0 <= accepted <= k, f"{request}: {accepted} of {k} proposals accepted"
+            request.spec_token_ids = []
+            request.num_output_placeholders -= 1
+            if k:
+                request.num_drafts += 1
+                request.num_draft_tokens += k
+                request.num_accepted_tokens += accepted
+                if speculator is not None:
+                    speculator.stats.record(k, accepted)
+            request.num_computed_tokens += accepted  # the newest token's K/V counted at launch
+            outputs += self._output_many(request, tokens)
+            if not request.finished:
+                bm.trim(request)
+                bm.cache_full_blocks(request)
+                request.draft_computed = min(request.draft_computed, request.num_computed_tokens)
+        return outputs
+
+    def _output_many(self, request: Request, tokens: list[SampledToken]) -> list[RequestOutput]:
+        """`_output` for several new tokens of one request (a verify step's): they join it one at
+        a time, its matcher takes each, and the first that ends the request drops the rest."""
+        detok, grammar = request.detokenizer, request.grammar
+        text = ""
+        stopped = False
+        status = None
+        emitted: list[SampledToken] = []
+        for token in tokens:
+            request.output_token_ids.append(token.token_id)
+            emitted.append(token)
+            if grammar is not None and grammar.matcher is not None and grammar.error is None:
+                if not grammar.matcher.consume_token(token.token_id):
+                    grammar.error = (f"the structured output's matcher refused token {token.token_id}: "
+                                     f"{grammar.matcher.get_error() or 'not allowed here'}")
+            if grammar is not None and grammar.error is not None:
+                log.error("structured_output_failed", request_id=request.request_id, error=grammar.error)
+                return self.fail([request], grammar.error)
+            if detok is not None:
+                text += detok.step((token.token_id,))
+                stopped = detok.stopped
+            status = RequestStatus.FINISHED_STOPPED if stopped else request.check_token_stop()
+            if grammar is not None and grammar.finished and status != RequestStatus.FINISHED_STOPPED:
+                status = RequestStatus.FINISHED_STOPPED
+            if status is not None:
+                break
+        # As in _output: held-back text comes out when the request ends for another reason.
+        if status is not None and not stopped and detok is not None:
+            text += detok.flush()
+            if detok.stopped:
+                status = RequestStatus.FINISHED_STOPPED
+        if detok is not None and detok.stopped:
+            request.stop_reason = detok.stop_string
+        num_out = len(request.output_token_ids)
+        o = RequestOutput(
+            request_id=request.parent_id, new_token_ids=[t.token_id for t in emitted], new_text=text,
+            new_logprobs=emitted if emitted[0].top or request.sampling.logprobs else [],
+            num_prompt_tokens=len(request.prompt_token_ids), num_output_tokens=num_out,
+            num_cached_tokens=request.num_cached_tokens, index=request.index, all_finished=False)
+        if num_out == len(emitted) and request.first_scheduled_time is not None:
+            o.queue_time_s = request.first_scheduled_time - request.arrival_time
+        if request.prompt_logprobs is not None:
+            o.prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, None
+        if status is not None:
+            o.all_finished = self.finish(request, status)
+            o.finished, o.status, o.stop_reason = True, status, request.stop_reason
+            o.num_draft_tokens, o.num_accepted_tokens = request.num_draft_tokens, request.num_accepted_tokens
+        return [o]
 
     def fail(self, requests: Sequence[Request], error: str, *, out_of_memory: bool = False) -> list[RequestOutput]:
         """Ends each of `requests` (not finished yet) with FINISHED_ERROR: an engine fault in their
@@ -443,6 +553,7 @@ class Scheduler:
         if request.finished:
             return False
         request.status = status
+        request.spec_token_ids = []
         if request in self.running:
             self.running.remove(request)
         else:

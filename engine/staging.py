@@ -159,13 +159,15 @@ class StepStager:
         self.prev: DecodeStaging | None = None  # what the last pure decode step left in the buffers
 
     def stage(self, out: SchedulerOutput, block_tables: list[list[int]], graph_batch: int | None,
-              last: LastSample | None) -> StepInputs:
+              last: LastSample | None, proposals: bool = False) -> StepInputs:
         """Writes the step's inputs into the staging buffers and starts their copy to the device.
         `block_tables` are the tables of `out.scheduled`'s rows (their requests' `block_ids`).
 
         With `graph_batch` (a pure decode of B <= graph_batch rows) the sections are laid out for
         T = B = graph_batch and rows B.. are padding. `last`: the previous step's sample, whose ids
-        on the device are the inputs of tokens sampled but not read back yet (async scheduling)."""
+        on the device are the inputs of tokens sampled but not read back yet (async scheduling).
+        `proposals`: rows may run past their known tokens into their speculative proposals
+        (Request.input_slice; engine/speculative.py)."""
         scheduled = out.scheduled
         b = len(scheduled)
         reqs = [s.request for s in scheduled]
@@ -207,7 +209,8 @@ class StepStager:
                 qsl[b + 1:] = np.arange(t + 1, t + 1 + rows - b)
         self.prev = DecodeStaging(layout, w, reqs, starts, widths) if t == b else None
         if not same_rows:
-            ids[:t] = np.fromiter(chain.from_iterable(s.request.token_slice(s.start, s.start + s.num_new_tokens)
+            take = Request.input_slice if proposals else Request.token_slice
+            ids[:t] = np.fromiter(chain.from_iterable(take(s.request, s.start, s.start + s.num_new_tokens)
                                                       for s in scheduled), dtype=np.int32, count=t)
         if t == b:  # one token per sequence, at its start
             p = starts

@@ -200,6 +200,7 @@ class Constrained(Protocol):
     """What mask filling reads of a request (engine.request.Request has it)."""
 
     grammar: GrammarState | None
+    spec_token_ids: list[int]  # speculative proposals in flight (engine/speculative.py)
 
 
 @dataclass(slots=True)
@@ -232,10 +233,13 @@ class StructuredOutputs:
         """A new sample's constraint (its compilation starts now unless cached)."""
         return GrammarState(self.compiler.submit(params))
 
-    def fill(self, requests: Sequence[Constrained]) -> TokenMasks | None:
+    def fill(self, requests: Sequence[Constrained], proposals: bool = False) -> TokenMasks | None:
         """The masks of one step's sampling rows (`requests`, in row order); None when no row is
         constrained. A row whose constraint failed gets no mask: its request fails when its token
-        is read back."""
+        is read back. `proposals`: a step that verifies speculative proposals, whose request i has
+        1 + len(spec_token_ids) logits rows, masked as the matcher stands after each proposal."""
+        if proposals:
+            return self._fill_with_proposals(requests)
         rows = [i for i, r in enumerate(requests) if r.grammar is not None and r.grammar.matcher is not None]
         if not rows:
             return None
@@ -253,6 +257,34 @@ class StructuredOutputs:
         # (it pulls in torch._dynamo: seconds at start): row s at data_ptr + s * row bytes.
         assert bitmask.dtype == torch.int32 and bitmask.is_contiguous() and not bitmask.is_cuda
         self.executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), bitmask.shape[1] * 4, bitmask.shape[0])
+        row_index.copy_(torch.tensor(rows, dtype=torch.int32))
+        return TokenMasks(bitmask, row_index)
+
+    def _fill_with_proposals(self, requests: Sequence[Constrained]) -> TokenMasks | None:
+        """`fill` of a verify step: llguidance advances each matcher through the request's proposals
+        (mask after mask) and rolls it back. Rows past a proposal the matcher refuses keep an
+        all-allowed mask: that proposal cannot be accepted, so nothing after it is read."""
+        rows: list[int] = []
+        items = []
+        at = 0
+        for r in requests:
+            spec = r.spec_token_ids
+            grammar = r.grammar
+            if grammar is not None and grammar.matcher is not None:
+                items.append((grammar.matcher, len(rows), list(spec)))
+                rows.extend(range(at, at + 1 + len(spec)))
+            at += 1 + len(spec)
+        if not rows:
+            return None
+        self._parity ^= 1
+        buffers = self._masks[self._parity]
+        if len(rows) > buffers.rows.shape[0]:
+            buffers = self._masks[self._parity] = self._new_masks(len(rows), buffers.bitmask.shape[1])
+        bitmask, row_index = buffers.bitmask[:len(rows)], buffers.rows[:len(rows)]
+        bitmask.fill_(-1)
+        assert bitmask.dtype == torch.int32 and bitmask.is_contiguous() and not bitmask.is_cuda
+        self.executor.unsafe_compute_mask_ptr_with_draft_token(items, bitmask.data_ptr(), bitmask.shape[1] * 4,
+                                                               bitmask.shape[0])
         row_index.copy_(torch.tensor(rows, dtype=torch.int32))
         return TokenMasks(bitmask, row_index)
 

@@ -185,13 +185,13 @@ def test_incremental_staging_equals_a_full_rebuild(rng, model_dir, async_schedul
     stage = stager.stage
     incremental = 0
 
-    def checked(out, tables, graph_batch, last):
+    def checked(out, tables, graph_batch, last, **kw):
         nonlocal incremental
         incremental += stager.prev is not None
-        step = stage(out, tables, graph_batch, last)
+        step = stage(out, tables, graph_batch, last, **kw)
         got_ints, got_tables = stager.host_ints.numpy().copy(), stager.host_tables.numpy().copy()
         stager.prev = None  # the full path, into the same buffers
-        full = stage(out, tables, graph_batch, last)
+        full = stage(out, tables, graph_batch, last, **kw)
         b, w = step.metadata.block_tables.shape
         n = int(step.metadata.query_start_loc[-1]) * 3 + 2 * b + 1
         assert (got_ints[:n] == stager.host_ints.numpy()[:n]).all()

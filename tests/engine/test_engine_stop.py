@@ -33,6 +33,8 @@ def test_stop_string_found_in_flushed_text_ends_as_stop(tmp_path):
 class Forced:
     """A launched step whose sampled tokens are given, not computed (ModelRunner.launch's result)."""
 
+    speculative = False  # no proposals verified
+
     def __init__(self, out, tokens) -> None:
         self.requests = self.all_requests = out.sampling_requests
         self._tokens = tokens
@@ -42,6 +44,9 @@ class Forced:
 
     def prompt_logprobs(self) -> list:
         return []
+
+    def speculated(self) -> None:
+        return None
 
 
 def test_min_tokens_holds_back_eos_and_stop_ids_the_bias_forces(tmp_path):
