@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from engine import block_manager
 from engine.core import EngineCore
 
 
@@ -35,5 +36,20 @@ def assert_engine_invariants(engine: EngineCore) -> None:
         assert (block_id in bm._free) == (held[block_id] == 0), f"block {block_id} free-queue state is wrong"
     for req in running:
         assert len(req.block_ids) >= bm.blocks_needed(req.num_computed_tokens)
+        # No block past what its tokens (and the proposals in flight) need: rejected speculative
+        # proposals' blocks went back (engine/speculative.py).
+        assert len(req.block_ids) <= bm.blocks_needed(req.num_tokens + len(req.spec_token_ids)), \
+            f"{req} holds {len(req.block_ids)} blocks for {req.num_tokens} tokens"
+        assert req.num_computed_tokens <= req.num_tokens, f"{req}: more K/V computed than tokens"
+        # Prefix-cache hashes: only of full blocks of computed tokens, each chained over the ids the
+        # request really has there (a rejected proposal's id would break the chain).
+        assert len(req.block_hashes) <= req.num_computed_tokens // bm.block_size
+        parent = None
+        for i, h in enumerate(req.block_hashes):
+            parent = block_manager.hash_block(parent, tuple(req.token_slice(i * bm.block_size,
+                                                                            (i + 1) * bm.block_size)))
+            assert h == parent, f"{req}: the hash of block {i} is not that of its tokens"
+    for req in unfinished:  # proposals exist only for the step in flight
+        assert not req.spec_token_ids or id(req) in pending_rows, f"{req} holds proposals outside a pending step"
     for req in waiting:  # preempted or never admitted: nothing held
         assert not req.block_ids and not req.block_hashes, f"{req} waits holding blocks"

@@ -61,9 +61,15 @@ class Run:
 
         def recording(out, **kwargs):
             rows, logits = forward(out, **kwargs)
-            for row, i in enumerate(rows):
-                r = out.scheduled[i].request
-                self.logits[(r.parent_id, r.num_output_tokens)] = logits[row].clone()
+            at = 0
+            for i in rows:
+                # A verify step (speculative decoding) makes 1 + num_spec rows for row i: output
+                # tokens m, m + 1, ... had its proposals been accepted. Those past a rejected one
+                # are rewritten by the step that makes that token for real (steps run in order).
+                s = out.scheduled[i]
+                for j in range(1 + s.num_spec):
+                    self.logits[(s.request.parent_id, s.request.num_output_tokens + j)] = logits[at + j].clone()
+                at += 1 + s.num_spec
             return rows, logits
 
         engine.runner.forward_logits = recording
