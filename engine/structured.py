@@ -265,13 +265,16 @@ class StructuredOutputs:
         (mask after mask) and rolls it back. Rows past a proposal the matcher refuses keep an
         all-allowed mask: that proposal cannot be accepted, so nothing after it is read."""
         rows: list[int] = []
-        items = []
+        plain, drafted = [], []  # llguidance takes rows without proposals apart
         at = 0
         for r in requests:
             spec = r.spec_token_ids
             grammar = r.grammar
             if grammar is not None and grammar.matcher is not None:
-                items.append((grammar.matcher, len(rows), list(spec)))
+                if spec:
+                    drafted.append((grammar.matcher, len(rows), list(spec)))
+                else:
+                    plain.append((grammar.matcher, len(rows)))
                 rows.extend(range(at, at + 1 + len(spec)))
             at += 1 + len(spec)
         if not rows:
@@ -283,8 +286,11 @@ class StructuredOutputs:
         bitmask, row_index = buffers.bitmask[:len(rows)], buffers.rows[:len(rows)]
         bitmask.fill_(-1)
         assert bitmask.dtype == torch.int32 and bitmask.is_contiguous() and not bitmask.is_cuda
-        self.executor.unsafe_compute_mask_ptr_with_draft_token(items, bitmask.data_ptr(), bitmask.shape[1] * 4,
-                                                               bitmask.shape[0])
+        if plain:
+            self.executor.unsafe_compute_mask_ptr(plain, bitmask.data_ptr(), bitmask.shape[1] * 4, bitmask.shape[0])
+        if drafted:
+            self.executor.unsafe_compute_mask_ptr_with_draft_token(drafted, bitmask.data_ptr(), bitmask.shape[1] * 4,
+                                                                   bitmask.shape[0])
         row_index.copy_(torch.tensor(rows, dtype=torch.int32))
         return TokenMasks(bitmask, row_index)
 
