@@ -20,6 +20,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig, usable_cores
 from engine.detokenizer import IncrementalDetokenizer
 from engine.device import TORCH_DTYPES, auto_dtype, resolve_device
+from engine.draft import DraftModel, DraftProposer, load_draft
 from engine.errors import EngineDeadError
 from engine.kv_cache import KVCache
 from engine.kv_sizing import num_kv_blocks
@@ -89,6 +90,12 @@ class EngineCore:
         block_bytes = KVCache.bytes_per_block(
             num_layers=local.num_hidden_layers, block_size=config.block_size,
             num_kv_heads=local.num_key_value_heads, head_dim=local.head_dim, kv_cache_dtype=config.kv_cache_dtype)
+        # A draft model (speculative decoding) is loaded before the pool is sized: its weights take
+        # memory first, and each block of the pool has a draft half of its own (engine/draft.py).
+        self.draft: DraftModel | None = None
+        if config.speculative == "draft":
+            self.draft = load_draft(config, self.device, TORCH_DTYPES[dtype_name], self.tokenizer, self.max_model_len)
+            block_bytes += self.draft.block_bytes(config)
         num_blocks = num_kv_blocks(config, self.device, block_bytes, self.max_model_len,
                                    lambda n: self._make_runner(self._make_kv_cache(n)))
         self.kv_cache = self._make_kv_cache(num_blocks)
@@ -137,8 +144,28 @@ class EngineCore:
         if config.speculative == "ngram":
             proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         else:
-            raise ValueError(f"unknown speculative method {config.speculative!r}")
+            assert self.draft is not None
+            proposer = DraftProposer(self._draft_runner(config, num_blocks), self.vocab_size)
         return Speculator(proposer, config.num_speculative_tokens, config.speculative_max_batch)
+
+    def _draft_runner(self, config: EngineConfig, num_blocks: int) -> ModelRunner:
+        """The draft model's runner over its own pool of `num_blocks` blocks (engine/draft.py),
+        warmed up and its decode steps captured as the target's are."""
+        assert self.draft is not None
+        mc = self.draft.model.config
+        cache = KVCache(num_layers=mc.num_hidden_layers, num_blocks=num_blocks, block_size=config.block_size,
+                        num_kv_heads=mc.num_key_value_heads, head_dim=mc.head_dim,
+                        kv_cache_dtype=config.kv_cache_dtype, device=self.device)
+        runner = ModelRunner(self.draft.model, cache, vocab_size=mc.vocab_size, softmax_scale=mc.attn_scale,
+                             device=self.device, attention_backend=config.attention_backend,
+                             max_num_seqs=min(config.max_num_seqs, config.speculative_max_batch),
+                             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=self.max_model_len,
+                             windows=[mc.layer_window(i) for i in range(mc.num_hidden_layers)])
+        if self.device.type == "cuda":
+            runner.warm_up()
+            if not config.enforce_eager:
+                runner.capture_cuda_graphs()
+        return runner
 
     def _smooth_kv(self) -> None:
         """Evens out K/V channel magnitudes before anything is quantized (model/smoothing.py)."""
