@@ -9,6 +9,7 @@ import asyncio
 import dataclasses
 import functools
 import os
+import re
 import runpy
 import sys
 from collections.abc import Callable
@@ -17,7 +18,15 @@ from typing import TYPE_CHECKING, NoReturn
 
 import structlog
 
-from engine.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, LOGPROBS_MODES, MODEL_DTYPES, EngineConfig
+from engine.config import (
+    ATTENTION_BACKENDS,
+    KV_CACHE_DTYPES,
+    LOGPROBS_MODES,
+    MAX_SPECULATIVE_TOKENS,
+    MODEL_DTYPES,
+    SPECULATIVE_METHODS,
+    EngineConfig,
+)
 from engine.errors import StartupError
 from service.auth import read_token_file
 from service.logging import configure_logging
@@ -132,6 +141,26 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="what generated tokens' logprobs are: raw = log-softmax of the model's logits (as vLLM v1); "
                         "processed = of the logits the token was chosen from, after logit_bias, min_tokens, "
                         "penalties, temperature and the top-k/top-p/min-p filters")
+    p.add_argument("--speculative", default=None, choices=SPECULATIVE_METHODS,
+                   help="speculative decoding: propose tokens from the request's earlier text (ngram: prompt "
+                        "lookup) or with a small model (draft: --draft-model), and verify them in one forward pass; "
+                        "output as plain decoding's (greedy: the same tokens; sampled: the same distribution), only "
+                        "faster where proposals are accepted (default: off)")
+    p.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
+                   help=f"tokens proposed per request and step at most, 1..{MAX_SPECULATIVE_TOKENS}; needs "
+                        f"--speculative (default: {d.num_speculative_tokens})")
+    p.add_argument("--draft-model", default=None, metavar="DIR",
+                   help="Hugging Face-layout folder of the draft model of --speculative draft, with the served "
+                        "model's tokenizer (default: none)")
+    p.add_argument("--speculative-max-batch", type=int, default=None, metavar="N",
+                   help="speculate only in steps with at most N running decodes (in larger batches verifying "
+                        f"costs more than it saves); needs --speculative (default: {d.speculative_max_batch})")
+    p.add_argument("--prompt-lookup-max", type=int, default=None, metavar="N",
+                   help="--speculative ngram: the longest suffix of the request's tokens looked up earlier in its "
+                        f"prompt and output (default: {d.prompt_lookup_max})")
+    p.add_argument("--prompt-lookup-min", type=int, default=None, metavar="N",
+                   help="--speculative ngram: the shortest suffix looked up; shorter matches propose nothing "
+                        f"(default: {d.prompt_lookup_min})")
     p.add_argument("--grace", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM")
     p.add_argument("--model-name", default=None, help="name reported by GetModelInfo and in the metrics' model_name label (default: the model folder's name)")
     p.add_argument("--max-message-bytes", type=int, default=16 << 20,
@@ -298,17 +327,7 @@ def _serve(args: argparse.Namespace, engine_setup: Callable[[EngineCore], None] 
     path and what to do (exit 2: the flags, files or machine cannot work; exit 1: the engine
     failed to load anyway); --log-level debug adds its traceback."""
     try:
-        engine_config = EngineConfig(
-            model=args.model, device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-            block_size=args.block_size, kv_cache_memory_bytes=None if args.kv_cache_memory is None else int(args.kv_cache_memory * 2**30),
-            gpu_memory_fraction=args.gpu_memory_fraction, enforce_eager=args.enforce_eager,
-            num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-            decode_stall_factor=args.decode_stall_factor,
-            max_waiting=args.max_waiting, seed=args.seed,
-            attention_backend=args.attention_backend, cpu_threads=args.cpu_threads,
-            tensor_parallel_size=args.tensor_parallel_size, enable_prefix_caching=args.enable_prefix_caching,
-            logprobs_mode=args.logprobs_mode)
+        engine_config = engine_config_from(args)
         server_config = dataclasses.replace(_server_config(args), engine_setup=engine_setup)
     except ValueError as e:
         return _startup_failed(_in_flag_words(str(e)), 2)
@@ -329,6 +348,32 @@ def _serve(args: argparse.Namespace, engine_setup: Callable[[EngineCore], None] 
     return 0
 
 
+# The flags of speculative decoding that mean nothing without --speculative (EngineConfig fields);
+# given alone they are refused rather than ignored. --draft-model is EngineConfig's to refuse.
+_SPECULATIVE_FLAGS = ("num_speculative_tokens", "speculative_max_batch", "prompt_lookup_max", "prompt_lookup_min")
+
+
+def engine_config_from(args: argparse.Namespace) -> EngineConfig:
+    """`pie serve`'s flags as an EngineConfig; a ValueError names the field or flag that is wrong."""
+    given = {name: getattr(args, name) for name in _SPECULATIVE_FLAGS if getattr(args, name) is not None}
+    if given and args.speculative is None:
+        flags = " and ".join(f"--{name.replace('_', '-')}" for name in given)
+        raise ValueError(f"{flags} {'needs' if len(given) == 1 else 'need'} --speculative ngram or draft "
+                         "(speculative decoding is off without it)")
+    return EngineConfig(
+        model=args.model, device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+        block_size=args.block_size, kv_cache_memory_bytes=None if args.kv_cache_memory is None else int(args.kv_cache_memory * 2**30),
+        gpu_memory_fraction=args.gpu_memory_fraction, enforce_eager=args.enforce_eager,
+        num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        decode_stall_factor=args.decode_stall_factor,
+        max_waiting=args.max_waiting, seed=args.seed,
+        attention_backend=args.attention_backend, cpu_threads=args.cpu_threads,
+        tensor_parallel_size=args.tensor_parallel_size, enable_prefix_caching=args.enable_prefix_caching,
+        logprobs_mode=args.logprobs_mode, speculative=args.speculative, draft_model=args.draft_model,
+        **given)
+
+
 def _startup_failed(message: str, code: int) -> int:
     """Writes the one line (the traceback, at --log-level debug, goes to the log before it)."""
     log.debug("startup_failed", exc_info=True)
@@ -347,14 +392,32 @@ def _one_line(error: BaseException) -> str:
 
 # EngineConfig's fields whose flag is not the field's name with dashes.
 _FIELD_FLAGS = {"kv_cache_memory_bytes": "--kv-cache-memory"}
+# A field's name in EngineConfig's messages, with the value it was given where one follows
+# (speculative='draft'); group 1 the name, group 2 or 3 the value.
+_FIELD_WORD = re.compile(r"\b([a-z][a-z0-9_]*)(?:='([^']*)'|=([^\s,;:)]+))?")
+
+
+def _flag(field_name: str) -> str:
+    return _FIELD_FLAGS.get(field_name, "--" + field_name.replace("_", "-"))
 
 
 def _in_flag_words(message: str) -> str:
-    """EngineConfig says "block_size must be ..."; the operator typed --block-size."""
-    field_name, sep, rest = message.partition(" ")
-    if sep and field_name in {f.name for f in dataclasses.fields(EngineConfig)}:
-        return f"{_FIELD_FLAGS.get(field_name, '--' + field_name.replace('_', '-'))} {rest}"
-    return message
+    """EngineConfig says "block_size must be ..."; the operator typed --block-size. Translated: a
+    field's name that starts the message followed by "must" or "is" (so "speculative decoding"
+    stays words), one with an underscore anywhere, and `name='value'` anywhere (`--name value`)."""
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+
+    def word(m: re.Match) -> str:
+        name, value = m.group(1), m.group(2) if m.group(2) is not None else m.group(3)
+        if name not in fields:
+            return m.group(0)
+        if value is not None:
+            return f"{_flag(name)} {value}"
+        if "_" in name or (m.start() == 0 and message[m.end():].startswith((" must ", " is "))):
+            return _flag(name)
+        return m.group(0)
+
+    return _FIELD_WORD.sub(word, message)
 
 
 def _server_config(args: argparse.Namespace) -> ServerConfig:

@@ -52,6 +52,10 @@ class RequestSummary:
     status: str = "OK"  # the gRPC status code's name the caller got
     error: str | None = None  # the status message for non-OK endings
     ended: bool = False  # the line was written (exactly one per RPC)
+    # Speculative decoding: proposals verified for the request (all its samples) and, of those,
+    # accepted; reported on the outputs that finish its samples.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     def tokens_arrived(self, n: int, now: float) -> float | None:
         """Records `n` new tokens at `now`; returns the gap since the previous ones (None for the first)."""
@@ -76,6 +80,9 @@ class RequestSummary:
             ttft_ms=None if self.ttft_s is None else round(1e3 * self.ttft_s, 2),
             queue_ms=None if self.queue_time_s is None else round(1e3 * self.queue_time_s, 2),
             total_ms=round(1e3 * self.total_s, 2), finish_reason=self.finish_reason)
+        if self.num_draft_tokens:  # the request speculated
+            fields.update(num_draft_tokens=self.num_draft_tokens, num_accepted_tokens=self.num_accepted_tokens,
+                          acceptance_rate=round(self.num_accepted_tokens / self.num_draft_tokens, 3))
         if self.error is not None:
             fields["error"] = self.error
         if self.status in ("OK",):

@@ -6,7 +6,9 @@ one), so several servers in one process do not clash. Two kinds of series:
 - observed by the servicer as requests finish: token counters, request_success, the latency
   histograms, and `pie_requests_finished_total{rpc, code}` (every RPC outcome by gRPC status code);
 - read from `engine.stats()` at scrape time by `_EngineCollector`: running/waiting requests, KV
-  usage, and the engine's cumulative prefix-cache and preemption counters.
+  usage, and the engine's cumulative prefix-cache, preemption and (with `--speculative`)
+  speculative-decoding counters (vLLM v1's `spec_decode_*`, their per-position counter labelled
+  `position` 0..K-1, every position from the first scrape).
 
 Inter-token latency with coalesced stream messages: one message may carry k tokens made since the
 previous one; the gap since the previous message is divided by k and observed k times, so the
@@ -45,9 +47,11 @@ METRICS_PATH = "/metrics"  # the one path the HTTP endpoint answers; any other i
 class _EngineCollector(Collector):
     """Scheduler and cache state, read from the engine when Prometheus scrapes (never cached)."""
 
-    def __init__(self, model_name: str, stats: Callable[[], EngineStats | None]) -> None:
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats | None],
+                 num_speculative_tokens: int | None = None) -> None:
         self.model_name = model_name
         self.stats = stats  # None while the model is still loading
+        self.num_speculative_tokens = num_speculative_tokens  # K; None: speculative decoding off (no series)
 
     def describe(self):
         return []  # the series appear only once the engine exists; skip the registry's dry run
@@ -89,12 +93,30 @@ class _EngineCollector(Collector):
                       "Prefix cache hits, in terms of number of cached tokens.", stats.prefix_cache_hits)
         yield counter("vllm:num_preemptions", "Cumulative number of preemptions from the engine.",
                       stats.num_preemptions)
+        if self.num_speculative_tokens is not None:
+            yield from self._spec_decode(stats, counter)
+
+    def _spec_decode(self, stats: EngineStats, counter: Callable[[str, str, float], CounterMetricFamily]):
+        """vLLM v1's speculative-decoding counters, from the engine's cumulative counts."""
+        yield counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", stats.spec_num_drafts)
+        yield counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", stats.spec_num_draft_tokens)
+        yield counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                      stats.spec_num_accepted_tokens)
+        per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                      "Accepted tokens per draft position.", labels=["model_name", "position"])
+        accepted = stats.spec_accepted_per_pos
+        # K positions from the start (the engine's list grows as longer proposals are first made).
+        for pos in range(max(self.num_speculative_tokens or 0, len(accepted))):
+            per_pos.add_metric([self.model_name, str(pos)], accepted[pos] if pos < len(accepted) else 0)
+        yield per_pos
 
 
 class ServiceMetrics:
     """The server's metrics and (optionally) the HTTP endpoint that serves them on /metrics."""
 
-    def __init__(self, model_name: str, stats: Callable[[], EngineStats | None] = lambda: None) -> None:
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats | None] = lambda: None, *,
+                 num_speculative_tokens: int | None = None) -> None:
+        """`num_speculative_tokens`: K of `--speculative`; None when it is off (no spec_decode series)."""
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
         r, m = self.registry, ["model_name"]
@@ -120,7 +142,7 @@ class ServiceMetrics:
                                                    buckets=TOKEN_BUCKETS, registry=r)
         self.finished = Counter("pie_requests_finished", "Finished RPCs by method and gRPC status code.",
                                 [*m, "rpc", "code"], registry=r)
-        self.registry.register(_EngineCollector(model_name, stats))
+        self.registry.register(_EngineCollector(model_name, stats, num_speculative_tokens))
         # Make the labelled series exist at 0 from the start, so rate() works from the first scrape.
         for reason in FINISHED_REASONS:
             self.request_success.labels(model_name, reason)

@@ -123,7 +123,8 @@ class PieServer:
         self.config = server_config
         self.engine_config = engine_config
         name = server_config.model_name or Path(engine_config.model).resolve().name
-        self.metrics = ServiceMetrics(name, self._engine_stats)
+        self.metrics = ServiceMetrics(name, self._engine_stats, num_speculative_tokens=(
+            engine_config.num_speculative_tokens if engine_config.speculative else None))
         self.metrics_port: int | None = None  # bound once start() served /metrics
         self.servicer = GenerateServicer(model_name=name, limits=server_config.limits, metrics=self.metrics,
                                          stream_interval=server_config.stream_interval,

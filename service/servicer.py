@@ -14,7 +14,7 @@ import structlog
 from engine.client import EngineClient, RequestStream
 from engine.config import usable_cores
 from engine.errors import EngineDeadError, PromptError, QueueFullError, RequestAbortedError
-from engine.messages import RequestOutput, SampledToken
+from engine.messages import EngineStats, RequestOutput, SampledToken
 from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputParams
 from engine.validation import prompt_too_long
@@ -266,7 +266,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                   else "cancelled by the caller")
 
     def _observe(self, s: RequestSummary, batch: list[RequestOutput]) -> None:
-        """Times one hand-off of outputs: TTFT, inter-token gaps (split over its tokens), queue time."""
+        """Times one hand-off of outputs: TTFT, inter-token gaps (split over its tokens), queue time;
+        counts its speculative proposals for the summary line."""
         first = s.ttft_s is None
         n = sum(len(o.new_token_ids) for o in batch)
         gap = s.tokens_arrived(n, time.monotonic())
@@ -274,6 +275,9 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             self.metrics.first_token(s.ttft_s)
         if gap is not None:
             self.metrics.token_gap(gap, n)
+        for o in batch:  # on the output that finishes a sample that speculated
+            s.num_draft_tokens += o.num_draft_tokens
+            s.num_accepted_tokens += o.num_accepted_tokens
         if s.queue_time_s is None:
             q = next((o.queue_time_s for o in batch if o.queue_time_s is not None), None)
             if q is not None:
@@ -518,6 +522,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                 max_num_seqs=cfg.max_num_seqs, max_waiting=cfg.max_waiting))
         if client.tokenizer.bos_token_id is not None:
             resp.bos_token_id = client.tokenizer.bos_token_id
+        if cfg.speculative is not None:
+            resp.speculative.CopyFrom(_speculative(cfg.speculative, cfg.num_speculative_tokens, stats))
         return resp
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
@@ -550,6 +556,16 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         decode = functools.partial(client.tokenizer.decode, ids, skip)
         text = decode() if len(ids) <= INLINE_DETOKENIZE_IDS else await self._off_loop(decode)
         return pb.DetokenizeResponse(text=text)
+
+
+def _speculative(method: str, k: int, stats: EngineStats) -> pb.SpeculativeDecoding:
+    """GetModelInfo's account of speculative decoding: its settings, the engine's cumulative counts,
+    and what they come to (vLLM's acceptance rate and mean acceptance length)."""
+    drafts, proposed, accepted = stats.spec_num_drafts, stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens
+    return pb.SpeculativeDecoding(
+        method=method, num_speculative_tokens=k, num_drafts=drafts, num_draft_tokens=proposed,
+        num_accepted_tokens=accepted, acceptance_rate=accepted / proposed if proposed else 0.0,
+        mean_acceptance_length=1 + accepted / drafts if drafts else 0.0)
 
 
 def _encode_and_release(encode, release: bool) -> list[int]:

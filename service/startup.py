@@ -5,7 +5,8 @@ rather than a traceback after `server_listening`.
 Checked, in this order: the device (`--device cuda` without CUDA), the TLS files (present,
 readable, PEM), the model folder (engine/model_check.py: config.json readable and of a supported
 architecture, weights and tokenizer present, the tokenizer within the embedding, --chat-template's
-file readable and compiling; its notes logged once), tensor-parallel shardability, a KV budget that holds one sequence (where it is known
+file readable and compiling; its notes logged once), --draft-model's folder (config.json and
+weights), tensor-parallel shardability, a KV budget that holds one sequence (where it is known
 before the model loads), and last the ports (bindable now; the binds follow at once). What only
 loading the model can show (a tensor missing from the checkpoint, the GPU's memory) fails after
 the server bound, and `pie serve` says that in one line too.
@@ -49,6 +50,8 @@ def check_startup(engine: EngineConfig, *, host: str, ports: dict[str, int | Non
     if tls is not None:
         check_tls(*tls)
     model_config, notes = check_model(engine, chat_template)
+    if engine.draft_model is not None:
+        check_draft_model(engine.draft_model)
     if engine.tensor_parallel_size > 1:
         try:
             check_shardable(model_config, engine.tensor_parallel_size)
@@ -79,6 +82,17 @@ def check_model(engine: EngineConfig, chat_template: str | None = None) -> tuple
     if chat_template is not None:
         check_chat_template(engine.model, chat_template)
     return model_config, model_notes(engine.model, model_config, tokenizer, chat_template)
+
+
+def check_draft_model(path: str) -> None:
+    """--draft-model's folder holds a model's config.json and weights (the draft reads the served
+    model's tokenizer; whether the two fit together is the engine's to check when it loads them).
+    engine/model_check.py's messages name --model: here they name --draft-model."""
+    try:
+        read_model_config(path)
+        check_weights_present(path)
+    except StartupError as e:
+        raise StartupError("--draft-model" + str(e).removeprefix("--model")) from e
 
 
 def check_tls(cert: str, key: str, client_ca: str | None) -> None:

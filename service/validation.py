@@ -77,6 +77,7 @@ def sampling_from_proto(msg, *, max_model_len: int) -> SamplingParams:
             logit_bias=dict(msg.logit_bias),
             min_tokens=msg.min_tokens,
             structured=structured_from_proto(msg.structured) if msg.HasField("structured") else None,
+            disable_speculation=msg.disable_speculation,
         )
     except SamplingParamsError as e:
         raise FieldError(qualify(e.field), e.message) from e

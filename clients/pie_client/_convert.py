@@ -19,6 +19,7 @@ from .types import (
     ModelInfo,
     ModelLoad,
     PromptLogprob,
+    SpeculativeDecoding,
     Tokenization,
     TokenLogprob,
     TopLogprob,
@@ -374,4 +375,12 @@ def model_info(response: pb.GetModelInfoResponse) -> ModelInfo:
             kv_blocks_cached=load.kv_blocks_cached,
             requests_waiting_by_priority=dict(load.requests_waiting_by_priority),
         ),
+        speculative=_speculative(response.speculative) if response.HasField("speculative") else None,
     )
+
+
+def _speculative(msg: pb.SpeculativeDecoding) -> SpeculativeDecoding:
+    return SpeculativeDecoding(
+        method=msg.method, num_speculative_tokens=msg.num_speculative_tokens, num_drafts=msg.num_drafts,
+        num_draft_tokens=msg.num_draft_tokens, num_accepted_tokens=msg.num_accepted_tokens,
+        acceptance_rate=msg.acceptance_rate, mean_acceptance_length=msg.mean_acceptance_length)

@@ -322,6 +322,9 @@ def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--priority", type=_int32("--priority"), default=0, metavar="P",
                         help="scheduling priority: lower runs first, requests of one priority in arrival order")
     parser.add_argument("--keep-special-tokens", action="store_true", help="leave special tokens in the text")
+    parser.add_argument("--disable-speculation", action="store_true",
+                        help="decode without speculative decoding where the server speculates: the same tokens, "
+                             "at plain decoding's speed")
     structured = parser.add_argument_group("structured output (one of these; the server refuses what does not "
                                            "compile)").add_mutually_exclusive_group()
     for flag, constraint, text in _STRUCTURED_FLAGS:
@@ -425,6 +428,8 @@ def _sampling(args: argparse.Namespace) -> dict[str, Any]:
         sampling["ignore_eos"] = True
     if args.keep_special_tokens:
         sampling["skip_special_tokens"] = False
+    if args.disable_speculation:
+        sampling["disable_speculation"] = True
     structured = _structured(args)
     if structured is not None:
         sampling["structured"] = structured

@@ -124,6 +124,19 @@ class ModelLoad:
 
 
 @dataclass(frozen=True, slots=True)
+class SpeculativeDecoding:
+    """How the server speculates (`pie serve --speculative`), and its counts since it started."""
+
+    method: str  # "ngram" or "draft"
+    num_speculative_tokens: int  # proposals per request and step at most
+    num_drafts: int  # verify steps of a request that carried proposals
+    num_draft_tokens: int  # proposals verified
+    num_accepted_tokens: int  # of those, accepted
+    acceptance_rate: float  # num_accepted_tokens / num_draft_tokens (0 before any proposal)
+    mean_acceptance_length: float  # tokens per verify step, 1 + num_accepted_tokens / num_drafts (0 before any)
+
+
+@dataclass(frozen=True, slots=True)
 class ModelInfo:
     """The served model and how the server runs it (mirrors GetModelInfoResponse)."""
 
@@ -140,3 +153,4 @@ class ModelInfo:
     dtype: str  # weights
     load: ModelLoad
     logprobs_mode: str = ""  # "raw" or "processed": what generated tokens' logprobs are (empty: an older server)
+    speculative: SpeculativeDecoding | None = None  # None: the server does not speculate (or is older)

@@ -11,7 +11,7 @@ import pytest
 
 import pie_client
 from pie.v1 import generate_pb2 as pb
-from pie_client import cli
+from pie_client import _convert, cli
 from pie_client._channel import resolve_target
 from tests.clients.fake_service import RETRY_SECONDS, FakeGenerateService, start
 
@@ -162,6 +162,15 @@ def test_tokenize_and_model_info(client: pie_client.Client) -> None:
     assert info.model_name == "fake" and info.architecture == "LlamaForCausalLM"
     assert info.eos_token_ids == [2] and info.bos_token_id is None
     assert info.load == pie_client.ModelLoad(100, 90, 1, 0, 8, 64) and info.logprobs_mode == "raw"
+    assert info.speculative is None  # the server does not speculate
+
+
+def test_model_info_of_a_speculating_server() -> None:
+    response = pb.GetModelInfoResponse(model_name="m", speculative=pb.SpeculativeDecoding(
+        method="ngram", num_speculative_tokens=4, num_drafts=8, num_draft_tokens=32, num_accepted_tokens=20,
+        acceptance_rate=0.625, mean_acceptance_length=3.5))  # exact in float32
+    info = _convert.model_info(response)
+    assert info.speculative == pie_client.SpeculativeDecoding("ngram", 4, 8, 32, 20, 0.625, 3.5)
 
 
 def test_invalid_argument_carries_field_violations(client: pie_client.Client) -> None:

@@ -59,7 +59,8 @@ def test_the_formatter_appends_defaults_once_and_help_problems_sees_a_missing_on
 def test_every_sampling_field_has_a_flag() -> None:
     parser = cli._parser()
     args = parser.parse_args(["generate", "x"])
-    flags = {name for _, name, _, _, _ in cli._SAMPLING_FLAGS} | {"stop", "stop_token_ids", "ignore_eos", "logit_bias"}
+    flags = {name for _, name, _, _, _ in cli._SAMPLING_FLAGS} | {"stop", "stop_token_ids", "ignore_eos", "logit_bias",
+                                                                 "disable_speculation"}
     assert all(hasattr(args, name) for name in flags)
     # --keep-special-tokens sets skip_special_tokens, the structured-output flags `structured`
     assert flags | {"skip_special_tokens", "structured"} == SAMPLING_FIELDS
@@ -141,6 +142,9 @@ def test_new_sampling_flags_are_sent(fake: Fake) -> None:
     assert dict(sent.logit_bias) == {13: -50.0, 7: 2.5}  # a token given twice: the last bias
     assert cli.main(["generate", "Hi", "--address", address]) == 0
     assert not servicer.requests[-1].sampling.HasField("prompt_logprobs")
+    assert not servicer.requests[-1].sampling.disable_speculation
+    assert cli.main(["generate", "Hi", "--address", address, "--disable-speculation"]) == 0
+    assert servicer.requests[-1].sampling.disable_speculation
 
 
 @pytest.mark.parametrize("stream", [True, False])

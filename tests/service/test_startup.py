@@ -72,6 +72,16 @@ def test_no_such_model_folder(tmp_path):
                               "Face-layout folder holding config.json, *.safetensors and tokenizer.json")
 
 
+def test_a_draft_model_folder_that_is_not_one(model_dir, tmp_path):
+    proc = serve("--model", str(model_dir), *ARGS, "--speculative", "draft", "--draft-model", str(tmp_path / "draft"))
+    assert one_line(proc) == (f"--draft-model {tmp_path}/draft: no such folder; give a Hugging "
+                              "Face-layout folder holding config.json, *.safetensors and tokenizer.json")
+    (tmp_path / "draft").mkdir()
+    (tmp_path / "draft" / "config.json").write_bytes((model_dir / "config.json").read_bytes())
+    assert one_line(serve("--model", str(model_dir), *ARGS, "--speculative", "draft", "--draft-model",
+                          str(tmp_path / "draft"))).startswith(f"--draft-model {tmp_path}/draft: no model.safetensors")
+
+
 def test_a_file_or_a_folder_without_config_json(model_dir, tmp_path):
     assert one_line(serve("--model", str(model_dir / "model.safetensors"), *ARGS)).startswith(
         f"--model {model_dir / 'model.safetensors'} is a file; give a Hugging Face-layout folder")

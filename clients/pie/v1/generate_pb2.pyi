@@ -19,7 +19,7 @@ FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "skip_special_tokens", "n", "structured", "prompt_logprobs", "logit_bias", "min_tokens")
+    __slots__ = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "skip_special_tokens", "n", "structured", "prompt_logprobs", "logit_bias", "min_tokens", "disable_speculation")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,7 @@ class SamplingParams(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DISABLE_SPECULATION_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_k: int
@@ -65,7 +66,8 @@ class SamplingParams(_message.Message):
     prompt_logprobs: int
     logit_bias: _containers.ScalarMap[int, float]
     min_tokens: int
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., n: _Optional[int] = ..., structured: _Optional[_Union[StructuredOutput, _Mapping]] = ..., prompt_logprobs: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ...) -> None: ...
+    disable_speculation: bool
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., n: _Optional[int] = ..., structured: _Optional[_Union[StructuredOutput, _Mapping]] = ..., prompt_logprobs: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ..., disable_speculation: _Optional[bool] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -265,7 +267,7 @@ class ModelLoad(_message.Message):
     def __init__(self, kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., requests_running: _Optional[int] = ..., requests_waiting: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_waiting: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., requests_waiting_by_priority: _Optional[_Mapping[int, int]] = ...) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model_name", "architecture", "model_type", "max_model_len", "vocab_size", "eos_token_ids", "bos_token_id", "kv_cache_dtype", "block_size", "device", "dtype", "load", "logprobs_mode")
+    __slots__ = ("model_name", "architecture", "model_type", "max_model_len", "vocab_size", "eos_token_ids", "bos_token_id", "kv_cache_dtype", "block_size", "device", "dtype", "load", "logprobs_mode", "speculative")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
@@ -279,6 +281,7 @@ class GetModelInfoResponse(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_MODE_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     architecture: str
     model_type: str
@@ -292,7 +295,8 @@ class GetModelInfoResponse(_message.Message):
     dtype: str
     load: ModelLoad
     logprobs_mode: str
-    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., model_type: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., load: _Optional[_Union[ModelLoad, _Mapping]] = ..., logprobs_mode: _Optional[str] = ...) -> None: ...
+    speculative: SpeculativeDecoding
+    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., model_type: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., load: _Optional[_Union[ModelLoad, _Mapping]] = ..., logprobs_mode: _Optional[str] = ..., speculative: _Optional[_Union[SpeculativeDecoding, _Mapping]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_ids",)
@@ -367,3 +371,21 @@ class ChatInput(_message.Message):
     continue_final_message: bool
     template_kwargs_json: str
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., tools_json: _Optional[str] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ..., template_kwargs_json: _Optional[str] = ...) -> None: ...
+
+class SpeculativeDecoding(_message.Message):
+    __slots__ = ("method", "num_speculative_tokens", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "acceptance_rate", "mean_acceptance_length")
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
+    MEAN_ACCEPTANCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    method: str
+    num_speculative_tokens: int
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    acceptance_rate: float
+    mean_acceptance_length: float
+    def __init__(self, method: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., num_drafts: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_acceptance_length: _Optional[float] = ...) -> None: ...
