@@ -57,16 +57,27 @@ from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import structlog
 
 from engine.block_manager import BlockManager
 from engine.messages import RequestOutput, SampledToken
 from engine.request import Request, RequestStatus, SampleGroup
-from engine.speculative import Speculator
 from engine.structured import StructuredOutputs
 
 log = structlog.get_logger(__name__)
+
+
+class Speculation(Protocol):
+    """What the scheduler asks of speculative decoding (engine.speculative.Speculator, which
+    imports this module: hence a protocol here, not an import)."""
+
+    def active(self, num_decodes: int) -> bool: ...  # speculate in a step with this many decodes?
+
+    def reserve(self, request: Request, budget: int) -> int: ...  # proposals for its decode (0..K)
+
+    def record(self, k: int, accepted: int) -> None: ...  # a verified row: k proposed, `accepted` taken
 
 
 @dataclass(slots=True)
@@ -159,7 +170,7 @@ class Scheduler:
         # step (StallBound; 0 = only max_num_batched_tokens bounds it).
         stall_factor: float = 0.0,
         structured: StructuredOutputs | None = None,  # advances the matchers of structured outputs
-        speculator: Speculator | None = None,  # speculative decoding's proposals (None: off)
+        speculator: Speculation | None = None,  # speculative decoding's proposals (None: off)
     ) -> None:
         if min(max_num_seqs, max_num_batched_tokens, max_model_len) < 1:
             raise ValueError("max_num_seqs, max_num_batched_tokens and max_model_len must be >= 1")
@@ -473,7 +484,7 @@ class Scheduler:
                 request.num_draft_tokens += k
                 request.num_accepted_tokens += accepted
                 if speculator is not None:
-                    speculator.stats.record(k, accepted)
+                    speculator.record(k, accepted)
             request.num_computed_tokens += accepted  # the newest token's K/V counted at launch
             outputs += self._output_many(request, tokens)
             if not request.finished:

@@ -138,6 +138,9 @@ class Speculator:
     def propose(self, out: SchedulerOutput) -> DraftProbs | None:
         return self.proposer.propose(out)
 
+    def record(self, k: int, accepted: int) -> None:
+        self.stats.record(k, accepted)
+
 
 class NgramIndex:
     """Prompt lookup over one request's tokens: for each n-gram (n in [n_min, n_max]) the end of its
