@@ -39,7 +39,7 @@ class EngineConfig:
     # Queue step N on the device before reading step N-1's tokens back (see EngineCore.step).
     # None: on for CUDA, off on the CPU (where the host computes the forward pass itself).
     async_scheduling: bool | None = None
-    enforce_eager: bool = False  # never replay CUDA graphs (decode steps are captured by default on CUDA)
+    enforce_eager: bool = False  # never replay CUDA graphs (decode and verify steps are captured by default on CUDA)
     num_kv_blocks: int | None = None  # exact pool size; overrides the byte budget (tests)
     max_num_seqs: int = 64  # running sequences per step at most (the batch cap)
     max_num_batched_tokens: int = 2048  # tokens per step (prefill chunks + decodes)

@@ -1,7 +1,9 @@
 """Turns a SchedulerOutput into one forward pass and one batched sample.
 
 The step's inputs are staged into the runner's buffers (engine/staging.py); a pure decode step
-replays a CUDA graph where one was captured (engine/cuda_graphs.py), anything else runs eagerly;
+replays a CUDA graph where one was captured (engine/cuda_graphs.py), and so does a verify step of
+speculative decoding whose rows are all decodes (in the strided layout of its verify graph,
+`StepStager.stage_verify`); anything else runs eagerly;
 the logits of the rows that sample go through the batched sampler (engine/sampler.py) on the
 device, and what it drew comes back to the host in one copy: the only device->host
 synchronization of a step, which `PendingSample.result()` waits for (async scheduling reads it a
@@ -161,10 +163,12 @@ class ModelRunner:
                  device: torch.device, attention_backend: str = "auto", max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, max_model_len: int = 2048,
                  windows: list[int | None] | None = None, tp_leader: StepBroadcast | None = None,
-                 processed_logprobs: bool = False, max_spec_tokens: int = 0) -> None:
+                 processed_logprobs: bool = False, max_spec_tokens: int = 0, spec_tokens_per_row: int = 0) -> None:
         self.model = model
-        # Speculative decoding: proposals one step verifies at most (their rows come back too).
+        # Speculative decoding: proposals one step verifies at most (their rows come back too), and
+        # per row (K): verify graphs hold max_spec_tokens // K rows of 1 + K tokens at most.
         self.max_spec_tokens = max_spec_tokens
+        self.spec_tokens_per_row = spec_tokens_per_row if max_spec_tokens else 0
         # A draft model's runner (engine/draft.py) stages rows that run into the proposals.
         self.reads_proposals = False
         # Report logprobs of the logits each token was chosen from, not the raw ones (`pie serve
@@ -181,8 +185,13 @@ class ModelRunner:
         self.max_tokens = max(max_num_batched_tokens, max_num_seqs)
         self.max_blocks = -(-max_model_len // self.block_size)
         on_cuda = device.type == "cuda"
+        k = self.spec_tokens_per_row
+        self.verify_rows = max_spec_tokens // k if k else 0  # rows of the largest verify graph
+        # A verify graph's padded row reads keys up to K positions past the context's end
+        # (StepStager.stage_verify): its block tables are that much wider.
         self.stager = StepStager(block_size=self.block_size, max_num_seqs=max_num_seqs, max_tokens=self.max_tokens,
-                                 max_blocks=self.max_blocks, device=device)
+                                 max_blocks=-(-(max_model_len + k) // self.block_size), device=device,
+                                 verify_tokens=self.verify_rows * (1 + k) if k else 0)
         self.graphs = CudaGraphs()
         if on_cuda:
             # Sampled ids, logprobs and top logprobs of a step, on their way to the host (launch()).
@@ -214,14 +223,13 @@ class ModelRunner:
         """The runner an engine of `config` uses over `model` (one rank's share of it under tensor
         parallelism) and `kv_cache`: the engine and its tensor-parallel workers build theirs alike."""
         mc = model.config
+        k = config.num_speculative_tokens if config.speculative is not None else 0
         return cls(model, kv_cache, vocab_size=mc.vocab_size, softmax_scale=mc.attn_scale, device=device,
                    attention_backend=config.attention_backend, max_num_seqs=config.max_num_seqs,
                    max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
                    windows=[mc.layer_window(i) for i in range(mc.num_hidden_layers)], tp_leader=tp_leader,
                    processed_logprobs=config.logprobs_mode == "processed",
-                   max_spec_tokens=(config.num_speculative_tokens * min(config.speculative_max_batch,
-                                                                        config.max_num_seqs)
-                                    if config.speculative is not None else 0))
+                   max_spec_tokens=k * min(config.speculative_max_batch, config.max_num_seqs), spec_tokens_per_row=k)
 
     # ---- forward --------------------------------------------------------------------------------
     def forward_logits(self, out: SchedulerOutput, *, eager: bool = False,
@@ -230,6 +238,16 @@ class ModelRunner:
         fp32 (None when no row samples). `eager` skips the CUDA graphs (tests compare the two).
         `prompt`: prompt positions whose logprobs the step computes too, into `prompt.packed`
         (such a step runs eagerly: a graph makes no hidden states)."""
+        verify_batch = None if eager or prompt is not None else self.graphs.verify_bucket_for(out)
+        if verify_batch is not None:
+            # A verify step from its graph: all of its rows' tokens, each row's logits taken by the
+            # staged index (the newest token's position, then each proposal's, row by row).
+            assert self._tp is None, "no verify graphs under tensor parallelism"
+            step = self.stager.stage_verify(out, [s.request.block_ids for s in out.scheduled], verify_batch,
+                                            self.graphs.verify_width)
+            assert step.logits_index is not None
+            logits = self.graphs.replay_verify(verify_batch)
+            return list(range(step.num_seqs)), logits.index_select(0, step.logits_index)
         step = self.stager.stage(out, [s.request.block_ids for s in out.scheduled],
                                  None if eager or prompt is not None else self.graphs.bucket_for(out), self._last,
                                  proposals=bool(out.num_spec_tokens) or self.reads_proposals)
@@ -458,12 +476,20 @@ class ModelRunner:
         log.info("warmed_up", longest_prefill=(n + 1) // 2)
 
     # ---- CUDA graphs ----------------------------------------------------------------------------
+    def graph_forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """What a CUDA graph captures: the forward pass over the staged inputs (attention.metadata
+        set) and the logits of every token, (T, V) fp32."""
+        return self.model.compute_logits(self.model(input_ids, positions, self.attention))
+
     def capture_cuda_graphs(self) -> None:
-        """Captures the decode forward pass and its logits for every batch bucket (cuda_graphs.py)."""
-        self.graphs.capture(lambda ids, positions: self.model.compute_logits(self.model(ids, positions, self.attention)),
-                            self.attention, self.stager, max_num_seqs=self.max_num_seqs,
-                            max_model_len=self.max_model_len)
+        """Captures the decode forward pass and its logits for every batch bucket and, with
+        speculative decoding on, the verify step's for every verify bucket (cuda_graphs.py)."""
+        k = self.spec_tokens_per_row
+        assert not k or self._tp is None, "speculative decoding does not run under tensor parallelism"
+        self.graphs.capture(self.graph_forward, self.attention, self.stager, max_num_seqs=self.max_num_seqs,
+                            max_model_len=self.max_model_len, verify_rows=self.verify_rows,
+                            verify_width=1 + k if k else 0)
 
     def drop_cuda_graphs(self) -> None:
-        """Releases the captured graphs (decode steps run eagerly after this)."""
+        """Releases the captured graphs (every step runs eagerly after this)."""
         self.graphs.drop(self.device)

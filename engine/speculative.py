@@ -18,7 +18,9 @@ Where things live:
   once the step is no longer bound by reading the weights).
 - The forward pass runs such a row through the extend kernel over the paged cache (int8 pages
   read as stored, as every step reads them) and makes the logits of all 1 + k positions, as it
-  makes those of prompt positions for prompt logprobs.
+  makes those of prompt positions for prompt logprobs. On CUDA a step whose rows are all decodes
+  (at most speculative_max_batch of them) replays a verify graph captured at start, every row
+  padded to 1 + K tokens (engine/cuda_graphs.py); a step with prompt chunks runs eagerly.
 - Verification (`verify`, on the device): row j (j = 0..k) of a request is sampled as the request's
   output token m + j would be if proposals 1..j were its outputs m..m+j-1: its logit bias and
   min_tokens at step m + j, penalties counting output + proposals 1..j, its structured-output mask

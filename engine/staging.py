@@ -18,6 +18,19 @@ For a decode step replayed from a CUDA graph (engine/cuda_graphs.py) the section
 for its bucket's size: rows past the batch are padding, with slot -1 (the cache write skips them)
 and length 0 (attention reads nothing).
 
+A verify step replayed from a CUDA graph (`stage_verify`) is strided instead of packed: each of the
+bucket's B rows is W = 1 + K tokens wide, row i at [i W, (i + 1) W), T = B W:
+
+    ids, positions, slots:  | row 0: newest, proposals 1..k0, pad | row 1: ... | padding rows |
+    seq lens (B):           start_i + W (padding rows: W), so the W queries end where the row's
+                            real ones would and `start_i` tokens are cached before them
+    query start loc (B+1):  0, W, 2W, ..., BW
+    then the logits rows the step keeps: i W + j for j = 0..k_i, row by row
+
+Padding tokens have id 0, position 0 and slot -1; they come after the row's real tokens, so no real
+query sees them, and their logits are never taken. The block tables are staged wide enough for
+every key position below start_i + W, zero (block 0, read but not written) past a row's blocks.
+
 Steady decode (the same requests as the last step, each one token further) costs the host little:
 the staging buffers still hold the last step's inputs, so only positions, slots, lengths and the
 tables that grew a block are rewritten, and the input ids come from the last sample on the device
@@ -134,6 +147,9 @@ class StepInputs:
     graph_batch: int | None  # bucket whose graph runs this step; None = eager
     facts: StepFacts
     ints: torch.Tensor  # the packed ints on the device (n_ints)
+    # A verify step in the strided layout (`stage_verify`): the rows of its graph's logits the
+    # step keeps, (sum of 1 + k_i,) int32 on the device, in the eager step's order; else None.
+    logits_index: torch.Tensor | None = None
 
 
 class StepStager:
@@ -141,10 +157,13 @@ class StepStager:
     captured graphs read) and the step that fills them. On the CPU the host buffers serve directly."""
 
     def __init__(self, *, block_size: int, max_num_seqs: int, max_tokens: int, max_blocks: int,
-                 device: torch.device) -> None:
+                 device: torch.device, verify_tokens: int = 0) -> None:
         self.block_size = block_size
         # + the query starts of a mixed step's prefill part (B + 1) + (dst, src) of up to B placeholder ids
         ints = 3 * max_tokens + 5 * max_num_seqs + 2
+        # A verify graph's strided layout of up to `verify_tokens` tokens (engine/cuda_graphs.py):
+        # its sections and the logits rows it keeps (at most one per token).
+        ints = max(ints, 4 * verify_tokens + 2 * max_num_seqs + 1)
         on_cuda = device.type == "cuda"
         self.host_ints = torch.empty(ints, dtype=torch.int32, pin_memory=on_cuda)
         self.host_tables = torch.empty(max_num_seqs * max_blocks, dtype=torch.int32, pin_memory=on_cuda)
@@ -266,3 +285,72 @@ class StepStager:
             idx = self.dev_ints[n_ints:n_copy].to(torch.int64)
             dev[layout.ids].index_copy_(0, idx[:n_pend], last_ids[idx[n_pend:]].to(torch.int32))
         return StepInputs(dev[layout.ids], dev[layout.positions], md, b, graph_batch, facts, dev)
+
+    def stage_verify(self, out: SchedulerOutput, block_tables: list[list[int]], bucket: int,
+                     width: int) -> StepInputs:
+        """Writes a verify step's inputs in the strided layout of its CUDA graph (module docstring):
+        `bucket` rows of `width` (= 1 + K) tokens, row i's newest token and its k_i proposals at
+        [i width, i width + 1 + k_i), the rest padding; starts their copy to the device. Every
+        row must be a decode (it samples; 1 + num_spec tokens, at most `width`) whose newest id is
+        on the host: a verify step is read back before the next one is scheduled
+        (engine/speculative.py), so no row takes its input from the last step's ids. Returns the
+        inputs with `logits_index`, the rows of the graph's logits that the eager step's logits
+        would be, in its order."""
+        scheduled = out.scheduled
+        b = len(scheduled)
+        assert 0 < b <= bucket, f"{b} rows for a verify bucket of {bucket}"
+        bs = self.block_size
+        for s in scheduled:
+            assert s.sample and s.num_new_tokens == 1 + s.num_spec <= width, \
+                f"{s.request}: not a decode of at most {width - 1} proposals ({s.num_new_tokens} tokens, {s.num_spec})"
+            assert not s.request.num_output_placeholders, f"{s.request}: a verify step's row with an id not read back"
+        q_lens = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=b)
+        starts = np.fromiter((s.start for s in scheduled), dtype=np.int64, count=b)
+        widths = np.fromiter(map(len, block_tables), dtype=np.int64, count=b)
+        n_tok = bucket * width
+        layout = Packed(n_tok=n_tok, rows=bucket)
+        # Columns for every key the extend kernel may read: positions below start + width (a
+        # padding row: below width), past each row's blocks filled with block 0.
+        w = max(int(widths.max()), -(-(int(starts.max()) + width) // bs))
+        assert bucket * w <= self.host_tables.numel(), f"verify tables of {w} columns do not fit the staging buffer"
+        if self.dev_tables is not None:
+            assert w <= self.dev_tables.shape[1], f"verify tables of {w} columns, {self.dev_tables.shape[1]} staged"
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copy has left the staging buffers
+        self.prev = None  # the buffers no longer hold a decode step's inputs
+        ints = self.host_ints.numpy()
+        ids = ints[layout.ids].reshape(bucket, width)
+        pos = ints[layout.positions].reshape(bucket, width)
+        slots = ints[layout.slots].reshape(bucket, width)
+        tables = self.host_tables.numpy()[:bucket * w].reshape(bucket, w)
+        tables[:] = 0
+        tables[:b][np.arange(w) < widths[:, None]] = np.fromiter(  # row-major: each table in turn
+            chain.from_iterable(block_tables), dtype=np.int32, count=int(widths.sum()))
+        real = np.arange(width) < q_lens[:, None]  # (b, width): token j of row i is real
+        p = (starts[:, None] + np.arange(width))[real]  # positions of the real tokens, row by row
+        row = np.repeat(np.arange(b), q_lens)  # (sum q_lens,) the row of each real token
+        ids[:], pos[:], slots[:] = 0, 0, -1
+        ids[:b][real] = np.fromiter(chain.from_iterable(s.request.input_slice(s.start, s.start + s.num_new_tokens)
+                                                        for s in scheduled), dtype=np.int32, count=int(q_lens.sum()))
+        pos[:b][real] = p
+        assert (p // bs < widths[row]).all(), "a verify row's tokens need their blocks"
+        slots[:b][real] = tables[row, p // bs] * bs + p % bs
+        lens = ints[layout.seq_lens]
+        lens[:b] = starts + width
+        lens[b:] = width
+        ints[layout.query_start_loc] = np.arange(bucket + 1) * width
+        # The logits rows kept: every real token's, row by row (the eager step's order).
+        n_index = int(q_lens.sum())
+        n_ints = layout.end + n_index
+        ints[layout.end:n_ints] = np.flatnonzero(real)  # i * width + j over `real`, row-major
+        if self.dev_tables is not None and self._copied is not None:
+            self.dev_ints[:n_ints].copy_(self.host_ints[:n_ints], non_blocking=True)
+            self.dev_tables[:bucket, :w].copy_(self.host_tables[:bucket * w].view(bucket, w), non_blocking=True)
+            self._copied.record()
+            dev, dev_tables = self.dev_ints[:n_ints], self.dev_tables[:bucket]  # the graph's whole-width rows
+        else:
+            dev, dev_tables = self.host_ints[:n_ints], self.host_tables[:bucket * w].view(bucket, w)
+        facts = StepFacts(n_tok, bucket, layout.end, 0, width, int(lens[:bucket].max()), 0, 0)
+        sections = dev[:layout.end]
+        return StepInputs(sections[layout.ids], sections[layout.positions], facts.metadata(sections, dev_tables), b,
+                          bucket, facts, sections, dev[layout.end:])

@@ -116,7 +116,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="tokens per stream message after the first (or the end): larger values send fewer "
                         "messages when hundreds of streams are open")
     p.add_argument("--enforce-eager", action="store_true",
-                   help="run decode steps eagerly instead of replaying CUDA graphs")
+                   help="run decode (and verify) steps eagerly instead of replaying CUDA graphs")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV pool size in blocks, overriding the budget (default: sized from the budget)")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="running sequences per step at most")
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
