@@ -45,6 +45,11 @@
 #   tp          tensor parallelism: its GPU tests (the NCCL ones need 2 GPUs), the collectives of one
 #               decode step (tp_collectives.py over every visible GPU), throughput at N=1 and, with 2+
 #               GPUs, N=2 (Llama-1B and 4B shapes, int8 pages), and tp_vocab.py
+#   spec        benchmarks/speculative.py --only cost,speed (issue 32, Llama-1B shape, int8 pages): one
+#               engine step with K = 0..8 proposals per row at batch 1, 8, 64, and decode tok/s against
+#               a of K accepted (K = 4, 8) at batch 1, 8, 64, 256, the default speculative_max_batch and
+#               speculation forced on; rows starting after SPEC_BUDGET_S (default 200) s are skipped, so
+#               the suite ends within 5 minutes; SPEC_ARGS adds flags (e.g. "--shape 4b")
 #
 # BASELINE=<commit> runs every suite a second time on that commit, checked out with `git worktree
 # add` (else `git archive`) outside the repo, and writes its files under $OUT/baseline/. The device
@@ -186,7 +191,12 @@ suite_tp() {
   done
   timeout "$(t tp)" python3 benchmarks/tp_vocab.py 2>&1 | quiet | tee -a "$D/tp.md"
 }
-SUITES=" tests alltests kernels variants ncu extend engine profile host offline hf capacity serving scheduling mixed long fidelity seeds structured tp "
+suite_spec() {
+  # shellcheck disable=SC2086
+  timeout "$(t spec)" python3 benchmarks/speculative.py --only cost,speed --budget-s "${SPEC_BUDGET_S:-200}" \
+    --out "$D/spec.json" ${SPEC_ARGS:-} 2>&1 | quiet | tee -a "$D/spec.md"
+}
+SUITES=" tests alltests kernels variants ncu extend engine profile host offline hf capacity serving scheduling mixed long fidelity seeds structured tp spec "
 
 g() { git -c safe.directory="$ROOT" -C "$ROOT" "$@"; }  # files copied to a machine may belong to another user
 baseline_tree() {  # check BASELINE out outside the repo (or take a carried .baseline); prints its folder
