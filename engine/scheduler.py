@@ -119,12 +119,21 @@ class SchedulerOutput:
 class StallBound:
     """How many prompt tokens a step may carry beside its running decodes, learnt from step times.
 
-    A step's time is modelled as t_decode + c_prompt x prompt tokens: t_decode an average of recent
-    decode-only steps, c_prompt an average of the extra time per prompt token of steps that carried
-    some. The bound keeps a step with decodes within `factor` x t_decode:
-    (factor - 1) x t_decode / c_prompt prompt tokens, at least `min_tokens` (prompts always progress).
-    Before both are measured there is no bound. Averages are exponential (weight `alpha` for the
-    newest step), so the bound follows the batch as it grows and the contexts as they lengthen."""
+    A step's time is modelled as t_decode + t_fixed + c_prompt x prompt tokens: t_decode an
+    average of recent decode-only steps; t_fixed and c_prompt a line fitted (least squares,
+    exponentially weighted) to the extra time of steps that carried prompt tokens. t_fixed is what
+    carrying any prompt costs whatever its length: on CUDA such a step runs eagerly instead of from
+    a graph, through the extend path too. Without it, the fixed part read as a per-token cost, the
+    larger the fewer the tokens; where it exceeds (factor - 1) x t_decode (few decodes, a large
+    model) the bound and the chunks shrank each other to `min_tokens` and prefill starved
+    (2026-12-02, H200, 8B shape, the long work at 8 requests/s: 50 s in the queue).
+
+    The bound keeps a step with decodes within `factor` x t_decode: ((factor - 1) x t_decode -
+    t_fixed) / c_prompt prompt tokens, but never fewer than t_fixed / c_prompt (a step that pays the
+    fixed part anyway carries at least as much prompt work again) nor `min_tokens`. Before both are
+    measured there is no bound; until steps of different prompt sizes were seen, t_fixed is taken as
+    0 (the line needs two sizes). Averages are exponential (weight `alpha` for the newest step), so
+    the bound follows the batch as it grows and the contexts as they lengthen."""
 
     def __init__(self, factor: float, min_tokens: int, alpha: float = 0.2) -> None:
         if factor and factor <= 1.0:
@@ -133,7 +142,12 @@ class StallBound:
         self.min_tokens = min_tokens
         self.alpha = alpha
         self.decode_s: float | None = None  # a decode-only step, seconds
-        self.per_prompt_token_s: float | None = None  # a prompt token's share of a step, seconds
+        self.per_prompt_token_s: float | None = None  # c_prompt: a prompt token's share of a step, seconds
+        self.fixed_s = 0.0  # t_fixed: what carrying any prompt tokens adds to a step, seconds
+        # Weighted means of n, n^2, y and n*y over prompt-carrying steps (n prompt tokens, y the
+        # time over a decode step): the moments the line is fitted from.
+        self._moments: tuple[float, float, float, float] | None = None
+        self._fitted = False
 
     def observe(self, num_decodes: int, num_prompt_tokens: int, seconds: float) -> None:
         """One step's shape and how long it took."""
@@ -147,15 +161,30 @@ class StallBound:
         if num_prompt_tokens < self.min_tokens:
             return  # too few tokens to tell their cost from the step's noise
         base = self.decode_s if num_decodes and self.decode_s is not None else 0.0
-        per_token = max(seconds - base, 0.0) / num_prompt_tokens
-        self.per_prompt_token_s = (per_token if self.per_prompt_token_s is None
-                                   else (1 - a) * self.per_prompt_token_s + a * per_token)
+        n, y = float(num_prompt_tokens), max(seconds - base, 0.0)
+        step = (n, n * n, y, n * y)
+        m = self._moments = step if self._moments is None else (
+            (1 - a) * self._moments[0] + a * step[0], (1 - a) * self._moments[1] + a * step[1],
+            (1 - a) * self._moments[2] + a * step[2], (1 - a) * self._moments[3] + a * step[3])
+        mean_n, mean_nn, mean_y, mean_ny = m
+        var = mean_nn - mean_n * mean_n
+        if var > (0.1 * mean_n) ** 2:  # sizes spread enough to tell the slope from the intercept
+            slope = (mean_ny - mean_n * mean_y) / var
+            if slope > 0:
+                self.per_prompt_token_s = slope
+                self.fixed_s = max(mean_y - slope * mean_n, 0.0)
+                self._fitted = True
+                return
+        if not self._fitted:  # one size of step so far: all of its time per token
+            self.per_prompt_token_s = mean_y / mean_n
 
     def prompt_tokens(self, num_decodes: int) -> int | None:
         """The most prompt tokens a step with `num_decodes` decodes should carry (None: no bound)."""
-        if not self.factor or not num_decodes or self.decode_s is None or not self.per_prompt_token_s:
+        c = self.per_prompt_token_s
+        if not self.factor or not num_decodes or self.decode_s is None or not c:
             return None
-        return max(self.min_tokens, int((self.factor - 1.0) * self.decode_s / self.per_prompt_token_s))
+        within = ((self.factor - 1.0) * self.decode_s - self.fixed_s) / c
+        return max(self.min_tokens, int(self.fixed_s / c), int(within))
 
 
 class Scheduler:

@@ -351,6 +351,40 @@ def test_stall_bound_learns_from_step_times() -> None:
         StallBound(1.0, min_tokens=16)
 
 
+def test_stall_bound_fits_a_fixed_cost_and_does_not_starve_prompts() -> None:
+    """Steps that carry prompt tokens cost a fixed part (eager, not a graph) plus a part per token.
+    The bound is fitted to both; fed back its own chunks, it settles where a step stays within the
+    factor, and where the fixed part alone exceeds that, at t_fixed / c_prompt tokens, not at the
+    floor (the per-token-only model collapsed there: prefill starved)."""
+    import random
+
+    from engine.scheduler import StallBound
+
+    rng = random.Random(0)
+    decode, fixed, per_token = 0.010, 0.003, 20e-6
+    bound = StallBound(2.0, min_tokens=16)
+    for _ in range(10):
+        bound.observe(8, 0, decode)
+    for n in [100, 1000, 300, 2000, 600, 150, 1200] * 4:
+        bound.observe(8, n, decode + fixed + per_token * n * rng.uniform(0.97, 1.03))
+    assert bound.fixed_s == pytest.approx(fixed, rel=0.1)
+    assert bound.per_prompt_token_s == pytest.approx(per_token, rel=0.1)
+    assert bound.prompt_tokens(8) == pytest.approx((decode - fixed) / per_token, rel=0.1)  # 350
+
+    def settle(decode_s: float, start: StallBound) -> int:
+        """Steps carry what the bound allows of a backlog (or a prompt's last piece): where it goes."""
+        for _ in range(300):
+            start.observe(8, 0, decode_s)
+            n = min(start.prompt_tokens(8) or 8192, rng.choice([8192, 8192, 8192, rng.randrange(16, 400)]))
+            start.observe(8, n, decode_s + fixed + per_token * n)
+        return start.prompt_tokens(8) or 0
+
+    assert settle(decode, bound) == pytest.approx(350, rel=0.15)
+    # Few decodes: a decode step (2 ms) is cheaper than the fixed part alone (3 ms).
+    starving = StallBound(2.0, min_tokens=16)
+    assert settle(0.002, starving) == pytest.approx(fixed / per_token, rel=0.15)  # 150, not 16
+
+
 def test_prompt_tokens_beside_decodes_follow_the_stall_bound() -> None:
     sched = StepScheduler(BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256,
                           stall_factor=2.0)
