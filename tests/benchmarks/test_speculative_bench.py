@@ -38,8 +38,9 @@ def test_quick_run_of_all_three_parts(tmp_path, capsys) -> None:
         (12, "off", 0, 0), (12, "default (max batch 8)", 2, 2),
         (12, "forced", 2, 0), (12, "forced", 2, 1), (12, "forced", 2, 2)]
     for r in speed:
-        assert r["identical"] == r["requests"] == 3 * r["batch"], r  # the outputs of plain decoding
-        assert r["diverged"] == 0 and r["tok_per_s"] > 0 and len(r["tok_per_s_all"]) == 3
+        assert r["requests"] == 3 * r["batch"] and r["tok_per_s"] > 0 and len(r["tok_per_s_all"]) == 3, r
+        # plain runs repeat the reference run; forced verdicts emit the proposals (not compared)
+        assert r["identical"] == (r["requests"] if r["speculation"] == "off" else None), r
         if r["speculation"] == "forced":
             # exactly a accepted per verify step, but where max_tokens left fewer to propose
             assert r["accepted"] - 0.2 <= r["accepted_per_step"] <= r["accepted"], r
