@@ -129,3 +129,26 @@ def test_a_draft_with_a_shorter_context_is_refused(dirs, tmp_path):
 def test_a_draft_needs_speculative_draft():
     with pytest.raises(ValueError, match="draft_model is given but speculative decoding is off"):
         EngineConfig(model="m", draft_model="d")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv", ["int8", "bf16"])
+def test_draft_on_cuda_with_graphs_is_plain_decoding(dirs, kv, rng):
+    """On CUDA (bf16 weights, async scheduling, decode and verify graphs, the draft's own decode
+    graphs): the model as its own draft is mostly accepted, and the tokens are plain decoding's up
+    to near-ties."""
+    from tests.engine.test_seed_consistency import Run
+    from tests.engine.test_verify_graphs import assert_plain_up_to_near_ties
+
+    target, _ = dirs
+    sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    requests = {f"p{i}": (p, sp) for i, p in enumerate(_prompts(rng, 6))}
+    cfg = dict(model=str(target), device="cuda", dtype="bf16", kv_cache_dtype=kv, max_num_seqs=8, num_kv_blocks=256)
+    plain = Run(EngineCore(EngineConfig(**cfg)), requests)
+    engine = EngineCore(EngineConfig(**cfg, speculative="draft", draft_model=str(target), num_speculative_tokens=4))
+    draft_runner = engine.speculator.proposer.runner  # type: ignore[union-attr, attr-defined]
+    assert draft_runner.graphs, "the draft's decode steps were not captured"
+    spec = Run(engine, requests)
+    drafted, accepted = _stats(engine)
+    assert drafted > 0 and accepted >= 0.5 * drafted, (drafted, accepted)
+    assert_plain_up_to_near_ties(plain, spec, sp)
