@@ -166,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default=None, help="comma-separated variant names (default: all)")
     ap.add_argument("--shapes", default=None, help="comma-separated shape indices into SHAPES (default: all)")
     ap.add_argument("--out", default=None, metavar="DIR", help="folder for variants.md/json (default: $OUT, else /tmp)")
+    ap.add_argument("--ragged", action="store_true",
+                    help="only the engine-like cases: ragged lengths, a large shuffled pool, split policies")
     args = ap.parse_args(argv)
     require_cuda(ap)
     out_dir = args.out or os.environ.get("OUT", "/tmp")
@@ -175,7 +177,10 @@ def main(argv: list[str] | None = None) -> int:
     bw = copy_bandwidth()
     log(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
         f"copy bandwidth {bw / 1e12:.2f} TB/s")
-    results: dict = {"copy_tbs": bw / 1e12, "check": {}, "rows": [], "long": []}
+    results: dict = {"copy_tbs": bw / 1e12, "check": {}, "rows": [], "long": [], "ragged": []}
+    if args.ragged:
+        ragged(bw, args.repeats, results)
+        return write(out_dir, results)
 
     log("\n## correctness: max |err| / max |ref| vs the fp32 reference (ragged lens, splits None/1/7, G 4 p16 and G 8 p32)")
     for d in sorted({s[3] for s in shapes}):
@@ -229,11 +234,84 @@ def main(argv: list[str] | None = None) -> int:
                 frac = nbytes / (g * 1e-3) / bw
                 results["long"].append(dict(variant=name, splits=n, graph_ms=g, copy_frac=frac))
                 log(f"| {name} | {n} | {g:.4f} | {100 * frac:.0f}% |")
+    return write(out_dir, results)
+
+
+def write(out_dir: str, results: dict) -> int:
     with open(os.path.join(out_dir, "variants.md"), "w") as f:
         f.write("\n".join(LINES) + "\n")
     with open(os.path.join(out_dir, "variants.json"), "w") as f:
         json.dump(results, f, indent=1)
     return 0
+
+
+def make_pool(lens: list[int], d: int, int8: bool, pool_gib: float):
+    """Like `make`, but the pages of the batch drawn at random from a pool of `pool_gib` GiB of K
+    and V (one layer's share of the engine's pool; 0: just the pages the batch needs), as the
+    engine's LRU free queue spreads a long run's blocks over the whole pool."""
+    page_bytes = 2 * PAGE * HKV * (d + 2 if int8 else 2 * d)
+    nbs = [triton.cdiv(n, PAGE) for n in lens]
+    need = sum(nbs)
+    nb = max(need, int(pool_gib * 2**30 / page_bytes))
+    ids = torch.randperm(nb, device="cuda")[:need].int()
+    table = torch.zeros(len(lens), max(nbs), dtype=torch.int32, device="cuda")
+    used = 0
+    for i, n in enumerate(nbs):
+        table[i, :n] = ids[used:used + n]
+        used += n
+    shape = (nb, PAGE, HKV, d)
+    if int8:
+        k = torch.randint(-127, 128, shape, dtype=torch.int8, device="cuda")
+        v = torch.randint(-127, 128, shape, dtype=torch.int8, device="cuda")
+        ks = (torch.rand(nb, HKV, PAGE, device="cuda") * 0.02 + 0.001).half()
+        vs = (torch.rand(nb, HKV, PAGE, device="cuda") * 0.02 + 0.001).half()
+        per_token = 2 * HKV * (d + 2)
+    else:
+        k = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
+        v = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
+        ks = vs = None
+        per_token = 2 * HKV * d * 2
+    q = torch.randn(len(lens), HKV * GROUP, d, dtype=torch.bfloat16, device="cuda")
+    lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    return (q, k, v, ks, vs, table, lens_t), per_token * sum(lens) + 2 * q.numel() * 2
+
+
+def ragged(bw: float, repeats: int, results: dict) -> None:
+    """The decode call of the engine's graphs on long-context work (benchmarks/long_context.py):
+    ragged contexts (log-normal, median 1,800, up to 7,500) or one or eight 32k contexts, the
+    split count from max_model_len (9,216 or 32,768: what the graphs are captured for) or splits at
+    fixed key positions (the engine's: td.fixed_split_tokens), pages drawn at random from a pool of
+    one layer's share of an ample engine pool (3 GiB) or packed."""
+    gen = torch.Generator().manual_seed(0)
+    log("\n## engine-like decode: ragged contexts, pool, split policy (graph ms, median of repeats)")
+    log("| batch | pages | policy | int8 ms | bf16 ms | int8 % copy | bf16 % copy | bf16 / int8 |")
+    log("|---|---|---|---|---|---|---|---|")
+    cases = []
+    for b in (256, 64, 16):
+        draw = torch.exp(torch.randn(b, generator=gen) * 0.8) * 1800
+        cases.append((f"B{b} ragged", [int(min(7500, max(16, x))) for x in draw.tolist()], 9216))
+    cases += [("B8 ctx32k", [32768] * 8, 32768), ("B1 ctx32k", [32768], 32768)]
+    for label, lens, max_len in cases:
+        for pool in (3.0,) if "ragged" in label else (0.0,):
+            made = {int8: make_pool(lens, 128, int8, pool) for int8 in (True, False)}
+            policies = [("splits from max_model_len", dict(max_seq_len=max_len))]
+            policies += [(f"split_tokens {n}{' (engine)' if n == td.fixed_split_tokens(max_len) else ''}",
+                          dict(max_seq_len=max_len, split_tokens=n)) for n in (512, 1024, 2048)
+                         if triton.cdiv(max_len, n) <= td.MAX_SPLITS]
+            for policy, kw in policies:
+                row = {}
+                for int8, (kargs, nbytes) in made.items():
+                    out = torch.empty_like(kargs[0])
+                    fn = lambda: td.paged_decode(*kargs, 128 ** -0.5, out=out, **kw)  # noqa: E731
+                    g = statistics.median(bench_graph(fn) for _ in range(max(1, repeats)))
+                    row[int8] = (g, nbytes / (g * 1e-3) / bw)
+                where = "packed" if pool == 0 else f"random in {pool:g} GiB"
+                results["ragged"].append(dict(case=label, pool_gib=pool, policy=policy, int8_ms=row[True][0],
+                                              bf16_ms=row[False][0], int8_frac=row[True][1], bf16_frac=row[False][1]))
+                log(f"| {label} | {where} | {policy} | {row[True][0]:.4f} | {row[False][0]:.4f} | "
+                    f"{100 * row[True][1]:.0f}% | {100 * row[False][1]:.0f}% | {row[False][0] / row[True][0]:.2f} |")
+            del made
+            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -122,9 +122,9 @@ def main(argv: list[str] | None = None) -> int:
         orig_stage = runner.stager.stage
         marks: dict[str, float] = {}
 
-        def timed_stage(out, tables, graph_batch, last):
+        def timed_stage(*args_, **kwargs):
             t = time.perf_counter()
-            r = orig_stage(out, tables, graph_batch, last)
+            r = orig_stage(*args_, **kwargs)
             sync(args.device)
             marks["stage_end"] = time.perf_counter()
             phases["stage_inputs"] += marks["stage_end"] - t

@@ -75,7 +75,7 @@ class TorchOps:
 class TritonOps:
     """The Triton kernels (imported only when chosen, so the CPU path never needs triton)."""
 
-    def __init__(self, head_dim: int) -> None:
+    def __init__(self, head_dim: int, max_model_len: int) -> None:
         from kernels import triton_cache_write, triton_decode, triton_extend
 
         if head_dim > triton_decode.MAX_HEAD_DIM or head_dim % 2:
@@ -85,10 +85,14 @@ class TritonOps:
         self.write = triton_cache_write.write_kv_cache
         self._decode = triton_decode.paged_decode
         self._extend = triton_extend.paged_extend
+        # Decode splits every context at fixed key positions: a ragged batch keeps the SMs busy, and
+        # a sequence's decode is the same bits in a graph, an eager mixed step or any batch.
+        self.split_tokens = triton_decode.fixed_split_tokens(max_model_len)
 
     def decode(self, q, cache: _Cache, block_tables, seq_lens, scale: float, *, max_seq_len: int,
                window: int | None, out: torch.Tensor | None) -> torch.Tensor:
-        return self._decode(q, *cache, block_tables, seq_lens, scale, max_seq_len=max_seq_len, window=window, out=out)
+        return self._decode(q, *cache, block_tables, seq_lens, scale, max_seq_len=max_seq_len, window=window, out=out,
+                            split_tokens=self.split_tokens)
 
     def extend(self, q, k_new, v_new, cache: _Cache, block_tables, seq_lens, query_start_loc, scale: float, *,
                max_query_len: int, window: int | None, out: torch.Tensor | None) -> torch.Tensor:
@@ -111,7 +115,7 @@ class PagedAttention:
     """
 
     def __init__(self, kv_cache: KVCache, softmax_scale: float, impl: str = "auto",
-                 windows: list[int | None] | None = None) -> None:
+                 windows: list[int | None] | None = None, max_model_len: int = 1 << 16) -> None:
         if impl not in ATTENTION_BACKENDS:
             raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {impl!r}")
         if impl == "auto":
@@ -123,7 +127,8 @@ class PagedAttention:
         if len(self.windows) != kv_cache.num_layers:
             raise ValueError(f"{len(self.windows)} windows for {kv_cache.num_layers} layers")
         self.metadata: AttentionMetadata | None = None
-        self.ops: TorchOps | TritonOps = TritonOps(kv_cache.k.shape[-1]) if impl == "triton" else TorchOps()
+        self.ops: TorchOps | TritonOps = (TritonOps(kv_cache.k.shape[-1], max_model_len) if impl == "triton"
+                                          else TorchOps())
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: (T, Hq, D); k, v: (T, Hkv, D) -> (T, Hq, D)

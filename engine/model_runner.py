@@ -180,7 +180,7 @@ class ModelRunner:
         self.vocab_size = vocab_size
         self.device = device
         self.max_model_len = max_model_len
-        self.attention = PagedAttention(kv_cache, softmax_scale, attention_backend, windows)
+        self.attention = PagedAttention(kv_cache, softmax_scale, attention_backend, windows, max_model_len)
         self.max_num_seqs = max_num_seqs
         self.max_tokens = max(max_num_batched_tokens, max_num_seqs)
         self.max_blocks = -(-max_model_len // self.block_size)

@@ -17,7 +17,9 @@ split the program writes `out` directly; otherwise it writes the normalized part
 base-2 log-sum-exp to an fp32 workspace, and stage 2 (one program per (sequence, query head)) merges
 the splits in a fixed 64-row reduction, weighting each by 2^(lse - max lse); an empty split has
 lse = -inf and weight 0. Splits share a sequence's tiles evenly (a count set by the batch), or with
-`split_tokens` sit at fixed key positions (the same bits in any batch). With a sliding window W the
+`split_tokens` sit at fixed key positions (the same bits in any batch; what the engine runs): then a
+sequence uses only the splits its length reaches, a sequence within one split writes `out` from
+stage 1, and the programs of splits past its end write nothing. With a sliding window W the
 keys start at seq_len - W (every tile masked then). The caches must be contiguous (their strides are
 compile-time constants).
 
@@ -194,35 +196,50 @@ def _decode_stage1(
         o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     else:
-        # workspace part (B, HQ, num_splits, D_PAD) and lse (B, HQ, num_splits), contiguous
-        row = (b.to(tl.int64) * HQ + heads) * num_splits + split  # (BLOCK_M,)
-        tl.store(part_ptr + row[:, None] * D_PAD + offs_d[None, :], o, mask=row_ok[:, None])
-        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-        tl.store(lse_ptr + row, lse, mask=row_ok)
+        # With fixed splits a sequence uses its first cdiv(seq_len, SPLIT_TOKENS) of them: one
+        # split writes `out` itself (what stage 2 would make of it: weight 2^0 = 1, the bits of
+        # acc / l), and splits past the sequence's end write nothing (stage 2 reads only the used ones).
+        used = num_splits
+        if SPLIT_TOKENS > 0:
+            used = tl.minimum(tl.cdiv(seq_len, SPLIT_TOKENS), num_splits)
+        if used <= 1:
+            if split == 0:
+                o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+                tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        elif split < used:
+            # workspace part (B, HQ, num_splits, D_PAD) and lse (B, HQ, num_splits), contiguous
+            row = (b.to(tl.int64) * HQ + heads) * num_splits + split  # (BLOCK_M,)
+            tl.store(part_ptr + row[:, None] * D_PAD + offs_d[None, :], o, mask=row_ok[:, None])
+            lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+            tl.store(lse_ptr + row, lse, mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit(do_not_specialize=["num_splits"], do_not_specialize_on_alignment=["lens_ptr"])
 def _decode_stage2(
-    part_ptr, lse_ptr, out_ptr,
+    part_ptr, lse_ptr, out_ptr, lens_ptr,
     stride_ob, stride_oh, num_splits,
-    HQ: tl.constexpr, SPLITS_P2: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    HQ: tl.constexpr, SPLIT_TOKENS: tl.constexpr, SPLITS_P2: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
 ):
     b = tl.program_id(0)
     hq = tl.program_id(1)
-    offs_s = tl.arange(0, SPLITS_P2)
-    offs_d = tl.arange(0, D_PAD)
-    s_ok = offs_s < num_splits
-    row = (b.to(tl.int64) * HQ + hq) * num_splits  # first split of this (sequence, head)
-    lse = tl.load(lse_ptr + row + offs_s, mask=s_ok, other=float("-inf"))  # (SPLITS_P2,)
-    m = tl.max(lse, axis=0)
-    m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty: weights 0, output 0
-    w = tl.exp2(lse - m)  # empty split: 2^-inf = 0
-    part = tl.load(part_ptr + (row + offs_s)[:, None] * D_PAD + offs_d[None, :],
-                   mask=s_ok[:, None], other=0.0)  # (SPLITS_P2, D_PAD)
-    total = tl.sum(w, axis=0)
-    o = tl.sum(part * w[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
-    tl.store(out_ptr + b.to(tl.int64) * stride_ob + hq * stride_oh + offs_d,
-             o.to(out_ptr.dtype.element_ty), mask=offs_d < D)
+    used = num_splits
+    if SPLIT_TOKENS > 0:  # the splits the sequence reaches (stage 1 wrote `out` itself for one)
+        used = tl.minimum(tl.cdiv(tl.load(lens_ptr + b), SPLIT_TOKENS), num_splits)
+    if used > 1:
+        offs_s = tl.arange(0, SPLITS_P2)
+        offs_d = tl.arange(0, D_PAD)
+        s_ok = offs_s < used
+        row = (b.to(tl.int64) * HQ + hq) * num_splits  # first split of this (sequence, head)
+        lse = tl.load(lse_ptr + row + offs_s, mask=s_ok, other=float("-inf"))  # (SPLITS_P2,)
+        m = tl.max(lse, axis=0)
+        m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty: weights 0, output 0
+        w = tl.exp2(lse - m)  # empty split: 2^-inf = 0
+        part = tl.load(part_ptr + (row + offs_s)[:, None] * D_PAD + offs_d[None, :],
+                       mask=s_ok[:, None], other=0.0)  # (SPLITS_P2, D_PAD)
+        total = tl.sum(w, axis=0)
+        o = tl.sum(part * w[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
+        tl.store(out_ptr + b.to(tl.int64) * stride_ob + hq * stride_oh + offs_d,
+                 o.to(out_ptr.dtype.element_ty), mask=offs_d < D)
 
 
 @functools.lru_cache(maxsize=8)
@@ -239,6 +256,21 @@ def default_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, sm_count
     want = max(1, round(per_sm * sm_count / programs))
     cap = max(1, triton.cdiv(max_seq_len, MIN_SPLIT_TOKENS))
     return max(1, min(want, cap, MAX_SPLITS))
+
+
+SPLIT_TOKENS = 1024  # the engine's fixed split (fixed_split_tokens), measured in RESULTS.md (issue 26)
+
+
+def fixed_split_tokens(max_len: int) -> int:
+    """Keys per split for `paged_decode(split_tokens=...)` over contexts up to `max_len`:
+    SPLIT_TOKENS, doubled until MAX_SPLITS splits cover max_len. Splitting every sequence at fixed
+    positions balances a ragged batch (one long context no longer runs alone on one SM while the
+    rest of the chip idles: H200, 64 contexts of median 1,800 up to 7,500 keys, 0.157 against
+    0.281 ms) and makes a sequence's output independent of its batch companions."""
+    split = SPLIT_TOKENS
+    while triton.cdiv(max_len, split) > MAX_SPLITS:
+        split *= 2
+    return split
 
 
 K_MODES = {"cast": 0, "bias": 1, "imma": 2, "imma1": 3}  # see _int8_scores
@@ -284,7 +316,10 @@ def _config(d_pad: int, page: int, cache_dtype: torch.dtype, on_gpu: bool, progr
         if d_pad >= 128:
             return DecodeConfig(64, 4, 2, k_mode=k_mode, v_mode="bias", tight_m=True, k_t=False, per_sm=4)
         if programs_per_sm >= MANY_PROGRAMS:
-            return DecodeConfig(32, 1, 3, k_mode="bias", v_mode="bias", tight_m=True, k_t=False, per_sm=10)
+            # 128 registers: 16 programs per SM (the B256 ctx400 grid in one wave); the fixed-split
+            # store paths took it to 144 (14 per SM, a second wave: 0.075 against 0.044 ms)
+            return DecodeConfig(32, 1, 3, maxnreg=128, k_mode="bias", v_mode="bias", tight_m=True, k_t=False,
+                                per_sm=10)
         return DecodeConfig(128, 2, 2, k_mode=k_mode, v_mode="bias", tight_m=True)
     if cache_dtype == torch.float32:
         return DecodeConfig(block_n=16 if wide else 32 if d_pad >= 128 else 64, num_stages=2)
@@ -317,9 +352,11 @@ def paged_decode(
     device sync when num_splits is not given. num_splits: force the split count (1 = no stage 2).
     window: sliding-window width (the query sees its last `window` keys), None = all.
     split_tokens: split each sequence at fixed key positions, every `split_tokens` keys (a multiple
-    of the tile, e.g. 512), and merge the splits in a fixed order: a sequence's output is then the
-    same bits in any batch (the default split count depends on the batch size and the longest
-    sequence; with split_tokens only on the sequence itself, up to MAX_SPLITS splits). out: (B,
+    of the tile, e.g. 1024), and merge the splits in a fixed order: a sequence's output is then the
+    same bits in any batch that picks the same launch table (the default split count depends on the
+    batch size and the longest sequence; with split_tokens only on the sequence itself, up to
+    MAX_SPLITS splits), and a batch of ragged lengths keeps every SM busy (`fixed_split_tokens`;
+    a sequence no longer than one split skips stage 2, splits past its end cost nothing). out: (B,
     Hq, D) q.dtype, written in full. config: overrides the launch table (benchmarks). Returns out.
     """
     assert q.dim() == 3, f"q must be (B, Hq, D), got {tuple(q.shape)}"
@@ -366,9 +403,9 @@ def paged_decode(
     on_gpu = q.device.type == "cuda"
     dot_dtype, precision = dot_types(q.dtype, on_gpu)
     d_pad = pad_head_dim(d)
-    # The one-warp table needs many programs; with split_tokens the table must not depend on the
-    # batch (the same bits in any batch), so it is not chosen then.
-    programs_per_sm = b * hkv / _sm_count(q.device.index or 0) if on_gpu and split_tokens is None else 0.0
+    # The one-warp table (head dim 64) needs many programs, so the table depends on the batch size:
+    # split_tokens gives the same bits in any batch that picks the same table.
+    programs_per_sm = b * hkv / _sm_count(q.device.index or 0) if on_gpu else 0.0
     cfg = config or _config(d_pad, page, k_cache.dtype, on_gpu, programs_per_sm)
     assert cfg.k_mode in K_MODES and cfg.v_mode in V_MODES, f"unknown int8 modes {cfg.k_mode}, {cfg.v_mode}"
     assert not (is_int8 and cfg.k_mode.startswith("imma") and d_pad < 32), "int8 tensor-core scores need D >= 32"
@@ -422,8 +459,9 @@ def paged_decode(
     )
     if num_splits > 1:
         _decode_stage2[(b, hq)](
-            part, lse, out, out.stride(0), out.stride(1), num_splits,
-            HQ=hq, SPLITS_P2=max(MAX_SPLITS, triton.next_power_of_2(num_splits)), D=d, D_PAD=d_pad,
+            part, lse, out, seq_lens, out.stride(0), out.stride(1), num_splits,
+            HQ=hq, SPLIT_TOKENS=split_tokens or 0, SPLITS_P2=max(MAX_SPLITS, triton.next_power_of_2(num_splits)),
+            D=d, D_PAD=d_pad,
             num_warps=4 if d_pad >= 128 else 2,
         )
     return out

@@ -274,6 +274,31 @@ def test_split_tokens_same_bits_in_any_batch(cache_dtype, gen):
         paged_decode(q, k, v, ks, vs, table, seq_lens, scale, split_tokens=split + 1)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float32 if not HAS_CUDA else torch.bfloat16], ids=str)
+def test_split_tokens_with_room_for_longer_contexts(cache_dtype, gen, rng):
+    """The engine's call: fixed splits sized for the longest context the engine allows (a CUDA
+    graph's grid), most of them past every sequence's end. Each sequence reads only the splits it
+    reaches: the output matches the reference and is the same bits as with the grid its own
+    lengths need, whatever the unused workspace holds (memory poisoned first)."""
+    q_dtype = Q_DTYPES[0]
+    split = 64 if not HAS_CUDA else 256
+    lens = [rng.randint(1, 3 * split) for _ in range(5)] + [split, split + 1, 1]
+    kernel_args, ref_args = make_case(gen, lens, 2, 4, 64, 16, cache_dtype, q_dtype)
+    scale = 64 ** -0.5
+    ref = paged_attention_decode(*ref_args, scale)
+    outs = []
+    for room in (max(lens), 40 * split):  # 4 and 40 splits in the grid
+        # the workspace of the call comes from freed memory that held NaNs (CUDA's caching allocator)
+        poison = torch.full((len(lens) * 8 * 40 * 64 * 2,), float("nan"), device=kernel_args[0].device)
+        del poison
+        out = torch.full_like(kernel_args[0], float("nan"))
+        paged_decode(*kernel_args, scale, split_tokens=split, max_seq_len=room, out=out)
+        err = (out.float() - ref).abs().max().item() / ref.abs().max().item()
+        assert err < TOL[q_dtype], f"relative max error {err:.2e} with room for {room} keys"
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("cache_dtype", [torch.int8, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("group,d,page", [(4, 128, 16), (8, 64, 32), (16, 128, 16), (1, 128, 16),
