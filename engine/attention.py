@@ -85,8 +85,9 @@ class TritonOps:
         self.write = triton_cache_write.write_kv_cache
         self._decode = triton_decode.paged_decode
         self._extend = triton_extend.paged_extend
-        # Decode splits every context at fixed key positions: a ragged batch keeps the SMs busy, and
-        # a sequence's decode is the same bits in a graph, an eager mixed step or any batch.
+        # Decode splits every context at fixed key positions where the grid stays small (contexts up
+        # to 16k): a ragged batch keeps the SMs busy, and a sequence's decode is the same bits in a
+        # graph, an eager mixed step or any batch (None: the split count set by the batch).
         self.split_tokens = triton_decode.fixed_split_tokens(max_model_len)
 
     def decode(self, q, cache: _Cache, block_tables, seq_lens, scale: float, *, max_seq_len: int,

@@ -122,96 +122,102 @@ def _decode_stage1(
     split = tl.program_id(2)
 
     seq_len = tl.load(lens_ptr + b)
-    lo = 0
-    if WINDOW > 0:
-        lo = tl.maximum(seq_len - WINDOW, 0)  # the oldest key the query still sees
-    first = lo // BLOCK_N * BLOCK_N
-    num_tiles = tl.cdiv(seq_len - first, BLOCK_N)
-    if SPLIT_TOKENS > 0:  # splits at fixed key positions: the same for a sequence in any batch
-        start = tl.maximum(split * SPLIT_TOKENS, first)
-        end = tl.minimum((split + 1) * SPLIT_TOKENS, seq_len)
-    else:  # the sequence's tiles shared out evenly over num_splits
-        tiles_per_split = tl.cdiv(num_tiles, num_splits)
-        start = first + split * tiles_per_split * BLOCK_N
-        end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
-    full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N  # unmasked tiles stop here
+    # Fixed splits: the grid has room for the longest context the caller allows; a split past
+    # this sequence's end (its programs are most of the grid for short contexts) exits here.
+    run = True
+    if SPLIT_TOKENS > 0:
+        run = (split == 0) | (split * SPLIT_TOKENS < seq_len)
+    if run:
+        lo = 0
+        if WINDOW > 0:
+            lo = tl.maximum(seq_len - WINDOW, 0)  # the oldest key the query still sees
+        first = lo // BLOCK_N * BLOCK_N
+        num_tiles = tl.cdiv(seq_len - first, BLOCK_N)
+        if SPLIT_TOKENS > 0:  # splits at fixed key positions: the same for a sequence in any batch
+            start = tl.maximum(split * SPLIT_TOKENS, first)
+            end = tl.minimum((split + 1) * SPLIT_TOKENS, seq_len)
+        else:  # the sequence's tiles shared out evenly over num_splits
+            tiles_per_split = tl.cdiv(num_tiles, num_splits)
+            start = first + split * tiles_per_split * BLOCK_N
+            end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
+        full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N  # unmasked tiles stop here
 
-    EVEN_D: tl.constexpr = D == D_PAD
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, D_PAD)
-    d_ok = offs_d < D
-    row_ok = offs_m < G
-    heads = h * G + offs_m  # query heads of this kv head, (BLOCK_M,)
-    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # padded rows are 0: their scores are finite
-    qf = q.to(tl.float32) * qk_scale  # (BLOCK_M, D_PAD), log2(e) folded in: exp2 below
-    # Per-row terms of the int8 score modes (see _int8_scores); unused ones are placeholders.
-    qa = tl.zeros((BLOCK_M,), tl.float32)
-    qa2 = qa
-    if IS_INT8 and K_MODE == 1:
-        q = qf.to(QK_DTYPE)
-        q2 = q
-        qa = INT8_BIAS * tl.sum(q.to(tl.float32), axis=1)
-    elif IS_INT8 and K_MODE >= 2:
-        qa = tl.maximum(tl.max(tl.abs(qf), axis=1), 1e-30) / 127.0  # per query head
-        q1f = tl.floor(qf / qa[:, None] + 0.5)  # |q1| <= 127
-        qa2 = qa / 254.0
-        q2 = tl.floor((qf - q1f * qa[:, None]) / qa2[:, None] + 0.5).to(tl.int8)  # remainder <= qa / 2
-        q = q1f.to(tl.int8)
-    else:
-        q = qf.to(QK_DTYPE)
-        q2 = q
+        EVEN_D: tl.constexpr = D == D_PAD
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, D_PAD)
+        d_ok = offs_d < D
+        row_ok = offs_m < G
+        heads = h * G + offs_m  # query heads of this kv head, (BLOCK_M,)
+        q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # padded rows are 0: their scores are finite
+        qf = q.to(tl.float32) * qk_scale  # (BLOCK_M, D_PAD), log2(e) folded in: exp2 below
+        # Per-row terms of the int8 score modes (see _int8_scores); unused ones are placeholders.
+        qa = tl.zeros((BLOCK_M,), tl.float32)
+        qa2 = qa
+        if IS_INT8 and K_MODE == 1:
+            q = qf.to(QK_DTYPE)
+            q2 = q
+            qa = INT8_BIAS * tl.sum(q.to(tl.float32), axis=1)
+        elif IS_INT8 and K_MODE >= 2:
+            qa = tl.maximum(tl.max(tl.abs(qf), axis=1), 1e-30) / 127.0  # per query head
+            q1f = tl.floor(qf / qa[:, None] + 0.5)  # |q1| <= 127
+            qa2 = qa / 254.0
+            q2 = tl.floor((qf - q1f * qa[:, None]) / qa2[:, None] + 0.5).to(tl.int8)  # remainder <= qa / 2
+            q = q1f.to(tl.int8)
+        else:
+            q = qf.to(QK_DTYPE)
+            q2 = q
 
-    k_base = k_ptr + h * D
-    v_base = v_ptr + h * D
-    ks_base = ks_ptr + h * PAGE
-    vs_base = vs_ptr + h * PAGE
-    bt_row = bt_ptr + b.to(tl.int64) * stride_btb
+        k_base = k_ptr + h * D
+        v_base = v_ptr + h * D
+        ks_base = ks_ptr + h * PAGE
+        vs_base = vs_ptr + h * PAGE
+        bt_row = bt_ptr + b.to(tl.int64) * stride_btb
 
-    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BLOCK_M,), tl.float32)
-    acc = tl.zeros((BLOCK_M, D_PAD), tl.float32)
-    if WINDOW > 0:  # the window's first tile starts mid-tile: mask every tile (a rare model kind)
-        for tile_start in range(start, end, BLOCK_N):
-            acc, m_i, l_i = _decode_tile(
-                acc, m_i, l_i, q, q2, qa, qa2, k_base, v_base, ks_base, vs_base, bt_row, tile_start, lo, end,
-                offs_d, d_ok, HKV, D, K_T,
-                PAGE, BLOCK_N, IS_INT8, K_MODE, V_MODE, DOT_DTYPE, QK_DTYPE, PV_DTYPE, PRECISION, ASM, True, EVEN_D)
-    else:
-        for tile_start in range(start, full_end, BLOCK_N):
-            acc, m_i, l_i = _decode_tile(
-                acc, m_i, l_i, q, q2, qa, qa2, k_base, v_base, ks_base, vs_base, bt_row, tile_start, lo, end,
-                offs_d, d_ok, HKV, D, K_T,
-                PAGE, BLOCK_N, IS_INT8, K_MODE, V_MODE, DOT_DTYPE, QK_DTYPE, PV_DTYPE, PRECISION, ASM, False, EVEN_D)
-        if full_end < end:
-            acc, m_i, l_i = _decode_tile(
-                acc, m_i, l_i, q, q2, qa, qa2, k_base, v_base, ks_base, vs_base, bt_row, full_end, lo, end,
-                offs_d, d_ok, HKV, D, K_T,
-                PAGE, BLOCK_N, IS_INT8, K_MODE, V_MODE, DOT_DTYPE, QK_DTYPE, PV_DTYPE, PRECISION, ASM, True, EVEN_D)
+        m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        l_i = tl.zeros((BLOCK_M,), tl.float32)
+        acc = tl.zeros((BLOCK_M, D_PAD), tl.float32)
+        if WINDOW > 0:  # the window's first tile starts mid-tile: mask every tile (a rare model kind)
+            for tile_start in range(start, end, BLOCK_N):
+                acc, m_i, l_i = _decode_tile(
+                    acc, m_i, l_i, q, q2, qa, qa2, k_base, v_base, ks_base, vs_base, bt_row, tile_start, lo, end,
+                    offs_d, d_ok, HKV, D, K_T,
+                    PAGE, BLOCK_N, IS_INT8, K_MODE, V_MODE, DOT_DTYPE, QK_DTYPE, PV_DTYPE, PRECISION, ASM, True, EVEN_D)
+        else:
+            for tile_start in range(start, full_end, BLOCK_N):
+                acc, m_i, l_i = _decode_tile(
+                    acc, m_i, l_i, q, q2, qa, qa2, k_base, v_base, ks_base, vs_base, bt_row, tile_start, lo, end,
+                    offs_d, d_ok, HKV, D, K_T,
+                    PAGE, BLOCK_N, IS_INT8, K_MODE, V_MODE, DOT_DTYPE, QK_DTYPE, PV_DTYPE, PRECISION, ASM, False, EVEN_D)
+            if full_end < end:
+                acc, m_i, l_i = _decode_tile(
+                    acc, m_i, l_i, q, q2, qa, qa2, k_base, v_base, ks_base, vs_base, bt_row, full_end, lo, end,
+                    offs_d, d_ok, HKV, D, K_T,
+                    PAGE, BLOCK_N, IS_INT8, K_MODE, V_MODE, DOT_DTYPE, QK_DTYPE, PV_DTYPE, PRECISION, ASM, True, EVEN_D)
 
-    # An empty split (or a zero-length padding sequence) has l = 0: write 0 and lse = -inf.
-    has = l_i > 0.0
-    o = acc / tl.where(has, l_i, 1.0)[:, None]
-    if DIRECT:  # one split: no stage 2
-        o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
-        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-    else:
-        # With fixed splits a sequence uses its first cdiv(seq_len, SPLIT_TOKENS) of them: one
-        # split writes `out` itself (what stage 2 would make of it: weight 2^0 = 1, the bits of
-        # acc / l), and splits past the sequence's end write nothing (stage 2 reads only the used ones).
-        used = num_splits
-        if SPLIT_TOKENS > 0:
-            used = tl.minimum(tl.cdiv(seq_len, SPLIT_TOKENS), num_splits)
-        if used <= 1:
-            if split == 0:
-                o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
-                tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-        elif split < used:
-            # workspace part (B, HQ, num_splits, D_PAD) and lse (B, HQ, num_splits), contiguous
-            row = (b.to(tl.int64) * HQ + heads) * num_splits + split  # (BLOCK_M,)
-            tl.store(part_ptr + row[:, None] * D_PAD + offs_d[None, :], o, mask=row_ok[:, None])
-            lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-            tl.store(lse_ptr + row, lse, mask=row_ok)
+        # An empty split (or a zero-length padding sequence) has l = 0: write 0 and lse = -inf.
+        has = l_i > 0.0
+        o = acc / tl.where(has, l_i, 1.0)[:, None]
+        if DIRECT:  # one split: no stage 2
+            o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+            tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        else:
+            # With fixed splits a sequence uses its first cdiv(seq_len, SPLIT_TOKENS) of them: one
+            # split writes `out` itself (what stage 2 would make of it: weight 2^0 = 1, the bits of
+            # acc / l), and splits past the sequence's end write nothing (stage 2 reads only the used ones).
+            used = num_splits
+            if SPLIT_TOKENS > 0:
+                used = tl.minimum(tl.cdiv(seq_len, SPLIT_TOKENS), num_splits)
+            if used <= 1:
+                if split == 0:
+                    o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+                    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+            elif split < used:
+                # workspace part (B, HQ, num_splits, D_PAD) and lse (B, HQ, num_splits), contiguous
+                row = (b.to(tl.int64) * HQ + heads) * num_splits + split  # (BLOCK_M,)
+                tl.store(part_ptr + row[:, None] * D_PAD + offs_d[None, :], o, mask=row_ok[:, None])
+                lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+                tl.store(lse_ptr + row, lse, mask=row_ok)
 
 
 @triton.jit(do_not_specialize=["num_splits"], do_not_specialize_on_alignment=["lens_ptr"])
@@ -259,18 +265,24 @@ def default_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, sm_count
 
 
 SPLIT_TOKENS = 1024  # the engine's fixed split (fixed_split_tokens), measured in RESULTS.md (issue 26)
+MAX_FIXED_SPLITS = 16  # the most fixed splits the engine's grid holds (fixed_split_tokens)
 
 
-def fixed_split_tokens(max_len: int) -> int:
-    """Keys per split for `paged_decode(split_tokens=...)` over contexts up to `max_len`:
-    SPLIT_TOKENS, doubled until MAX_SPLITS splits cover max_len. Splitting every sequence at fixed
-    positions balances a ragged batch (one long context no longer runs alone on one SM while the
-    rest of the chip idles: H200, 64 contexts of median 1,800 up to 7,500 keys, 0.157 against
-    0.281 ms) and makes a sequence's output independent of its batch companions."""
-    split = SPLIT_TOKENS
-    while triton.cdiv(max_len, split) > MAX_SPLITS:
-        split *= 2
-    return split
+def fixed_split_tokens(max_len: int) -> int | None:
+    """Keys per split for the engine's `paged_decode(split_tokens=...)` over contexts up to
+    `max_len` (what its CUDA graphs are captured for), or None for the batch-dependent split count.
+
+    Fixed splits balance a ragged batch: one long context no longer runs alone on one SM while the
+    rest of the chip idles (H200, 64 contexts of median 1,800 up to 7,500 keys, int8 pages: 0.154
+    against 0.285 ms; 256 of them 0.550 against 0.661 ms), and a sequence's output does not depend
+    on its companions. But the grid holds a program per split of the longest allowed context, and
+    for short contexts most of them only read their length and leave (at max_len 2,048 the Llama-1B
+    decode step took 0.10 ms longer), and a single long sequence gets fewer programs than the batch
+    count gives it (B1 ctx32k: 0.047 against 0.034 ms). So fixed splits are used up to
+    MAX_FIXED_SPLITS of them (max_len <= 16,384), the batch-dependent count beyond."""
+    if triton.cdiv(max_len, SPLIT_TOKENS) > MAX_FIXED_SPLITS:
+        return None
+    return SPLIT_TOKENS
 
 
 K_MODES = {"cast": 0, "bias": 1, "imma": 2, "imma1": 3}  # see _int8_scores

@@ -22,7 +22,14 @@ if not HAS_CUDA:
 import pytest  # noqa: E402
 
 from kernels.reference import paged_attention_decode, quantize_per_token_head  # noqa: E402
-from kernels.triton_decode import DecodeConfig, default_num_splits, paged_decode  # noqa: E402
+from kernels.triton_decode import (  # noqa: E402
+    MAX_FIXED_SPLITS,
+    SPLIT_TOKENS,
+    DecodeConfig,
+    default_num_splits,
+    fixed_split_tokens,
+    paged_decode,
+)
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 # (q dtype, tolerance on max |err| / max |ref|): the interpreter's fp32 dot is exact; fp16/bf16
@@ -272,6 +279,15 @@ def test_split_tokens_same_bits_in_any_batch(cache_dtype, gen):
     assert torch.equal(run([0, 2])[1], together[2])
     with pytest.raises(AssertionError, match="multiple"):
         paged_decode(q, k, v, ks, vs, table, seq_lens, scale, split_tokens=split + 1)
+
+
+def test_fixed_split_tokens_bound_the_grid():
+    """The engine's fixed splits: SPLIT_TOKENS keys while the longest context needs at most
+    MAX_FIXED_SPLITS of them (a program each in the grid), else None (the batch-dependent count)."""
+    for max_len in (1, 1000, SPLIT_TOKENS, SPLIT_TOKENS + 1, MAX_FIXED_SPLITS * SPLIT_TOKENS):
+        assert fixed_split_tokens(max_len) == SPLIT_TOKENS
+    for max_len in (MAX_FIXED_SPLITS * SPLIT_TOKENS + 1, 131072):
+        assert fixed_split_tokens(max_len) is None
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float32 if not HAS_CUDA else torch.bfloat16], ids=str)
