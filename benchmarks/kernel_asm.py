@@ -1,7 +1,7 @@
 """Compile the paged decode kernel for the H200 (sm_90) on a machine without a GPU, and report what
 the GPU would run: registers, spilled stack, shared memory, and the SASS of the main loop.
 
-    python benchmarks/kernel_asm.py [--head-dim 128] [--kv int8] [--variants default,old,...]
+    python benchmarks/kernel_asm.py [--head-dim 128] [--kv int8] [--variants default,old,...] [--split-tokens 1024]
 
 Uses Triton's own compiler and the ptxas / cuobjdump its wheel ships, with a stand-in driver that
 only names the target, so no CUDA device or driver is needed (`TRITON_INTERPRET` must be unset).
@@ -76,9 +76,10 @@ def sass_report(cubin: bytes) -> tuple[dict, list[tuple[int, dict]]]:
     return usage, sorted(loops, key=lambda x: -x[0])
 
 
-def compile_decode(cfg, d: int, group: int, int8: bool, page: int = 16, hkv: int = 8):
-    """The stage-1 kernel as paged_decode would launch it for one split (DIRECT), compiled only:
-    (compiled kernel, the DecodeConfig used)."""
+def compile_decode(cfg, d: int, group: int, int8: bool, page: int = 16, hkv: int = 8, split_tokens: int = 0):
+    """The stage-1 kernel as paged_decode would launch it for one split (DIRECT), or with fixed
+    splits of `split_tokens` keys (the engine's launch), compiled only: (compiled kernel, the
+    DecodeConfig used)."""
     import kernels.triton_decode as td
 
     d_pad = max(16, triton.next_power_of_2(d))
@@ -94,7 +95,8 @@ def compile_decode(cfg, d: int, group: int, int8: bool, page: int = 16, hkv: int
     kernel = td._decode_stage1.warmup(
         q, k, k, ks, ks, table, lens, q, q, q, 0.1, q.stride(0), q.stride(1), table.stride(0), q.stride(0),
         q.stride(1), 1,
-        G=group, HQ=hkv * group, HKV=hkv, K_T=cfg.k_t, SPLIT_TOKENS=0, DIRECT=True, WINDOW=0, PAGE=page, D=d,
+        G=group, HQ=hkv * group, HKV=hkv, K_T=cfg.k_t, SPLIT_TOKENS=split_tokens, DIRECT=not split_tokens, WINDOW=0,
+        PAGE=page, D=d,
         D_PAD=d_pad, BLOCK_M=block_m, BLOCK_N=cfg.block_n, IS_INT8=int8, K_MODE=td.K_MODES[cfg.k_mode],
         V_MODE=td.V_MODES[cfg.v_mode], DOT_DTYPE=tl.bfloat16,
         QK_DTYPE=half if int8 and cfg.k_mode == "bias" else tl.bfloat16,
@@ -112,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--group", type=int, default=4, help="query heads per kv head")
     ap.add_argument("--kv", choices=("int8", "bf16"), default="int8", help="page dtype")
     ap.add_argument("--variants", default="default,old", help="names from benchmarks/decode_variants.py")
+    ap.add_argument("--split-tokens", type=int, default=0,
+                    help="compile the fixed-split launch of that many keys per split (the engine's: 1024); 0 = one split")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         ap.exit(2, "kernel_asm.py compiles for the GPU: unset TRITON_INTERPRET\n")
@@ -119,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"triton {triton.__version__}, sm_90, head dim {args.head_dim}, group {args.group}, {args.kv} pages")
     for name in args.variants.split(","):
         cfg = VARIANTS[name] if args.kv == "int8" else None
-        kernel, cfg = compile_decode(cfg, args.head_dim, args.group, args.kv == "int8")
+        kernel, cfg = compile_decode(cfg, args.head_dim, args.group, args.kv == "int8", split_tokens=args.split_tokens)
         usage, loops = sass_report(kernel.asm["cubin"])
         line = (f"{name:14s} regs {usage.get('reg')} stack {usage.get('stack')} smem {kernel.metadata.shared} "
                 f"warps {kernel.metadata.num_warps}")
