@@ -75,7 +75,7 @@ class TorchOps:
 class TritonOps:
     """The Triton kernels (imported only when chosen, so the CPU path never needs triton)."""
 
-    def __init__(self, head_dim: int, max_model_len: int) -> None:
+    def __init__(self, head_dim: int, max_model_len: int | None) -> None:
         from kernels import triton_cache_write, triton_decode, triton_extend
 
         if head_dim > triton_decode.MAX_HEAD_DIM or head_dim % 2:
@@ -88,7 +88,7 @@ class TritonOps:
         # Decode splits every context at fixed key positions where the grid stays small (contexts up
         # to 16k): a ragged batch keeps the SMs busy, and a sequence's decode is the same bits in a
         # graph, an eager mixed step or any batch (None: the split count set by the batch).
-        self.split_tokens = triton_decode.fixed_split_tokens(max_model_len)
+        self.split_tokens = None if max_model_len is None else triton_decode.fixed_split_tokens(max_model_len)
 
     def decode(self, q, cache: _Cache, block_tables, seq_lens, scale: float, *, max_seq_len: int,
                window: int | None, out: torch.Tensor | None) -> torch.Tensor:
@@ -113,10 +113,12 @@ class PagedAttention:
     taking the new tokens' K/V from the step's tensors where the cache stores them exactly; decodes
     (a pure decode step, or the running decodes a mixed step begins with) read everything from the
     cache through the decode kernel. `windows[i]`: layer i's sliding window (None: all keys).
+    `max_model_len`: the longest context the decode will see, which sets its fixed splits (the
+    Triton path; None: the batch-dependent split count).
     """
 
     def __init__(self, kv_cache: KVCache, softmax_scale: float, impl: str = "auto",
-                 windows: list[int | None] | None = None, max_model_len: int = 1 << 16) -> None:
+                 windows: list[int | None] | None = None, max_model_len: int | None = None) -> None:
         if impl not in ATTENTION_BACKENDS:
             raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {impl!r}")
         if impl == "auto":
