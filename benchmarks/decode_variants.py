@@ -69,12 +69,18 @@ def log(msg: str) -> None:
     LINES.append(msg)
 
 
-def make(lens: list[int], d: int, int8: bool, hkv: int = HKV, group: int = GROUP, page: int = PAGE):
-    """Random paged inputs (shuffled pages): (kernel args, K/V bytes that must move)."""
+def make(lens: list[int], d: int, int8: bool, hkv: int = HKV, group: int = GROUP, page: int = PAGE,
+         pool_gib: float = 0.0):
+    """Random paged inputs (shuffled pages): (kernel args, K/V bytes that must move). pool_gib: the
+    batch's pages drawn at random from a pool of that many GiB of K and V (one layer's share of the
+    engine's pool, as its LRU free queue spreads a long run's blocks over all of it); 0: just the
+    pages the batch needs."""
     b = len(lens)
     nbs = [triton.cdiv(n, page) for n in lens]
-    nb = sum(nbs)
-    perm = torch.randperm(nb, device="cuda").int()
+    need = sum(nbs)
+    page_bytes = 2 * page * hkv * (d + 2 if int8 else 2 * d)
+    nb = max(need, int(pool_gib * 2**30 / page_bytes))
+    perm = torch.randperm(nb, device="cuda")[:need].int()
     table = torch.zeros(b, max(nbs), dtype=torch.int32, device="cuda")
     used = 0
     for i, n in enumerate(nbs):
@@ -245,37 +251,6 @@ def write(out_dir: str, results: dict) -> int:
     return 0
 
 
-def make_pool(lens: list[int], d: int, int8: bool, pool_gib: float):
-    """Like `make`, but the pages of the batch drawn at random from a pool of `pool_gib` GiB of K
-    and V (one layer's share of the engine's pool; 0: just the pages the batch needs), as the
-    engine's LRU free queue spreads a long run's blocks over the whole pool."""
-    page_bytes = 2 * PAGE * HKV * (d + 2 if int8 else 2 * d)
-    nbs = [triton.cdiv(n, PAGE) for n in lens]
-    need = sum(nbs)
-    nb = max(need, int(pool_gib * 2**30 / page_bytes))
-    ids = torch.randperm(nb, device="cuda")[:need].int()
-    table = torch.zeros(len(lens), max(nbs), dtype=torch.int32, device="cuda")
-    used = 0
-    for i, n in enumerate(nbs):
-        table[i, :n] = ids[used:used + n]
-        used += n
-    shape = (nb, PAGE, HKV, d)
-    if int8:
-        k = torch.randint(-127, 128, shape, dtype=torch.int8, device="cuda")
-        v = torch.randint(-127, 128, shape, dtype=torch.int8, device="cuda")
-        ks = (torch.rand(nb, HKV, PAGE, device="cuda") * 0.02 + 0.001).half()
-        vs = (torch.rand(nb, HKV, PAGE, device="cuda") * 0.02 + 0.001).half()
-        per_token = 2 * HKV * (d + 2)
-    else:
-        k = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
-        v = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
-        ks = vs = None
-        per_token = 2 * HKV * d * 2
-    q = torch.randn(len(lens), HKV * GROUP, d, dtype=torch.bfloat16, device="cuda")
-    lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    return (q, k, v, ks, vs, table, lens_t), per_token * sum(lens) + 2 * q.numel() * 2
-
-
 def ragged(bw: float, repeats: int, results: dict) -> None:
     """The decode call of the engine's graphs on long-context work (benchmarks/long_context.py):
     ragged contexts (log-normal, median 1,800, up to 7,500) or one or eight 32k contexts, the
@@ -293,7 +268,7 @@ def ragged(bw: float, repeats: int, results: dict) -> None:
     cases += [("B8 ctx32k", [32768] * 8, 32768), ("B1 ctx32k", [32768], 32768)]
     for label, lens, max_len in cases:
         for pool in (3.0,) if "ragged" in label else (0.0,):
-            made = {int8: make_pool(lens, 128, int8, pool) for int8 in (True, False)}
+            made = {int8: make(lens, 128, int8, pool_gib=pool) for int8 in (True, False)}
             policies = [("splits from max_model_len", dict(max_seq_len=max_len))]
             policies += [(f"split_tokens {n}{' (engine)' if n == td.fixed_split_tokens(max_len) else ''}",
                           dict(max_seq_len=max_len, split_tokens=n)) for n in (512, 1024, 2048)
