@@ -85,15 +85,21 @@ class TritonOps:
         self.write = triton_cache_write.write_kv_cache
         self._decode = triton_decode.paged_decode
         self._extend = triton_extend.paged_extend
-        # Decode splits every context at fixed key positions where the grid stays small (contexts up
-        # to 16k): a ragged batch keeps the SMs busy, and a sequence's decode is the same bits in a
-        # graph, an eager mixed step or any batch (None: the split count set by the batch).
-        self.split_tokens = None if max_model_len is None else triton_decode.fixed_split_tokens(max_model_len)
+        self._fixed_split_tokens = triton_decode.fixed_split_tokens
+        self._sm_count = triton_decode.sm_count
+        self.max_model_len = max_model_len
 
     def decode(self, q, cache: _Cache, block_tables, seq_lens, scale: float, *, max_seq_len: int,
                window: int | None, out: torch.Tensor | None) -> torch.Tensor:
+        # Splits at fixed key positions for a batch of sequences with contexts up to 16k: a ragged
+        # batch keeps the SMs busy, and a sequence's decode is the same bits in a graph, an eager
+        # mixed step or any batch of that kind (None: the split count set by the batch).
+        split = None
+        if self.max_model_len is not None:
+            sms = self._sm_count(q.device) if q.is_cuda else 1
+            split = self._fixed_split_tokens(self.max_model_len, q.shape[0], cache[0].shape[2], sms)
         return self._decode(q, *cache, block_tables, seq_lens, scale, max_seq_len=max_seq_len, window=window, out=out,
-                            split_tokens=self.split_tokens)
+                            split_tokens=split)
 
     def extend(self, q, k_new, v_new, cache: _Cache, block_tables, seq_lens, query_start_loc, scale: float, *,
                max_query_len: int, window: int | None, out: torch.Tensor | None) -> torch.Tensor:

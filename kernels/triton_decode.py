@@ -253,6 +253,11 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (looked up once per device)."""
+    return _sm_count(device.index or 0)
+
+
 def default_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, sm_count: int, per_sm: float = WAVES) -> int:
     """Splits per sequence so that B * Hkv * splits stage-1 programs give every SM about `per_sm`
     of them (the programs a config keeps resident per SM; WAVES for the 16-bit tables), but no split
@@ -268,19 +273,21 @@ SPLIT_TOKENS = 1024  # the engine's fixed split (fixed_split_tokens), measured i
 MAX_FIXED_SPLITS = 16  # the most fixed splits the engine's grid holds (fixed_split_tokens)
 
 
-def fixed_split_tokens(max_len: int) -> int | None:
-    """Keys per split for the engine's `paged_decode(split_tokens=...)` over contexts up to
-    `max_len` (what its CUDA graphs are captured for), or None for the batch-dependent split count.
+def fixed_split_tokens(max_len: int, batch: int, num_kv_heads: int, sm_count: int) -> int | None:
+    """Keys per split for the engine's `paged_decode(split_tokens=...)` of `batch` sequences over
+    contexts up to `max_len` (what its CUDA graphs are captured for), or None for the
+    batch-dependent split count.
 
     Fixed splits balance a ragged batch: one long context no longer runs alone on one SM while the
     rest of the chip idles (H200, 64 contexts of median 1,800 up to 7,500 keys, int8 pages: 0.154
-    against 0.285 ms; 256 of them 0.550 against 0.661 ms), and a sequence's output does not depend
-    on its companions. But the grid holds a program per split of the longest allowed context, and
-    for short contexts most of them only read their length and leave (at max_len 2,048 the Llama-1B
-    decode step took 0.10 ms longer), and a single long sequence gets fewer programs than the batch
-    count gives it (B1 ctx32k: 0.047 against 0.034 ms). So fixed splits are used up to
-    MAX_FIXED_SPLITS of them (max_len <= 16,384), the batch-dependent count beyond."""
-    if triton.cdiv(max_len, SPLIT_TOKENS) > MAX_FIXED_SPLITS:
+    against 0.285 ms; 256 of them 0.550 against 0.661; 16 of them 0.060 against 0.092), and a
+    sequence's output does not depend on its companions. But the grid holds a program per split of
+    the longest allowed context, and for short contexts most of them only read their length and
+    leave (at max_len 2,048 the Llama-1B decode step took 0.10 ms longer), so they are used up to
+    MAX_FIXED_SPLITS (max_len <= 16,384). And a few sequences get more programs each from the batch
+    count (one 32k context: 64 splits, 0.034 ms, against 32 fixed ones, 0.047; eight: equal), so
+    fixed splits need the batch to give at least half the SMs a program (batch x kv heads)."""
+    if triton.cdiv(max_len, SPLIT_TOKENS) > MAX_FIXED_SPLITS or 2 * batch * num_kv_heads < sm_count:
         return None
     return SPLIT_TOKENS
 

@@ -283,11 +283,15 @@ def test_split_tokens_same_bits_in_any_batch(cache_dtype, gen):
 
 def test_fixed_split_tokens_bound_the_grid():
     """The engine's fixed splits: SPLIT_TOKENS keys while the longest context needs at most
-    MAX_FIXED_SPLITS of them (a program each in the grid), else None (the batch-dependent count)."""
+    MAX_FIXED_SPLITS of them (a program each in the grid) and the batch gives at least half the
+    SMs a program; else None (the batch-dependent count)."""
     for max_len in (1, 1000, SPLIT_TOKENS, SPLIT_TOKENS + 1, MAX_FIXED_SPLITS * SPLIT_TOKENS):
-        assert fixed_split_tokens(max_len) == SPLIT_TOKENS
+        assert fixed_split_tokens(max_len, 256, 8, 132) == SPLIT_TOKENS
+        assert fixed_split_tokens(max_len, 9, 8, 132) == SPLIT_TOKENS  # 72 programs for 132 SMs
+        assert fixed_split_tokens(max_len, 8, 8, 132) is None  # 64: a few sequences, many splits each
+        assert fixed_split_tokens(max_len, 1, 1, 1) == SPLIT_TOKENS
     for max_len in (MAX_FIXED_SPLITS * SPLIT_TOKENS + 1, 131072):
-        assert fixed_split_tokens(max_len) is None
+        assert fixed_split_tokens(max_len, 256, 8, 132) is None
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float32 if not HAS_CUDA else torch.bfloat16], ids=str)
