@@ -335,8 +335,9 @@ def _config(d_pad: int, page: int, cache_dtype: torch.dtype, on_gpu: bool, progr
         if d_pad >= 128:
             return DecodeConfig(64, 4, 2, k_mode=k_mode, v_mode="bias", tight_m=True, k_t=False, per_sm=4)
         if programs_per_sm >= MANY_PROGRAMS:
-            # 128 registers: 16 programs per SM (the B256 ctx400 grid in one wave); the fixed-split
-            # store paths took it to 144 (14 per SM, a second wave: 0.075 against 0.044 ms)
+            # 128 registers: 16 programs per SM (the B256 ctx400 grid in one wave); uncapped, the
+            # fixed-split paths take 145 (triton 3.6): 14 per SM and a second wave (H200: the Llama-1B
+            # decode step's forward 2.73 ms, 2.33 with the cap)
             return DecodeConfig(32, 1, 3, maxnreg=128, k_mode="bias", v_mode="bias", tight_m=True, k_t=False,
                                 per_sm=10)
         return DecodeConfig(128, 2, 2, k_mode=k_mode, v_mode="bias", tight_m=True)
