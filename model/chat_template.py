@@ -5,15 +5,18 @@ Where the template comes from, first found (as transformers' tokenizer loading r
 tokenizer_config.json's `chat_template`, a string or a list of {"name", "template"}; else a
 processor's `chat_template.json`. `pie serve --chat-template FILE` replaces them all.
 
-Several named templates: "tool_use" when the request brings tools and the model has one, else
-"default" (a model with named templates and no default has no usable template).
+Several named templates: "tool_use" when the request brings tools (an empty list counts, as in
+transformers) and the model has one, else "default" (a model with named templates and no default
+has no usable template).
 
 Rendering: a sandboxed jinja2 environment (ImmutableSandboxedEnvironment: a template from a model
 folder is untrusted code) with trim_blocks, lstrip_blocks and the loop-controls extension; the
 filter `tojson` (json.dumps: no HTML escaping, non-ASCII kept, `indent`, `separators`,
 `sort_keys`), the globals `raise_exception(message)`, `strftime_now(format)`, a `dict` limited to
 calls and `fromkeys`, and a `namespace` that refuses underscore attributes; the variables
-`messages`, `tools` (None without tools), `documents` (None), `add_generation_prompt`, the
+`messages` (keys whose value is None left out; a message's reasoning, under any of
+transformers' names, as both `reasoning_content` and `thinking`), `tools` (None without tools),
+`documents` (None), `add_generation_prompt`, the
 special tokens as tokenizer_config.json names them (`bos_token`, `eos_token`, `unk_token`,
 `pad_token`, ... as strings; special_tokens_map.json fills in those it lacks) and the caller's
 extra variables. `{% generation %}` blocks (transformers' assistant-mask extension) render their
@@ -128,6 +131,17 @@ class _GenerationBlocks(jinja2.ext.Extension):
         return caller()
 
 
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # transformers' names, by precedence
+
+
+def _alias_reasoning(message: dict[str, Any]) -> dict[str, Any]:
+    """A message's reasoning under both names templates read, as transformers hands it over: the
+    first of reasoning_content / thinking / reasoning that is set, as `reasoning_content` and, unless
+    the message sets it, as `thinking` (gpt-oss-style templates read that one)."""
+    reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
+    return message if reasoning is None else {"thinking": reasoning, **message, "reasoning_content": reasoning}
+
+
 def _raise_exception(message: str):
     raise jinja2.exceptions.TemplateError(message)
 
@@ -240,8 +254,8 @@ class ChatTemplates:
         reserved = sorted(RESERVED_VARIABLES & set(extra or ()))
         if reserved:
             raise ValueError(f"extra variables may not replace {', '.join(reserved)}")
-        name = self._select(bool(tools))
-        chat = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        name = self._select(tools is not None)  # an empty list too, as transformers does
+        chat = [_alias_reasoning({k: v for k, v in m.items() if v is not None}) for m in messages]
         final = None
         if continue_final_message:
             final = chat[-1].get("content")
@@ -253,7 +267,7 @@ class ChatTemplates:
         # The special tokens first: the caller's variables may replace them (as transformers lets them).
         variables = {**self.special_tokens, **(extra or {})}
         try:
-            text = self.templates[name].render(messages=chat, tools=tools if tools else None, documents=None,
+            text = self.templates[name].render(messages=chat, tools=tools, documents=None,
                                                add_generation_prompt=add_generation_prompt, **variables)
         except jinja2.TemplateError as e:  # raise_exception, an undefined value, a sandbox refusal
             raise ChatTemplateError(e.message or type(e).__name__) from None

@@ -31,7 +31,7 @@ class FieldError(ValueError):
 class ChatPrompt:
     """A ChatInput as plain Python, checked: what model.chat_template renders."""
 
-    messages: list[dict[str, Any]]  # role, and content / name / tool_call_id / tool_calls where set
+    messages: list[dict[str, Any]]  # role, and content / name / tool_call_id / tool_calls / reasoning_content where set
     tools: list[Any] | None  # the parsed tools_json; None without tools
     add_generation_prompt: bool
     continue_final_message: bool
@@ -126,7 +126,7 @@ def chat_from_proto(chat, limits: Limits, field: str = "chat") -> ChatPrompt:
         if len(m.role) > MAX_ROLE_CHARS:
             raise FieldError(f"{where}.role", f"is longer than {MAX_ROLE_CHARS} characters")
         message: dict[str, Any] = {"role": m.role}
-        for name in ("content", "name", "tool_call_id"):
+        for name in ("content", "name", "tool_call_id", "reasoning_content"):
             if m.HasField(name):
                 message[name] = getattr(m, name)
                 chars += len(message[name])

@@ -121,7 +121,8 @@ function chatMessage(message, index) {
 }
 
 /**
- * The request of a conversation: `messages` as [{ role, content, name, tool_call_id, tool_calls }]
+ * The request of a conversation: `messages` as [{ role, content, name, tool_call_id, reasoning_content,
+ * tool_calls }]
  * (tool_calls an array of tool calls, sent as JSON), `tools` (an array of tool definitions, sent as
  * JSON), `addGenerationPrompt` (default: the server's, true unless continuing),
  * `continueFinalMessage`, `templateKwargs` (more template variables), and the rest of a

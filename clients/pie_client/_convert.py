@@ -91,13 +91,13 @@ def chat_input(messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Any] | 
                add_generation_prompt: bool | None = None, continue_final_message: bool = False,
                template_kwargs: Mapping[str, Any] | None = None) -> pb.ChatInput:
     """A ChatInput from messages as dicts: "role", and optionally "content", "name",
-    "tool_call_id" and "tool_calls" (a list, sent as JSON; or its JSON text); `tools`: tool
+    "tool_call_id", "reasoning_content" and "tool_calls" (a list, sent as JSON; or its JSON text); `tools`: tool
     definitions (dicts, sent as a JSON array, or its JSON text); `template_kwargs`: further template
     variables. A key whose value is None is left out."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise TypeError(f"messages: expected a list of dicts, got {type(messages).__name__}")
     chat = pb.ChatInput(continue_final_message=continue_final_message)
-    known = {"role", "content", "name", "tool_call_id", "tool_calls"}
+    known = {"role", "content", "name", "tool_call_id", "tool_calls", "reasoning_content"}
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping):
             raise TypeError(f"messages[{i}]: expected a dict, got {type(message).__name__}")
@@ -105,7 +105,7 @@ def chat_input(messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Any] | 
         if unknown:
             raise TypeError(f"messages[{i}]: unknown key(s) {', '.join(unknown)}; expected some of {', '.join(sorted(known))}")
         m = chat.messages.add(role=message.get("role") or "")
-        for key in ("content", "name", "tool_call_id"):
+        for key in ("content", "name", "tool_call_id", "reasoning_content"):
             if message.get(key) is not None:
                 setattr(m, key, message[key])
         calls = message.get("tool_calls")

@@ -315,7 +315,7 @@ def test_chat_builds_the_conversation(client: pie_client.Client, fake: tuple[Fak
     done = client.chat(
         [{"role": "system", "content": "Be brief."},
          {"role": "user", "content": "Weather?", "name": "ann"},
-         {"role": "assistant", "tool_calls": calls, "content": None},
+         {"role": "assistant", "tool_calls": calls, "content": None, "reasoning_content": "Look it up."},
          {"role": "tool", "tool_call_id": "call_1", "content": "21 C"}],
         tools=tools, template_kwargs={"enable_thinking": False}, max_tokens=7, request_id="chat-1")
     assert done.text == "Hello!" and done.request_id == "chat-1"
@@ -325,6 +325,7 @@ def test_chat_builds_the_conversation(client: pie_client.Client, fake: tuple[Fak
     assert [x.role for x in m] == ["system", "user", "assistant", "tool"]
     assert m[1].name == "ann" and not m[0].HasField("name")
     assert not m[2].HasField("content") and json.loads(m[2].tool_calls_json) == calls  # None: left out
+    assert m[2].reasoning_content == "Look it up." and not m[1].HasField("reasoning_content")
     assert m[3].tool_call_id == "call_1"
     assert json.loads(sent.chat.tools_json) == tools
     assert json.loads(sent.chat.template_kwargs_json) == {"enable_thinking": False}

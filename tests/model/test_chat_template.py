@@ -109,6 +109,45 @@ def test_tool_templates_are_chosen_by_the_presence_of_tools(folders):
     assert json.dumps(WEATHER_TOOL, indent=4, ensure_ascii=False) in with_tools
 
 
+REASONING_READER = ("{% for m in messages %}{{ m.role }}[{{ m.thinking }}|{{ m.reasoning_content }}]"
+                    "{{ m.content }};{% endfor %}")
+
+
+@pytest.mark.parametrize("key", ["reasoning_content", "thinking", "reasoning"])
+def test_a_messages_reasoning_reaches_the_template_under_both_names(tmp_path, key):
+    """transformers hands a message's reasoning, under whichever of its names the caller used, to
+    the template as reasoning_content and thinking (Qwen3-style templates read the one, gpt-oss-style
+    the other); ours the same, a set `thinking` kept."""
+    from transformers import AutoTokenizer
+
+    folder = write_tokenizer(tmp_path, tokenizer_config={"chat_template": REASONING_READER})
+    hf = AutoTokenizer.from_pretrained(str(folder))
+    renders = []
+    for messages in ([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", key: "because"}],
+                     [{"role": "assistant", "content": "a", key: "r1", "thinking": "own"}],
+                     [{"role": "assistant", "content": "a", key: None}]):
+        ours, theirs = render_both(folder, hf, messages, add_generation_prompt=False)
+        assert not isinstance(ours, Exception) and ours == theirs, (ours, theirs)
+        renders.append(ours[0])
+    assert renders[0] == "user[|]q;assistant[because|because]a;"
+
+
+def test_an_empty_tool_list_is_tools_as_in_transformers(folders, oracle, tmp_path):
+    """tools=[] is handed over as an empty list and picks the "tool_use" template (transformers
+    tells tools apart by `is not None`); no tools at all is None."""
+    from transformers import AutoTokenizer
+
+    folder = write_tokenizer(tmp_path, tokenizer_config={
+        "chat_template": "{{ tools is none }}|{{ tools | length if tools is not none }}|{{ messages[0].content }}"})
+    hf = AutoTokenizer.from_pretrained(str(folder))
+    for tools in (None, []):
+        ours, theirs = render_both(folder, hf, CONVERSATIONS["one turn"], tools=tools)
+        assert not isinstance(ours, Exception) and ours == theirs, (tools, ours, theirs)
+    ours, theirs = render_both(folders["tools"], oracle["tools"], CONVERSATIONS["one turn"], tools=[])
+    assert not isinstance(ours, Exception) and ours == theirs
+    assert "Environment: ipython" in ours[0]  # the tool_use template
+
+
 def test_extra_variables_reach_the_template_and_may_replace_special_tokens(tmp_path):
     folder = write_tokenizer(tmp_path, tokenizer_config={
         "chat_template": "{{ bos_token }}{% if enable_thinking %}<think>{% endif %}{{ messages[0]['content'] }}"})

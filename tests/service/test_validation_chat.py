@@ -25,19 +25,19 @@ def test_a_chat_becomes_the_messages_a_template_reads():
     chat = pb.ChatInput(messages=[
         pb.ChatMessage(role="system", content="Be brief."),
         pb.ChatMessage(role="user", content="", name="ann"),  # an empty content is still content
-        pb.ChatMessage(role="assistant", tool_calls_json=json.dumps(calls)),
+        pb.ChatMessage(role="assistant", tool_calls_json=json.dumps(calls), reasoning_content="Ask f."),
         pb.ChatMessage(role="tool", content="42", tool_call_id="c1"),
     ], tools_json='[{"type": "function"}]', template_kwargs_json='{"enable_thinking": false}')
     prompt = chat_from_proto(chat, Limits())
     assert prompt.messages == [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "", "name": "ann"},
-        {"role": "assistant", "tool_calls": calls},
+        {"role": "assistant", "reasoning_content": "Ask f.", "tool_calls": calls},
         {"role": "tool", "content": "42", "tool_call_id": "c1"},
     ]
     assert prompt.tools == [{"type": "function"}] and prompt.extra == {"enable_thinking": False}
     assert prompt.add_generation_prompt and not prompt.continue_final_message
-    assert prompt.chars == len("Be brief.") + len("ann") + len(json.dumps(calls)) + len("42") + len("c1") + \
+    assert prompt.chars == len("Be brief.") + len("ann") + len("Ask f.") + len(json.dumps(calls)) + len("42") + len("c1") + \
         len(chat.tools_json) + len(chat.template_kwargs_json)
     request = pb.GenerateRequest(chat=chat)
     assert isinstance(prompt_from_proto(request, Limits()), ChatPrompt)

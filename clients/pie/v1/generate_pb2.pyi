@@ -345,18 +345,20 @@ class ChoiceList(_message.Message):
     def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
-    __slots__ = ("role", "content", "name", "tool_call_id", "tool_calls_json")
+    __slots__ = ("role", "content", "name", "tool_call_id", "tool_calls_json", "reasoning_content")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALLS_JSON_FIELD_NUMBER: _ClassVar[int]
+    REASONING_CONTENT_FIELD_NUMBER: _ClassVar[int]
     role: str
     content: str
     name: str
     tool_call_id: str
     tool_calls_json: str
-    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., name: _Optional[str] = ..., tool_call_id: _Optional[str] = ..., tool_calls_json: _Optional[str] = ...) -> None: ...
+    reasoning_content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., name: _Optional[str] = ..., tool_call_id: _Optional[str] = ..., tool_calls_json: _Optional[str] = ..., reasoning_content: _Optional[str] = ...) -> None: ...
 
 class ChatInput(_message.Message):
     __slots__ = ("messages", "tools_json", "add_generation_prompt", "continue_final_message", "template_kwargs_json")
