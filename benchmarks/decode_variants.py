@@ -13,6 +13,7 @@ variants.md (the tables) and variants.json to --out.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -251,6 +252,17 @@ def write(out_dir: str, results: dict) -> int:
     return 0
 
 
+def worklist_kwargs(int8: bool, split: int, max_len: int, batch: int, sms: int, cap: bool) -> dict:
+    """paged_decode's arguments for fixed splits on a work list: 4 programs per SM over the chip
+    (what both head-dim-128 tables keep resident, Nsight Compute), as programs per kv head; the
+    registers capped at 128 with `cap` (the work-list loop took the int8 table from 128 to 140
+    registers, sm_90 compile: 3 programs per SM instead of 4)."""
+    cfg = td._config(128, PAGE, torch.int8 if int8 else torch.bfloat16, True, batch * HKV / sms)
+    if cap:
+        cfg = dataclasses.replace(cfg, maxnreg=128)
+    return dict(max_seq_len=max_len, split_tokens=split, programs=max(1, round(sms * 4 / HKV)), config=cfg)
+
+
 def ragged(bw: float, repeats: int, results: dict) -> None:
     """The decode call of the engine's graphs on long-context work (benchmarks/long_context.py):
     ragged contexts (log-normal, median 1,800, up to 7,500) or one or eight 32k contexts, the
@@ -269,14 +281,20 @@ def ragged(bw: float, repeats: int, results: dict) -> None:
     for label, lens, max_len in cases:
         for pool in (3.0,) if "ragged" in label else (0.0,):
             made = {int8: make(lens, 128, int8, pool_gib=pool) for int8 in (True, False)}
-            policies = [("splits from max_model_len", dict(max_seq_len=max_len))]
-            policies += [(f"split_tokens {n}{' (engine)' if n == td.fixed_split_tokens(max_len) else ''}",
-                          dict(max_seq_len=max_len, split_tokens=n)) for n in (512, 1024, 2048)
+            sms = td.sm_count(torch.device("cuda"))
+            engine_split = td.fixed_split_tokens(max_len, len(lens), HKV, sms)
+            policies = [("splits from max_model_len", lambda int8: dict(max_seq_len=max_len))]
+            policies += [(f"split_tokens {n}{' (engine)' if n == engine_split else ''}",
+                          lambda int8, n=n: dict(max_seq_len=max_len, split_tokens=n)) for n in (512, 1024, 2048)
                          if triton.cdiv(max_len, n) <= td.MAX_SPLITS]
-            for policy, kw in policies:
+            policies += [(f"work list of {n}-key splits{', 128 registers' if cap else ''}",
+                          lambda int8, n=n, cap=cap: worklist_kwargs(int8, n, max_len, len(lens), sms, cap))
+                         for n in (512, 1024) for cap in (False, True)]
+            for policy, make_kw in policies:
                 row = {}
                 for int8, (kargs, nbytes) in made.items():
                     out = torch.empty_like(kargs[0])
+                    kw = make_kw(int8)
                     fn = lambda: td.paged_decode(*kargs, 128 ** -0.5, out=out, **kw)  # noqa: E731
                     g = statistics.median(bench_graph(fn) for _ in range(max(1, repeats)))
                     row[int8] = (g, nbytes / (g * 1e-3) / bw)

@@ -76,10 +76,11 @@ def sass_report(cubin: bytes) -> tuple[dict, list[tuple[int, dict]]]:
     return usage, sorted(loops, key=lambda x: -x[0])
 
 
-def compile_decode(cfg, d: int, group: int, int8: bool, page: int = 16, hkv: int = 8, split_tokens: int = 0):
+def compile_decode(cfg, d: int, group: int, int8: bool, page: int = 16, hkv: int = 8, split_tokens: int = 0,
+                   worklist: bool = False):
     """The stage-1 kernel as paged_decode would launch it for one split (DIRECT), or with fixed
-    splits of `split_tokens` keys (the engine's launch), compiled only: (compiled kernel, the
-    DecodeConfig used)."""
+    splits of `split_tokens` keys (the engine's launch), on a work list of splits with `worklist`,
+    compiled only: (compiled kernel, the DecodeConfig used)."""
     import kernels.triton_decode as td
 
     d_pad = max(16, triton.next_power_of_2(d))
@@ -93,14 +94,14 @@ def compile_decode(cfg, d: int, group: int, int8: bool, page: int = 16, hkv: int
     block_m = triton.next_power_of_2(group) if cfg.tight_m else max(16, triton.next_power_of_2(group))
     half = tl.float16
     kernel = td._decode_stage1.warmup(
-        q, k, k, ks, ks, table, lens, q, q, q, 0.1, q.stride(0), q.stride(1), table.stride(0), q.stride(0),
-        q.stride(1), 1,
+        q, k, k, ks, ks, table, lens, q, q, q, lens, 0.1, q.stride(0), q.stride(1), table.stride(0), q.stride(0),
+        q.stride(1), 1, b,
         G=group, HQ=hkv * group, HKV=hkv, K_T=cfg.k_t, SPLIT_TOKENS=split_tokens, DIRECT=not split_tokens, WINDOW=0,
         PAGE=page, D=d,
         D_PAD=d_pad, BLOCK_M=block_m, BLOCK_N=cfg.block_n, IS_INT8=int8, K_MODE=td.K_MODES[cfg.k_mode],
         V_MODE=td.V_MODES[cfg.v_mode], DOT_DTYPE=tl.bfloat16,
         QK_DTYPE=half if int8 and cfg.k_mode == "bias" else tl.bfloat16,
-        PV_DTYPE=half if int8 and cfg.v_mode != "cast" else tl.bfloat16, PRECISION=None, ASM=True,
+        PV_DTYPE=half if int8 and cfg.v_mode != "cast" else tl.bfloat16, PRECISION=None, ASM=True, WORKLIST=worklist,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, grid=(1,),
         **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}))
     return kernel, cfg
@@ -116,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", default="default,old", help="names from benchmarks/decode_variants.py")
     ap.add_argument("--split-tokens", type=int, default=0,
                     help="compile the fixed-split launch of that many keys per split (the engine's: 1024); 0 = one split")
+    ap.add_argument("--worklist", action="store_true",
+                    help="with --split-tokens: the persistent launch that takes splits from a work list")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         ap.exit(2, "kernel_asm.py compiles for the GPU: unset TRITON_INTERPRET\n")
@@ -123,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"triton {triton.__version__}, sm_90, head dim {args.head_dim}, group {args.group}, {args.kv} pages")
     for name in args.variants.split(","):
         cfg = VARIANTS[name] if args.kv == "int8" else None
-        kernel, cfg = compile_decode(cfg, args.head_dim, args.group, args.kv == "int8", split_tokens=args.split_tokens)
+        kernel, cfg = compile_decode(cfg, args.head_dim, args.group, args.kv == "int8", split_tokens=args.split_tokens,
+                                     worklist=args.worklist)
         usage, loops = sass_report(kernel.asm["cubin"])
         line = (f"{name:14s} regs {usage.get('reg')} stack {usage.get('stack')} smem {kernel.metadata.shared} "
                 f"warps {kernel.metadata.num_warps}")

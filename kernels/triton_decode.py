@@ -102,25 +102,17 @@ def _decode_tile(acc, m_i, l_i, q, q2, qa, qa2, k_base, v_base, ks_base, vs_base
     return acc, m_i, l_i
 
 
-# One compile whatever the split count, and whatever the alignment of seq_lens, a slice of the
-# runner's staging buffer at an offset that moves with the step's token count.
-@triton.jit(do_not_specialize=["num_splits"], do_not_specialize_on_alignment=["lens_ptr"])
-def _decode_stage1(
-    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, lse_ptr,
-    qk_scale,
-    stride_qb, stride_qh,
-    stride_btb,
-    stride_ob, stride_oh,
-    num_splits,
-    G: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, K_T: tl.constexpr, SPLIT_TOKENS: tl.constexpr, DIRECT: tl.constexpr, WINDOW: tl.constexpr,
-    PAGE: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_INT8: tl.constexpr, K_MODE: tl.constexpr, V_MODE: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    QK_DTYPE: tl.constexpr, PV_DTYPE: tl.constexpr, PRECISION: tl.constexpr, ASM: tl.constexpr,
+@triton.jit
+def _decode_split(
+    h, b, split, q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, lse_ptr,
+    qk_scale, stride_qb, stride_qh, stride_btb, stride_ob, stride_oh, num_splits,
+    G: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, K_T: tl.constexpr, SPLIT_TOKENS: tl.constexpr,
+    DIRECT: tl.constexpr, WINDOW: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_INT8: tl.constexpr, K_MODE: tl.constexpr,
+    V_MODE: tl.constexpr, DOT_DTYPE: tl.constexpr, QK_DTYPE: tl.constexpr, PV_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr, ASM: tl.constexpr,
 ):
-    h = tl.program_id(0)  # kv head: a sequence's Hkv programs launch side by side
-    b = tl.program_id(1)
-    split = tl.program_id(2)
-
+    """Split `split` of sequence b for kv head h: its keys, then `out` or its workspace row."""
     seq_len = tl.load(lens_ptr + b)
     # Fixed splits: the grid has room for the longest context the caller allows; a split past
     # this sequence's end (its programs are most of the grid for short contexts) exits here.
@@ -218,6 +210,57 @@ def _decode_stage1(
                 tl.store(part_ptr + row[:, None] * D_PAD + offs_d[None, :], o, mask=row_ok[:, None])
                 lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
                 tl.store(lse_ptr + row, lse, mask=row_ok)
+
+
+
+
+@triton.jit
+def _find_sequence(cum_ptr, num_seqs, item):
+    """The sequence whose items hold `item`: the first b with cum[b] > item (cum: inclusive
+    prefix sums of each sequence's item count), by binary search."""
+    lo = tl.zeros((), tl.int32)
+    hi = lo + num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        below = tl.load(cum_ptr + mid) <= item
+        lo = tl.where(below, mid + 1, lo)
+        hi = tl.where(below, hi, mid)
+    return lo
+
+
+# One compile whatever the split count, and whatever the alignment of seq_lens, a slice of the
+# runner's staging buffer at an offset that moves with the step's token count.
+@triton.jit(do_not_specialize=["num_splits", "num_seqs"], do_not_specialize_on_alignment=["lens_ptr", "cum_ptr"])
+def _decode_stage1(
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, lse_ptr, cum_ptr,
+    qk_scale,
+    stride_qb, stride_qh,
+    stride_btb,
+    stride_ob, stride_oh,
+    num_splits, num_seqs,
+    G: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, K_T: tl.constexpr, SPLIT_TOKENS: tl.constexpr, DIRECT: tl.constexpr, WINDOW: tl.constexpr,
+    PAGE: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_INT8: tl.constexpr, K_MODE: tl.constexpr, V_MODE: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    QK_DTYPE: tl.constexpr, PV_DTYPE: tl.constexpr, PRECISION: tl.constexpr, ASM: tl.constexpr,
+    WORKLIST: tl.constexpr,
+):
+    h = tl.program_id(0)  # kv head: a sequence's Hkv programs launch side by side
+    if WORKLIST:
+        # Persistent programs: program p takes items p, p + P, ... of the batch's (sequence, split)
+        # items, in sequence order (cum_ptr: inclusive prefix sums of each sequence's splits).
+        num_items = tl.load(cum_ptr + num_seqs - 1)
+        for item in range(tl.program_id(1), num_items, tl.num_programs(1)):
+            b = _find_sequence(cum_ptr, num_seqs, item)
+            first_item = tl.load(cum_ptr + b - 1, mask=b > 0, other=0)
+            _decode_split(h, b, item - first_item, q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, out_ptr,
+                          part_ptr, lse_ptr, qk_scale, stride_qb, stride_qh, stride_btb, stride_ob, stride_oh,
+                          num_splits, G, HQ, HKV, K_T, SPLIT_TOKENS, DIRECT, WINDOW, PAGE, D, D_PAD, BLOCK_M,
+                          BLOCK_N, IS_INT8, K_MODE, V_MODE, DOT_DTYPE, QK_DTYPE, PV_DTYPE, PRECISION, ASM)
+    else:
+        _decode_split(h, tl.program_id(1), tl.program_id(2), q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr,
+                      out_ptr, part_ptr, lse_ptr, qk_scale, stride_qb, stride_qh, stride_btb, stride_ob, stride_oh,
+                      num_splits, G, HQ, HKV, K_T, SPLIT_TOKENS, DIRECT, WINDOW, PAGE, D, D_PAD, BLOCK_M,
+                      BLOCK_N, IS_INT8, K_MODE, V_MODE, DOT_DTYPE, QK_DTYPE, PV_DTYPE, PRECISION, ASM)
 
 
 @triton.jit(do_not_specialize=["num_splits"], do_not_specialize_on_alignment=["lens_ptr"])
@@ -360,6 +403,7 @@ def paged_decode(
     num_splits: int | None = None,
     window: int | None = None,
     split_tokens: int | None = None,
+    programs: int | None = None,
     out: torch.Tensor | None = None,
     config: DecodeConfig | None = None,
 ) -> torch.Tensor:
@@ -376,8 +420,14 @@ def paged_decode(
     same bits in any batch that picks the same launch table (the default split count depends on the
     batch size and the longest sequence; with split_tokens only on the sequence itself, up to
     MAX_SPLITS splits), and a batch of ragged lengths keeps every SM busy (`fixed_split_tokens`;
-    a sequence no longer than one split skips stage 2, splits past its end cost nothing). out: (B,
-    Hq, D) q.dtype, written in full. config: overrides the launch table (benchmarks). Returns out.
+    a sequence no longer than one split skips stage 2, splits past its end cost nothing).
+    programs: with split_tokens, that many persistent programs per kv head take the batch's
+    (sequence, split) items in turn (a work list from the prefix sums of each sequence's split
+    count, on the device): the grid no longer grows with the longest allowed context, no program
+    is spent on a split past a sequence's end, and the bits are those of the one-program-per-split
+    grid. (Measured against it in benchmarks/decode_variants.py --ragged; not yet the engine's.)
+    out: (B, Hq, D) q.dtype, written in full. config: overrides the launch table (benchmarks).
+    Returns out.
     """
     assert q.dim() == 3, f"q must be (B, Hq, D), got {tuple(q.shape)}"
     assert q.dtype in _Q_DTYPES, f"unsupported q dtype {q.dtype}"
@@ -452,6 +502,12 @@ def paged_decode(
         sms = _sm_count(q.device.index or 0) if on_gpu else 1
         num_splits = default_num_splits(b, hkv, min(max_seq_len, window or max_seq_len), sms, cfg.per_sm)
     assert num_splits >= 1, f"num_splits {num_splits} < 1"
+    assert programs is None or (split_tokens is not None and programs >= 1), (
+        "programs (a work list of splits) needs split_tokens and at least one program")
+    cum = seq_lens  # unused by the kernel without a work list
+    if programs is not None:
+        # each sequence's splits (at least one: a zero-length padding row still writes its zeros)
+        cum = torch.cumsum(torch.clamp((seq_lens + (split_tokens - 1)) // split_tokens, min=1), 0, dtype=torch.int32)
     # M rows of the dots: the group padded to a power of two (the layout pads to the MMA's 16 rows
     # itself, without registers for the padding), or at least BLOCK_M (the old layout).
     block_m = triton.next_power_of_2(group) if cfg.tight_m else max(BLOCK_M, triton.next_power_of_2(group))
@@ -463,19 +519,19 @@ def paged_decode(
         lse = torch.empty((b, hq, num_splits), dtype=torch.float32, device=q.device)
     ks = k_scale if is_int8 else k_cache  # unused pointers when not int8
     vs = v_scale if is_int8 else v_cache
-    _decode_stage1[(hkv, b, num_splits)](
-        q, k_cache, v_cache, ks, vs, block_tables, seq_lens, out, part, lse,
+    _decode_stage1[(hkv, b, num_splits) if programs is None else (hkv, programs)](
+        q, k_cache, v_cache, ks, vs, block_tables, seq_lens, out, part, lse, cum,
         softmax_scale * LOG2E,
         q.stride(0), q.stride(1),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
-        num_splits,
+        num_splits, b,
         G=group, HQ=hq, HKV=hkv, K_T=cfg.k_t, SPLIT_TOKENS=split_tokens or 0, DIRECT=num_splits == 1, WINDOW=window or 0,
         PAGE=page, D=d, D_PAD=d_pad, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
         IS_INT8=is_int8, K_MODE=K_MODES[cfg.k_mode], V_MODE=V_MODES[cfg.v_mode], DOT_DTYPE=dot_dtype,
         QK_DTYPE=half if is_int8 and cfg.k_mode == "bias" else dot_dtype,
         PV_DTYPE=half if is_int8 and cfg.v_mode != "cast" else dot_dtype, PRECISION=precision, ASM=on_gpu,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
+        WORKLIST=programs is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
     )
     if num_splits > 1:
         _decode_stage2[(b, hq)](

@@ -319,6 +319,29 @@ def test_split_tokens_with_room_for_longer_contexts(cache_dtype, gen, rng):
     assert torch.equal(outs[0], outs[1])
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float32 if not HAS_CUDA else torch.bfloat16], ids=str)
+def test_a_work_list_of_splits_gives_the_grids_bits(cache_dtype, gen, rng):
+    """`programs`: a few persistent programs take the (sequence, split) items in turn. Every
+    sequence's output is the same bits as with a program per split (grid room for 4 or 40 splits),
+    matches the reference, and nothing is left unwritten, with one program or more programs than
+    items."""
+    q_dtype = Q_DTYPES[0]
+    split = 64 if not HAS_CUDA else 256
+    lens = [rng.randint(1, 4 * split) for _ in range(6)] + [1, split, split + 1]
+    kernel_args, ref_args = make_case(gen, lens, 2, 4, 64, 16, cache_dtype, q_dtype)
+    scale = 64 ** -0.5
+    ref = paged_attention_decode(*ref_args, scale)
+    grid = paged_decode(*kernel_args, scale, split_tokens=split, max_seq_len=40 * split)
+    for programs in (1, 5, 64):
+        out = torch.full_like(kernel_args[0], float("nan"))
+        paged_decode(*kernel_args, scale, split_tokens=split, max_seq_len=max(lens), programs=programs, out=out)
+        assert torch.equal(out, grid), f"{programs} programs"
+    err = (grid.float() - ref).abs().max().item() / ref.abs().max().item()
+    assert err < TOL[q_dtype], f"relative max error {err:.2e}"
+    with pytest.raises(AssertionError, match="needs split_tokens"):
+        paged_decode(*kernel_args, scale, programs=4)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("cache_dtype", [torch.int8, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("group,d,page", [(4, 128, 16), (8, 64, 32), (16, 128, 16), (1, 128, 16),
