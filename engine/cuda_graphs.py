@@ -64,7 +64,7 @@ def graph_inputs(stager: StepStager, rows: int, width: int,
     layout = Packed(n_tok=rows * width, rows=rows)
     dev = stager.dev_ints[:layout.end]
     if width == 1:
-        # The split count (fixed splits, TritonOps.split_tokens) must cover any context length.
+        # The split count (fixed splits or the batch count: TritonOps.decode) must cover any context length.
         metadata = layout.metadata(dev, stager.dev_tables[:rows], max_query_len=1, max_seq_len=max_model_len,
                                    num_decodes=rows)
     else:
