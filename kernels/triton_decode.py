@@ -19,9 +19,10 @@ the splits in a fixed 64-row reduction, weighting each by 2^(lse - max lse); an 
 lse = -inf and weight 0. Splits share a sequence's tiles evenly (a count set by the batch), or with
 `split_tokens` sit at fixed key positions (the same bits in any batch; what the engine runs): then a
 sequence uses only the splits its length reaches, a sequence within one split writes `out` from
-stage 1, and the programs of splits past its end write nothing. With a sliding window W the
-keys start at seq_len - W (every tile masked then). The caches must be contiguous (their strides are
-compile-time constants).
+stage 1, and the programs of splits past its end write nothing; or (`programs`) a few persistent
+programs per kv head take the (sequence, split) items from a work list instead of a program each.
+With a sliding window W the keys start at seq_len - W (every tile masked then). The caches must be
+contiguous (their strides are compile-time constants).
 
 int8 pages (`DecodeConfig.k_mode` / `v_mode`, triton_tile's int8_scores / int8_pv): QK^T on int8
 tensor cores with q quantized per head in two int8 terms (K never converted), or K read as the fp16
