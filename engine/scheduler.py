@@ -467,6 +467,14 @@ class Scheduler:
         status = RequestStatus.FINISHED_STOPPED if stopped else request.check_token_stop()
         if request.grammar is not None and request.grammar.finished and status != RequestStatus.FINISHED_STOPPED:
             status = RequestStatus.FINISHED_STOPPED  # the constraint is complete: nothing may follow
+        return self._closed_output(request, [token], text, status, stopped)
+
+    def _closed_output(self, request: Request, emitted: list[SampledToken], text: str,
+                       status: RequestStatus | None, stopped: bool) -> RequestOutput:
+        """The output of a request's new tokens `emitted` (their `text` so far; `status` the end
+        their checks found, `stopped` whether the detokenizer found a stop string), and the
+        request's end when it ends here."""
+        detok = request.detokenizer
         if status is not None and not stopped and detok is not None:
             # Ending for another reason: text held back (a possible stop string, a split
             # character) comes out now, and a stop string found in it still ends the request.
@@ -477,11 +485,11 @@ class Scheduler:
             request.stop_reason = detok.stop_string
         num_out = len(request.output_token_ids)
         o = RequestOutput(
-            request_id=request.parent_id, new_token_ids=[token.token_id], new_text=text,
-            new_logprobs=[token] if token.top or request.sampling.logprobs else [],
+            request_id=request.parent_id, new_token_ids=[t.token_id for t in emitted], new_text=text,
+            new_logprobs=emitted if emitted[0].top or request.sampling.logprobs else [],
             num_prompt_tokens=len(request.prompt_token_ids), num_output_tokens=num_out,
             num_cached_tokens=request.num_cached_tokens, index=request.index, all_finished=False)
-        if num_out == 1 and request.first_scheduled_time is not None:
+        if num_out == len(emitted) and request.first_scheduled_time is not None:
             o.queue_time_s = request.first_scheduled_time - request.arrival_time
         if request.prompt_logprobs is not None:  # all computed by now: its first token is out
             o.prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, None
@@ -548,28 +556,7 @@ class Scheduler:
                 status = RequestStatus.FINISHED_STOPPED
             if status is not None:
                 break
-        # As in _output: held-back text comes out when the request ends for another reason.
-        if status is not None and not stopped and detok is not None:
-            text += detok.flush()
-            if detok.stopped:
-                status = RequestStatus.FINISHED_STOPPED
-        if detok is not None and detok.stopped:
-            request.stop_reason = detok.stop_string
-        num_out = len(request.output_token_ids)
-        o = RequestOutput(
-            request_id=request.parent_id, new_token_ids=[t.token_id for t in emitted], new_text=text,
-            new_logprobs=emitted if emitted[0].top or request.sampling.logprobs else [],
-            num_prompt_tokens=len(request.prompt_token_ids), num_output_tokens=num_out,
-            num_cached_tokens=request.num_cached_tokens, index=request.index, all_finished=False)
-        if num_out == len(emitted) and request.first_scheduled_time is not None:
-            o.queue_time_s = request.first_scheduled_time - request.arrival_time
-        if request.prompt_logprobs is not None:
-            o.prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, None
-        if status is not None:
-            o.all_finished = self.finish(request, status)
-            o.finished, o.status, o.stop_reason = True, status, request.stop_reason
-            o.num_draft_tokens, o.num_accepted_tokens = request.num_draft_tokens, request.num_accepted_tokens
-        return [o]
+        return [self._closed_output(request, emitted, text, status, stopped)]
 
     def fail(self, requests: Sequence[Request], error: str, *, out_of_memory: bool = False) -> list[RequestOutput]:
         """Ends each of `requests` (not finished yet) with FINISHED_ERROR: an engine fault in their
