@@ -29,13 +29,15 @@ def test_an_urgent_request_sent_last_starts_before_the_queue(server):
     """--max-num-seqs 2, 30 requests queued at priority 0, then one at priority -1: it starts at
     the first free slot, before every one of the 28 still waiting. (Their own order is the order
     they reached the server, which 30 concurrent calls do not fix: tests/engine/test_scheduler.py
-    holds first come, first served within a priority.)"""
+    holds first come, first served within a priority.) The queued requests are long enough (32
+    tokens) that the two running ones do not finish, and free their slots for queued ones, while
+    the urgent call is on its way: with 12 tokens that happened on a loaded machine (5th)."""
     firsts: dict[str, float] = {}
 
     async def run() -> None:
         async with AsyncClient(server.address, timeout=120) as client:
             async def one(name: str, priority: int) -> None:
-                async for delta in client.stream([5, 6, 7, 8], max_tokens=12, ignore_eos=True, temperature=0,
+                async for delta in client.stream([5, 6, 7, 8], max_tokens=32, ignore_eos=True, temperature=0,
                                                  priority=priority, request_id=name):
                     if delta.token_ids and name not in firsts:
                         firsts[name] = time.monotonic()
