@@ -37,6 +37,9 @@
 #               MIXED_ARGS="--shape llama-1b --kv int8 --repeats 1 --requests 32 --single")
 #   long        benchmarks/long_context.py (8B-class long-context work, memory ample and an 8 GiB
 #               pool); LONG_ARGS adds flags (e.g. "--repeats 2")
+#   stepcost    benchmarks/mixed_step.py (a step carrying prompt tokens beside 32 decodes, Llama-3.1-8B
+#               shape: its cost line t_fixed + c x n, device time by kernel class, GEMMs' share of the
+#               bf16 peak); STEPCOST_ARGS adds flags (e.g. "--shape qwen3-4b --decodes 64")
 #   fidelity    benchmarks/kv_fidelity.py --device cuda (greedy agreement, teacher-forced, KL)
 #   seeds       benchmarks/seed_consistency.py (cold / cached / chunked / batch sizes on the GPU)
 #   structured  tests/kernels/test_triton_bitmask.py and tests/engine/test_structured.py on the GPU,
@@ -159,6 +162,11 @@ suite_long() {
   # shellcheck disable=SC2086
   timeout "$(t long)" python3 benchmarks/long_context.py --out "$D/long.json" ${LONG_ARGS:-} 2>&1 | quiet | tee -a "$D/long.md"
 }
+suite_stepcost() {
+  # shellcheck disable=SC2086
+  timeout "$(t stepcost)" python3 benchmarks/mixed_step.py --out "$D/stepcost.json" ${STEPCOST_ARGS:-} 2>&1 | quiet \
+    | grep -v "USDT\|profiler" | tee -a "$D/stepcost.md"
+}
 suite_fidelity() {
   timeout "$(t fidelity)" python3 benchmarks/kv_fidelity.py --device cuda --seeds 1 --exact-prefill 2>&1 | quiet | grep "^|" \
     | tee -a "$D/fidelity.md"
@@ -196,7 +204,7 @@ suite_spec() {
   timeout "$(t spec)" python3 benchmarks/speculative.py --only cost,speed --budget-s "${SPEC_BUDGET_S:-200}" \
     --out "$D/spec.json" ${SPEC_ARGS:-} 2>&1 | quiet | tee -a "$D/spec.md"
 }
-SUITES=" tests alltests kernels variants ncu extend engine profile host offline hf capacity serving scheduling mixed long fidelity seeds structured tp spec "
+SUITES=" tests alltests kernels variants ncu extend engine profile host offline hf capacity serving scheduling mixed long stepcost fidelity seeds structured tp spec "
 
 g() { git -c safe.directory="$ROOT" -C "$ROOT" "$@"; }  # files copied to a machine may belong to another user
 baseline_tree() {  # check BASELINE out outside the repo (or take a carried .baseline); prints its folder
