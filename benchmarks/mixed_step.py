@@ -9,8 +9,9 @@ goes by kernel class, and prefill's share of the dense bf16 peak.
 D requests are admitted and prefilled (contexts of --ctx tokens), then each measured step carries
 their D decodes and one new prompt of n random tokens (whole, in that step: the stall bound is off
 here, max_num_batched_tokens is n + D), which samples its first token and ends. Steps are timed
-synchronously (async scheduling off: the step's own wall time), --repeats per n, the median kept;
-the decode-only step is timed as served (graph replay on CUDA) and eagerly. Then, for a few n,
+synchronously (async scheduling off: the step's own wall time), --repeats per n, the median kept,
+as served (piecewise graphs up to --mixed-graph-max-tokens, engine/cuda_graphs.py) and eagerly,
+alternating; the decode-only step as served (its graph), from the piecewise graphs, and eagerly. Then, for a few n,
 torch.profiler splits one step's device time into GEMMs, attention (the Triton cache-write, decode
 and extend kernels), the other Triton kernels (norms, rotary, SiLU), and the rest (elementwise,
 sampling, copies); wall time minus device-busy time is what the host left the GPU idle.
@@ -37,7 +38,7 @@ from benchmarks.common import DEVICE_HELP, default_device, make_parser  # noqa: 
 from benchmarks.mixed import SHAPES, build_model  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.core import EngineCore  # noqa: E402
-from engine.cuda_graphs import CudaGraphs  # noqa: E402
+from engine.cuda_graphs import CudaGraphs, PiecewiseGraphs  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 
 ATTENTION_KERNELS = ("_decode_stage", "_extend_kernel", "_write_kv")
@@ -129,8 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-chunks", default="512,2048,8192", help="chunks profiled by kernel class")
     ap.add_argument("--repeats", type=int, default=5, help="steps timed per chunk size (the median is kept)")
     ap.add_argument("--kv", default="int8", help="KV cache dtype")
+    ap.add_argument("--mixed-graph-max-tokens", type=int, default=EngineConfig().mixed_graph_max_tokens,
+                    help="piecewise graphs up to this many tokens a step (the engine's default)")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the device (H200: 989)")
-    ap.add_argument("--out", default=None, help="write the figures as JSON here")
+    ap.add_argument("--out", default=None, help="write the figures as JSON here (default: print only)")
     args = ap.parse_args(argv)
     device = args.device or default_device()
     on_gpu = device.startswith("cuda")
@@ -138,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         args.shape, args.decodes, args.ctx = "tiny", min(args.decodes, 4), min(args.ctx, 64)
         args.chunks, args.profile_chunks, args.repeats = "16,64,128", "64", min(args.repeats, 3)
     chunks = [int(c) for c in args.chunks.split(",")]
-    profiled = [int(c) for c in args.profile_chunks.split(",") if c]  # on the CPU: no kernels, the wall only
+    # chunks the step takes whole (on the CPU: no kernels, the wall only)
+    profiled = [int(c) for c in args.profile_chunks.split(",") if c and int(c) <= max(chunks)]
     arch, shape = SHAPES[args.shape]
     max_len = args.ctx + 64 + max(chunks) + 16
     dtype = torch.bfloat16 if on_gpu else torch.float32
@@ -148,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
                                       kv_cache_dtype=args.kv, max_num_seqs=args.decodes + 2,
                                       max_num_batched_tokens=max(chunks) + args.decodes + 2, max_model_len=max_len,
                                       decode_stall_factor=0.0, async_scheduling=False,
+                                      mixed_graph_max_tokens=args.mixed_graph_max_tokens,
                                       kv_cache_memory_bytes=None if on_gpu else (256 << 20)))
         cfg = eng.model.config
         vocab = shape["vocab_size"]
@@ -165,31 +170,47 @@ def main(argv: list[str] | None = None) -> int:
             eng.add_request(f"p{next(counter)}", [rng.randrange(3, vocab) for _ in range(n)],
                             SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
 
-        decode_ms = statistics.median(timed_step(eng, device) for _ in range(max(args.repeats, 5))) * 1e3
-        eager_ms = decode_ms
-        if on_gpu and eng.runner.graphs:
-            graphs, eng.runner.graphs = eng.runner.graphs, CudaGraphs()
-            eager_ms = statistics.median(timed_step(eng, device) for _ in range(max(args.repeats, 5))) * 1e3
-            eng.runner.graphs = graphs
-        print(f"# {args.shape} on {device}, {args.decodes} decodes at context ~{args.ctx}, kv {args.kv}")
-        print(f"decode-only step: {decode_ms:.3f} ms as served{' (graph)' if on_gpu else ''}, "
-              f"{eager_ms:.3f} ms eager")
+        runner = eng.runner
+        graphs, pieces = runner.graphs, runner.pieces
+
+        def use(decode_graphs: bool, piecewise: bool) -> None:  # the runner's graphs, or none of that kind
+            runner.graphs = graphs if decode_graphs else CudaGraphs()
+            runner.pieces = pieces if piecewise else PiecewiseGraphs()
+
+        def median_ms(n: int) -> float:
+            return statistics.median(timed_step(eng, device) for _ in range(n)) * 1e3
+
+        decode_ms = median_ms(max(args.repeats, 5))
+        use(decode_graphs=False, piecewise=True)  # a decode step from the pieces of its token bucket
+        piece_ms = median_ms(max(args.repeats, 5))
+        use(decode_graphs=False, piecewise=False)
+        eager_ms = median_ms(max(args.repeats, 5))
+        use(decode_graphs=True, piecewise=True)
+        print(f"# {args.shape} on {device}, {args.decodes} decodes at context ~{args.ctx}, kv {args.kv}, "
+              f"piecewise graphs up to {runner.mixed_graph_max_tokens if pieces else 0} tokens")
+        print(f"decode-only step: {decode_ms:.3f} ms as served{' (graph)' if on_gpu else ''}, {piece_ms:.3f} ms "
+              f"from the pieces, {eager_ms:.3f} ms eager")
         per_token = 2 * linear_params(cfg)
         attn_per_layer = 2 * cfg.num_attention_heads * cfg.head_dim  # x n^2 for a causal prompt of n
         rows = []
-        print("| prompt tokens | step ms (median) | spread | over decode-only ms | TFLOP/s of the step |")
-        print("|---|---|---|---|---|")
+        print("| prompt tokens | step ms (median) | spread | over decode-only ms | TFLOP/s of the step | eager ms | "
+              "eager spread |")
+        print("|---|---|---|---|---|---|---|")
         for n in chunks:
-            times = []
+            times, eager_times = [], []
             for _ in range(args.repeats):
-                add(n)
-                times.append(timed_step(eng, device) * 1e3)
-            med = statistics.median(times)
+                for piecewise, into in ((True, times), (False, eager_times)):
+                    use(decode_graphs=True, piecewise=piecewise)
+                    add(n)
+                    into.append(timed_step(eng, device) * 1e3)
+            use(decode_graphs=True, piecewise=True)
+            med, eager_med = statistics.median(times), statistics.median(eager_times)
             flops = per_token * (n + args.decodes) + attn_per_layer * cfg.num_hidden_layers * n * n
             rows.append(dict(tokens=n, step_ms=med, min_ms=min(times), max_ms=max(times), extra_ms=med - decode_ms,
-                             tflops=flops / med / 1e9))
+                             tflops=flops / med / 1e9, eager_ms=eager_med, eager_min_ms=min(eager_times),
+                             eager_max_ms=max(eager_times)))
             print(f"| {n} | {med:.3f} | {min(times):.3f}-{max(times):.3f} | {med - decode_ms:.3f} | "
-                  f"{flops / med / 1e9:.1f} |")
+                  f"{flops / med / 1e9:.1f} | {eager_med:.3f} | {min(eager_times):.3f}-{max(eager_times):.3f} |")
         fixed, slope = fit_line([(r["tokens"], r["extra_ms"]) for r in rows])
         print(f"fit over the chunks: step = decode-only {decode_ms:.3f} + t_fixed {fixed:.3f} ms + "
               f"{slope * 1e3:.2f} us x prompt tokens")
@@ -216,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
         eng.close()
     if args.out:
         Path(args.out).write_text(json.dumps(dict(shape=args.shape, decodes=args.decodes, ctx=args.ctx, kv=args.kv,
-                                                  decode_ms=decode_ms, eager_decode_ms=eager_ms, rows=rows,
+                                                  decode_ms=decode_ms, piece_decode_ms=piece_ms,
+                                                  eager_decode_ms=eager_ms, rows=rows,
                                                   t_fixed_ms=fixed, us_per_token=slope * 1e3,
                                                   profiles={str(k): v for k, v in profiles.items()}), indent=1))
     return 0

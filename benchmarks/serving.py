@@ -20,7 +20,9 @@ Workloads (--workload; lengths in tokens, drawn with a fixed seed, prompts of ra
   long   the long-context work: prompts median 800 (up to 6,000), a third after one shared
          1,500-token prefix, outputs 128-1,024
 (--scale S multiplies every length of mixed and long, so the bundled model's 512-token context
-takes them on the CPU.)
+takes them on the CPU.) Every load level sends the same lengths with its own ids (`for_level`), so
+no level finds an earlier level's prompts in the server's prefix cache; the shared prefix is shared
+within a level.
 
 Per load level: throughput (generated tokens/s, requests/s), TTFT, TPOT (a request's decode time
 over its tokens after the first), inter-token latency and end-to-end latency (p50/p90/p99), and
@@ -107,6 +109,16 @@ def workload(kind: str, n: int, vocab: int, *, prompt_len: int, max_tokens: int,
         prompts.append(prefix + body if i % every == 0 else body)
         outputs.append(max(1, round(rng.randint(*outs) * scale)))
     return Work(prompts, outputs)
+
+
+def for_level(work: Work, level: int, vocab: int) -> Work:
+    """The work of the level-th load level: every id shifted by the same amount (mod the id range
+    [3, vocab)), so prompts keep their lengths and what they share within the level, and no
+    level's prompts repeat another's."""
+    if level == 0:
+        return work
+    shift, span = level * 7919, vocab - 3
+    return Work([[3 + (t - 3 + shift) % span for t in p] for p in work.prompts], work.max_tokens)
 
 
 def percentile(values: list[float], p: float) -> float:
@@ -272,24 +284,28 @@ def main(argv: list[str] | None = None) -> int:
     levels = max(args.requests, 64, 4 * max([int(x) for x in args.concurrency.split(",") if x] or [0]))
     work = workload(args.workload, levels, args.vocab, prompt_len=args.prompt_len, max_tokens=args.max_tokens,
                     scale=args.scale)
-    rows = []
+    rows: list[dict] = []
+
+    def level() -> Work:  # the next level's own prompts
+        return for_level(work, len(rows) + len(swept), args.vocab)
+
+    swept: list[dict] = []
     try:
+        if args.burst:  # first, so that it meets a cold server as the rates do
+            rows.append(asyncio.run(poisson(address, level(), None, args.requests or 64, **slo)))
+            print_row(rows[-1])
         for c in [int(x) for x in args.concurrency.split(",") if x]:
-            rows.append(asyncio.run(closed_loop(address, work, c, args.requests or max(16, 4 * c), **slo)))
+            rows.append(asyncio.run(closed_loop(address, level(), c, args.requests or max(16, 4 * c), **slo)))
             print_row(rows[-1])
         for r in [float(x) for x in args.rates.split(",") if x]:
-            rows.append(asyncio.run(poisson(address, work, r, args.requests or 64, **slo)))
+            rows.append(asyncio.run(poisson(address, level(), r, args.requests or 64, **slo)))
             print_row(rows[-1])
         rate = args.sweep
-        swept: list[dict] = []
         while rate and rate <= args.max_rate and not past_the_knee(swept):
-            swept.append(asyncio.run(poisson(address, work, rate, args.requests or 64, **slo)))
+            swept.append(asyncio.run(poisson(address, level(), rate, args.requests or 64, **slo)))
             print_row(swept[-1])
             rate *= 2
         rows += swept
-        if args.burst:
-            rows.append(asyncio.run(poisson(address, work, None, args.requests or 64, **slo)))
-            print_row(rows[-1])
     finally:
         if proc is not None:
             proc.terminate()

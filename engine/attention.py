@@ -139,8 +139,10 @@ class PagedAttention:
         self.ops: TorchOps | TritonOps = (TritonOps(kv_cache.k.shape[-1], max_model_len) if impl == "triton"
                                           else TorchOps())
 
-    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # q: (T, Hq, D); k, v: (T, Hkv, D) -> (T, Hq, D)
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        # q: (T, Hq, D); k, v: (T, Hkv, D) -> (T, Hq, D), written into `out` when given (the static
+        # buffer of piecewise graphs, engine/cuda_graphs.py)
         md = self.metadata
         assert md is not None, "attention metadata must be set before the forward pass"
         ops, scale = self.ops, self.softmax_scale
@@ -150,14 +152,15 @@ class PagedAttention:
         cache = (k_cache, v_cache, k_scale, v_scale)
         if md.max_query_len == 1:  # one query per sequence: everything from the cache
             return ops.decode(q, cache, md.block_tables, md.seq_lens, scale, max_seq_len=md.max_seq_len,
-                              window=window, out=None)
+                              window=window, out=out)
         k_new, v_new = (k, v) if self.holds_exactly(k.dtype) else (None, None)  # else the pages' copies
         if md.prefill_query_start_loc is None:
             return ops.extend(q, k_new, v_new, cache, md.block_tables, md.seq_lens, md.query_start_loc, scale,
-                              max_query_len=md.max_query_len, window=window, out=None)
+                              max_query_len=md.max_query_len, window=window, out=out)
         # A mixed step: its running decodes (first) as in a decode step, the rest as a prefill.
         nd = md.num_decodes
-        out = torch.empty_like(q)
+        if out is None:
+            out = torch.empty_like(q)
         ops.decode(q[:nd], cache, md.block_tables[:nd], md.seq_lens[:nd], scale, max_seq_len=md.decode_max_seq_len,
                    window=window, out=out[:nd])
         ops.extend(q[nd:], None if k_new is None else k_new[nd:], None if v_new is None else v_new[nd:], cache,

@@ -40,6 +40,10 @@ class EngineConfig:
     # None: on for CUDA, off on the CPU (where the host computes the forward pass itself).
     async_scheduling: bool | None = None
     enforce_eager: bool = False  # never replay CUDA graphs (decode and verify steps are captured by default on CUDA)
+    # Steps with prompt tokens of up to this many tokens (capped by max_num_batched_tokens) replay
+    # piecewise CUDA graphs, attention eager between the pieces (engine/cuda_graphs.py); longer ones
+    # run eagerly. 0: every such step eagerly. Not under tensor parallelism.
+    mixed_graph_max_tokens: int = 2048
     num_kv_blocks: int | None = None  # exact pool size; overrides the byte budget (tests)
     max_num_seqs: int = 64  # running sequences per step at most (the batch cap)
     max_num_batched_tokens: int = 2048  # tokens per step (prefill chunks + decodes)
@@ -91,6 +95,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.mixed_graph_max_tokens < 0:
+            raise ValueError(f"mixed_graph_max_tokens must be >= 0, got {self.mixed_graph_max_tokens}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be >= 1")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:

@@ -24,15 +24,25 @@ every context up to max_model_len and every k <= K. (The decode kernel, whose sp
 from a host max_seq_len, is not in these graphs.) The graph makes the logits of all B W tokens;
 the runner takes each row's 1 + k of them by an index staged with the inputs.
 
-Other steps (prefill chunks, mixed batches, prompt logprobs, batches beyond the largest bucket)
-run eagerly. Under tensor parallelism every rank captures the same decode buckets, the
-collectives inside, and the workers replay theirs when rank 0 does (engine/tensor_parallel.py);
-speculative decoding does not run under tensor parallelism, so no verify graph is captured there.
+Steps that carry prompt tokens (prefill chunks, mixed batches) of up to `mixed_max_tokens` tokens
+replay piecewise graphs (`PiecewiseGraphs`): the model's forward pass cut at every layer's
+attention, one graph per piece, captured per bucket of token counts; attention runs eagerly
+between the pieces, so its kernels see the step's own lengths, split decodes from prefills as in an
+eager step, and nothing about attention has to fit a bucket. Eagerly such a step cost the host
+~0.7 ms a layer in launches (H200, 8B shape, 2026-12-02: a step of 32 decodes and 512 prompt tokens
+39.3 ms, the GPU busy 15.7 ms of it); the pieces leave four kernels a layer to launch.
+
+Other steps (longer ones, whose GPU time hides their launches; prompt logprobs; batches beyond the
+largest bucket) run eagerly. Under tensor parallelism every rank captures the same decode buckets,
+the collectives inside, and the workers replay theirs when rank 0 does (engine/tensor_parallel.py);
+steps with prompt tokens run eagerly there, and speculative decoding does not run under tensor
+parallelism, so no verify graph is captured there either.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import structlog
@@ -41,6 +51,10 @@ import torch
 from engine.attention import AttentionMetadata, PagedAttention
 from engine.scheduler import SchedulerOutput
 from engine.staging import Packed, StepStager
+from model.llama import LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE  # graph_pool_handle()'s type (a runtime import is a cycle)
 
 log = structlog.get_logger(__name__)
 
@@ -175,3 +189,127 @@ class CudaGraphs:
             self.graphs = {}
             self.verify = {}
             self.verify_width = 0
+
+
+def mixed_buckets(max_tokens: int) -> list[int]:
+    """Token counts captured for steps with prompt tokens: multiples of 16 up to 128, of 32 up to
+    512, of 64 up to 1024, then of 128, and max_tokens itself. A step pads by less than 16 tokens,
+    a quarter of itself or, past 512 tokens, an eighth: its GPU time grows with the padding, where
+    the launches it saves do not."""
+    sizes = [n for n in range(16, max_tokens, 16) if n <= 128 or (n <= 512 and n % 32 == 0)
+             or (n <= 1024 and n % 64 == 0) or n % 128 == 0]
+    return sorted(set(sizes + [max_tokens])) if max_tokens >= 1 else []
+
+
+class _Cut:
+    """The attention backend the model sees while its pieces are captured (or warmed up): at each
+    layer's attention it copies q, k and v into the static buffers the eager attention will read at
+    replay, ends the piece (`cut`), and returns the static buffer that attention writes its output
+    into, which the next piece reads."""
+
+    def __init__(self, graphs: PiecewiseGraphs, num_tokens: int, cut: Callable[[], None]) -> None:
+        self.g, self.n, self.cut = graphs, num_tokens, cut
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        g, n = self.g, self.n
+        g.q[:n].copy_(q)
+        g.k[:n].copy_(k)
+        g.v[:n].copy_(v)
+        self.cut()
+        return g.o[:n]
+
+
+class PiecewiseGraphs:
+    """The forward pass of steps with prompt tokens, as CUDA graphs of the pieces between the
+    layers' attention calls, by bucket of token counts (`mixed_buckets`).
+
+    Static buffers shared by every bucket: the input ids and positions, each layer's q, k and v
+    (copied there at the end of the piece that made them) and the attention output the next piece
+    reads. A bucket of N tokens keeps its final hidden states (N, hidden); everything else its
+    pieces allocate comes from one memory pool and is scratch between pieces. A step of T <= N
+    tokens copies its ids and positions in, then replays piece 0, attends over the step's T tokens
+    (the attention metadata as staged for an eager step), replays piece 1, and so on; the rows past
+    T compute on the ids and positions earlier steps left (valid values, zero at first) and are
+    never read."""
+
+    def __init__(self) -> None:
+        self.pieces: dict[int, list[torch.cuda.CUDAGraph]] = {}  # by bucket: num_layers + 1 graphs
+        self.hidden: dict[int, torch.Tensor] = {}  # by bucket: (N, hidden), rewritten by every replay
+        self.ids = self.positions = torch.empty(0)
+        self.q = self.k = self.v = self.o = torch.empty(0)
+
+    def __bool__(self) -> bool:
+        return bool(self.pieces)
+
+    def bucket_for(self, num_tokens: int) -> int | None:
+        return next((n for n in self.pieces if n >= num_tokens), None)
+
+    @torch.inference_mode()
+    def capture(self, model: LlamaForCausalLM, ids_dtype: torch.dtype, max_tokens: int,
+                device: torch.device) -> None:
+        """Captures every bucket up to `max_tokens`, the largest first, into one memory pool; each
+        bucket's pieces first run once unrecorded, which also compiles their kernels."""
+        cfg = model.config
+        hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        dtype = model.embed_tokens.weight.dtype
+        self.ids = torch.zeros(max_tokens, dtype=ids_dtype, device=device)
+        self.positions = torch.zeros(max_tokens, dtype=ids_dtype, device=device)
+        self.q = torch.zeros(max_tokens, hq, d, dtype=dtype, device=device)
+        self.k = torch.zeros(max_tokens, hkv, d, dtype=dtype, device=device)
+        self.v = torch.zeros(max_tokens, hkv, d, dtype=dtype, device=device)
+        self.o = torch.zeros(max_tokens, hq, d, dtype=dtype, device=device)
+        before = torch.cuda.memory_allocated(device)
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(device)
+        for n in sorted(mixed_buckets(max_tokens), reverse=True):
+            self.pieces[n], self.hidden[n] = self._capture_bucket(model, n, pool, stream)
+            assert len(self.pieces[n]) == cfg.num_hidden_layers + 1
+        torch.cuda.synchronize(device)
+        self.pieces = dict(sorted(self.pieces.items()))
+        log.info("piecewise_graphs_captured", token_buckets=len(self.pieces), max_tokens=max_tokens,
+                 pieces_per_bucket=cfg.num_hidden_layers + 1,
+                 memory_mib=round((torch.cuda.memory_allocated(device) - before) / 2**20))
+
+    def _capture_bucket(self, model: LlamaForCausalLM, n: int, pool: _POOL_HANDLE,
+                        stream: torch.cuda.Stream) -> tuple[list[torch.cuda.CUDAGraph], torch.Tensor]:
+        """The pieces of the forward pass over the first n static ids and positions, and its output."""
+        ids, positions = self.ids[:n], self.positions[:n]
+        model(ids, positions, _Cut(self, n, lambda: None))  # warm-up
+        torch.cuda.synchronize(stream.device)
+        pieces: list[torch.cuda.CUDAGraph] = []
+        current = [torch.cuda.CUDAGraph()]
+
+        def cut() -> None:  # the piece being captured ends at this attention call; the next begins
+            current[0].capture_end()
+            pieces.append(current[0])
+            current[0] = torch.cuda.CUDAGraph()
+            current[0].capture_begin(pool=pool)
+
+        stream.wait_stream(torch.cuda.current_stream(stream.device))
+        with torch.cuda.stream(stream):
+            current[0].capture_begin(pool=pool)
+            try:
+                hidden = model(ids, positions, _Cut(self, n, cut))
+            finally:
+                current[0].capture_end()  # also when the forward raised: the stream leaves capture mode
+            pieces.append(current[0])
+        torch.cuda.current_stream(stream.device).wait_stream(stream)
+        return pieces, hidden
+
+    def replay(self, bucket: int, input_ids: torch.Tensor, positions: torch.Tensor,
+               attention: PagedAttention) -> torch.Tensor:
+        """The final hidden states (bucket, hidden) of the step whose T tokens are `input_ids` and
+        `positions`, `attention.metadata` set for them; rows T.. are padding."""
+        t = input_ids.shape[0]
+        self.ids[:t].copy_(input_ids)
+        self.positions[:t].copy_(positions)
+        q, k, v, o = self.q[:t], self.k[:t], self.v[:t], self.o[:t]
+        pieces = self.pieces[bucket]
+        for layer, piece in enumerate(pieces[:-1]):
+            piece.replay()
+            attention(layer, q, k, v, out=o)
+        pieces[-1].replay()
+        return self.hidden[bucket]
+
+    def drop(self) -> None:
+        self.pieces, self.hidden = {}, {}

@@ -27,7 +27,7 @@ import torch
 
 from engine.attention import AttentionMetadata, PagedAttention
 from engine.config import EngineConfig
-from engine.cuda_graphs import CudaGraphs
+from engine.cuda_graphs import CudaGraphs, PiecewiseGraphs
 from engine.kv_cache import KVCache
 from engine.messages import SampledToken
 from engine.prompt_logprobs import PromptLogprobRows
@@ -163,7 +163,8 @@ class ModelRunner:
                  device: torch.device, attention_backend: str = "auto", max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, max_model_len: int = 2048,
                  windows: list[int | None] | None = None, tp_leader: StepBroadcast | None = None,
-                 processed_logprobs: bool = False, max_spec_tokens: int = 0, spec_tokens_per_row: int = 0) -> None:
+                 processed_logprobs: bool = False, max_spec_tokens: int = 0, spec_tokens_per_row: int = 0,
+                 mixed_graph_max_tokens: int = 0) -> None:
         self.model = model
         # Speculative decoding: proposals one step verifies at most (their rows come back too), and
         # per row (K): verify graphs hold max_spec_tokens // K rows of 1 + K tokens at most.
@@ -193,6 +194,9 @@ class ModelRunner:
                                  max_blocks=-(-(max_model_len + k) // self.block_size), device=device,
                                  verify_tokens=self.verify_rows * (1 + k) if k else 0)
         self.graphs = CudaGraphs()
+        # Steps with prompt tokens: piecewise graphs up to this many tokens (0: none; cuda_graphs.py).
+        self.mixed_graph_max_tokens = min(mixed_graph_max_tokens, self.max_tokens) if tp_leader is None else 0
+        self.pieces = PiecewiseGraphs()
         if on_cuda:
             # Sampled ids, logprobs and top logprobs of a step, on their way to the host (launch()).
             sample_cols = 2 + 2 * MAX_LOGPROBS + (1 if max_spec_tokens else 0)  # + accepted, verifying
@@ -229,7 +233,8 @@ class ModelRunner:
                    max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
                    windows=[mc.layer_window(i) for i in range(mc.num_hidden_layers)], tp_leader=tp_leader,
                    processed_logprobs=config.logprobs_mode == "processed",
-                   max_spec_tokens=k * min(config.speculative_max_batch, config.max_num_seqs), spec_tokens_per_row=k)
+                   max_spec_tokens=k * min(config.speculative_max_batch, config.max_num_seqs), spec_tokens_per_row=k,
+                   mixed_graph_max_tokens=config.mixed_graph_max_tokens)
 
     # ---- forward --------------------------------------------------------------------------------
     def forward_logits(self, out: SchedulerOutput, *, eager: bool = False,
@@ -258,9 +263,14 @@ class ModelRunner:
         if step.graph_batch is not None:
             logits = self.graphs.replay(step.graph_batch)
             return rows, (logits[rows] if len(rows) < step.num_seqs else logits[:step.num_seqs])
+        piece_bucket = None if eager or prompt is not None or self._tp is not None else \
+            self.pieces.bucket_for(step.input_ids.shape[0])
         self.attention.metadata = step.metadata
         try:
-            hidden = self.model(step.input_ids, step.positions, self.attention)  # (T, hidden)
+            if piece_bucket is not None:  # (bucket >= T, hidden): rows T.. are padding, never read below
+                hidden = self.pieces.replay(piece_bucket, step.input_ids, step.positions, self.attention)
+            else:
+                hidden = self.model(step.input_ids, step.positions, self.attention)  # (T, hidden)
         finally:
             self.attention.metadata = None
         if self._tp is not None:  # the LM head is split by vocabulary: all ranks, every sequence
@@ -482,14 +492,18 @@ class ModelRunner:
         return self.model.compute_logits(self.model(input_ids, positions, self.attention))
 
     def capture_cuda_graphs(self) -> None:
-        """Captures the decode forward pass and its logits for every batch bucket and, with
-        speculative decoding on, the verify step's for every verify bucket (cuda_graphs.py)."""
+        """Captures the decode forward pass and its logits for every batch bucket, with speculative
+        decoding on the verify step's for every verify bucket, and the piecewise graphs of steps with
+        prompt tokens up to mixed_graph_max_tokens (cuda_graphs.py)."""
         k = self.spec_tokens_per_row
         assert not k or self._tp is None, "speculative decoding does not run under tensor parallelism"
         self.graphs.capture(self.graph_forward, self.attention, self.stager, max_num_seqs=self.max_num_seqs,
                             max_model_len=self.max_model_len, verify_rows=self.verify_rows,
                             verify_width=1 + k if k else 0)
+        if self.mixed_graph_max_tokens:
+            self.pieces.capture(self.model, self.stager.dev_ints.dtype, self.mixed_graph_max_tokens, self.device)
 
     def drop_cuda_graphs(self) -> None:
         """Releases the captured graphs (every step runs eagerly after this)."""
         self.graphs.drop(self.device)
+        self.pieces.drop()

@@ -117,6 +117,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                         "messages when hundreds of streams are open")
     p.add_argument("--enforce-eager", action="store_true",
                    help="run decode (and verify) steps eagerly instead of replaying CUDA graphs")
+    p.add_argument("--mixed-graph-max-tokens", type=int, default=d.mixed_graph_max_tokens,
+                   help="steps carrying prompt tokens of up to this many tokens replay piecewise CUDA graphs "
+                        "(attention eager between them), longer ones run eagerly; 0 = all of them eagerly")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV pool size in blocks, overriding the budget (default: sized from the budget)")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="running sequences per step at most")
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
@@ -364,6 +367,7 @@ def engine_config_from(args: argparse.Namespace) -> EngineConfig:
         model=args.model, device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
         block_size=args.block_size, kv_cache_memory_bytes=None if args.kv_cache_memory is None else int(args.kv_cache_memory * 2**30),
         gpu_memory_fraction=args.gpu_memory_fraction, enforce_eager=args.enforce_eager,
+        mixed_graph_max_tokens=args.mixed_graph_max_tokens,
         num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         decode_stall_factor=args.decode_stall_factor,

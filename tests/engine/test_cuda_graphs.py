@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
-from engine.cuda_graphs import graph_buckets
+from engine.cuda_graphs import graph_buckets, mixed_buckets
 from engine.errors import StartupError
 from engine.kv_cache import KVCache
 from engine.kv_sizing import CPU_KV_CACHE_BYTES, num_kv_blocks
@@ -35,6 +35,18 @@ def test_graph_buckets():
         b = graph_buckets(m)
         assert b[-1] == m and b == sorted(set(b))
         assert all(hi - lo <= 16 for lo, hi in zip(b, b[1:]))  # a batch pads by at most 15 rows
+
+
+def test_mixed_buckets():
+    assert mixed_buckets(0) == []
+    assert mixed_buckets(40) == [16, 32, 40]
+    assert mixed_buckets(2048)[:10] == [16, 32, 48, 64, 80, 96, 112, 128, 160, 192]
+    for m in (1, 100, 129, 513, 1000, 2048, 3000, 8192):
+        b = mixed_buckets(m)
+        assert b[-1] == m and b == sorted(set(b))
+        for lo, hi in zip([0, *b], b):  # a step of lo + 1 tokens pads to hi
+            pad = hi - (lo + 1)
+            assert pad < 16 or pad < (lo + 1) / (8 if lo >= 512 else 4), (lo, hi)
 
 
 def _runner(block_size=4, max_num_seqs=8, max_model_len=64) -> ModelRunner:
@@ -135,6 +147,41 @@ def test_graph_replay_matches_the_eager_forward(rng, tmp_path, batch, kv_cache_d
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("family,kv_cache_dtype,decodes", [("llama", "int8", 5), ("llama", "bf16", 5),
+                                                           ("qwen3", "int8", 3), ("llama", "int8", 0)])
+def test_piecewise_replay_matches_the_eager_forward(rng, tmp_path, family, kv_cache_dtype, decodes):
+    """A step with prompt tokens (beside running decodes, or alone) replayed from the piecewise
+    graphs of its token bucket, padding rows included, gives the eager logits."""
+    model_dir = make_hf_model_dir(tmp_path, family, weight_scale=4.0)
+    engine = EngineCore(EngineConfig(model=str(model_dir), device="cuda", dtype="bf16", max_num_seqs=16,
+                                    kv_cache_memory_bytes=64 << 20, kv_cache_dtype=kv_cache_dtype,
+                                    decode_stall_factor=0.0, max_num_batched_tokens=512))
+    assert engine.runner.pieces and max(engine.runner.pieces.pieces) == 512
+    sp = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
+    for i in range(decodes):
+        engine.add_request(f"d{i}", [rng.randrange(3, 500) for _ in range(rng.randint(5, 40))], sp)
+    for _ in range(3 if decodes else 0):
+        engine.step()
+    for i, n in enumerate((37, 151)):  # a new prompt of 37 tokens, another of 151
+        engine.add_request(f"p{i}", [rng.randrange(3, 500) for _ in range(n)], sp)
+    out = engine.scheduler.schedule()
+    tokens = sum(s.num_new_tokens for s in out.scheduled)
+    assert tokens == decodes + 188 and len(out.scheduled) == decodes + 2
+    bucket = engine.runner.pieces.bucket_for(tokens)
+    assert bucket is not None and bucket > tokens  # padding rows computed, never read
+    with torch.inference_mode():
+        torch.cuda.synchronize()
+        rows_p, piece_logits = engine.runner.forward_logits(out)
+        piece_logits = piece_logits.clone()
+        rows_e, eager_logits = engine.runner.forward_logits(out, eager=True)
+    assert rows_p == rows_e == list(range(decodes + 2))
+    err = ((piece_logits - eager_logits).abs().max() / eager_logits.abs().max()).item()
+    assert err <= 2e-2, f"piecewise vs eager relative logit error {err:.3e}"
+    agree = (piece_logits.argmax(-1) == eager_logits.argmax(-1)).float().mean().item()
+    assert agree >= 0.9
+
+
+@pytest.mark.gpu
 def test_graphs_and_eager_generate_alike(rng, tmp_path):
     """Whole greedy generations with graphs (default) and with --enforce-eager."""
     model_dir = make_hf_model_dir(tmp_path, "qwen3", weight_scale=4.0)
@@ -144,7 +191,7 @@ def test_graphs_and_eager_generate_alike(rng, tmp_path):
     for eager in (False, True):
         engine = EngineCore(EngineConfig(model=str(model_dir), device="cuda", dtype="bf16", max_num_seqs=16,
                                         kv_cache_memory_bytes=64 << 20, enforce_eager=eager))
-        assert bool(engine.runner.graphs) != eager
+        assert bool(engine.runner.graphs) != eager and bool(engine.runner.pieces) != eager
         runs.append(engine.generate(prompts, sp))
     same = sum(a == b for ga, gb in zip(*runs) for a, b in zip(ga, gb))
     assert same / sum(len(g) for g in runs[1]) >= 0.9
