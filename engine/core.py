@@ -118,6 +118,9 @@ class EngineCore:
                 if self._tp is not None:
                     self._tp.capture()  # every rank captures the same buckets, collectives inside
                 self.runner.capture_cuda_graphs()
+                # the stall bound's decode-step time until it measures one (a burst may not run
+                # a decode-only step before its queue is prefilled)
+                self.scheduler.stall.prior = dict(self.runner.graphs.replay_seconds)
         self._seed_source = random.Random(config.seed)
         self._async = (self.device.type == "cuda") if config.async_scheduling is None else config.async_scheduling
         self._pending: PendingSample | None = None  # async scheduling: the launched step not read back yet

@@ -41,6 +41,7 @@ parallelism, so no verify graph is captured there either.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -89,6 +90,18 @@ def graph_inputs(stager: StepStager, rows: int, width: int,
     return metadata, dev[layout.ids], dev[layout.positions]
 
 
+def _timed_replays(graph: torch.cuda.CUDAGraph, n: int = 3) -> float:
+    """The median of n replays of a captured graph on the inputs staged for it, seconds."""
+    times = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        graph.replay()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[n // 2]
+
+
 class Graph:
     __slots__ = ("graph", "logits")
 
@@ -105,6 +118,9 @@ class CudaGraphs:
         self.graphs: dict[int, Graph] = {}  # decode steps, by rows
         self.verify: dict[int, Graph] = {}  # verify steps, by rows of verify_width tokens
         self.verify_width = 0  # tokens per verify row: 1 + K (0: no verify graphs)
+        # A replay of each decode bucket, timed at capture (one-token contexts, dummy rows), seconds:
+        # the scheduler's estimate of a decode step until it has measured one (StallBound.prior).
+        self.replay_seconds: dict[int, float] = {}
 
     def __bool__(self) -> bool:
         return bool(self.graphs)
@@ -130,10 +146,12 @@ class CudaGraphs:
 
     @torch.inference_mode()
     def capture(self, forward: Forward, attention: PagedAttention, stager: StepStager, *, max_num_seqs: int,
-                max_model_len: int, verify_rows: int = 0, verify_width: int = 0) -> None:
+                max_model_len: int, verify_rows: int = 0, verify_width: int = 0, time_replays: bool = True) -> None:
         """Captures `forward` (with the logits) for every decode bucket and, with `verify_rows`, every
         verify bucket of `verify_width` tokens per row, the most tokens first, into one memory pool.
-        Each bucket first runs once eagerly, which also compiles its Triton kernels."""
+        Each bucket first runs once eagerly, which also compiles its Triton kernels. `time_replays`:
+        time each decode bucket's replay (`replay_seconds`); not under tensor parallelism, where a
+        replay needs every rank."""
         if stager.dev_tables is None:
             raise RuntimeError("CUDA graphs need a CUDA device")
         if verify_rows:
@@ -161,8 +179,11 @@ class CudaGraphs:
             finally:
                 attention.metadata = None
             (self.graphs if w == 1 else self.verify)[b] = Graph(graph, logits)
+            if w == 1 and time_replays:
+                self.replay_seconds[b] = _timed_replays(graph)
         torch.cuda.synchronize()
         self.graphs = dict(sorted(self.graphs.items()))
+        self.replay_seconds = dict(sorted(self.replay_seconds.items()))
         self.verify = dict(sorted(self.verify.items()))
         self.verify_width = verify_width if self.verify else 0
         log.info("cuda_graphs_captured", batch_sizes=list(self.graphs), verify_batch_sizes=list(self.verify),
@@ -189,6 +210,7 @@ class CudaGraphs:
             self.graphs = {}
             self.verify = {}
             self.verify_width = 0
+            self.replay_seconds = {}
 
 
 def mixed_buckets(max_tokens: int) -> list[int]:

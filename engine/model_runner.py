@@ -195,7 +195,9 @@ class ModelRunner:
                                  verify_tokens=self.verify_rows * (1 + k) if k else 0)
         self.graphs = CudaGraphs()
         # Steps with prompt tokens: piecewise graphs up to this many tokens (0: none; cuda_graphs.py).
-        self.mixed_graph_max_tokens = min(mixed_graph_max_tokens, self.max_tokens) if tp_leader is None else 0
+        # (not under tensor parallelism: neither rank 0 nor the workers, whose model has `tp` too)
+        self._sharded = getattr(model, "tp", None) is not None
+        self.mixed_graph_max_tokens = 0 if self._sharded else min(mixed_graph_max_tokens, self.max_tokens)
         self.pieces = PiecewiseGraphs()
         if on_cuda:
             # Sampled ids, logprobs and top logprobs of a step, on their way to the host (launch()).
@@ -499,7 +501,7 @@ class ModelRunner:
         assert not k or self._tp is None, "speculative decoding does not run under tensor parallelism"
         self.graphs.capture(self.graph_forward, self.attention, self.stager, max_num_seqs=self.max_num_seqs,
                             max_model_len=self.max_model_len, verify_rows=self.verify_rows,
-                            verify_width=1 + k if k else 0)
+                            verify_width=1 + k if k else 0, time_replays=not self._sharded)
         if self.mixed_graph_max_tokens:
             self.pieces.capture(self.model, self.stager.dev_ints.dtype, self.mixed_graph_max_tokens, self.device)
 

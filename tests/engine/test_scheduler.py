@@ -385,6 +385,30 @@ def test_stall_bound_fits_a_fixed_cost_and_does_not_starve_prompts() -> None:
     assert settle(0.002, starving) == pytest.approx(fixed / per_token, rel=0.15)  # 150, not 16
 
 
+def test_stall_bound_uses_its_prior_until_a_decode_step_is_measured() -> None:
+    """A burst: every step carries prompt tokens until the queue is prefilled, so no decode-only
+    step is ever timed. The decode graphs' timings (the prior, by bucket) stand in for t_decode, as
+    the base prompt steps are measured over and in the bound, until a decode-only step is seen."""
+    from engine.scheduler import StallBound
+
+    bound = StallBound(2.0, min_tokens=16)
+    bound.prior = {8: 0.004, 16: 0.005, 32: 0.006}
+    bound.observe(0, 4000, 4000 * 20e-6)  # the first step: prompts only, 20 us a token
+    assert bound.decode_s is None and bound.per_prompt_token_s == pytest.approx(20e-6)
+    assert bound.prompt_tokens(0) is None  # nothing to stall
+    assert bound.prompt_tokens(12) == pytest.approx(0.005 / 20e-6, abs=1)  # the 16-row bucket's 5 ms: 250
+    assert bound.prompt_tokens(100) == pytest.approx(0.006 / 20e-6, abs=1)  # past the largest: its time
+    for _ in range(20):  # prompt steps beside 12 decodes, measured over the prior's 5 ms
+        bound.observe(12, 250, 0.005 + 250 * 20e-6)
+    # the line through both sizes: 20 us a token and no fixed part (with 0 as the base, the decodes'
+    # 5 ms would have read as a fixed cost of prompt steps)
+    assert bound.per_prompt_token_s == pytest.approx(20e-6, rel=0.05)
+    assert bound.fixed_s == pytest.approx(0.0, abs=2e-4)
+    bound.observe(12, 0, 0.010)  # a decode-only step: measured beats the prior
+    assert bound.prompt_tokens(12) == pytest.approx(0.010 / bound.per_prompt_token_s, abs=1)
+    assert StallBound(2.0, min_tokens=16).prompt_tokens(12) is None  # no prior, nothing measured
+
+
 def test_prompt_tokens_beside_decodes_follow_the_stall_bound() -> None:
     sched = StepScheduler(BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256,
                           stall_factor=2.0)
