@@ -135,7 +135,8 @@ class CudaGraphs:
     def verify_bucket_for(self, out: SchedulerOutput) -> int | None:
         """The verify bucket whose graph runs this step: a step with proposals in which every row
         is a decode (it samples, and runs its newest token and its k <= K proposals only), with a
-        bucket large enough. A step with prompt chunks beside them runs eagerly."""
+        bucket large enough. A step with prompt chunks beside them runs from the piecewise graphs
+        (`PiecewiseGraphs`) or eagerly."""
         if not self.verify or not out.num_spec_tokens:
             return None
         w = self.verify_width

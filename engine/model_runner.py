@@ -3,8 +3,9 @@
 The step's inputs are staged into the runner's buffers (engine/staging.py); a pure decode step
 replays a CUDA graph where one was captured (engine/cuda_graphs.py), and so does a verify step of
 speculative decoding whose rows are all decodes (in the strided layout of its verify graph,
-`StepStager.stage_verify`); anything else runs eagerly;
-the logits of the rows that sample go through the batched sampler (engine/sampler.py) on the
+`StepStager.stage_verify`); a step with prompt tokens of up to mixed_graph_max_tokens tokens
+replays the piecewise graphs of its token bucket, attention eager between them
+(`PiecewiseGraphs`); anything else runs eagerly; the logits of the rows that sample go through the batched sampler (engine/sampler.py) on the
 device, and what it drew comes back to the host in one copy: the only device->host
 synchronization of a step, which `PendingSample.result()` waits for (async scheduling reads it a
 step later). A step that holds prompt chunks of requests asking for prompt logprobs also makes the
