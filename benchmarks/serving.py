@@ -34,6 +34,11 @@ goodput: requests/s that met the SLO (--slo-ttft-ms and --slo-tpot-ms), with the
 Inter-token latency: the server coalesces tokens made since its last message, so a message may
 carry several tokens; each token of a message counts the gap since the previous message divided
 by the number of tokens in it.
+
+Where a gap comes from: a server this script starts serves its metrics too, and after each level
+the engine steps it ran are printed by kind and duration (pie_step_duration_seconds: decode-only
+steps, steps that carry prompt tokens; how many took over 50 ms), so a latency tail can be told
+apart from the engine's steps.
 """
 
 from __future__ import annotations
@@ -222,9 +227,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model: str | None, extra: list[str]) -> tuple[subprocess.Popen, str]:
+def start_server(model: str | None, extra: list[str], metrics_port: int | None = None) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--log-level", "warning", *extra]
+    if metrics_port is not None:
+        cmd += ["--metrics-port", str(metrics_port)]
     if model:
         cmd += ["--model", model]
     proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1], env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -278,8 +285,11 @@ def main(argv: list[str] | None = None) -> int:
         args.concurrency = "1,16"
     proc = None
     address = args.address
+    metrics_url = None
     if address is None:
-        proc, address = start_server(args.model, args.server_args.split())
+        metrics_port = free_port()
+        proc, address = start_server(args.model, args.server_args.split(), metrics_port)
+        metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
     slo = dict(slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms)
     levels = max(args.requests, 64, 4 * max([int(x) for x in args.concurrency.split(",") if x] or [0]))
     work = workload(args.workload, levels, args.vocab, prompt_len=args.prompt_len, max_tokens=args.max_tokens,
@@ -289,21 +299,26 @@ def main(argv: list[str] | None = None) -> int:
     def level() -> Work:  # the next level's own prompts
         return for_level(work, len(rows) + len(swept), args.vocab)
 
+    def measure(run) -> dict:  # one level's row, with the engine steps it ran where this script started the server
+        before = step_histogram(metrics_url) if metrics_url else None
+        row = asyncio.run(run)
+        print_row(row)
+        if metrics_url and before is not None:
+            row["server_steps"] = step_summary(before, step_histogram(metrics_url))
+            print_steps(row["server_steps"])
+        return row
+
     swept: list[dict] = []
     try:
         if args.burst:  # first, so that it meets a cold server as the rates do
-            rows.append(asyncio.run(poisson(address, level(), None, args.requests or 64, **slo)))
-            print_row(rows[-1])
+            rows.append(measure(poisson(address, level(), None, args.requests or 64, **slo)))
         for c in [int(x) for x in args.concurrency.split(",") if x]:
-            rows.append(asyncio.run(closed_loop(address, level(), c, args.requests or max(16, 4 * c), **slo)))
-            print_row(rows[-1])
+            rows.append(measure(closed_loop(address, level(), c, args.requests or max(16, 4 * c), **slo)))
         for r in [float(x) for x in args.rates.split(",") if x]:
-            rows.append(asyncio.run(poisson(address, level(), r, args.requests or 64, **slo)))
-            print_row(rows[-1])
+            rows.append(measure(poisson(address, level(), r, args.requests or 64, **slo)))
         rate = args.sweep
         while rate and rate <= args.max_rate and not past_the_knee(swept):
-            swept.append(asyncio.run(poisson(address, level(), rate, args.requests or 64, **slo)))
-            print_row(swept[-1])
+            swept.append(measure(poisson(address, level(), rate, args.requests or 64, **slo)))
             rate *= 2
         rows += swept
     finally:
@@ -323,6 +338,53 @@ def main(argv: list[str] | None = None) -> int:
                             [[(r["load"], r[f"{m}_ms"]) for r in pts]
                              for m in ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99")], log_y=True)
     return 0
+
+
+STEP_KINDS = {"decode": "decode-only", "prompt": "with prompt tokens"}
+
+
+def step_histogram(metrics_url: str) -> dict[str, list[tuple[float, float]]]:
+    """The server's pie_step_duration_seconds now: per kind, (upper bound s, cumulative count)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(metrics_url, timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, list[tuple[float, float]]] = {kind: [] for kind in STEP_KINDS}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "pie_step_duration_seconds_bucket" and s.labels.get("kind") in out:
+                out[s.labels["kind"]].append((float(s.labels["le"]), s.value))
+    return {kind: sorted(v) for kind, v in out.items()}
+
+
+def step_summary(before: dict, after: dict) -> dict:
+    """The steps run between two step_histogram() reads: per kind, their count, the bucket bounds
+    their p50 and p99 fall in, and how many took over 50 ms."""
+    summary = {}
+    for kind in STEP_KINDS:
+        b = dict(before.get(kind, []))
+        cum = [(le, n - b.get(le, 0.0)) for le, n in after.get(kind, [])]
+        total = cum[-1][1] if cum else 0.0
+
+        def bound_ms(q: float, cum=cum, total=total) -> float | None:  # None: past the last finite bound
+            le = next((le for le, n in cum if n >= q * total), float("inf"))
+            return None if le == float("inf") else 1e3 * le
+
+        over = total - next((n for le, n in cum if le >= 0.05), total)
+        summary[kind] = dict(steps=total, p50_le_ms=bound_ms(0.5), p99_le_ms=bound_ms(0.99), over_50ms=over)
+    return summary
+
+
+def print_steps(s: dict) -> None:
+    def le(ms: float | None) -> str:
+        return "over 2.5 s" if ms is None else f"<= {ms:g} ms"
+
+    parts = [f"{label} {s[kind]['steps']:,.0f} (p50 {le(s[kind]['p50_le_ms'])}, p99 {le(s[kind]['p99_le_ms'])}, "
+             f"{s[kind]['over_50ms']:,.0f} over 50 ms)"
+             for kind, label in STEP_KINDS.items() if s[kind]["steps"]]
+    print("        server steps: " + "; ".join(parts or ["none timed"]), flush=True)
 
 
 def print_row(r: dict) -> None:

@@ -25,7 +25,7 @@ from engine.draft import DraftModel, DraftProposer, load_draft
 from engine.errors import EngineDeadError
 from engine.kv_cache import KVCache
 from engine.kv_sizing import num_kv_blocks
-from engine.messages import EngineStats, RequestOutput
+from engine.messages import EngineStats, RequestOutput, StepTimes
 from engine.model_check import check_vocab, read_model_config, read_tokenizer
 from engine.model_runner import ModelRunner, PendingSample
 from engine.request import Request, RequestStatus, SampleGroup
@@ -128,6 +128,7 @@ class EngineCore:
         # What the scheduler learns step times from (StallBound): the shape (decode rows, prompt
         # tokens) of the step in flight, and when the last step's tokens came back while busy.
         self._pending_shape: tuple[int, int] | None = None
+        self.step_times = StepTimes()  # the same samples, for the metrics (pie_step_duration_seconds)
         self._last_done: float | None = None
         # Everything alive now (model, tokenizer, torch and library modules: ~10^5-10^6 objects)
         # lives as long as the engine. Out of the cyclic collector's sight, a full collection
@@ -265,6 +266,8 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions,
             kv_blocks_cached=self.block_manager.num_cached_free_blocks,
             requests_waiting_by_priority=self.scheduler.num_waiting_by_priority(),
+            step_buckets={kind: list(counts) for kind, counts in self.step_times.counts.items()},
+            step_seconds=dict(self.step_times.sums),
             **self._spec_stats(),
         )
 
@@ -380,6 +383,7 @@ class EngineCore:
         now = time.monotonic()
         if self._last_done is not None and self._pending_shape is not None:
             self.scheduler.stall.observe(*self._pending_shape, now - self._last_done)
+            self.step_times.observe(self._pending_shape[1], now - self._last_done)
         self._last_done = now
 
     def _step_failed(self, requests: list[Request], e: Exception) -> list[RequestOutput]:

@@ -12,6 +12,8 @@ On a thread the same objects are handed over without encoding.
 
 from __future__ import annotations
 
+import bisect
+
 import msgspec
 
 from engine.request import RequestStatus
@@ -53,6 +55,27 @@ class RequestOutput(msgspec.Struct, array_like=True, gc=False):
     num_accepted_tokens: int = 0
 
 
+# Upper bounds (seconds) of the step-duration histogram's buckets, +Inf last (EngineStats.step_buckets)
+STEP_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, float("inf"))
+STEP_KINDS = ("decode", "prompt")  # decode-only steps; steps that carry prompt tokens
+
+
+class StepTimes:
+    """Engine steps by duration, cumulative: per kind (STEP_KINDS), how many took at most each
+    STEP_BUCKETS bound (not cumulative across buckets: each step counts in one), and their sum. A
+    step's duration is the time between two steps' tokens coming back while the engine was busy,
+    the same sample the scheduler's stall bound learns from."""
+
+    def __init__(self) -> None:
+        self.counts = {kind: [0] * len(STEP_BUCKETS) for kind in STEP_KINDS}
+        self.sums = dict.fromkeys(STEP_KINDS, 0.0)
+
+    def observe(self, num_prompt_tokens: int, seconds: float) -> None:
+        kind = "prompt" if num_prompt_tokens else "decode"
+        self.counts[kind][bisect.bisect_left(STEP_BUCKETS, seconds)] += 1
+        self.sums[kind] += seconds
+
+
 class EngineStats(msgspec.Struct, array_like=True, gc=False):
     kv_blocks_total: int
     kv_blocks_free: int  # free blocks, counting cached ones that no request holds (evictable at once)
@@ -69,6 +92,10 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = []
+    # Steps by duration (StepTimes, cumulative): per kind, the count in each STEP_BUCKETS bucket and
+    # the sum of their seconds.
+    step_buckets: dict[str, list[int]] = {}
+    step_seconds: dict[str, float] = {}
 
 
 # ---- client -> core --------------------------------------------------------------------------------

@@ -26,10 +26,10 @@ from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from engine.messages import EngineStats
+from engine.messages import STEP_BUCKETS, STEP_KINDS, EngineStats
 
 # Bucket edges follow vLLM's (seconds); requests on the CPU are slower, hence the long tails.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -42,6 +42,11 @@ TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20
 
 FINISHED_REASONS = ("stop", "length", "abort")  # request_success label values, as in vLLM
 METRICS_PATH = "/metrics"  # the one path the HTTP endpoint answers; any other is 404
+
+
+def _bound(seconds: float) -> str:
+    """A histogram bucket's `le` label."""
+    return "+Inf" if seconds == float("inf") else repr(seconds)
 
 
 class _EngineCollector(Collector):
@@ -93,6 +98,16 @@ class _EngineCollector(Collector):
                       "Prefix cache hits, in terms of number of cached tokens.", stats.prefix_cache_hits)
         yield counter("vllm:num_preemptions", "Cumulative number of preemptions from the engine.",
                       stats.num_preemptions)
+        steps = HistogramMetricFamily("pie_step_duration_seconds",
+                                      "Engine steps by duration (time between two steps' tokens while busy), by "
+                                      "kind: decode-only steps, steps that carry prompt tokens.",
+                                      labels=["model_name", "kind"])
+        for kind in STEP_KINDS:
+            counts = stats.step_buckets.get(kind, [0] * len(STEP_BUCKETS))
+            cumulative = [sum(counts[:i + 1]) for i in range(len(counts))]
+            steps.add_metric([self.model_name, kind], [(_bound(b), c) for b, c in zip(STEP_BUCKETS, cumulative)],
+                             stats.step_seconds.get(kind, 0.0))
+        yield steps
         if self.num_speculative_tokens is not None:
             yield from self._spec_decode(stats, counter)
 

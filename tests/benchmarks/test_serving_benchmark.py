@@ -27,7 +27,7 @@ def test_sweep_burst_and_closed_loop_on_the_bundled_model(tmp_path):
                          env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'clients'}"})
     assert run.returncode == 0, run.stderr[-2000:]
     rows = json.loads(out.read_text())
-    assert [r["mode"] for r in rows] == ["closed", "poisson", "poisson", "burst"]
+    assert [r["mode"] for r in rows] == ["burst", "closed", "poisson", "poisson"]  # the burst first: a cold server
     assert [r["load"] for r in rows if r["mode"] == "poisson"] == [4.0, 8.0]
     for r in rows:
         assert r["errors"] == 0 and r["requests"] == 6 and r["tokens"] > 0
@@ -36,6 +36,9 @@ def test_sweep_burst_and_closed_loop_on_the_bundled_model(tmp_path):
         assert r["goodput_req_per_s"] <= r["req_per_s"] + 1e-9
     assert (tmp_path / "p-poisson-latency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "goodput" in run.stdout and "TPOT" in run.stdout
+    # the engine steps each level ran, from the server's metrics (the first after idle is not timed)
+    assert all(sum(s["steps"] for s in r["server_steps"].values()) > 0 for r in rows)
+    assert "server steps:" in run.stdout
 
 
 @pytest.mark.parametrize("kind", ["fixed", "chat", "mixed", "long"])

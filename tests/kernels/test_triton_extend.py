@@ -192,7 +192,9 @@ def test_extend_chunks_give_the_same_bits(cache_dtype, modes, gen) -> None:
     bits, given the same max_query_len (hence the same tile shapes). The int8 modes scale P per
     row (a per-tile max of the V scales changed with the keys a chunk's last tile loads). On the
     H200 the "imma" and "bias" modes differed by up to 2.4e-4 (2026-12-02; the cause not found):
-    there they are held to that, not to the bit."""
+    there they are held to that, not to the bit. Under Triton's interpreter a tile's dot is numpy's
+    matmul, whose BLAS rounds a row differently with other rows beside it (numpy 2.4.6: by ~1e-5,
+    2026-12-02): there the chunks are held to float rounding; the bits are the compiled kernel's."""
     n, chunk = 45, 13
     whole = Batch([n], [n], gen=gen, block_size=16, hkv=2, group=2, d=32, cache_dtype=cache_dtype)
     want = whole.run(int8_modes=modes)
@@ -205,6 +207,8 @@ def test_extend_chunks_give_the_same_bits(cache_dtype, modes, gen) -> None:
                      out=out, int8_modes=modes)
         if DEVICE == "cuda" and modes is not None and modes != ("cast", "cast"):
             assert (out.float() - want[lo:hi].float()).abs().max() <= 1e-3, f"chunk [{lo}, {hi})"
+        elif DEVICE != "cuda":
+            assert (out.float() - want[lo:hi].float()).abs().max() <= 1e-4, f"chunk [{lo}, {hi})"
         else:
             assert torch.equal(out, want[lo:hi]), f"chunk [{lo}, {hi}) differs from the whole prompt"
 

@@ -69,6 +69,11 @@ def value(samples, name: str, default: float | None = None, **labels) -> float:
     return samples[key] if default is None else samples.get(key, default)
 
 
+def _le(labels: frozenset) -> float:
+    """A bucket sample's upper bound, for sorting (+Inf last); 0 for samples without one."""
+    return float(dict(labels).get("le", "0"))
+
+
 def log_lines(buf: io.StringIO) -> list[dict]:
     return [json.loads(line) for line in buf.getvalue().splitlines() if line.startswith("{")]
 
@@ -110,6 +115,15 @@ def test_metrics_after_traffic(server, client, log_buffer):
     assert value(m, "pie_kv_blocks_cached") == server.core.stats().kv_blocks_cached
     assert value(m, "vllm:num_preemptions_total") == 0
     assert value(m, "vllm:num_requests_running") == 0
+    # Engine steps by duration and kind: the steps of each request after its first (the first after
+    # an idle engine has no previous step to be timed from), 15 steps in all at most.
+    steps = {kind: value(m, "pie_step_duration_seconds_count", kind=kind) for kind in ("decode", "prompt")}
+    assert 0 < sum(steps.values()) <= 15 and steps["decode"] > 0
+    for kind, n in steps.items():
+        cumulative = [v for (name, labels), v in sorted(m.items(), key=lambda kv: _le(kv[0][1]))
+                      if name == "pie_step_duration_seconds_bucket" and ("kind", kind) in labels]
+        assert len(cumulative) == 14 and cumulative == sorted(cumulative) and cumulative[-1] == n
+    assert value(m, "pie_step_duration_seconds_sum", kind="decode") > 0
 
     # The summary lines: one per request, with the fields an operator greps for.
     lines = {d["request_id"]: d for d in log_lines(log_buffer) if d.get("event") == "request_done"}
