@@ -5,8 +5,9 @@ replays a CUDA graph where one was captured (engine/cuda_graphs.py), and so does
 speculative decoding whose rows are all decodes (in the strided layout of its verify graph,
 `StepStager.stage_verify`); a step with prompt tokens of up to mixed_graph_max_tokens tokens
 replays the piecewise graphs of its token bucket, attention eager between them
-(`PiecewiseGraphs`); anything else runs eagerly; the logits of the rows that sample go through the batched sampler (engine/sampler.py) on the
-device, and what it drew comes back to the host in one copy: the only device->host
+(`PiecewiseGraphs`); anything else runs eagerly. The logits of the rows that sample go through
+the batched sampler (engine/sampler.py) on the device, and what it drew comes back to the host
+in one copy: the only device->host
 synchronization of a step, which `PendingSample.result()` waits for (async scheduling reads it a
 step later). A step that holds prompt chunks of requests asking for prompt logprobs also makes the
 logits of those prompt positions and their logprobs (engine/prompt_logprobs.py), which come back
@@ -266,8 +267,8 @@ class ModelRunner:
         if step.graph_batch is not None:
             logits = self.graphs.replay(step.graph_batch)
             return rows, (logits[rows] if len(rows) < step.num_seqs else logits[:step.num_seqs])
-        piece_bucket = None if eager or prompt is not None or self._tp is not None else \
-            self.pieces.bucket_for(step.input_ids.shape[0])
+        # (no pieces are captured under tensor parallelism: bucket_for finds none there)
+        piece_bucket = None if eager or prompt is not None else self.pieces.bucket_for(step.input_ids.shape[0])
         self.attention.metadata = step.metadata
         try:
             if piece_bucket is not None:  # (bucket >= T, hidden): rows T.. are padding, never read below
