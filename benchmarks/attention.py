@@ -21,6 +21,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import make_parser, require_cuda  # noqa: E402
 from kernels import reference  # noqa: E402
+from kernels.flash_prefill import paged_prefill  # noqa: E402
 from kernels.triton_cache_write import write_kv_cache  # noqa: E402
 from kernels.triton_decode import paged_decode  # noqa: E402
 from kernels.triton_extend import paged_extend  # noqa: E402
@@ -32,6 +33,12 @@ HQ, HKV, D, BLOCK = 32, 8, 128, 16
 
 def bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def timed(fn, repeats: int) -> tuple[float, list[float]]:
+    """The median of `repeats` do_bench medians, and [min, max] of them."""
+    times = sorted(bench(fn) for _ in range(repeats))
+    return times[len(times) // 2], [times[0], times[-1]]
 
 
 def bench_graph(fn, calls: int = 50) -> float:
@@ -137,29 +144,42 @@ def decode_rows(quick: bool, copy_bw: float, graphs: bool = False) -> list[dict]
     return rows
 
 
-def extend_rows(quick: bool) -> list[dict]:
+def extend_rows(quick: bool, repeats: int = 1) -> list[dict]:
+    """Prompts of n new tokens over `prefix` cached ones, per sequence: the Triton extend kernel
+    and the FlashAttention path (the engine's on CUDA: gather the pages, then varlen attention, or
+    one SDPA call per prompt without a prefix) against SDPA causal (aligned to the bottom right) on contiguous bf16 K/V. Each time is the
+    median of `repeats` do_bench medians, with their range."""
+    from torch.nn.attention.bias import causal_lower_right
+
     rows = []
     scale = D ** -0.5
-    for batch, n in ((1, 4096), (4, 4096)) if not quick else ((1, 4096),):
-        k = torch.randn(batch, n, HKV, D, device="cuda", dtype=torch.bfloat16)
+    shapes = ((1, 0, 4096), (4, 0, 4096), (1, 4096, 512), (4, 6144, 2048)) if not quick else ((1, 0, 4096),)
+    for batch, prefix, n in shapes:
+        ctx = prefix + n
+        k = torch.randn(batch, ctx, HKV, D, device="cuda", dtype=torch.bfloat16)
         v = torch.randn_like(k)
         q = torch.randn(batch, n, HQ, D, device="cuda", dtype=torch.bfloat16)
         qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+        mask = causal_lower_right(n, ctx) if prefix else None
         sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
-            qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
-        t_sdpa = bench(sdpa)
+            qt, kt, vt, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)
+        t_sdpa, spread = timed(sdpa, repeats)
         ref_out = sdpa().transpose(1, 2).reshape(batch * n, HQ, D).float()
-        seq_lens = torch.full((batch,), n, dtype=torch.int32, device="cuda")
+        seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
         qsl = torch.arange(0, (batch + 1) * n, n, dtype=torch.int32, device="cuda")
-        row = dict(batch=batch, prompt=n, sdpa_causal_ms=t_sdpa)
+        row = dict(batch=batch, prefix=prefix, prompt=n, sdpa_causal_ms=t_sdpa, sdpa_causal_range=spread)
         for kv_dtype in ("int8", "bf16"):
-            kc, vc, ks, vs, tables = make_paged(batch, n, kv_dtype, k, v)
+            kc, vc, ks, vs, tables = make_paged(batch, ctx, kv_dtype, k, v)
             qf = q.reshape(batch * n, HQ, D)
-            fn = lambda: paged_extend(qf, kc, vc, ks, vs, tables, seq_lens, qsl, scale, max_query_len=n)  # noqa: E731
-            out = fn().float()
-            t = bench(fn)
-            row |= {f"{kv_dtype}_ms": t, f"{kv_dtype}_over_sdpa": t / t_sdpa,
-                    f"{kv_dtype}_rel_err_vs_sdpa": ((out - ref_out).norm() / ref_out.norm()).item()}
+            paths = {"": lambda: paged_extend(qf, kc, vc, ks, vs, tables, seq_lens, qsl, scale, max_query_len=n),
+                     "flash_": lambda: paged_prefill(qf, kc, vc, ks, vs, tables, seq_lens, qsl, scale, max_query_len=n,
+                                                     max_seq_len=ctx, kv_tokens=batch * ctx,
+                                                     cold_starts=() if prefix else tuple(qsl.tolist()))}
+            for name, fn in paths.items():
+                out = fn().float()
+                t, spread = timed(fn, repeats)
+                row |= {f"{name}{kv_dtype}_ms": t, f"{name}{kv_dtype}_range": spread, f"{name}{kv_dtype}_over_sdpa": t / t_sdpa,
+                        f"{name}{kv_dtype}_rel_err_vs_sdpa": ((out - ref_out).norm() / ref_out.norm()).item()}
         rows.append(row)
     return rows
 
@@ -211,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="write all figures as JSON here (default: none written)")
     ap.add_argument("--graphs", action="store_true",
                     help="also time decode calls replayed from a CUDA graph (how the engine runs them)")
+    ap.add_argument("--extend-only", action="store_true", help="only the extend rows")
+    ap.add_argument("--repeats", type=int, default=1, help="extend: do_bench medians per time (their median is shown)")
     args = ap.parse_args(argv)
     require_cuda(ap)
     torch.manual_seed(0)
@@ -218,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     copy_bw = copy_bandwidth()
     print(f"# {dev}, torch {torch.__version__}, triton {triton.__version__}")
     print(f"copy bandwidth (read + write): {copy_bw / 1e12:.2f} TB/s")
-    dec = decode_rows(args.quick, copy_bw, args.graphs)
+    dec = [] if args.extend_only else decode_rows(args.quick, copy_bw, args.graphs)
     print("\n## paged decode (Hq 32, Hkv 8, D 128, block 16)")
     print("| batch | ctx | SDPA bf16 ms | int8 ms | int8 TB/s | int8 % copy | int8 x SDPA | bf16 ms | bf16 TB/s | bf16 % copy | bf16 x SDPA |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -226,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {r['batch']} | {r['ctx']} | {r['sdpa_ms']:.4f} | {r['int8_ms']:.4f} | {r['int8_tbs']:.2f} | "
               f"{100 * r['int8_copy_frac']:.0f}% | {r['int8_vs_sdpa']:.2f} | {r['bf16_ms']:.4f} | {r['bf16_tbs']:.2f} | "
               f"{100 * r['bf16_copy_frac']:.0f}% | {r['bf16_vs_sdpa']:.2f} |")
-    ext = extend_rows(args.quick)
+    ext = extend_rows(args.quick, args.repeats)
     if args.graphs:
         print("\n## paged decode replayed from a CUDA graph (50 calls per graph, no L2 flush)")
         print("| batch | ctx | SDPA bf16 ms | int8 ms | int8 % copy | int8 x SDPA | bf16 ms | bf16 % copy | bf16 x SDPA |")
@@ -235,13 +257,21 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {r['batch']} | {r['ctx']} | {r['sdpa_graph_ms']:.4f} | {r['int8_graph_ms']:.4f} | "
                   f"{100 * r['int8_graph_copy_frac']:.0f}% | {r['int8_graph_vs_sdpa']:.2f} | {r['bf16_graph_ms']:.4f} | "
                   f"{100 * r['bf16_graph_copy_frac']:.0f}% | {r['bf16_graph_vs_sdpa']:.2f} |")
-    print("\n## paged extend vs SDPA causal (contiguous bf16)")
-    print("| batch | prompt | SDPA causal ms | int8 ms | int8 / SDPA | bf16 ms | bf16 / SDPA |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n## paged extend vs SDPA causal (contiguous bf16): the Triton kernel, and gather + FlashAttention")
+    print("| batch | prefix | prompt | SDPA causal ms | int8 ms | int8 / SDPA | bf16 ms | bf16 / SDPA | "
+          "flash int8 ms | flash int8 / SDPA | flash bf16 ms | flash bf16 / SDPA | flash int8 rel err |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in ext:
-        print(f"| {r['batch']} | {r['prompt']} | {r['sdpa_causal_ms']:.3f} | {r['int8_ms']:.3f} | "
-              f"{r['int8_over_sdpa']:.2f} | {r['bf16_ms']:.3f} | {r['bf16_over_sdpa']:.2f} |")
-    fid = fidelity_rows()
+        print(f"| {r['batch']} | {r['prefix']} | {r['prompt']} | {r['sdpa_causal_ms']:.3f} | {r['int8_ms']:.3f} | "
+              f"{r['int8_over_sdpa']:.2f} | {r['bf16_ms']:.3f} | {r['bf16_over_sdpa']:.2f} | {r['flash_int8_ms']:.3f} | "
+              f"{r['flash_int8_over_sdpa']:.2f} | {r['flash_bf16_ms']:.3f} | {r['flash_bf16_over_sdpa']:.2f} | "
+              f"{r['flash_int8_rel_err_vs_sdpa']:.1e} |")
+    if args.repeats > 1:
+        print(f"\nranges over {args.repeats} do_bench medians (ms): " + "; ".join(
+            f"B{r['batch']} prefix {r['prefix']} n {r['prompt']}: SDPA {r['sdpa_causal_range'][0]:.3f}-"
+            f"{r['sdpa_causal_range'][1]:.3f}, flash int8 {r['flash_int8_range'][0]:.3f}-{r['flash_int8_range'][1]:.3f}, "
+            f"int8 {r['int8_range'][0]:.3f}-{r['int8_range'][1]:.3f}" for r in ext))
+    fid = [] if args.extend_only else fidelity_rows()
     print("\n## fidelity: decode output vs fp64 reference (B 8, ctx 2048)")
     print("| inputs | int8 rel err | int8 smoothed rel err | bf16 rel err | smoothed int8 / bf16 |")
     print("|---|---|---|---|---|")

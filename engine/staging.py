@@ -45,7 +45,7 @@ from itertools import chain
 import numpy as np
 import torch
 
-from engine.attention import AttentionMetadata
+from engine.attention import COLD_PROMPTS_MAX, AttentionMetadata
 from engine.request import Request
 from engine.scheduler import SchedulerOutput
 
@@ -124,15 +124,17 @@ class StepFacts:
     max_seq_len: int
     num_decodes: int
     decode_max_seq_len: int
+    prefill_kv_tokens: int  # keys in the cache of the rows from num_decodes on (0 for verify steps)
 
     def numbers(self) -> tuple[int, ...]:
         return (self.n_tok, self.rows, self.n_ints, self.n_prefill_ints, self.max_query_len, self.max_seq_len,
-                self.num_decodes, self.decode_max_seq_len)
+                self.num_decodes, self.decode_max_seq_len, self.prefill_kv_tokens)
 
     def metadata(self, ints: torch.Tensor, block_tables: torch.Tensor) -> AttentionMetadata:
         layout = Packed(n_tok=self.n_tok, rows=self.rows)
         return layout.metadata(ints, block_tables, max_query_len=self.max_query_len, max_seq_len=self.max_seq_len,
                                num_decodes=self.num_decodes, decode_max_seq_len=self.decode_max_seq_len,
+                               prefill_kv_tokens=self.prefill_kv_tokens,
                                prefill_query_start_loc=ints[layout.end:self.n_ints] if self.n_prefill_ints else None)
 
 
@@ -275,9 +277,12 @@ class StepStager:
         else:
             dev = self.host_ints[:n_ints]
             dev_tables = self.host_tables[:b * w].view(b, w)
+        prefill_kv_tokens = int(lens[nd:b].sum()) if nd < b else 0
         facts = StepFacts(layout.n_tok, layout.rows, n_ints, n_prefill_ints, max_query_len, max_seq_len, nd,
-                          decode_max_seq_len)
+                          decode_max_seq_len, prefill_kv_tokens)
         md = facts.metadata(dev, dev_tables)
+        if nd < b and b - nd <= COLD_PROMPTS_MAX and not starts[nd:].any():
+            md.cold_prompt_starts = tuple((qsl[nd:b + 1] - qsl[nd]).tolist())
         last_ids = last.ids if last is not None else None
         if same_rows and last_ids is not None:
             dev[:b].copy_(last_ids[:b])
@@ -350,7 +355,7 @@ class StepStager:
             dev, dev_tables = self.dev_ints[:n_ints], self.dev_tables[:bucket]  # the graph's whole-width rows
         else:
             dev, dev_tables = self.host_ints[:n_ints], self.host_tables[:bucket * w].view(bucket, w)
-        facts = StepFacts(n_tok, bucket, layout.end, 0, width, int(lens[:bucket].max()), 0, 0)
+        facts = StepFacts(n_tok, bucket, layout.end, 0, width, int(lens[:bucket].max()), 0, 0, 0)
         sections = dev[:layout.end]
         return StepInputs(sections[layout.ids], sections[layout.positions], facts.metadata(sections, dev_tables), b,
                           bucket, facts, sections, dev[layout.end:])

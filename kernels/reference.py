@@ -134,6 +134,30 @@ def _gather_kv(cache: torch.Tensor, scale: torch.Tensor | None,
     return vals.reshape(*blocks.shape[:-1], blocks.shape[-1] * block_size, hkv, d)
 
 
+def gather_pages(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of B sequences as stored, packed sequence after sequence: (sum(seq_lens), Hkv, D)
+    each in `dtype`; block_tables (B, max_blocks), seq_lens (B,). int8 values come out as
+    q * scale computed in float32, rounded once to `dtype`."""
+    _check_cache(k_cache, k_scale)
+    _check_cache(v_cache, v_scale)
+    block_size, hkv, d = k_cache.shape[1:]
+    ks, vs = [], []
+    for i, n in enumerate(seq_lens.tolist()):
+        blocks = block_tables[i, : (n + block_size - 1) // block_size].long()
+        ks.append(_gather_kv(k_cache, k_scale, blocks)[:n].to(dtype))
+        vs.append(_gather_kv(v_cache, v_scale, blocks)[:n].to(dtype))
+    empty = k_cache.new_empty(0, hkv, d, dtype=dtype)
+    return (torch.cat(ks), torch.cat(vs)) if ks else (empty, empty.clone())
+
+
 def _attend_sequence(
     q: torch.Tensor,
     k_cache: torch.Tensor,

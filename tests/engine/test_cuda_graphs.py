@@ -4,6 +4,7 @@ sized from free memory."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from engine.attention import COLD_PROMPTS_MAX
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.cuda_graphs import graph_buckets, mixed_buckets
@@ -21,9 +23,14 @@ from engine.model_runner import ModelRunner
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest, SchedulerOutput
+from engine.staging import StepFacts
 from engine.tensor_parallel import OP_FORWARD, Leader, destroy_group, follow
 from model.parallel import TensorParallel
 from tests.helpers import make_hf_model_dir
+
+# A forward header's numbers (engine/tensor_parallel.py): the step's facts, then the rows, the
+# table width and the graph bucket.
+GRAPH_BATCH = len(dataclasses.fields(StepFacts)) + 2
 
 
 def test_graph_buckets():
@@ -85,6 +92,23 @@ def test_stage_packs_a_mixed_batch(rng):
     for i, s in enumerate(sched):
         assert md.block_tables[i, :len(s.request.block_ids)].tolist() == s.request.block_ids
     assert step.graph_batch is None
+    # the prefill part: keys to gather, and no cold-prompt offsets (the chunk has cached tokens)
+    assert md.num_decodes == 1 and md.prefill_kv_tokens == 15 + 5 and md.cold_prompt_starts == ()
+
+
+def test_stage_names_whole_prompts_with_nothing_cached(rng):
+    """Whole prompts with nothing cached beside a decode: their query offsets on the host (each
+    attends through its own SDPA call on CUDA); none once there are more than COLD_PROMPTS_MAX."""
+    runner = _runner(max_num_seqs=16)
+    sched = [_scheduled(rng, 10, 9, 1, 4), _scheduled(rng, 5, 0, 5, 4), _scheduled(rng, 3, 0, 3, 4)]
+    md = runner.stager.stage(SchedulerOutput(scheduled=sched), [s.request.block_ids for s in sched], None,
+                             None).metadata
+    assert md.cold_prompt_starts == (0, 5, 8) and md.prefill_kv_tokens == 8
+    assert md.prefill_query_start_loc is not None and md.prefill_query_start_loc.tolist() == [0, 5, 8]
+    many = [_scheduled(rng, 2, 0, 2, 4) for _ in range(COLD_PROMPTS_MAX + 1)]
+    md = runner.stager.stage(SchedulerOutput(scheduled=many), [s.request.block_ids for s in many], None,
+                             None).metadata
+    assert md.cold_prompt_starts == () and md.prefill_kv_tokens == 2 * len(many) and md.num_decodes == 0
 
 
 def test_stage_pads_a_decode_batch_for_its_graph(rng):
@@ -240,12 +264,12 @@ def test_a_worker_replays_the_graph_rank_0_replays(rng, tmp_path, batch):
     with torch.inference_mode():
         rows, logits = engine.runner.forward_logits(out)
         op, *numbers = link.headers[0]
-        assert op == OP_FORWARD and numbers[10] == {5: 8, 16: 16}[batch]
-        follower.graphs.graphs[numbers[10]].logits.fill_(float("nan"))
+        assert op == OP_FORWARD and numbers[GRAPH_BATCH] == {5: 8, 16: 16}[batch]
+        follower.graphs.graphs[numbers[GRAPH_BATCH]].logits.fill_(float("nan"))
         follow(follower, numbers, link)  # writes the same K/V to the same slots, reads the same pages
         torch.cuda.synchronize()
     assert rows == list(range(batch)) and not link.tensors
-    torch.testing.assert_close(follower.graphs.graphs[numbers[10]].logits[:batch], logits, rtol=0, atol=0)
+    torch.testing.assert_close(follower.graphs.graphs[numbers[GRAPH_BATCH]].logits[:batch], logits, rtol=0, atol=0)
 
 
 @pytest.mark.gpu
