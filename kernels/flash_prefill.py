@@ -96,7 +96,10 @@ def _cold_prompts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: Seq
     if out is None:
         out = torch.empty_like(q)
     for lo, hi in zip(starts[:-1], starts[1:]):
-        qi, ki, vi = (x[lo:hi].unsqueeze(0).transpose(1, 2) for x in (q, k, v))  # (L, H, D) -> (1, H, L, D)
+        # (L, H, D) -> (1, H, L, D), contiguous: with GQA, torch takes cuDNN's kernel only for
+        # that layout (on the (L, H, D) views it fell back to FlashAttention-2 and copies: 0.69
+        # against 0.27 ms at 4k tokens on the H200)
+        qi, ki, vi = (x[lo:hi].transpose(0, 1).contiguous().unsqueeze(0) for x in (q, k, v))
         res = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=softmax_scale,
                                              enable_gqa=q.shape[1] != k.shape[1])
         out[lo:hi].copy_(res[0].transpose(0, 1))
