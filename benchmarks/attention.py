@@ -146,8 +146,8 @@ def decode_rows(quick: bool, copy_bw: float, graphs: bool = False) -> list[dict]
 
 def extend_rows(quick: bool, repeats: int = 1) -> list[dict]:
     """Prompts of n new tokens over `prefix` cached ones, per sequence: the Triton extend kernel
-    and the FlashAttention path (the engine's on CUDA: gather the pages, then varlen attention, or
-    one SDPA call per prompt without a prefix) against SDPA causal (aligned to the bottom right) on contiguous bf16 K/V. Each time is the
+    and the FlashAttention path (the engine's on CUDA: gather the pages, then varlen attention)
+    against SDPA causal (aligned to the bottom right) on contiguous bf16 K/V. Each time is the
     median of `repeats` do_bench medians, with their range."""
     from torch.nn.attention.bias import causal_lower_right
 
@@ -173,8 +173,7 @@ def extend_rows(quick: bool, repeats: int = 1) -> list[dict]:
             qf = q.reshape(batch * n, HQ, D)
             paths = {"": lambda: paged_extend(qf, kc, vc, ks, vs, tables, seq_lens, qsl, scale, max_query_len=n),
                      "flash_": lambda: paged_prefill(qf, kc, vc, ks, vs, tables, seq_lens, qsl, scale, max_query_len=n,
-                                                     max_seq_len=ctx, kv_tokens=batch * ctx,
-                                                     cold_starts=() if prefix else tuple(qsl.tolist()))}
+                                                     max_seq_len=ctx, kv_tokens=batch * ctx)}
             for name, fn in paths.items():
                 out = fn().float()
                 t, spread = timed(fn, repeats)

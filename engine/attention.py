@@ -21,7 +21,7 @@ The ops behind it are chosen once: `TorchOps` (kernels.reference, the CPU path) 
 (the Triton kernels; CUDA, or the CPU under Triton's interpreter in tests), with one signature.
 On CUDA, prompt work goes through kernels/flash_prefill.py where it applies (bf16/fp16 models,
 head dims a multiple of 8, outside graph capture): keys gathered from the pages, then
-FlashAttention or cuDNN's attention; the Triton extend kernel serves the rest.
+FlashAttention's varlen kernel; the Triton extend kernel serves the rest.
 """
 
 from __future__ import annotations
@@ -54,17 +54,7 @@ class AttentionMetadata:
     # what the prefill path gathers from the pages. 0 where unknown (verify steps), which keeps
     # those steps on the Triton extend kernel.
     prefill_kv_tokens: int = 0
-    # Where the query runs of those sequences start (B - num_decodes + 1 host ints, from 0) when
-    # every one of them is a whole prompt with nothing cached (its keys are its queries'), at most
-    # COLD_PROMPTS_MAX of them; else empty. Lets each such prompt attend through one causal SDPA
-    # call (kernels/flash_prefill.py). Set by rank 0's staging only: a tensor-parallel worker
-    # attends through the varlen path, the same math on its own heads.
-    cold_prompt_starts: tuple[int, ...] = ()
 
-
-# Whole prompts with nothing cached that one step attends to one SDPA call each (see
-# AttentionMetadata.cold_prompt_starts); more go through one varlen call.
-COLD_PROMPTS_MAX = 8
 
 # One layer's (k_cache, v_cache, k_scale, v_scale); the scales only for int8 caches.
 _Cache = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
@@ -83,7 +73,7 @@ class TorchOps:
 
     @staticmethod
     def extend(q, k_new, v_new, cache: _Cache, block_tables, seq_lens, query_start_loc, scale: float, *,
-               max_query_len: int, max_seq_len: int, kv_tokens: int, cold_starts: tuple[int, ...],
+               max_query_len: int, max_seq_len: int, kv_tokens: int,
                window: int | None, out: torch.Tensor | None) -> torch.Tensor:
         res = reference.paged_attention(q, *cache, block_tables, seq_lens, query_start_loc, scale,
                                         max_query_len=max_query_len, k_new=k_new, v_new=v_new, window=window)
@@ -121,15 +111,14 @@ class TritonOps:
                             split_tokens=split)
 
     def extend(self, q, k_new, v_new, cache: _Cache, block_tables, seq_lens, query_start_loc, scale: float, *,
-               max_query_len: int, max_seq_len: int, kv_tokens: int, cold_starts: tuple[int, ...],
+               max_query_len: int, max_seq_len: int, kv_tokens: int,
                window: int | None, out: torch.Tensor | None) -> torch.Tensor:
         # FlashAttention over the keys gathered from the pages where it applies (kernels/flash_prefill.py:
         # 1.3-2x faster than the Triton kernel on long prompts), else the Triton extend kernel.
         if kv_tokens and self._flash.supported(q):
             return self._flash.paged_prefill(q, *cache, block_tables, seq_lens, query_start_loc, scale,
                                              max_query_len=max_query_len, max_seq_len=max_seq_len,
-                                             kv_tokens=kv_tokens, cold_starts=cold_starts, window=window,
-                                             out=out)
+                                             kv_tokens=kv_tokens, window=window, out=out)
         return self._extend(q, *cache, block_tables, seq_lens, query_start_loc, scale, max_query_len=max_query_len,
                             k_new=k_new, v_new=v_new, window=window, out=out)
 
@@ -184,8 +173,7 @@ class PagedAttention:
         if md.prefill_query_start_loc is None:
             return ops.extend(q, k_new, v_new, cache, md.block_tables, md.seq_lens, md.query_start_loc, scale,
                               max_query_len=md.max_query_len, max_seq_len=md.max_seq_len,
-                              kv_tokens=md.prefill_kv_tokens, cold_starts=md.cold_prompt_starts, window=window,
-                              out=out)
+                              kv_tokens=md.prefill_kv_tokens, window=window, out=out)
         # A mixed step: its running decodes (first) as in a decode step, the rest as a prefill.
         nd = md.num_decodes
         if out is None:
@@ -195,7 +183,7 @@ class PagedAttention:
         ops.extend(q[nd:], None if k_new is None else k_new[nd:], None if v_new is None else v_new[nd:], cache,
                    md.block_tables[nd:], md.seq_lens[nd:], md.prefill_query_start_loc, scale,
                    max_query_len=md.max_query_len, max_seq_len=md.max_seq_len, kv_tokens=md.prefill_kv_tokens,
-                   cold_starts=md.cold_prompt_starts, window=window, out=out[nd:])
+                   window=window, out=out[nd:])
         return out
 
     def holds_exactly(self, dtype: torch.dtype) -> bool:

@@ -45,7 +45,7 @@ from itertools import chain
 import numpy as np
 import torch
 
-from engine.attention import COLD_PROMPTS_MAX, AttentionMetadata
+from engine.attention import AttentionMetadata
 from engine.request import Request
 from engine.scheduler import SchedulerOutput
 
@@ -281,8 +281,6 @@ class StepStager:
         facts = StepFacts(layout.n_tok, layout.rows, n_ints, n_prefill_ints, max_query_len, max_seq_len, nd,
                           decode_max_seq_len, prefill_kv_tokens)
         md = facts.metadata(dev, dev_tables)
-        if nd < b and b - nd <= COLD_PROMPTS_MAX and not starts[nd:].any():
-            md.cold_prompt_starts = tuple((qsl[nd:b + 1] - qsl[nd]).tolist())
         last_ids = last.ids if last is not None else None
         if same_rows and last_ids is not None:
             dev[:b].copy_(last_ids[:b])

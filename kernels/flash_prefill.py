@@ -12,14 +12,17 @@ everything the cache holds for it. Two steps:
    keys, causal aligned to the bottom right (query j of a sequence sees keys up to
    seq_len - q_len + j: FlashAttention's rule when the key run is the longer), GQA natively, a
    sliding window as (window - 1, 0).
-   Whole prompts with nothing cached (`cold_starts`, host offsets, a few prompts) attend instead
-   through one causal SDPA call each on views of the same tensors: torch picks cuDNN's attention
-   there on Hopper, 1.9x FlashAttention-2's speed on a 4k-token prompt (H200, 2026-12-02: 0.27
-   against 0.51 ms, Hq 32 Hkv 8 D 128), while with a cached prefix FlashAttention-2 is the faster
-   (2.81 against 3.30 ms, 4 x 2,048 new tokens over 6,144 cached).
 
-Why: a paged-attention kernel in Triton that reads int8 pages ran at 2.0x torch SDPA's causal
-FlashAttention on a 4k-token prompt (H200; bf16 pages 1.8x), and prefill is the compute-bound
+Measured on the H200 (2026-12-02, Hq 32, Hkv 8, D 128, int8 pages; `benchmarks/attention.py
+--extend-only --repeats 3`): over cached prefixes this path runs at 0.99-1.27x SDPA (the Triton
+kernel 1.20-1.21x); a 4k-token prompt with nothing cached at 1.9x, because SDPA takes cuDNN's
+attention there (533 TFLOP/s against FlashAttention-2's 272). One SDPA call per such prompt was
+tried and dropped: no faster in the kernel benchmark (the per-call host work and copies), and
+served at 4 requests/s it came with decode steps of 50-100 ms (1.6% of them; ITL p99 83-100 ms),
+as a per-shape plan build in cuDNN would give.
+
+Why: the Triton paged extend kernel over int8 pages ran at 1.2x SDPA over a cached prefix and
+2.0x on a whole 4k-token prompt (H200; bf16 pages 1.1-1.8x), and prefill is the compute-bound
 part of serving. The gathered copy makes any cache dtype a contiguous bf16/fp16 problem, which
 FlashAttention solves at the GPU's speed; attention still reads every key as stored, so a prompt
 gives the same tokens whether its prefix was computed in this step or read from the cache
@@ -33,10 +36,7 @@ length is a host number that changes every step).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
-import torch.nn.functional as F
 
 from kernels.triton_gather import gather_pages
 
@@ -66,41 +66,20 @@ def paged_prefill(
     max_query_len: int,
     max_seq_len: int,
     kv_tokens: int,
-    cold_starts: Sequence[int] = (),
     window: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed queries q (T, Hq, D) over the paged cache -> (T, Hq, D) in
     q.dtype (written into `out` when given). seq_lens (B,) and query_start_loc (B + 1,) int32 on
     the device; max_query_len, max_seq_len and kv_tokens = sum(seq_lens) host ints (no sync).
-    cold_starts: query_start_loc on the host, given only when no sequence has anything cached
-    (seq_lens equal the query runs). Rows of q past query_start_loc[B] (padding) come out
-    undefined."""
+    Rows of q past query_start_loc[B] (padding) come out undefined."""
     b = seq_lens.shape[0]
     cu_k = torch.zeros(b + 1, dtype=torch.int32, device=q.device)
     torch.cumsum(seq_lens, 0, out=cu_k[1:])
     k, v = gather_pages(k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, cu_k,
                         num_tokens=kv_tokens, max_seq_len=max_seq_len, dtype=q.dtype)
-    if cold_starts and window is None:
-        return _cold_prompts(q, k, v, cold_starts, softmax_scale, out)
     res = torch.ops.aten._flash_attention_forward(
         q, k, v, query_start_loc, cu_k, max_query_len, max_seq_len, 0.0, True, False, scale=softmax_scale,
         window_size_left=None if window is None else window - 1, window_size_right=None if window is None else 0)[0]
     return res if out is None else out.copy_(res)
 
-
-def _cold_prompts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: Sequence[int], softmax_scale: float,
-                  out: torch.Tensor | None) -> torch.Tensor:
-    """Each whole prompt [starts[i], starts[i + 1]) through one causal SDPA call over its own keys
-    (the same rows of k and v: nothing is cached before them), on (1, H, L, D) views."""
-    if out is None:
-        out = torch.empty_like(q)
-    for lo, hi in zip(starts[:-1], starts[1:]):
-        # (L, H, D) -> (1, H, L, D), contiguous: with GQA, torch takes cuDNN's kernel only for
-        # that layout (on the (L, H, D) views it fell back to FlashAttention-2 and copies: 0.69
-        # against 0.27 ms at 4k tokens on the H200)
-        qi, ki, vi = (x[lo:hi].transpose(0, 1).contiguous().unsqueeze(0) for x in (q, k, v))
-        res = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=softmax_scale,
-                                             enable_gqa=q.shape[1] != k.shape[1])
-        out[lo:hi].copy_(res[0].transpose(0, 1))
-    return out

@@ -12,7 +12,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from engine.attention import COLD_PROMPTS_MAX
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.cuda_graphs import graph_buckets, mixed_buckets
@@ -92,23 +91,8 @@ def test_stage_packs_a_mixed_batch(rng):
     for i, s in enumerate(sched):
         assert md.block_tables[i, :len(s.request.block_ids)].tolist() == s.request.block_ids
     assert step.graph_batch is None
-    # the prefill part: keys to gather, and no cold-prompt offsets (the chunk has cached tokens)
-    assert md.num_decodes == 1 and md.prefill_kv_tokens == 15 + 5 and md.cold_prompt_starts == ()
-
-
-def test_stage_names_whole_prompts_with_nothing_cached(rng):
-    """Whole prompts with nothing cached beside a decode: their query offsets on the host (each
-    attends through its own SDPA call on CUDA); none once there are more than COLD_PROMPTS_MAX."""
-    runner = _runner(max_num_seqs=16)
-    sched = [_scheduled(rng, 10, 9, 1, 4), _scheduled(rng, 5, 0, 5, 4), _scheduled(rng, 3, 0, 3, 4)]
-    md = runner.stager.stage(SchedulerOutput(scheduled=sched), [s.request.block_ids for s in sched], None,
-                             None).metadata
-    assert md.cold_prompt_starts == (0, 5, 8) and md.prefill_kv_tokens == 8
-    assert md.prefill_query_start_loc is not None and md.prefill_query_start_loc.tolist() == [0, 5, 8]
-    many = [_scheduled(rng, 2, 0, 2, 4) for _ in range(COLD_PROMPTS_MAX + 1)]
-    md = runner.stager.stage(SchedulerOutput(scheduled=many), [s.request.block_ids for s in many], None,
-                             None).metadata
-    assert md.cold_prompt_starts == () and md.prefill_kv_tokens == 2 * len(many) and md.num_decodes == 0
+    # the prefill part: the keys its attention gathers from the pages
+    assert md.num_decodes == 1 and md.prefill_kv_tokens == 15 + 5
 
 
 def test_stage_pads_a_decode_batch_for_its_graph(rng):

@@ -106,8 +106,7 @@ needs_flash = pytest.mark.skipif(
 def test_prefill_matches_reference(cache_dtype, hq, hkv, d, window, cold, gen) -> None:
     block_size = 16
     # (cached prefix, new tokens) per sequence: a cold prompt, chunks over cached prefixes, a
-    # one-token query among them, a chunk that ends mid-page; or whole prompts only, each through
-    # its own SDPA call (cold_starts)
+    # one-token query among them, a chunk that ends mid-page; or whole prompts only
     shapes = [(0, 300), (517, 64), (40, 1), (1000, 257), (3, 130)]
     if cold:
         shapes = [(0, 300), (0, 1), (0, 1000), (0, 131)]
@@ -124,8 +123,7 @@ def test_prefill_matches_reference(cache_dtype, hq, hkv, d, window, cold, gen) -
     want = ref.paged_attention(q.float(), *map(clean, (kc, vc, ks, vs)), tables, lens, qsl, scale, window=window)
     out = torch.full_like(q, float("nan"))
     got = paged_prefill(q, kc, vc, ks, vs, tables, lens, qsl, scale, max_query_len=max(q_lens),
-                        max_seq_len=max(seq_lens), kv_tokens=sum(seq_lens),
-                        cold_starts=tuple(qsl.tolist()) if cold else (), window=window, out=out)
+                        max_seq_len=max(seq_lens), kv_tokens=sum(seq_lens), window=window, out=out)
     assert got.data_ptr() == out.data_ptr() and not got.isnan().any()
     err = (got.float() - want).abs().max().item()
     assert err <= 2e-2 * want.abs().max().item(), f"max error {err}"
