@@ -12,7 +12,6 @@ import concurrent.futures
 import gc
 import random
 import time
-from collections.abc import Callable
 
 import structlog
 import torch
@@ -32,7 +31,7 @@ from engine.request import Request, RequestStatus, SampleGroup
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.speculative import NgramProposer, Proposer, Speculator
-from engine.structured import GrammarCompiler, StructuredOutputError, StructuredOutputs, TokenMasks
+from engine.structured import GrammarCompiler, StructuredOutputError, StructuredOutputs
 from engine.tensor_parallel import Leader, check_devices
 from engine.validation import check_request
 from model import ModelConfig, load_model, smoothing
@@ -304,11 +303,10 @@ class EngineCore:
         Structured output: a step with constrained rows queues its forward pass, then (async) reads
         the previous step's tokens back, which advances the matchers, then fills the rows' token
         masks on the host while the device runs the forward pass, and queues the sampling after
-        them (`ModelRunner.forward`, `StructuredOutputs.fill`, `ModelRunner.sample`). The fill
-        runs on a thread from the moment the matchers took the tokens, beside the rest of the
-        previous step's bookkeeping (llguidance releases the GIL; `StructuredOutputs.fill_async`):
-        on the H200 at 256 constrained rows, one after the other they outlasted the forward pass
-        (+14.5% a step, 2026-12-02)."""
+        them (`ModelRunner.forward`, `StructuredOutputs.fill`, `ModelRunner.sample`). Filling on a
+        thread from the moment the matchers took the tokens, beside the rest of the bookkeeping,
+        was tried (5cad4f9) and measured slower on the H200: +60% a step at 256 constrained rows
+        and +24% at 64, against +14.5% and +2.4% this way (2026-12-02, benchmarks/structured.py)."""
         early: list[RequestOutput] = []
         spec = self.speculator
         if spec is not None and self._pending is not None and (
@@ -325,17 +323,10 @@ class EngineCore:
                 sampling = out.sampling_requests
                 if any(r.grammar is not None for r in sampling):
                     step = self.runner.forward(out)
-                    masks: concurrent.futures.Future[TokenMasks | None] | None = None
-
-                    def consumed() -> None:  # the matchers took the previous step's tokens: fill beside its close
-                        nonlocal masks
-                        masks = self.structured.fill_async(sampling)
-
                     if self._async:
-                        outputs = self._collect(None if out.num_spec_tokens else consumed)
-                    launched = self.runner.sample(
-                        step, masks.result() if masks is not None else
-                        self.structured.fill(sampling, bool(out.num_spec_tokens)), draft)
+                        outputs = self._collect()  # the matchers take the previous step's tokens first
+                    launched = self.runner.sample(step, self.structured.fill(sampling, bool(out.num_spec_tokens)),
+                                                  draft)
                 else:
                     launched = self.runner.launch(out) if draft is None else self.runner.launch(out, draft=draft)
             except Exception as e:  # an engine fault fails this step's requests, not the engine
@@ -361,9 +352,8 @@ class EngineCore:
         if compiling:
             concurrent.futures.wait(compiling, timeout=GRAMMAR_WAIT_S, return_when=concurrent.futures.FIRST_COMPLETED)
 
-    def _collect(self, consumed: Callable[[], None] | None = None) -> list[RequestOutput]:
-        """Reads back the pending step's tokens (waiting for the device) and closes that step;
-        `consumed` as in Scheduler.update_from_output (not called when no step was pending)."""
+    def _collect(self) -> list[RequestOutput]:
+        """Reads back the pending step's tokens (waiting for the device) and closes that step."""
         pending, self._pending = self._pending, None
         if pending is None:
             self._last_done = None  # idle: the next step's time is no step's alone
@@ -374,8 +364,7 @@ class EngineCore:
         except Exception as e:
             return self._step_failed(pending.all_requests, e)
         self._step_done()
-        return self.scheduler.update_from_output(pending.requests, sampled, prompt_logprobs, pending.speculated(),
-                                                 consumed)
+        return self.scheduler.update_from_output(pending.requests, sampled, prompt_logprobs, pending.speculated())
 
     def _step_done(self) -> None:
         """A step's tokens are back: the time since the previous one's is this step's (the engine

@@ -54,7 +54,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -428,8 +428,7 @@ class Scheduler:
 
     def update_from_output(self, requests: Sequence[Request], sampled: Sequence[SampledToken],
                            prompt_logprobs: Sequence[tuple[Request, int, list[SampledToken]]] = (),
-                           speculated: Sequence[list[SampledToken]] | None = None,
-                           consumed: Callable[[], None] | None = None) -> list[RequestOutput]:
+                           speculated: Sequence[list[SampledToken]] | None = None) -> list[RequestOutput]:
         """Closes a step: each row's sampled token (rows in `SchedulerOutput.sampling_requests`
         order) joins its request, is detokenized and checked for a stop, and ends the request
         (its blocks freed) when it stops. Returns one output per row still running. A row whose
@@ -443,11 +442,7 @@ class Scheduler:
         last prompt chunk samples its first token hands them all over with that token.
 
         speculated: in a step that verified proposals (engine/speculative.py), each row's tokens:
-        its accepted proposals and the token after them (`sampled` is then not read).
-
-        consumed: called once every matcher has taken its row's token(s), before the rest of the
-        bookkeeping, which reads no matcher from then on (GrammarState.finished is cached): the
-        engine fills the next step's token masks on a thread meanwhile."""
+        its accepted proposals and the token after them (`sampled` is then not read)."""
         for request, first, entries in prompt_logprobs:
             collected = request.prompt_logprobs
             if collected is None or request.finished:
@@ -458,15 +453,10 @@ class Scheduler:
             if first <= have < first + len(entries):
                 collected.extend(entries[have - first:])
         if speculated is not None:
-            outputs = self._update_speculative(requests, speculated)  # its matchers advance as it goes
-            if consumed is not None:
-                consumed()
-            return outputs
+            return self._update_speculative(requests, speculated)
         if self.structured is not None:
             self.structured.consume([(r.grammar, t.token_id) for r, t in zip(requests, sampled, strict=True)
                                      if r.grammar is not None and not r.finished])
-        if consumed is not None:
-            consumed()
         outputs = []
         for request, token in zip(requests, sampled, strict=True):
             if request.finished:
@@ -572,7 +562,6 @@ class Scheduler:
                 if not grammar.matcher.consume_token(token.token_id):
                     grammar.error = (f"the structured output's matcher refused token {token.token_id}: "
                                      f"{grammar.matcher.get_error() or 'not allowed here'}")
-                grammar.stopped = grammar.matcher.is_stopped()
             if grammar is not None and grammar.error is not None:
                 log.error("structured_output_failed", request_id=request.request_id, error=grammar.error)
                 return self.fail([request], grammar.error)

@@ -165,15 +165,12 @@ class GrammarState:
     """One sample's constraint: its compilation, then its own matcher (a copy of the compiled one)
     that advances with each token the sample appends."""
 
-    __slots__ = ("_future", "matcher", "error", "stopped")
+    __slots__ = ("_future", "matcher", "error")
 
     def __init__(self, future: Future[llguidance.LLMatcher]) -> None:
         self._future = future
         self.matcher: llguidance.LLMatcher | None = None
         self.error: str | None = None  # why the sample cannot go on (a bad constraint, a rejected token)
-        # The matcher can take nothing more but an end-of-sequence: updated wherever it takes a
-        # token, so that nothing reads the matcher while a mask fill may hold it (StructuredOutputs)
-        self.stopped = False
 
     @property
     def ready(self) -> bool:
@@ -196,7 +193,7 @@ class GrammarState:
     @property
     def finished(self) -> bool:
         """The matcher can take nothing more but an end-of-sequence: the output is complete."""
-        return self.stopped
+        return self.matcher is not None and self.matcher.is_stopped()
 
 
 class Constrained(Protocol):
@@ -231,7 +228,6 @@ class StructuredOutputs:
         self._pin = pin_memory
         self._masks = [self._new_masks(max_num_seqs, words) for _ in range(2)]
         self._parity = 0
-        self._fill_thread: ThreadPoolExecutor | None = None  # fill_async's, made at first use
 
     def grammar_for(self, params: StructuredOutputParams) -> GrammarState:
         """A new sample's constraint (its compilation starts now unless cached)."""
@@ -312,17 +308,6 @@ class StructuredOutputs:
             if not ok:
                 grammar.error = (f"the structured output's matcher refused token {token}: "
                                  f"{matcher.get_error() or 'not allowed here'}")
-            grammar.stopped = matcher.is_stopped()
-
-    def fill_async(self, requests: Sequence[Constrained]) -> Future[TokenMasks | None]:
-        """`fill` (no proposals) on a thread of its own: llguidance's fill releases the GIL, so the
-        engine closes the previous step meanwhile, touching no matcher (GrammarState.stopped).
-        One fill at a time: the caller waits for each before the next."""
-        if self._fill_thread is None:
-            self._fill_thread = ThreadPoolExecutor(1, thread_name_prefix="mask-fill")
-        return self._fill_thread.submit(self.fill, requests)
 
     def close(self) -> None:
         self.compiler.close()
-        if self._fill_thread is not None:
-            self._fill_thread.shutdown(wait=True)
