@@ -166,7 +166,8 @@ class _Row:
         self.grammar = grammar
 
 
-def host_side(tokenizer_json: str, vocab: int, batches: list[int], steps: int, threads: int | None) -> dict:
+def host_side(tokenizer_json: str, vocab: int, batches: list[int], steps: int, threads: int | None,
+              replicas: int | None) -> dict:
     out: dict = {}
     t0 = time.perf_counter()
     compiler = GrammarCompiler(tokenizer_json, vocab, (2,))
@@ -175,6 +176,8 @@ def host_side(tokenizer_json: str, vocab: int, batches: list[int], steps: int, t
     schema = StructuredOutputParams("json_schema", json.dumps(ORDER_SCHEMA))
     manager = StructuredOutputs(compiler, max_num_seqs=max(batches), pin_memory=torch.cuda.is_available(),
                                 threads=threads)
+    if replicas is not None:
+        compiler.replicas = replicas
     cold, first_fill = [], []
     for i in range(5):  # a new text each time (a "$comment"): compiled, not taken from the cache
         params = StructuredOutputParams("json_schema", json.dumps({**ORDER_SCHEMA, "$comment": f"run {i}"}))
@@ -201,14 +204,21 @@ def host_side(tokenizer_json: str, vocab: int, batches: list[int], steps: int, t
         compiler.compile(StructuredOutputParams(kind, text))
         print(f"compile a {kind}: {(time.perf_counter() - t0) * 1e3:.2f} ms")
 
-    template = compiler.compile(schema)
+    # the engine's matchers: copies of the constraint's replicas (engine/structured.py), once all are built
+    schema = StructuredOutputParams("json_schema", json.dumps({**ORDER_SCHEMA, "$comment": "replicas"}))
+    compiled = compiler.submit(schema).result()
+    while len(compiled.matchers) < compiler.replicas:
+        time.sleep(0.01)
+    print(f"fills from {len(compiled.matchers)} independent matcher(s) of the schema, {manager.threads} threads")
     instance = compiler.tokenizer.tokenize_str(json.dumps(ORDER))
     out["fill"] = {}
+    out["replicas"] = len(compiled.matchers)
     for batch in batches:
         rows, positions = [], []
         for r in range(batch):  # each row at its own point of the instance
-            state = GrammarState(Future())
-            state.matcher = template.deep_copy()
+            state = GrammarState(compiler.submit(schema))
+            assert state.ready
+            assert state.matcher is not None
             start = (r * 7) % len(instance)
             assert state.matcher.consume_tokens(instance[:start])
             rows.append(_Row(state))
@@ -221,7 +231,7 @@ def host_side(tokenizer_json: str, vocab: int, batches: list[int], steps: int, t
             pairs = []
             for r, row in enumerate(rows):
                 if positions[r] >= len(instance):  # at the end: start over
-                    row.grammar.matcher = template.deep_copy()
+                    row.grammar.matcher, row.grammar.replica = compiled.take()
                     positions[r] = 0
                 pairs.append((row.grammar, instance[positions[r]]))
                 positions[r] += 1
@@ -329,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=6, help="steps before timing (admission, prefill, compile)")
     ap.add_argument("--threads", type=int, default=None,
                     help="llguidance's threads for filling masks (default: the engine's: usable cores, at most 8)")
+    ap.add_argument("--replicas", type=int, default=None,
+                    help="host side: independent matchers of the schema (default: the engine's, one per thread)")
     ap.add_argument("--out", default=None, help="write the figures as JSON here (default: print only)")
     args = ap.parse_args(argv)
     args.device = args.device or default_device()
@@ -338,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer_json = (Path(args.tokenizer, "tokenizer.json").read_text() if args.tokenizer
                       else synthetic_tokenizer_json())
     print(f"device {args.device}; torch {torch.__version__}; vocabulary {args.vocab} columns")
-    results = {"host": host_side(tokenizer_json, args.vocab, args.batches, 50, args.threads)}
+    results = {"host": host_side(tokenizer_json, args.vocab, args.batches, 50, args.threads, args.replicas)}
     mask_kernel(args.device, args.vocab, args.batches)
     if not args.host_only:
         results["steps"] = steps_side(args, tokenizer_json)

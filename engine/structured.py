@@ -4,7 +4,7 @@ each step's token masks filled for the batch.
     SamplingParams.structured ──GrammarCompiler──> a compiled matcher, cached by the constraint
                                (worker thread: compiling drops the GIL; the request waits for it
                                 in the queue, not the step)
-    Request.grammar: GrammarState ── deep copy of it: this sample's parser state
+    Request.grammar: GrammarState ── deep copy of one of its replicas: this sample's parser state
     each step: StructuredOutputs.fill(rows) ──> TokenMasks (S, ceil(V/32)) int32 on the host, one
                bit per token, filled in parallel by llguidance's executor; the runner copies them
                to the device and forbids the rest (kernels: apply_token_bitmask_) before sampling
@@ -16,6 +16,14 @@ The tokenizer llguidance sees is the model's tokenizer.json with the model's voc
 logits' width: rows past the tokenizer are never allowed) and every end-of-sequence id of the
 model as its EOS: where the constraint is complete, the mask allows each of them, so the model
 ends its turn with the id it prefers (a chat model's end-of-turn, not end-of-text).
+
+Replicas: llguidance's deep copy of a matcher shares the original's lexer (its lazily built
+automaton) behind one lock, taken for each mask. Copies of one matcher therefore fill their masks
+one at a time whatever the executor's threads (on the H200 host 256 rows took 13.5 ms a step with
+8 threads and 14.7 with 16, the cost of one row times 256), and a batch constrained by one schema
+is the common case. So a constraint is compiled into as many independent matchers as the
+executor has threads (the first on demand, the rest in the background), samples take copies of
+them in turn, and a fill orders its rows by replica.
 
 The service compiles each constraint once more in its own process (EngineClient.check_structured,
 off its event loop) to refuse one that does not compile with the compiler's message; the engine's
@@ -86,21 +94,47 @@ def grammar_of(params: StructuredOutputParams) -> str:
     raise StructuredOutputError("structured", f"unknown kind {params.kind!r}")
 
 
+class Compiled:
+    """A constraint's independent matchers (module docstring: replicas), the first compiled on
+    demand and the rest appended by the compiler's thread; `take` hands out copies in turn."""
+
+    __slots__ = ("matchers", "_turn")
+
+    def __init__(self, first: llguidance.LLMatcher) -> None:
+        self.matchers = [first]
+        self._turn = 0
+
+    def take(self) -> tuple[llguidance.LLMatcher, int]:
+        """A new sample's matcher: a deep copy of the next replica, and that replica's index."""
+        i = self._turn % len(self.matchers)
+        self._turn += 1
+        return self.matchers[i].deep_copy(), i
+
+
 class GrammarCompiler:
-    """Compiles constraints for one tokenizer, each once: results (a matcher, or the error) are
-    cached by the constraint. Thread-safe; `submit` compiles on a worker thread of its own."""
+    """Compiles constraints for one tokenizer, each once: results (`Compiled`, or the error) are
+    cached by the constraint. Thread-safe; `submit` compiles on a worker thread of its own, which
+    also builds a constraint's other `replicas` after its first matcher."""
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: tuple[int, ...], *,
-                 max_cached: int = MAX_CACHED_GRAMMARS) -> None:
+                 max_cached: int = MAX_CACHED_GRAMMARS, replicas: int = 1) -> None:
         self.vocab_size = vocab_size  # the logits' width: the masks' bits
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
                                                 eos_token=list(eos_token_ids) if eos_token_ids else None)
         self._max_cached = max_cached
-        self._cache: OrderedDict[StructuredOutputParams, Future[llguidance.LLMatcher]] = OrderedDict()
+        self.replicas = replicas
+        self._cache: OrderedDict[StructuredOutputParams, Future[Compiled]] = OrderedDict()
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
 
-    def _entry(self, params: StructuredOutputParams, compile_now: bool) -> Future[llguidance.LLMatcher]:
+    def _worker(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            with self._lock:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+        return self._pool
+
+    def _entry(self, params: StructuredOutputParams, compile_now: bool) -> Future[Compiled]:
         with self._lock:
             future = self._cache.get(params)
             if future is not None:
@@ -113,11 +147,7 @@ class GrammarCompiler:
         if compile_now:
             self._compile_into(params, future)
         else:
-            if self._pool is None:
-                with self._lock:
-                    if self._pool is None:
-                        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
-            self._pool.submit(self._compile_into, params, future)
+            self._worker().submit(self._compile_into, params, future)
         return future
 
     def _compile_into(self, params: StructuredOutputParams, future: Future) -> None:
@@ -135,9 +165,16 @@ class GrammarCompiler:
             if matcher.is_error():
                 future.set_exception(StructuredOutputError(params.field, matcher.get_error().strip()))
             else:
-                future.set_result(matcher)
+                compiled = Compiled(matcher)
+                future.set_result(compiled)
+                if self.replicas > 1:
+                    self._worker().submit(self._replicate, grammar, compiled)
 
-    def cached(self, params: StructuredOutputParams) -> Future[llguidance.LLMatcher] | None:
+    def _replicate(self, grammar: str, compiled: Compiled) -> None:
+        for _ in range(self.replicas - 1):
+            compiled.matchers.append(llguidance.LLMatcher(self.tokenizer, grammar, log_level=0))
+
+    def cached(self, params: StructuredOutputParams) -> Future[Compiled] | None:
         """The finished compilation of `params` if there is one (no compiling here)."""
         with self._lock:
             future = self._cache.get(params)
@@ -146,13 +183,13 @@ class GrammarCompiler:
     def compile(self, params: StructuredOutputParams) -> llguidance.LLMatcher:
         """The compiled matcher of `params` (shared: deep-copy it before use), compiling it on this
         thread unless cached; raises StructuredOutputError."""
-        return self._entry(params, compile_now=True).result()
+        return self._entry(params, compile_now=True).result().matchers[0]
 
     def check(self, params: StructuredOutputParams) -> None:
         """Raises StructuredOutputError when `params` does not compile."""
         self.compile(params)
 
-    def submit(self, params: StructuredOutputParams) -> Future[llguidance.LLMatcher]:
+    def submit(self, params: StructuredOutputParams) -> Future[Compiled]:
         """The compilation of `params`, started on the worker thread unless cached."""
         return self._entry(params, compile_now=False)
 
@@ -165,11 +202,12 @@ class GrammarState:
     """One sample's constraint: its compilation, then its own matcher (a copy of the compiled one)
     that advances with each token the sample appends."""
 
-    __slots__ = ("_future", "matcher", "error")
+    __slots__ = ("_future", "matcher", "replica", "error")
 
-    def __init__(self, future: Future[llguidance.LLMatcher]) -> None:
+    def __init__(self, future: Future[Compiled]) -> None:
         self._future = future
         self.matcher: llguidance.LLMatcher | None = None
+        self.replica = 0  # which of the constraint's replicas it copies (fills order rows by it)
         self.error: str | None = None  # why the sample cannot go on (a bad constraint, a rejected token)
 
     @property
@@ -180,7 +218,7 @@ class GrammarState:
         if not self._future.done():
             return False
         try:
-            self.matcher = self._future.result().deep_copy()
+            self.matcher, self.replica = self._future.result().take()
         except StructuredOutputError as e:
             self.error = str(e)
         return True
@@ -221,7 +259,9 @@ class StructuredOutputs:
         self.compiler = compiler
         # Mask filling and token consumption run in parallel over the batch on llguidance's own
         # threads (Rust, no GIL). Default: the usable cores, at most 8.
-        self.executor = llguidance.LLExecutor(threads or max(1, min(8, usable_cores())))
+        self.threads = threads or max(1, min(8, usable_cores()))
+        self.executor = llguidance.LLExecutor(self.threads)
+        compiler.replicas = self.threads  # a thread per independent matcher of a constraint (module docstring)
         words = -(-compiler.vocab_size // 32)
         # Two sets of buffers taken in turn, so that the host never writes a mask whose copy to the
         # device a queued step may still read (as the runner's pinned sample buffers).
@@ -252,11 +292,15 @@ class StructuredOutputs:
         for s, i in enumerate(rows):
             grammar = requests[i].grammar
             assert grammar is not None and grammar.matcher is not None
-            pairs.append((grammar.matcher, s))
+            pairs.append((grammar.replica, grammar.matcher, s))
+        # The executor's threads take runs of the list: a run of one replica's copies holds no
+        # other thread up on that replica's lexer lock (module docstring)
+        pairs.sort(key=lambda p: p[0])
         # What llguidance.torch.fill_next_token_bitmask_par does, without importing that module
         # (it pulls in torch._dynamo: seconds at start): row s at data_ptr + s * row bytes.
         assert bitmask.dtype == torch.int32 and bitmask.is_contiguous() and not bitmask.is_cuda
-        self.executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), bitmask.shape[1] * 4, bitmask.shape[0])
+        self.executor.unsafe_compute_mask_ptr([(m, s) for _, m, s in pairs], bitmask.data_ptr(),
+                                              bitmask.shape[1] * 4, bitmask.shape[0])
         row_index.copy_(torch.tensor(rows, dtype=torch.int32))
         return TokenMasks(bitmask, row_index)
 

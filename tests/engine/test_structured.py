@@ -168,6 +168,44 @@ def test_a_regex_digit_is_an_ascii_digit(model_dir):
     assert len(pieces) >= 10 and all(p.isdigit() and p.isascii() for p in pieces), pieces
 
 
+def test_a_constraint_is_compiled_into_replicas_taken_in_turn(model_dir, rng):
+    """As many independent matchers of a constraint as the executor has threads (llguidance's
+    copies of one matcher share its lexer's lock, so their masks would fill one at a time); new
+    samples copy them in turn; a fill over rows of every replica, in any state, gives each row the
+    mask a copy of the first replica in the same state gives."""
+    engine = _engine(model_dir)
+    structured = engine.structured
+    compiler = structured.compiler
+    assert compiler.replicas == structured.threads >= 1
+    compiler.replicas = 3
+    params = json_schema(PERSON)
+    compiled = compiler.submit(params).result()
+    compiler._worker().submit(lambda: None).result()  # the compiler's thread has built the rest
+    assert len(compiled.matchers) == 3 and len({id(m) for m in compiled.matchers}) == 3
+    states = [GrammarState(compiler.submit(params)) for _ in range(7)]
+    assert all(s.ready for s in states)
+    assert [s.replica for s in states] == [0, 1, 2, 0, 1, 2, 0]
+    text = json.dumps({"name": "ab", "age": 7, "tags": ["red"], "ok": True}, separators=(", ", ": "))
+    ids = compiler.tokenizer.tokenize_str(text)
+    cuts = [rng.randrange(len(ids)) for _ in states]
+    for s, cut in zip(states, cuts):
+        assert s.matcher is not None and s.matcher.consume_tokens(ids[:cut])
+
+    class Row:
+        def __init__(self, grammar):
+            self.grammar = grammar
+
+    masks = structured.fill([Row(s) for s in states])  # type: ignore[arg-type]
+    assert masks is not None
+    got = masks.bitmask.clone()  # the fills below reuse the buffers
+    for i, cut in enumerate(cuts):
+        alone = GrammarState(Future())
+        alone.matcher = compiled.matchers[0].deep_copy()
+        assert alone.matcher.consume_tokens(ids[:cut])
+        want = structured.fill([Row(alone)])  # type: ignore[arg-type]
+        assert want is not None and got[i].tolist() == want.bitmask[0].tolist()
+
+
 def test_json_object(model_dir, rng):
     """Any JSON object: its strings are unbounded, so a random model may run into max_tokens (then
     LENGTH, cut at exactly max_tokens); whatever ends on its own parses as an object."""
@@ -360,7 +398,7 @@ def test_a_request_waits_for_its_constraint_without_holding_up_others(model_dir)
     assert [r.request_id for r in engine.scheduler.running] == ["free"]
     assert [r.request_id for r in engine.scheduler.waiting] == ["slow"]
     assert engine.scheduler.compiling() == [compiling]
-    compiling.set_result(engine.structured.compiler.compile(regex("[ab]+")))
+    compiling.set_result(engine.structured.compiler.submit(regex("[ab]+")).result())
     res: dict[str, str] = {}
     while engine.has_unfinished():
         for o in engine.step():
