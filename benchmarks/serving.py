@@ -343,8 +343,9 @@ def main(argv: list[str] | None = None) -> int:
 STEP_KINDS = {"decode": "decode-only", "prompt": "with prompt tokens"}
 
 
-def step_histogram(metrics_url: str) -> dict[str, list[tuple[float, float]]]:
-    """The server's pie_step_duration_seconds now: per kind, (upper bound s, cumulative count)."""
+def step_histogram(metrics_url: str) -> dict[str, list]:
+    """The server's pie_step_duration_seconds now: per kind, (upper bound s, cumulative count);
+    and under "counters", pie_step_prompt_tokens and pie_steps_unbounded."""
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
@@ -352,11 +353,14 @@ def step_histogram(metrics_url: str) -> dict[str, list[tuple[float, float]]]:
     with urllib.request.urlopen(metrics_url, timeout=10) as r:
         text = r.read().decode()
     out: dict[str, list[tuple[float, float]]] = {kind: [] for kind in STEP_KINDS}
+    counters: list[tuple[str, float]] = []
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if s.name == "pie_step_duration_seconds_bucket" and s.labels.get("kind") in out:
                 out[s.labels["kind"]].append((float(s.labels["le"]), s.value))
-    return {kind: sorted(v) for kind, v in out.items()}
+            elif s.name in ("pie_step_prompt_tokens_total", "pie_steps_unbounded_total"):
+                counters.append((s.name, s.value))
+    return {**{kind: sorted(v) for kind, v in out.items()}, "counters": sorted(counters)}
 
 
 def step_summary(before: dict, after: dict) -> dict:
@@ -374,6 +378,9 @@ def step_summary(before: dict, after: dict) -> dict:
 
         over = total - next((n for le, n in cum if le >= 0.05), total)
         summary[kind] = dict(steps=total, p50_le_ms=bound_ms(0.5), p99_le_ms=bound_ms(0.99), over_50ms=over)
+    b, a = dict(before.get("counters", [])), dict(after.get("counters", []))
+    summary["prompt_tokens"] = a.get("pie_step_prompt_tokens_total", 0.0) - b.get("pie_step_prompt_tokens_total", 0.0)
+    summary["unbounded"] = a.get("pie_steps_unbounded_total", 0.0) - b.get("pie_steps_unbounded_total", 0.0)
     return summary
 
 
@@ -384,6 +391,10 @@ def print_steps(s: dict) -> None:
     parts = [f"{label} {s[kind]['steps']:,.0f} (p50 {le(s[kind]['p50_le_ms'])}, p99 {le(s[kind]['p99_le_ms'])}, "
              f"{s[kind]['over_50ms']:,.0f} over 50 ms)"
              for kind, label in STEP_KINDS.items() if s[kind]["steps"]]
+    prompt_steps = s["prompt"]["steps"]
+    if prompt_steps:  # what the stall bound let through
+        parts.append(f"{s.get('prompt_tokens', 0) / prompt_steps:,.0f} prompt tokens per such step; "
+                     f"{s.get('unbounded', 0):,.0f} steps beside decodes with no stall bound yet")
     print("        server steps: " + "; ".join(parts or ["none timed"]), flush=True)
 
 

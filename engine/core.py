@@ -267,6 +267,8 @@ class EngineCore:
             requests_waiting_by_priority=self.scheduler.num_waiting_by_priority(),
             step_buckets={kind: list(counts) for kind, counts in self.step_times.counts.items()},
             step_seconds=dict(self.step_times.sums),
+            step_prompt_tokens=self.step_times.prompt_tokens,
+            steps_unbounded=self.scheduler.stall.unbounded_steps,
             **self._spec_stats(),
         )
 

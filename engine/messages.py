@@ -69,11 +69,13 @@ class StepTimes:
     def __init__(self) -> None:
         self.counts = {kind: [0] * len(STEP_BUCKETS) for kind in STEP_KINDS}
         self.sums = dict.fromkeys(STEP_KINDS, 0.0)
+        self.prompt_tokens = 0  # carried by the "prompt" steps, in all
 
     def observe(self, num_prompt_tokens: int, seconds: float) -> None:
         kind = "prompt" if num_prompt_tokens else "decode"
         self.counts[kind][bisect.bisect_left(STEP_BUCKETS, seconds)] += 1
         self.sums[kind] += seconds
+        self.prompt_tokens += num_prompt_tokens
 
 
 class EngineStats(msgspec.Struct, array_like=True, gc=False):
@@ -96,6 +98,10 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False):
     # the sum of their seconds.
     step_buckets: dict[str, list[int]] = {}
     step_seconds: dict[str, float] = {}
+    step_prompt_tokens: int = 0  # prompt tokens those steps carried (cumulative)
+    # Steps scheduled with running decodes but no stall bound (StallBound had no decode-step time
+    # or no per-token cost yet): their prompt tokens were bounded by the token budget alone.
+    steps_unbounded: int = 0
 
 
 # ---- client -> core --------------------------------------------------------------------------------

@@ -156,6 +156,7 @@ class StallBound:
         # t_decode before any decode-only step: seconds of a decode step by batch rows (sorted
         # buckets; a batch takes the smallest bucket >= its rows), or empty
         self.prior: dict[int, float] = {}
+        self.unbounded_steps = 0  # prompt_tokens calls with decodes that returned no bound (metrics)
 
     def decode_seconds(self, num_decodes: int) -> float | None:
         """t_decode for a step of `num_decodes` decodes: measured, else the prior, else None."""
@@ -198,7 +199,10 @@ class StallBound:
         """The most prompt tokens a step with `num_decodes` decodes should carry (None: no bound)."""
         c = self.per_prompt_token_s
         decode_s = self.decode_seconds(num_decodes)
-        if not self.factor or not num_decodes or decode_s is None or not c:
+        if not self.factor or not num_decodes:
+            return None
+        if decode_s is None or not c:
+            self.unbounded_steps += 1
             return None
         within = ((self.factor - 1.0) * decode_s - self.fixed_s) / c
         return max(self.min_tokens, int(self.fixed_s / c), int(within))

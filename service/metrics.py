@@ -108,6 +108,10 @@ class _EngineCollector(Collector):
             steps.add_metric([self.model_name, kind], [(_bound(b), c) for b, c in zip(STEP_BUCKETS, cumulative)],
                              stats.step_seconds.get(kind, 0.0))
         yield steps
+        yield counter("pie_step_prompt_tokens", "Prompt tokens carried by the steps that carry any (cumulative).",
+                      stats.step_prompt_tokens)
+        yield counter("pie_steps_unbounded", "Steps with running decodes whose prompt tokens no stall bound limited "
+                      "(--decode-stall-factor had no step times to go on yet).", stats.steps_unbounded)
         if self.num_speculative_tokens is not None:
             yield from self._spec_decode(stats, counter)
 

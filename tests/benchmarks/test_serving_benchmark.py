@@ -37,7 +37,9 @@ def test_sweep_burst_and_closed_loop_on_the_bundled_model(tmp_path):
     assert (tmp_path / "p-poisson-latency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "goodput" in run.stdout and "TPOT" in run.stdout
     # the engine steps each level ran, from the server's metrics (the first after idle is not timed)
-    assert all(sum(s["steps"] for s in r["server_steps"].values()) > 0 for r in rows)
+    assert all(sum(r["server_steps"][kind]["steps"] for kind in ("decode", "prompt")) > 0 for r in rows)
+    assert sum(r["server_steps"]["prompt_tokens"] for r in rows) > 0
+    assert all(r["server_steps"]["unbounded"] >= 0 for r in rows)
     assert "server steps:" in run.stdout
 
 

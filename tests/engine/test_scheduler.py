@@ -336,6 +336,7 @@ def test_stall_bound_learns_from_step_times() -> None:
     for _ in range(20):
         bound.observe(8, 0, 0.010)  # decode-only steps: 10 ms
     assert bound.prompt_tokens(8) is None  # the cost of a prompt token is not known yet
+    assert bound.unbounded_steps == 2  # steps beside decodes that no bound limited (a metric)
     for _ in range(20):
         bound.observe(8, 1000, 0.010 + 1000 * 20e-6)  # 20 us per prompt token on top
     # (2 - 1) x 10 ms / 20 us = 500 tokens keep a step within twice a decode step

@@ -124,6 +124,10 @@ def test_metrics_after_traffic(server, client, log_buffer):
                       if name == "pie_step_duration_seconds_bucket" and ("kind", kind) in labels]
         assert len(cumulative) == 14 and cumulative == sorted(cumulative) and cumulative[-1] == n
     assert value(m, "pie_step_duration_seconds_sum", kind="decode") > 0
+    # The prompt tokens those steps carried (at most the three prompts'), and steps beside decodes
+    # that no stall bound limited (a counter; the CPU's bound learns from the first steps).
+    assert 0 <= value(m, "pie_step_prompt_tokens_total") <= sum(len(tok.encode(p)) for p in PROMPTS)
+    assert value(m, "pie_steps_unbounded_total") >= 0
 
     # The summary lines: one per request, with the fields an operator greps for.
     lines = {d["request_id"]: d for d in log_lines(log_buffer) if d.get("event") == "request_done"}
