@@ -14,8 +14,8 @@ everything the cache holds for it. Two steps:
    sliding window as (window - 1, 0).
 
 Measured on the H200 (2026-12-02, Hq 32, Hkv 8, D 128, int8 pages; `benchmarks/attention.py
---extend-only --repeats 3`): over cached prefixes this path runs at 0.99-1.27x SDPA (the Triton
-kernel 1.20-1.21x); a 4k-token prompt with nothing cached at 1.9x, because SDPA takes cuDNN's
+--extend-only --repeats 3`): over cached prefixes this path runs at 1.01-1.27x SDPA (the Triton
+kernel 1.19-1.23x); a 4k-token prompt with nothing cached at 1.7-1.9x (the Triton kernel 2.0x), because SDPA takes cuDNN's
 attention there (533 TFLOP/s against FlashAttention-2's 272). One SDPA call per such prompt was
 tried and dropped: no faster in the kernel benchmark (the per-call host work and copies), and
 served at 4 requests/s it came with decode steps of 50-100 ms (1.6% of them; ITL p99 83-100 ms),
