@@ -286,7 +286,9 @@ def test_rejected_proposals_give_their_blocks_back(models, rng):
     """Proposals reaching into a new block, rejected: the block goes back to the pool when the
     step is read back (the invariants would catch a table longer than the tokens need)."""
     model_dir = models("qwen2")
-    engine = _engine(model_dir, block_size=2, num_speculative_tokens=8)
+    # room for every request's prompt, output and proposals (800 tokens against at most 6 x 82): a
+    # full pool gives proposals no blocks (speculation never preempts), and then none is rejected
+    engine = _engine(model_dir, block_size=2, num_speculative_tokens=8, num_kv_blocks=400)
     bm = engine.block_manager
     trim = bm.trim
     returned = []
