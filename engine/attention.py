@@ -113,9 +113,10 @@ class TritonOps:
     def extend(self, q, k_new, v_new, cache: _Cache, block_tables, seq_lens, query_start_loc, scale: float, *,
                max_query_len: int, max_seq_len: int, kv_tokens: int,
                window: int | None, out: torch.Tensor | None) -> torch.Tensor:
-        # FlashAttention over the keys gathered from the pages where it applies (kernels/flash_prefill.py:
-        # 1.3-2x faster than the Triton kernel on long prompts), else the Triton extend kernel.
-        if kv_tokens and self._flash.supported(q):
+        # FlashAttention over the keys gathered from the pages where it applies and the copy is not
+        # too large (kernels/flash_prefill.py), else the Triton extend kernel.
+        if (kv_tokens and self._flash.fits(kv_tokens, cache[0].shape[2], cache[0].shape[3], q.dtype)
+                and self._flash.supported(q)):
             return self._flash.paged_prefill(q, *cache, block_tables, seq_lens, query_start_loc, scale,
                                              max_query_len=max_query_len, max_seq_len=max_seq_len,
                                              kv_tokens=kv_tokens, window=window, out=out)

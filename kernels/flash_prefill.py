@@ -31,7 +31,10 @@ buffers for the same reason.
 
 Where it applies (`supported`): CUDA, fp16/bf16 queries, head dims that are multiples of 8 up to
 256, FlashAttention built into torch, and not while a CUDA graph is being captured (the gathered
-length is a host number that changes every step).
+length is a host number that changes every step); and (`fits`) a gathered copy of at most
+GATHER_MAX_BYTES. The copy is transient, but its size is the step's prefill sequences' whole
+contexts: 200 requests sharing a cached 6,000-token system prompt, 20 new tokens each, gather
+1.2M tokens, 4.9 GB at Llama-3.1-8B's shape, where the Triton kernel reads the pages in place.
 """
 
 from __future__ import annotations
@@ -41,6 +44,13 @@ import torch
 from kernels.triton_gather import gather_pages
 
 MAX_HEAD_DIM = 256
+# The largest gathered K and V together (bytes) this path takes on; more: the Triton extend kernel
+GATHER_MAX_BYTES = 256 << 20
+
+
+def fits(kv_tokens: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
+    """The gathered K and V of `kv_tokens` tokens stay within GATHER_MAX_BYTES."""
+    return 2 * kv_tokens * num_kv_heads * head_dim * dtype.itemsize <= GATHER_MAX_BYTES
 
 
 def supported(q: torch.Tensor) -> bool:

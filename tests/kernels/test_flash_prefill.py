@@ -127,3 +127,15 @@ def test_prefill_matches_reference(cache_dtype, hq, hkv, d, window, cold, gen) -
     assert got.data_ptr() == out.data_ptr() and not got.isnan().any()
     err = (got.float() - want).abs().max().item()
     assert err <= 2e-2 * want.abs().max().item(), f"max error {err}"
+
+
+def test_a_large_gather_is_left_to_the_triton_kernel() -> None:
+    """The gathered copy's size is the prefill sequences' whole contexts: past GATHER_MAX_BYTES
+    (many requests over one long cached prefix) the engine reads the pages in place instead."""
+    from kernels.flash_prefill import GATHER_MAX_BYTES, fits
+
+    per_token = 2 * 8 * 128 * 2  # K and V, 8 kv heads of 128, bf16
+    assert fits(GATHER_MAX_BYTES // per_token, 8, 128, torch.bfloat16)
+    assert not fits(GATHER_MAX_BYTES // per_token + 1, 8, 128, torch.bfloat16)
+    assert not fits(200 * 6020, 8, 128, torch.bfloat16)  # 200 requests over a cached 6,000-token prompt
+    assert fits(4 * 8192, 8, 128, torch.bfloat16)  # a few long prompts in an 8k-token step
