@@ -140,8 +140,10 @@ def _new_tile(acc, m_i, l_i, q, pos, j_start, j_end, ctx, q_start, kn_base, vn_b
 # of seq_lens and query_start_loc (slices of the runner's staging buffer at offsets that move with
 # the step's token count): each new combination was a fresh compile (~1 s) in the middle of
 # serving, several of them in an engine's first minutes.
+# bt_ptr too: a mixed step's prefill rows are the tables from row num_decodes on, whose alignment
+# moves with it (each variant would compile while serving, stalling the step that meets it)
 @triton.jit(do_not_specialize=["num_seqs", "num_q_blocks"],
-            do_not_specialize_on_alignment=["seq_lens_ptr", "qsl_ptr"])
+            do_not_specialize_on_alignment=["seq_lens_ptr", "qsl_ptr", "bt_ptr"])
 def _extend_kernel(q_ptr, kn_ptr, vn_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, bt_ptr,
                    seq_lens_ptr, qsl_ptr, out_ptr, qk_scale, num_seqs, num_q_blocks,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_bt,

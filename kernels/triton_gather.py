@@ -31,7 +31,10 @@ def _copy_tile(cache_ptr, scale_ptr, out_ptr, src, dst, at, mask, row_ok, QUANT:
     tl.store(out_ptr + dst, x.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+# One compiled variant for every step: the block tables and lengths are slices of the step's
+# staging buffers (their alignment moves with the step's shape), and a kernel first compiled
+# while serving stalls the step that meets it for as long as the compile takes.
+@triton.jit(do_not_specialize=["stride_table"], do_not_specialize_on_alignment=["tables_ptr", "seq_lens_ptr"])
 def _gather_kernel(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, tables_ptr, seq_lens_ptr,
                    cu_ptr, k_out_ptr, v_out_ptr, stride_table,
                    HKV: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
