@@ -29,7 +29,7 @@ import torch
 
 from engine.attention import AttentionMetadata, PagedAttention
 from engine.config import EngineConfig
-from engine.cuda_graphs import CudaGraphs, PiecewiseGraphs
+from engine.cuda_graphs import CudaGraphs, PiecewiseGraphs, graph_buckets
 from engine.kv_cache import KVCache
 from engine.messages import SampledToken
 from engine.prompt_logprobs import PromptLogprobRows
@@ -481,13 +481,38 @@ class ModelRunner:
 
     def warm_up(self) -> None:
         """Prefills of 2, 3, 5, 9, ... tokens, one per tile variant of the extend kernel (its
-        BLOCK_M follows the longest query of a step in powers of two), so that Triton compiles them
-        at start and not under load. Writes the cache's first blocks; nothing refers to them yet."""
+        BLOCK_M follows the longest query of a step in powers of two), then a step of B decodes
+        beside a prompt chunk for every decode graph bucket B (`mixed_step`), so that Triton
+        compiles them at start and not under load. Writes the cache's first blocks; nothing refers
+        to them yet."""
         n = 2
         while n < self.max_model_len and n <= self.max_tokens and -(-n // self.block_size) <= self.kv_cache.num_blocks:
             self.profile([n])
             n = 2 * n - 1
-        log.info("warmed_up", longest_prefill=(n + 1) // 2)
+        per_row = -(-4 // self.block_size)  # blocks of a mixed_step row
+        # (the prompt chunk takes a row: the largest bucket warms up one decode short)
+        sizes = sorted({min(b, self.max_num_seqs - 1) for b in graph_buckets(self.max_num_seqs)} - {0})
+        buckets = [b for b in sizes if b + 3 <= self.max_tokens and (b + 1) * per_row <= self.kv_cache.num_blocks]
+        for b in buckets:
+            self.mixed_step(b)
+        log.info("warmed_up", longest_prefill=(n + 1) // 2, mixed_steps=len(buckets))
+
+    def mixed_step(self, num_decodes: int) -> None:
+        """One step of `num_decodes` decodes at short contexts (the decode kernel's one-split
+        launch, at this batch's launch table) beside a 3-token prompt chunk over one cached token
+        (the prompt path with a prefix): the kernels a mixed step runs eagerly, which the decode
+        graphs (whole-context splits, bucket batches) never compile. Needs (num_decodes + 1) x
+        ceil(4 / block_size) blocks of this runner's cache; writes block 0 onward."""
+        sampling = SamplingParams(max_tokens=1, temperature=0.0)
+        per_row = -(-4 // self.block_size)
+        scheduled = []
+        for i in range(num_decodes + 1):
+            req = Request(f"warm-{i}", [1] * 4, sampling, max_model_len=self.max_model_len, seed=i)
+            req.block_ids = list(range(i * per_row, (i + 1) * per_row))  # outside the block manager's pool
+            start, n = (3, 1) if i < num_decodes else (1, 3)
+            req.num_computed_tokens = start
+            scheduled.append(ScheduledRequest(req, n, start, True))
+        self.execute(SchedulerOutput(scheduled=scheduled, num_batched_tokens=num_decodes + 3))
 
     # ---- CUDA graphs ----------------------------------------------------------------------------
     def graph_forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -345,9 +345,16 @@ def test_warm_up_runs_every_prefill_tile_on_the_cpu(tmp_path):
     engine = EngineCore(EngineConfig(model=str(make_hf_model_dir(tmp_path, "llama")), device="cpu",
                                     kv_cache_dtype="int8", num_kv_blocks=64, max_num_seqs=4,
                                     max_num_batched_tokens=128))
-    seen = []
-    profile = engine.runner.profile
+    seen, mixed = [], []
+    profile, mixed_step, execute = engine.runner.profile, engine.runner.mixed_step, engine.runner.execute
     engine.runner.profile = lambda lens: (seen.append(lens[0]), profile(lens))
+    engine.runner.mixed_step = lambda b: (mixed.append(b), mixed_step(b))
+    sampled = []
+    engine.runner.execute = lambda out: sampled.append(execute(out)) or sampled[-1]
     engine.runner.warm_up()
     assert seen == [2, 3, 5, 9, 17, 33, 65]  # 129 > the step's 128-token budget
+    # then a step of B decodes beside a prompt chunk for each decode graph bucket (1, 2, 4), the
+    # largest one decode short (the chunk takes the fourth row)
+    assert mixed == [1, 2, 3]
+    assert all(len(s) == b + 1 for s, b in zip(sampled[len(seen):], mixed))  # every row sampled
     assert engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0)) != []
