@@ -138,7 +138,18 @@ class StallBound:
     once: ITL p99 217 ms, 11.6x p50). Without prior and measure, and before c_prompt is measured,
     there is no bound; until steps of different prompt sizes were seen, t_fixed is taken as 0 (the
     line needs two sizes). Averages are exponential (weight `alpha` for the newest step), so the
-    bound follows the batch as it grows and the contexts as they lengthen."""
+    bound follows the batch as it grows and the contexts as they lengthen.
+
+    A step counts at most SPIKE times what the model expects of it: one step stalled by something
+    else (a kernel compiled on first use, a collection, the host) would otherwise raise t_decode
+    or t_fixed for the next ten or so steps, and the bound with them: one decode step of 1 s among
+    10 ms ones took the bound from 400 prompt tokens to 10,300, and one prompt step of 2 s kept it
+    above 1,700 for eight steps (tests/engine/test_scheduler.py), whole token budgets beside the
+    decodes (a cold server's burst on the H200 ran 45 of its 102 prompt steps past 50 ms,
+    2026-12-02; whether stalls set that off there is not measured). A real change of cost still
+    comes through, at up to SPIKE times the estimate a step."""
+
+    SPIKE = 2.0
 
     def __init__(self, factor: float, min_tokens: int, alpha: float = 0.2) -> None:
         if factor and factor <= 1.0:
@@ -173,12 +184,15 @@ class StallBound:
         a = self.alpha
         if num_prompt_tokens == 0:
             if num_decodes:
-                self.decode_s = seconds if self.decode_s is None else (1 - a) * self.decode_s + a * seconds
+                self.decode_s = seconds if self.decode_s is None else (
+                    (1 - a) * self.decode_s + a * min(seconds, self.SPIKE * self.decode_s))
             return
         if num_prompt_tokens < self.min_tokens:
             return  # too few tokens to tell their cost from the step's noise
         base = (self.decode_seconds(num_decodes) or 0.0) if num_decodes else 0.0
         n, y = float(num_prompt_tokens), max(seconds - base, 0.0)
+        if self.per_prompt_token_s:  # what the line expects of n tokens
+            y = min(y, self.SPIKE * max(self.fixed_s + self.per_prompt_token_s * n, base))
         step = (n, n * n, y, n * y)
         m = self._moments = step if self._moments is None else (
             (1 - a) * self._moments[0] + a * step[0], (1 - a) * self._moments[1] + a * step[1],

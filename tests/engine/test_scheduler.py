@@ -352,6 +352,33 @@ def test_stall_bound_learns_from_step_times() -> None:
         StallBound(1.0, min_tokens=16)
 
 
+def test_stall_bound_shrugs_off_one_stalled_step() -> None:
+    """One step stalled by something else (a kernel compiled on first use, the host) moves the
+    bound by little; a lasting change of cost still comes through within a few steps."""
+    from engine.scheduler import StallBound
+
+    bound = StallBound(2.0, min_tokens=16)
+    for _ in range(20):
+        bound.observe(8, 0, 0.010)
+    for n in (500, 1000, 2000) * 10:
+        bound.observe(8, n, 0.010 + 0.002 + n * 20e-6)  # 2 ms fixed, 20 us a token
+    before = bound.prompt_tokens(8)
+    assert before == pytest.approx((0.010 - 0.002) / 20e-6, rel=0.05)
+    bound.observe(8, 0, 1.0)  # a decode-only step stalled for a second
+    assert bound.decode_s == pytest.approx(0.8 * 0.010 + 0.2 * 0.020)  # counted as twice the estimate
+    bound.observe(8, 0, 0.010)
+    bound.observe(8, 1000, 2.0)  # a prompt step stalled for two seconds
+    after = bound.prompt_tokens(8)
+    assert after is not None and after <= 1.6 * before  # unclipped: the floor t_fixed / c let 8k+ through
+    for _ in range(40):
+        bound.observe(8, 0, 0.010)
+        bound.observe(8, 1000, 0.010 + 0.002 + 1000 * 20e-6)
+    assert bound.prompt_tokens(8) == pytest.approx(before, rel=0.1)  # forgotten
+    for _ in range(15):
+        bound.observe(8, 0, 0.040)  # the decodes' cost quadruples for good: followed
+    assert bound.decode_s == pytest.approx(0.040, rel=0.1)
+
+
 def test_stall_bound_fits_a_fixed_cost_and_does_not_starve_prompts() -> None:
     """Steps that carry prompt tokens cost a fixed part (eager, not a graph) plus a part per token.
     The bound is fitted to both; fed back its own chunks, it settles where a step stays within the
