@@ -102,6 +102,35 @@ def _timed_replays(graph: torch.cuda.CUDAGraph, n: int = 3) -> float:
     return sorted(times)[n // 2]
 
 
+KV_TIMING_CONTEXT = 1024  # tokens of context per row when timing what context adds to a decode step
+
+
+def _kv_token_seconds(graph: torch.cuda.CUDAGraph, stager: StepStager, rows: int, attention: PagedAttention,
+                      max_model_len: int, base_s: float) -> float | None:
+    """What one token of context adds to a decode step, seconds: the decode graph of `rows` rows,
+    captured over one-token contexts (`base_s`), replayed with every row over KV_TIMING_CONTEXT
+    tokens (or what the pool holds) in pages of its own, then restaged as captured. The pages are
+    read, never written (the rows' slots stay -1), so what the pool holds does not matter. None
+    when the pool has fewer than two pages a row."""
+    cache, tables = attention.kv_cache, stager.dev_tables
+    assert tables is not None, "graphs read the staging buffers' device copies"
+    pages = min(KV_TIMING_CONTEXT, max_model_len) // cache.block_size
+    pages = min(pages, cache.num_blocks // rows, tables.shape[1])
+    if pages < 2:
+        return None
+    context = pages * cache.block_size
+    layout = Packed(n_tok=rows, rows=rows)
+    seq_lens = stager.dev_ints[layout.seq_lens]
+    seq_lens.fill_(context)
+    tables[:rows, :pages].copy_(torch.arange(rows * pages, dtype=tables.dtype, device=tables.device).view(rows, pages))
+    try:
+        long_s = _timed_replays(graph)
+    finally:
+        seq_lens.fill_(1)
+        tables[:rows].zero_()
+    return max(long_s - base_s, 0.0) / (rows * (context - 1))
+
+
 class Graph:
     __slots__ = ("graph", "logits")
 
@@ -118,9 +147,11 @@ class CudaGraphs:
         self.graphs: dict[int, Graph] = {}  # decode steps, by rows
         self.verify: dict[int, Graph] = {}  # verify steps, by rows of verify_width tokens
         self.verify_width = 0  # tokens per verify row: 1 + K (0: no verify graphs)
-        # A replay of each decode bucket, timed at capture (one-token contexts, dummy rows), seconds:
-        # the scheduler's estimate of a decode step until it has measured one (StallBound.prior).
+        # A replay of each decode bucket, timed at capture (one-token contexts, dummy rows), seconds,
+        # and what each token of context adds to it (the largest bucket replayed again over long
+        # contexts): the scheduler's model of a decode step (StallBound.prior, .kv_token_s).
         self.replay_seconds: dict[int, float] = {}
+        self.kv_token_seconds: float | None = None
 
     def __bool__(self) -> bool:
         return bool(self.graphs)
@@ -182,6 +213,9 @@ class CudaGraphs:
             (self.graphs if w == 1 else self.verify)[b] = Graph(graph, logits)
             if w == 1 and time_replays:
                 self.replay_seconds[b] = _timed_replays(graph)
+                if self.kv_token_seconds is None:  # the largest decode bucket comes first
+                    self.kv_token_seconds = _kv_token_seconds(graph, stager, b, attention, max_model_len,
+                                                              self.replay_seconds[b])
         torch.cuda.synchronize()
         self.graphs = dict(sorted(self.graphs.items()))
         self.replay_seconds = dict(sorted(self.replay_seconds.items()))
@@ -212,6 +246,7 @@ class CudaGraphs:
             self.verify = {}
             self.verify_width = 0
             self.replay_seconds = {}
+            self.kv_token_seconds = None
 
 
 def mixed_buckets(max_tokens: int) -> list[int]:

@@ -80,10 +80,15 @@ class PendingSample:
         # row i, each (id, logprob, accepted, n_top ids, n_top logprobs)
         self._host = host
         self._n_top = n_top
-        self._done = done  # recorded after the device->host copies; None on the CPU
+        self._done = done  # recorded after the device->host copies (timed); None on the CPU
         self._prompt = prompt  # the step's prompt-logprob rows and their (M, 1 + 2 * top) values on the host
         self._num_spec = num_spec  # proposals of each row (a step that verified some), else None
         self._speculated: list[list[SampledToken]] | None = None
+
+    @property
+    def done(self) -> torch.cuda.Event | None:
+        """The event recorded after the step's last work on the device (None on the CPU)."""
+        return self._done
 
     @property
     def speculative(self) -> bool:
@@ -206,7 +211,6 @@ class ModelRunner:
             sample_cols = 2 + 2 * MAX_LOGPROBS + (1 if max_spec_tokens else 0)  # + accepted, verifying
             self._host_samples = [torch.empty((max_num_seqs + max_spec_tokens) * sample_cols, dtype=torch.float64,
                                               pin_memory=True) for _ in range(2)]
-            self._sample_events = [torch.cuda.Event(), torch.cuda.Event()]
             self._parity = 0
             # The same for prompt logprobs, allocated when a step first computes some.
             self._host_prompt: list[torch.Tensor] | None = None
@@ -442,7 +446,9 @@ class ModelRunner:
                 host = self._host_prompt[self._parity][:values.numel()].view(values.shape)
                 host.copy_(values, non_blocking=True)
                 values = host
-            event = self._sample_events[self._parity]
+            # One event per step, timed: the engine reads the step's time off the device's
+            # clock as the gap to the previous step's (EngineCore._step_done).
+            event = torch.cuda.Event(enable_timing=True)
             event.record()
             done: torch.cuda.Event | None = event
         else:

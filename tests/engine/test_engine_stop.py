@@ -34,6 +34,7 @@ class Forced:
     """A launched step whose sampled tokens are given, not computed (ModelRunner.launch's result)."""
 
     speculative = False  # no proposals verified
+    done = None  # no device event: the host's clock times the step
 
     def __init__(self, out, tokens) -> None:
         self.requests = self.all_requests = out.sampling_requests

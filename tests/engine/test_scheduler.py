@@ -437,6 +437,53 @@ def test_stall_bound_uses_its_prior_until_a_decode_step_is_measured() -> None:
     assert StallBound(2.0, min_tokens=16).prompt_tokens(12) is None  # no prior, nothing measured
 
 
+def test_stall_bound_models_a_decode_step_by_its_context() -> None:
+    """On CUDA a decode step is modelled as its bucket's graph over one-token contexts plus a cost
+    per token of context, both timed at start: a full batch at long contexts is allowed the prompt
+    tokens its real decode step covers, and measured decode-only steps correct the model by a
+    ratio that carries over to other batch sizes and contexts."""
+    from engine.scheduler import StallBound
+
+    bound = StallBound(2.0, min_tokens=16)
+    bound.prior = {16: 0.0047, 256: 0.0075}
+    bound.kv_token_s = 21e-9  # 8B shape on the H200: ~21 ns a token of context (int8 pages)
+    bound.observe(0, 8000, 8000 * 27e-6)  # a whole budget, prompts only: 27 us a token
+    short, long = bound.prompt_tokens(256, 256), bound.prompt_tokens(256, 256 * 1500)
+    assert short == pytest.approx(0.0075 / 27e-6, abs=2)  # 7.5 ms of decode: 277 tokens
+    assert long == pytest.approx((0.0075 + 256 * 1500 * 21e-9) / 27e-6, abs=2)  # 15.6 ms: 576 tokens
+    assert bound.decode_seconds(20, 20 * 1000) == pytest.approx(0.0075 + 20_000 * 21e-9)  # past 16: the 256 bucket
+    bound.observe(256, 0, 1.5 * (0.0075 + 256 * 1000 * 21e-9), 256 * 1000)  # measured: 1.5x the model
+    assert bound.decode_ratio == pytest.approx(1.5)
+    assert bound.decode_seconds(16, 16 * 3000) == pytest.approx(1.5 * (0.0047 + 16 * 3000 * 21e-9))
+    bound.observe(256, 0, 10.0, 256 * 1000)  # a stalled decode step counts as twice the estimate
+    assert bound.decode_ratio == pytest.approx(0.8 * 1.5 + 0.2 * 3.0)
+
+
+def test_stall_bound_holds_through_a_burst() -> None:
+    """The steps of a cold burst on the H200 (8B shape, 2026-12-02): one whole budget, then ~150
+    prompt tokens a step beside the decodes, some 10% slower or faster, and one stalled 78 ms. The
+    slope is not read off the noise of steps of one size: the bound stays near where it was
+    (fitted to exponentially weighted moments it let 2,800-token chunks through after the stall)."""
+    import random
+
+    from engine.scheduler import StallBound
+
+    rng = random.Random(1)
+    bound = StallBound(2.0, min_tokens=16)
+    bound.prior = {16: 0.0047, 32: 0.0048}
+    bound.kv_token_s = 21e-9
+    bound.observe(3, 8189, 0.231, 7091)
+    sizes = []
+    for i in range(120):
+        n = bound.prompt_tokens(20, 40_000)
+        assert n is not None
+        sizes.append(n)
+        seconds = 0.0047 + 40_000 * 21e-9 + 0.003 + 27e-6 * n * rng.uniform(0.9, 1.1) + rng.uniform(0, 0.002)
+        bound.observe(20, n, 0.078 if i == 60 else seconds, 40_000)
+    assert bound.per_prompt_token_s == pytest.approx(27e-6, rel=0.25)
+    assert max(sizes[10:]) < 400, sizes
+
+
 def test_prompt_tokens_beside_decodes_follow_the_stall_bound() -> None:
     sched = StepScheduler(BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256,
                           stall_factor=2.0)
