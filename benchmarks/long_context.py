@@ -47,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per KV cache dtype; the median is reported")
     ap.add_argument("--kv", default="int8,bf16", help="KV cache dtypes to run, comma-separated")
     ap.add_argument("--tflops", type=float, default=790.0, help="dense bf16 rate for the ideal prefill time")
+    ap.add_argument("--decode-stall-factor", type=float, default=0.0,
+                    help="the engine's stall bound (default 0, off: offline work queued at once wants whole "
+                         "budgets; the served bound is measured by benchmarks/serving.py)")
     ap.add_argument("--out", default=None, help="JSON file for every figure (default: none written)")
     args = ap.parse_args(argv)
     sized.fill(args, args.tiny)
@@ -71,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, kv_gib in passes.items():
             run_args = argparse.Namespace(device=args.device, max_num_seqs=args.max_num_seqs,
                                           max_batched_tokens=args.max_batched_tokens, kv_gib=kv_gib,
-                                          repeats=args.repeats, single=False, hf=0)
+                                          repeats=args.repeats, single=False, hf=0,
+                                          decode_stall_factor=args.decode_stall_factor)
             results = {kv: run_engine(Path(tmp), kv, prompts, outs, run_args) for kv in args.kv.split(",")}
             print(f"## {name}")
             summary = report(results, prompts, params, weight_bytes, copy_bw, args.tflops, args.max_num_seqs,

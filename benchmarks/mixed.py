@@ -181,6 +181,7 @@ def run_engine(folder: Path, kv: str, prompts, outs, args, extra: bool = False) 
     eng = EngineCore(EngineConfig(model=str(folder), device=args.device,
                                  dtype="bf16" if args.device == "cuda" else "fp32", kv_cache_dtype=kv,
                                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,
+                                 decode_stall_factor=getattr(args, "decode_stall_factor", 0.0),
                                  kv_cache_memory_bytes=None if args.kv_gib is None else int(args.kv_gib * 2**30)))
     eng.generate([p[:32] for p in prompts[:4]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     more = {}
@@ -348,6 +349,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per KV cache dtype; the median is reported")
     ap.add_argument("--kv", default="int8,bf16", help="KV cache dtypes to run, comma-separated")
     ap.add_argument("--tflops", type=float, default=790.0, help="dense bf16 rate for the ideal prefill time")
+    ap.add_argument("--decode-stall-factor", type=float, default=0.0,
+                    help="the engine's stall bound (default 0, off: offline work queued at once wants whole "
+                         "budgets; the served bound is measured by benchmarks/serving.py)")
     ap.add_argument("--serve", default="",
                     help="closed-loop gRPC concurrencies, e.g. 64,256 (int8 server) (default: none, not served)")
     ap.add_argument("--hf", type=int, default=0,
