@@ -40,6 +40,8 @@
 #   stepcost    benchmarks/mixed_step.py (a step carrying prompt tokens beside 32 decodes, Llama-3.1-8B
 #               shape: its cost line t_fixed + c x n, device time by kernel class, GEMMs' share of the
 #               bf16 peak); STEPCOST_ARGS adds flags (e.g. "--shape qwen3-4b --decodes 64")
+#   burst       benchmarks/burst_steps.py (the long work queued at once, step by step, per stall
+#               factor: tok/s, TTFT, ITL, what the stall bound learnt); BURST_ARGS adds flags
 #   fidelity    benchmarks/kv_fidelity.py --device cuda (greedy agreement, teacher-forced, KL)
 #   seeds       benchmarks/seed_consistency.py (cold / cached / chunked / batch sizes on the GPU)
 #   structured  tests/kernels/test_triton_bitmask.py and tests/engine/test_structured.py on the GPU,
@@ -167,6 +169,10 @@ suite_stepcost() {
   timeout "$(t stepcost)" python3 benchmarks/mixed_step.py --out "$D/stepcost.json" ${STEPCOST_ARGS:-} 2>&1 | quiet \
     | grep -v "USDT\|profiler" | tee -a "$D/stepcost.md"
 }
+suite_burst() {
+  # shellcheck disable=SC2086
+  timeout "$(t burst)" python3 benchmarks/burst_steps.py --out "$D/burst.json" ${BURST_ARGS:-} 2>&1 | quiet | tee -a "$D/burst.md"
+}
 suite_fidelity() {
   timeout "$(t fidelity)" python3 benchmarks/kv_fidelity.py --device cuda --seeds 1 --exact-prefill 2>&1 | quiet | grep "^|" \
     | tee -a "$D/fidelity.md"
@@ -204,7 +210,7 @@ suite_spec() {
   timeout "$(t spec)" python3 benchmarks/speculative.py --only cost,speed --budget-s "${SPEC_BUDGET_S:-200}" \
     --out "$D/spec.json" ${SPEC_ARGS:-} 2>&1 | quiet | tee -a "$D/spec.md"
 }
-SUITES=" tests alltests kernels variants ncu extend engine profile host offline hf capacity serving scheduling mixed long stepcost fidelity seeds structured tp spec "
+SUITES=" tests alltests kernels variants ncu extend engine profile host offline hf capacity serving scheduling mixed long stepcost burst fidelity seeds structured tp spec "
 
 g() { git -c safe.directory="$ROOT" -C "$ROOT" "$@"; }  # files copied to a machine may belong to another user
 baseline_tree() {  # check BASELINE out outside the repo (or take a carried .baseline); prints its folder

@@ -174,3 +174,23 @@ def test_tensor_parallel_collectives_over_gloo(no_transformers_env: dict[str, st
         ("Llama-3.2-1B", 1, 33), ("Llama-3.2-1B", 3, 33), ("Qwen3-4B", 1, 73), ("Qwen3-4B", 3, 73)]
     assert all(r["step_ms"] > 0 and r["bus_gb_s"] > 0 for r in results)
     assert sum(line.startswith("| Qwen3-4B | ") for line in run.stdout.splitlines()) == 2
+
+
+@pytest.mark.slow
+def test_tiny_burst_steps(tmp_path: Path) -> None:
+    """burst_steps.py on the CPU (it builds its model with transformers): a row per factor, and
+    every scheduled step in the trace with the steps the engine timed (the first step has no
+    predecessor to be timed against)."""
+    out = tmp_path / "burst.json"
+    run = _run(["benchmarks/burst_steps.py", "--tiny", "--requests", "6", "--factors", "3,0", "--out", str(out)],
+               dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [line for line in run.stdout.splitlines() if line.startswith("| 3 |") or line.startswith("| 0 |")]
+    assert len(rows) == 2, run.stdout
+    results = json.loads(out.read_text())
+    for factor in ("3", "0"):
+        r = results[factor]
+        assert r["tok_per_s"] > 0 and r["prompt_steps"] >= 1
+        trace = r["trace"]
+        assert len(trace["measured"]) == len(trace["scheduled"]) - 1
+        assert all(m["seconds"] > 0 for m in trace["measured"])
