@@ -120,8 +120,8 @@ class StallBound:
     """How many prompt tokens a step may carry beside its running decodes, learnt from step times.
 
     A step's time is modelled as t_decode + t_fixed + c_prompt x prompt tokens: t_decode what the
-    step's decodes alone would take; t_fixed and c_prompt a line fitted (least squares,
-    exponentially weighted) to the extra time of steps that carried prompt tokens. t_fixed is what
+    step's decodes alone would take; t_fixed and c_prompt a line fitted (least squares, over the
+    last WINDOW of them) to the extra time of steps that carried prompt tokens. t_fixed is what
     carrying any prompt costs whatever its length (on CUDA such a step runs from piecewise graphs or
     eagerly, with the decodes' attention between the pieces). Without it, the fixed part read as a
     per-token cost, the larger the fewer the tokens; where it exceeds (factor - 1) x t_decode (few
