@@ -48,8 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv", default="int8,bf16", help="KV cache dtypes to run, comma-separated")
     ap.add_argument("--tflops", type=float, default=790.0, help="dense bf16 rate for the ideal prefill time")
     ap.add_argument("--decode-stall-factor", type=float, default=0.0,
-                    help="the engine's stall bound (default 0, off: offline work queued at once wants whole "
-                         "budgets; the served bound is measured by benchmarks/serving.py)")
+                    help="the engine's stall bound, off at 0: offline work queued at once wants whole "
+                         "budgets (the served bound is measured by benchmarks/serving.py)")
     ap.add_argument("--out", default=None, help="JSON file for every figure (default: none written)")
     args = ap.parse_args(argv)
     sized.fill(args, args.tiny)
