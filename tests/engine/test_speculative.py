@@ -299,8 +299,14 @@ def test_rejected_proposals_give_their_blocks_back(models, rng):
         return n
 
     bm.trim = counted
+    # Each prompt ends with its phrase, so the n-gram lookup proposes at the first decode (with a
+    # random tail after the phrase, as _prompts draws, a run of six could propose nothing at all)
+    prompts = []
+    for _ in range(6):
+        phrase = [rng.randrange(3, VOCAB) for _ in range(rng.randint(4, 9))]
+        prompts.append([rng.randrange(3, VOCAB) for _ in range(rng.randint(0, 4))] + phrase * 3)
     reqs = [(f"t{i}", p, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
-            for i, p in enumerate(_prompts(rng, 6))]
+            for i, p in enumerate(prompts)]
     _run(engine, reqs)
     assert sum(returned) > 0, "no verify step rejected a proposal past a block boundary"
 

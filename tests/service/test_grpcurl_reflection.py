@@ -135,8 +135,12 @@ def test_readme_grpcurl_commands_through_reflection(server):
                 assert result["requestId"] and result["finishReason"] in ("FINISH_REASON_STOP", "FINISH_REASON_LENGTH")
                 assert 1 <= result["usage"]["completionTokens"] <= sampling.get("max_tokens", 16)
                 structured = sampling.get("structured")
-                if structured is not None:
-                    assert result["finishReason"] == "FINISH_REASON_STOP", result
+                if structured is not None and result["finishReason"] == "FINISH_REASON_LENGTH":
+                    # A random model may write an allowed number digit by digit until max_tokens
+                    # ({"age": -567567...}): cut short, the text is still the document's start
+                    assert "json_schema" in structured and result["text"].startswith("{"), result
+                    assert int(result["usage"]["completionTokens"]) == sampling["max_tokens"], result
+                elif structured is not None:
                     if "json_schema" in structured:
                         jsonschema.validate(json.loads(result["text"]), json.loads(structured["json_schema"]))
                     else:
