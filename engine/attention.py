@@ -54,10 +54,23 @@ class AttentionMetadata:
     # what the prefill path gathers from the pages. 0 where unknown (verify steps), which keeps
     # those steps on the Triton extend kernel.
     prefill_kv_tokens: int = 0
+    # (B - num_decodes + 1,) int32: where each of those sequences' keys start once gathered (the
+    # cumulative sums of their seq_lens from 0), staged with the step; None: summed where needed.
+    prefill_key_start_loc: torch.Tensor | None = None
 
 
 # One layer's (k_cache, v_cache, k_scale, v_scale); the scales only for int8 caches.
 _Cache = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+
+
+@dataclass(slots=True)
+class _Parts:
+    """A mixed step's block tables and lengths, split into its running decodes and the rest."""
+
+    decode_tables: torch.Tensor
+    decode_lens: torch.Tensor
+    prefill_tables: torch.Tensor
+    prefill_lens: torch.Tensor
 
 
 class TorchOps:
@@ -73,7 +86,7 @@ class TorchOps:
 
     @staticmethod
     def extend(q, k_new, v_new, cache: _Cache, block_tables, seq_lens, query_start_loc, scale: float, *,
-               max_query_len: int, max_seq_len: int, kv_tokens: int,
+               max_query_len: int, max_seq_len: int, kv_tokens: int, key_start_loc: torch.Tensor | None,
                window: int | None, out: torch.Tensor | None) -> torch.Tensor:
         res = reference.paged_attention(q, *cache, block_tables, seq_lens, query_start_loc, scale,
                                         max_query_len=max_query_len, k_new=k_new, v_new=v_new, window=window)
@@ -111,7 +124,7 @@ class TritonOps:
                             split_tokens=split)
 
     def extend(self, q, k_new, v_new, cache: _Cache, block_tables, seq_lens, query_start_loc, scale: float, *,
-               max_query_len: int, max_seq_len: int, kv_tokens: int,
+               max_query_len: int, max_seq_len: int, kv_tokens: int, key_start_loc: torch.Tensor | None,
                window: int | None, out: torch.Tensor | None) -> torch.Tensor:
         # FlashAttention over the keys gathered from the pages where it applies and the copy is not
         # too large (kernels/flash_prefill.py), else the Triton extend kernel.
@@ -119,7 +132,8 @@ class TritonOps:
                 and self._flash.supported(q)):
             return self._flash.paged_prefill(q, *cache, block_tables, seq_lens, query_start_loc, scale,
                                              max_query_len=max_query_len, max_seq_len=max_seq_len,
-                                             kv_tokens=kv_tokens, window=window, out=out)
+                                             kv_tokens=kv_tokens, key_start_loc=key_start_loc, window=window,
+                                             out=out)
         return self._extend(q, *cache, block_tables, seq_lens, query_start_loc, scale, max_query_len=max_query_len,
                             k_new=k_new, v_new=v_new, window=window, out=out)
 
@@ -152,9 +166,26 @@ class PagedAttention:
         self.windows = list(windows) if windows is not None else [None] * kv_cache.num_layers
         if len(self.windows) != kv_cache.num_layers:
             raise ValueError(f"{len(self.windows)} windows for {kv_cache.num_layers} layers")
-        self.metadata: AttentionMetadata | None = None
+        self._metadata: AttentionMetadata | None = None
+        self._parts: _Parts | None = None
         self.ops: TorchOps | TritonOps = (TritonOps(kv_cache.k.shape[-1], max_model_len) if impl == "triton"
                                           else TorchOps())
+
+    @property
+    def metadata(self) -> AttentionMetadata | None:
+        """The step's attention metadata (set by the runner before the forward pass, None after)."""
+        return self._metadata
+
+    @metadata.setter
+    def metadata(self, md: AttentionMetadata | None) -> None:
+        # A mixed step's two parts are views of the step's tensors, the same for every layer: taken
+        # once here, not in each layer's call (a mixed step's attention runs eagerly, so its host
+        # work per layer is time the GPU may wait).
+        self._metadata = md
+        self._parts = None
+        if md is not None and md.max_query_len > 1 and md.prefill_query_start_loc is not None:
+            nd = md.num_decodes
+            self._parts = _Parts(md.block_tables[:nd], md.seq_lens[:nd], md.block_tables[nd:], md.seq_lens[nd:])
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  out: torch.Tensor | None = None) -> torch.Tensor:
@@ -174,17 +205,19 @@ class PagedAttention:
         if md.prefill_query_start_loc is None:
             return ops.extend(q, k_new, v_new, cache, md.block_tables, md.seq_lens, md.query_start_loc, scale,
                               max_query_len=md.max_query_len, max_seq_len=md.max_seq_len,
-                              kv_tokens=md.prefill_kv_tokens, window=window, out=out)
+                              kv_tokens=md.prefill_kv_tokens, key_start_loc=md.prefill_key_start_loc,
+                              window=window, out=out)
         # A mixed step: its running decodes (first) as in a decode step, the rest as a prefill.
-        nd = md.num_decodes
+        nd, parts = md.num_decodes, self._parts
+        assert parts is not None
         if out is None:
             out = torch.empty_like(q)
-        ops.decode(q[:nd], cache, md.block_tables[:nd], md.seq_lens[:nd], scale, max_seq_len=md.decode_max_seq_len,
+        ops.decode(q[:nd], cache, parts.decode_tables, parts.decode_lens, scale, max_seq_len=md.decode_max_seq_len,
                    window=window, out=out[:nd])
         ops.extend(q[nd:], None if k_new is None else k_new[nd:], None if v_new is None else v_new[nd:], cache,
-                   md.block_tables[nd:], md.seq_lens[nd:], md.prefill_query_start_loc, scale,
+                   parts.prefill_tables, parts.prefill_lens, md.prefill_query_start_loc, scale,
                    max_query_len=md.max_query_len, max_seq_len=md.max_seq_len, kv_tokens=md.prefill_kv_tokens,
-                   window=window, out=out[nd:])
+                   key_start_loc=md.prefill_key_start_loc, window=window, out=out[nd:])
         return out
 
     def holds_exactly(self, dtype: torch.dtype) -> bool:

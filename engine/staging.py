@@ -9,10 +9,13 @@ Packed int32 layout, for T tokens and B sequences (decode: T = B):
 
     | input ids (T) | positions (T) | slots (T) | seq lens (B) | query start loc (B + 1) |
     | query start loc of a mixed step's prefill part (B - nd + 1, rebased to 0; mixed steps only) |
+    | key start loc of the prefill part: cumulative seq lens of rows nd.. (B - nd + 1; any prompt) |
     | (token index, row of the last sample) of up to B placeholder inputs (async scheduling)     |
 
 A mixed step's first nd sequences are running decodes (the scheduler orders them first): they
-attend through the decode kernel, the rest through the extend kernel.
+attend through the decode kernel, the rest through the extend kernel. The key starts of those
+rest are where each one's keys begin once gathered from the pages (kernels/flash_prefill.py):
+summed here on the host, once per step, instead of on the device in every layer.
 
 For a decode step replayed from a CUDA graph (engine/cuda_graphs.py) the sections are laid out
 for its bucket's size: rows past the batch are padding, with slot -1 (the cache write skips them)
@@ -120,6 +123,7 @@ class StepFacts:
     rows: int  # the layout's sequence rows
     n_ints: int  # packed ints in use: the layout's sections plus a mixed step's prefill query starts
     n_prefill_ints: int
+    n_key_ints: int  # the prefill part's key starts (0: none staged)
     max_query_len: int
     max_seq_len: int
     num_decodes: int
@@ -127,15 +131,17 @@ class StepFacts:
     prefill_kv_tokens: int  # keys in the cache of the rows from num_decodes on (0 for verify steps)
 
     def numbers(self) -> tuple[int, ...]:
-        return (self.n_tok, self.rows, self.n_ints, self.n_prefill_ints, self.max_query_len, self.max_seq_len,
-                self.num_decodes, self.decode_max_seq_len, self.prefill_kv_tokens)
+        return (self.n_tok, self.rows, self.n_ints, self.n_prefill_ints, self.n_key_ints, self.max_query_len,
+                self.max_seq_len, self.num_decodes, self.decode_max_seq_len, self.prefill_kv_tokens)
 
     def metadata(self, ints: torch.Tensor, block_tables: torch.Tensor) -> AttentionMetadata:
         layout = Packed(n_tok=self.n_tok, rows=self.rows)
+        qsl_end = layout.end + self.n_prefill_ints
         return layout.metadata(ints, block_tables, max_query_len=self.max_query_len, max_seq_len=self.max_seq_len,
                                num_decodes=self.num_decodes, decode_max_seq_len=self.decode_max_seq_len,
                                prefill_kv_tokens=self.prefill_kv_tokens,
-                               prefill_query_start_loc=ints[layout.end:self.n_ints] if self.n_prefill_ints else None)
+                               prefill_query_start_loc=ints[layout.end:qsl_end] if self.n_prefill_ints else None,
+                               prefill_key_start_loc=ints[qsl_end:qsl_end + self.n_key_ints] if self.n_key_ints else None)
 
 
 @dataclass(slots=True)
@@ -161,8 +167,9 @@ class StepStager:
     def __init__(self, *, block_size: int, max_num_seqs: int, max_tokens: int, max_blocks: int,
                  device: torch.device, verify_tokens: int = 0) -> None:
         self.block_size = block_size
-        # + the query starts of a mixed step's prefill part (B + 1) + (dst, src) of up to B placeholder ids
-        ints = 3 * max_tokens + 5 * max_num_seqs + 2
+        # + the query and key starts of a step's prefill part (2 (B + 1)) + (dst, src) of up to B
+        # placeholder ids
+        ints = 3 * max_tokens + 6 * max_num_seqs + 3
         # A verify graph's strided layout of up to `verify_tokens` tokens (engine/cuda_graphs.py):
         # its sections and the logits rows it keeps (at most one per token).
         ints = max(ints, 4 * verify_tokens + 2 * max_num_seqs + 1)
@@ -256,6 +263,12 @@ class StepStager:
             n_prefill_ints = 0
         decode_max_seq_len = int(lens[:nd].max()) if nd else 0
         n_ints += n_prefill_ints
+        n_key_ints = b - nd + 1 if nd < b else 0
+        if n_key_ints:
+            keys = ints[n_ints:n_ints + n_key_ints]
+            keys[0] = 0
+            np.cumsum(lens[nd:b], out=keys[1:])
+            n_ints += n_key_ints
         # Newest tokens not read back yet (async scheduling): the input id of such a token is in
         # the last step's sampled ids on the device. Unless all rows take theirs in one copy
         # (same_rows), (token index in this step, row of the last step's ids) pairs go along.
@@ -277,9 +290,9 @@ class StepStager:
         else:
             dev = self.host_ints[:n_ints]
             dev_tables = self.host_tables[:b * w].view(b, w)
-        prefill_kv_tokens = int(lens[nd:b].sum()) if nd < b else 0
-        facts = StepFacts(layout.n_tok, layout.rows, n_ints, n_prefill_ints, max_query_len, max_seq_len, nd,
-                          decode_max_seq_len, prefill_kv_tokens)
+        prefill_kv_tokens = int(ints[n_ints - 1]) if n_key_ints else 0
+        facts = StepFacts(layout.n_tok, layout.rows, n_ints, n_prefill_ints, n_key_ints, max_query_len, max_seq_len,
+                          nd, decode_max_seq_len, prefill_kv_tokens)
         md = facts.metadata(dev, dev_tables)
         last_ids = last.ids if last is not None else None
         if same_rows and last_ids is not None:
@@ -353,7 +366,7 @@ class StepStager:
             dev, dev_tables = self.dev_ints[:n_ints], self.dev_tables[:bucket]  # the graph's whole-width rows
         else:
             dev, dev_tables = self.host_ints[:n_ints], self.host_tables[:bucket * w].view(bucket, w)
-        facts = StepFacts(n_tok, bucket, layout.end, 0, width, int(lens[:bucket].max()), 0, 0, 0)
+        facts = StepFacts(n_tok, bucket, layout.end, 0, 0, width, int(lens[:bucket].max()), 0, 0, 0)
         sections = dev[:layout.end]
         return StepInputs(sections[layout.ids], sections[layout.positions], facts.metadata(sections, dev_tables), b,
                           bucket, facts, sections, dev[layout.end:])

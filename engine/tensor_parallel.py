@@ -63,7 +63,7 @@ log = structlog.get_logger(__name__)
 BOOT = ("import sys; sys.path[:0] = sys.argv[4:]; "
         "from engine.tensor_parallel import worker_main; worker_main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))")
 OP_STOP, OP_FORWARD, OP_NEW_CACHE, OP_CALIBRATE, OP_CAPTURE = 0, 1, 2, 3, 4
-HEADER = 14  # int64 slots of the header: the op, then its numbers
+HEADER = 15  # int64 slots of the header: the op, then its numbers
 GROUP_TIMEOUT = datetime.timedelta(days=7)  # idle servers: a worker waits for the next step this long
 START_TIMEOUT_S = 600.0  # a worker that has not joined the group by then (loading aside) is lost
 
@@ -251,8 +251,9 @@ def follow(runner: ModelRunner, numbers: list[int], link: _Link) -> None:
     from engine.prompt_logprobs import run_on_worker
     from engine.staging import Packed, StepFacts
 
-    facts = StepFacts(*numbers[:9])
-    b, w, graph_batch, num_prompt_rows = numbers[9:13]
+    n = len(StepFacts.__slots__)  # StepFacts.numbers(), then the header's own four
+    facts = StepFacts(*numbers[:n])
+    b, w, graph_batch, num_prompt_rows = numbers[n:n + 4]
     stager = runner.stager
     if graph_batch:
         assert stager.dev_tables is not None and w == stager.dev_tables.shape[1], "graph tables are whole-width"

@@ -39,6 +39,8 @@ contexts: 200 requests sharing a cached 6,000-token system prompt, 20 new tokens
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from kernels.triton_gather import gather_pages
@@ -57,9 +59,13 @@ def supported(q: torch.Tensor) -> bool:
     """This path serves these queries (module docstring)."""
     d = q.shape[-1]
     return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and d % 8 == 0 and d <= MAX_HEAD_DIM
-            and torch.backends.cuda.is_flash_attention_available()
-            and torch.cuda.get_device_capability(q.device) >= (8, 0)
-            and not torch.cuda.is_current_stream_capturing())
+            and _device_has_flash(q.device.index or 0) and not torch.cuda.is_current_stream_capturing())
+
+
+@functools.lru_cache(maxsize=8)
+def _device_has_flash(index: int) -> bool:
+    # asked once per device: every layer of every prompt step asks `supported`
+    return torch.backends.cuda.is_flash_attention_available() and torch.cuda.get_device_capability(index) >= (8, 0)
 
 
 def paged_prefill(
@@ -76,16 +82,20 @@ def paged_prefill(
     max_query_len: int,
     max_seq_len: int,
     kv_tokens: int,
+    key_start_loc: torch.Tensor | None = None,
     window: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed queries q (T, Hq, D) over the paged cache -> (T, Hq, D) in
     q.dtype (written into `out` when given). seq_lens (B,) and query_start_loc (B + 1,) int32 on
     the device; max_query_len, max_seq_len and kv_tokens = sum(seq_lens) host ints (no sync).
-    Rows of q past query_start_loc[B] (padding) come out undefined."""
-    b = seq_lens.shape[0]
-    cu_k = torch.zeros(b + 1, dtype=torch.int32, device=q.device)
-    torch.cumsum(seq_lens, 0, out=cu_k[1:])
+    Rows of q past query_start_loc[B] (padding) come out undefined. key_start_loc (B + 1,) int32:
+    the cumulative sums of seq_lens from 0 when the caller has them (the engine stages them once
+    per step), else summed here."""
+    cu_k = key_start_loc
+    if cu_k is None:
+        cu_k = torch.zeros(seq_lens.shape[0] + 1, dtype=torch.int32, device=q.device)
+        torch.cumsum(seq_lens, 0, out=cu_k[1:])
     k, v = gather_pages(k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, cu_k,
                         num_tokens=kv_tokens, max_seq_len=max_seq_len, dtype=q.dtype)
     res = torch.ops.aten._flash_attention_forward(

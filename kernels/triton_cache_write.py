@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from kernels.reference import CACHE_DTYPES, INT8_MAX, SCALE_MIN, _check_cache
+from kernels.triton_tile import next_pow2
 
 
 @triton.jit
@@ -98,7 +99,7 @@ def write_kv_cache(
     if num_tokens == 0:
         return
     quant = k_cache.dtype == torch.int8
-    hkv_pad, d_pad = triton.next_power_of_2(hkv), triton.next_power_of_2(d)
+    hkv_pad, d_pad = next_pow2(hkv), next_pow2(d)
     _write_kv_kernel[(num_tokens,)](
         k, v, k_cache, v_cache,
         k_scale if quant else k_cache, v_scale if quant else v_cache,  # unused unless int8

@@ -42,10 +42,12 @@ import triton.language as tl
 
 from kernels.triton_tile import (
     INT8_BIAS,
+    cdiv,
     dot_types,
     int8_pv,
     int8_scores,
     load,
+    next_pow2,
     online_softmax,
     pad_head_dim,
     paged_slots,
@@ -309,7 +311,7 @@ def default_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, sm_count
     programs gain). B * Hkv >= per_sm * SMs already fills the chip: 1 split, and no stage 2."""
     programs = batch * num_kv_heads
     want = max(1, round(per_sm * sm_count / programs))
-    cap = max(1, triton.cdiv(max_seq_len, MIN_SPLIT_TOKENS))
+    cap = max(1, cdiv(max_seq_len, MIN_SPLIT_TOKENS))
     return max(1, min(want, cap, MAX_SPLITS))
 
 
@@ -331,7 +333,7 @@ def fixed_split_tokens(max_len: int, batch: int, num_kv_heads: int, sm_count: in
     MAX_FIXED_SPLITS (max_len <= 16,384). And a few sequences get more programs each from the batch
     count (one 32k context: 64 splits, 0.034 ms, against 32 fixed ones, 0.047; eight: equal), so
     fixed splits need the batch to give at least half the SMs a program (batch x kv heads)."""
-    if triton.cdiv(max_len, SPLIT_TOKENS) > MAX_FIXED_SPLITS or 2 * batch * num_kv_heads < sm_count:
+    if cdiv(max_len, SPLIT_TOKENS) > MAX_FIXED_SPLITS or 2 * batch * num_kv_heads < sm_count:
         return None
     return SPLIT_TOKENS
 
@@ -493,7 +495,7 @@ def paged_decode(
         assert split_tokens % cfg.block_n == 0, f"split_tokens {split_tokens} not a multiple of {cfg.block_n}"
         if max_seq_len is None:
             max_seq_len = int(seq_lens.max())  # device sync; callers pass max_seq_len to avoid it
-        need = triton.cdiv(max_seq_len, split_tokens)
+        need = cdiv(max_seq_len, split_tokens)
         assert need <= MAX_SPLITS, f"{need} splits of {split_tokens} tokens: more than {MAX_SPLITS}"
         assert num_splits is None or num_splits >= need, f"num_splits {num_splits} < {need}"
         num_splits = num_splits or need
@@ -511,7 +513,7 @@ def paged_decode(
         cum = torch.cumsum(torch.clamp((seq_lens + (split_tokens - 1)) // split_tokens, min=1), 0, dtype=torch.int32)
     # M rows of the dots: the group padded to a power of two (the layout pads to the MMA's 16 rows
     # itself, without registers for the padding), or at least BLOCK_M (the old layout).
-    block_m = triton.next_power_of_2(group) if cfg.tight_m else max(BLOCK_M, triton.next_power_of_2(group))
+    block_m = next_pow2(group) if cfg.tight_m else max(BLOCK_M, next_pow2(group))
 
     if num_splits == 1:
         part = lse = out  # unused by the kernel
@@ -537,7 +539,7 @@ def paged_decode(
     if num_splits > 1:
         _decode_stage2[(b, hq)](
             part, lse, out, seq_lens, out.stride(0), out.stride(1), num_splits,
-            HQ=hq, SPLIT_TOKENS=split_tokens or 0, SPLITS_P2=max(MAX_SPLITS, triton.next_power_of_2(num_splits)),
+            HQ=hq, SPLIT_TOKENS=split_tokens or 0, SPLITS_P2=max(MAX_SPLITS, next_pow2(num_splits)),
             D=d, D_PAD=d_pad,
             num_warps=4 if d_pad >= 128 else 2,
         )

@@ -47,6 +47,7 @@ from kernels.triton_tile import (
     int8_pv,
     int8_scores,
     load,
+    next_pow2,
     online_softmax,
     pad_head_dim,
     paged_slots,
@@ -367,10 +368,10 @@ def paged_extend(
     d_pad = pad_head_dim(d)
     cfg_m, cfg_n, cfg_warps, cfg_stages = _default_config(d_pad, quant, new_kv, interpret)
     group = hq // hkv
-    g_pad = triton.next_power_of_2(group)
+    g_pad = next_pow2(group)
     block_m = block_m or cfg_m
     # Short chunks: shrink M so padding rows stay few (keeping the 16 rows a dot needs).
-    block_m = max(g_pad, 16, min(block_m, g_pad * triton.next_power_of_2(max_query_len)))
+    block_m = max(g_pad, 16, min(block_m, g_pad * next_pow2(max_query_len)))
     block_q = block_m // g_pad
     block_n = block_n or cfg_n
     on_gpu = not interpret and q.is_cuda

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from kernels.reference import _check_cache
+from kernels.triton_tile import cdiv, next_pow2
 
 
 @triton.jit
@@ -93,11 +94,11 @@ def gather_pages(
         k, v = out
         assert k.shape == v.shape == (num_tokens, hkv, d) and k.dtype == v.dtype == dtype
         assert k.is_contiguous() and v.is_contiguous()
-    pages = triton.cdiv(max_seq_len, block_size)
+    pages = cdiv(max_seq_len, block_size)
     if num_tokens == 0 or b == 0 or pages == 0:
         return k, v
     quant = k_cache.dtype == torch.int8
-    rows_pad, d_pad = triton.next_power_of_2(block_size * hkv), triton.next_power_of_2(d)
+    rows_pad, d_pad = next_pow2(block_size * hkv), next_pow2(d)
     _gather_kernel[(b, pages)](
         k_cache, v_cache, k_scale if quant else k_cache, v_scale if quant else v_cache,
         block_tables, seq_lens, cu_seq_lens, k, v, block_tables.stride(0),

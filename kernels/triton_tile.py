@@ -203,4 +203,17 @@ def dot_types(q_dtype, on_gpu: bool):
 
 def pad_head_dim(d: int) -> int:
     """The padded tile width of head dim d (a power of two >= 16)."""
-    return max(16, triton.next_power_of_2(d))
+    return max(16, next_pow2(d))
+
+
+# Host arithmetic for the launch wrappers. triton.cdiv and triton.next_power_of_2 are constexpr
+# functions in triton 3.7: each host call unwraps its arguments (~3 us on a 2-core CI machine),
+# and the attention wrappers of an eager step make several per layer.
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for ints, b > 0."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n, for n >= 1."""
+    return 1 << (n - 1).bit_length()

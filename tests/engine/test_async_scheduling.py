@@ -203,3 +203,35 @@ def test_incremental_staging_equals_a_full_rebuild(rng, model_dir, async_schedul
             for i, p in enumerate(_prompts(10, rng))]
     _run(engine, reqs)
     assert incremental > 10  # the fast path really ran
+
+
+def test_staged_key_starts_sum_the_prompt_rows_lengths(rng, model_dir):
+    """The key starts staged for a step's prompt rows (where their keys begin once gathered from the
+    pages, kernels/flash_prefill.py) are the running sums of those rows' lengths from 0, and the
+    keys counted for the gather are their total, in mixed, pure prefill and decode steps alike."""
+    engine = _engine(model_dir, True, max_num_batched_tokens=24)
+    stage = engine.runner.stager.stage
+    seen = {"mixed": 0, "prefill": 0, "decode": 0}
+
+    def checked(out, tables, graph_batch, last, **kw):
+        step = stage(out, tables, graph_batch, last, **kw)
+        md = step.metadata
+        nd, lens = md.num_decodes, md.seq_lens.tolist()
+        if md.max_query_len == 1:
+            seen["decode"] += 1
+            assert md.prefill_key_start_loc is None and md.prefill_kv_tokens == 0
+            return step
+        seen["mixed" if nd else "prefill"] += 1
+        sums = [0]
+        for n in lens[nd:]:
+            sums.append(sums[-1] + n)
+        assert md.prefill_key_start_loc.tolist() == sums
+        assert md.prefill_kv_tokens == sums[-1]
+        assert (md.prefill_query_start_loc is None) == (nd == 0)
+        return step
+
+    engine.runner.stager.stage = checked
+    reqs = [(f"k{i}", p, SamplingParams(max_tokens=rng.randint(3, 12), temperature=0, ignore_eos=True))
+            for i, p in enumerate(_prompts(8, rng))]
+    _run(engine, reqs)
+    assert all(seen.values()), seen
