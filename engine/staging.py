@@ -121,7 +121,7 @@ class StepFacts:
 
     n_tok: int  # the layout's token count (T, or the graph bucket)
     rows: int  # the layout's sequence rows
-    n_ints: int  # packed ints in use: the layout's sections plus a mixed step's prefill query starts
+    n_ints: int  # packed ints in use: the layout's sections plus the prefill part's query and key starts
     n_prefill_ints: int
     n_key_ints: int  # the prefill part's key starts (0: none staged)
     max_query_len: int
