@@ -372,11 +372,14 @@ def main(argv: list[str] | None = None) -> int:
               f"requests, prompts median {statistics.median(map(len, prompts)):.0f} (max {max(map(len, prompts))}) "
               f"tokens, {sum(map(len, prompts)):,} prompt tokens, outputs {args.out_min}-{args.out_max} "
               f"({sum(outs):,} tokens); copy bandwidth {copy_bw / 1e12:.2f} TB/s")
+        # Served first: the server is a process of its own that gives the GPU back when it exits,
+        # while this process keeps what its engines held (after them, `pie serve` found 133.5 of
+        # 139.8 GiB in use and refused to start: H200, 2026-12-03).
+        served = serve(Path(tmp), prompts, outs, args) if args.serve else []
         kvs = args.kv.split(",")
         for kv in kvs:
             results[kv] = run_engine(Path(tmp), kv, prompts, outs, args, extra=kv == kvs[0])
         hf = run_hf(Path(tmp), prompts[:args.hf], args.device) if args.hf else None
-        served = serve(Path(tmp), prompts, outs, args) if args.serve else []
     weight_bytes = params * (2 if args.device == "cuda" else 4)
     summary = report(results, prompts, params, weight_bytes, copy_bw, args.tflops, args.max_num_seqs)
     first = results[kvs[0]]

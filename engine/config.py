@@ -47,12 +47,13 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # exact pool size; overrides the byte budget (tests)
     max_num_seqs: int = 64  # running sequences per step at most (the batch cap)
     max_num_batched_tokens: int = 2048  # tokens per step (prefill chunks + decodes)
-    # A step that carries prompt tokens beside running decodes may take at most this many times a
-    # decode-only step (engine.scheduler.StallBound, learnt from step times); it bounds the
-    # inter-token stalls a long prompt causes. 0 = only max_num_batched_tokens bounds a step.
-    # 3, measured on the H200 (8B shape, a cold burst of the long work served, 2026-12-03): ITL p99
-    # 2.6x p50 at 22% fewer tokens/s than whole budgets (three runs); 2 gave 1.4x at 34% fewer
-    # (2026-12-02, one run): small chunks admit a burst slowly (RESULTS.md, issue 29).
+    # A step that carries prompt tokens beside running decodes may take at most this many times
+    # the decode step of the batch it heads to (engine.scheduler.StallBound, learnt from step
+    # times); it bounds the inter-token stalls a long prompt causes. 0 = only
+    # max_num_batched_tokens bounds a step. 3, measured on the H200 (8B shape, a cold burst of the
+    # long work served, 2026-12-03, three runs): ITL p99 2.8x p50 at 7.5% fewer tokens/s than
+    # whole budgets; 2.5 gave 2.4x at 15% fewer, and no lower ratio under Poisson arrivals
+    # (RESULTS.md, issue 29).
     decode_stall_factor: float = 3.0
     max_model_len: int | None = None  # context served; default and cap: the model's
     max_waiting: int = 256  # waiting queue bound; beyond it the service answers RESOURCE_EXHAUSTED

@@ -44,14 +44,17 @@ priority, so nothing starves within a priority.
 
 Bounded stalls: a step that carries prompt tokens stalls every decode it carries for as long as it
 runs. With `stall_factor` > 0 the prompt tokens of a step with running decodes are cut so that the
-step is expected to take at most `stall_factor` times a decode-only step (`StallBound`, which
-learns both from the step times the engine reports), never below `min_prompt_tokens`;
-`max_num_batched_tokens` stays the cap. A step without decodes takes the whole budget.
+step is expected to take at most `stall_factor` times the decode-only step of the batch it heads
+to (`Scheduler._heading`: its decodes, running prefills and the waiting requests rows and blocks
+admit next; `StallBound` learns both costs from the step times the engine reports), never below
+`min_prompt_tokens`; `max_num_batched_tokens` stays the cap. A step without decodes takes the
+whole budget.
 """
 
 from __future__ import annotations
 
 import bisect
+import itertools
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -333,8 +336,9 @@ class Scheduler:
                 decodes.append((r, 1))
                 context += r.num_computed_tokens + 1
         allocate = self.block_manager.allocate_slots
-        # Prompt tokens (running prefills and admissions) beside this step's decodes.
-        bound = self.stall.prompt_tokens(len(decodes), context)
+        # Prompt tokens (running prefills and admissions) beside this step's decodes, bounded by
+        # the decode step of the batch the step heads to.
+        bound = self.stall.prompt_tokens(*self._heading(len(decodes), context, prefills)) if decodes else None
         prompt_budget = budget if bound is None else bound
         speculator = self.speculator
         if speculator is not None and not speculator.active(len(decodes)):
@@ -406,6 +410,27 @@ class Scheduler:
             self._schedule(out, request, num_new)
             budget -= num_new
         return out
+
+    def _heading(self, num_decodes: int, context: int, prefills: list[tuple[Request, int]]) -> tuple[int, int]:
+        """The decode batch this step heads to, as (rows, tokens of context): its decodes, the
+        running prefills, and the waiting requests that rows (max_num_seqs) and free blocks would
+        admit next, each at its length once computed. The stall bound measures a step against that
+        batch's decode step, the inter-token time its streams will see, not the few rows decoding
+        so far: bounded by the first rows of a burst, chunks stayed small while the batch built
+        up, and the burst lost a fifth of its throughput (H200, 8B shape, 2026-12-03)."""
+        if not self.stall.factor:
+            return num_decodes, context
+        rows = num_decodes + len(prefills)
+        context += sum(r.num_tokens for r, _ in prefills)
+        free = self.block_manager.num_free_blocks
+        needed = self.block_manager.blocks_needed
+        for request in itertools.islice(self.waiting, max(0, self.max_num_seqs - len(self.running))):
+            free -= needed(request.num_tokens)
+            if free < 0:
+                break
+            rows += 1
+            context += request.num_tokens
+        return rows, context
 
     def _held_back(self, request: Request) -> bool:
         """True while the request waits for its constraint to compile, or for its sample 0 to

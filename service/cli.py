@@ -126,7 +126,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="tokens per step at most (prefill chunks + decodes)")
     p.add_argument("--decode-stall-factor", type=float, default=d.decode_stall_factor,
                    help="a step carrying prompt tokens beside running decodes may take at most this many times "
-                        "a decode-only step (learnt from step times): long prompts are cut into chunks that keep "
+                        "the decode step of the batch being built (learnt from step times): long prompts are cut into chunks that keep "
                         "inter-token stalls bounded; 0 = only --max-num-batched-tokens bounds a step")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--max-waiting", type=int, default=d.max_waiting,

@@ -503,3 +503,40 @@ def test_prompt_tokens_beside_decodes_follow_the_stall_bound() -> None:
         sched.abort(r.request_id)
     out = step(sched)  # no decode left to stall: the whole budget
     assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [("long", 20)]
+
+
+def test_stall_bound_measures_a_step_against_the_batch_it_heads_to() -> None:
+    """The bound's decode step is that of the batch being built: the running decodes and prefills
+    and the waiting requests that rows and free blocks admit next, not only the rows decoding now."""
+
+    def taught(num_blocks: int, max_num_seqs: int = 8) -> tuple[StepScheduler, list[Request]]:
+        sched = StepScheduler(BlockManager(num_blocks, 4), max_num_seqs=max_num_seqs, max_num_batched_tokens=64,
+                              max_model_len=256, stall_factor=2.0)
+        sched.stall.prior = {2: 0.010, 4: 0.020, 8: 0.040}  # decode steps by rows (kv_token_s 0)
+        running = [req("a", 2, max_tokens=20), req("b", 2, max_tokens=20)]
+        add(sched, *running)
+        step(sched)
+        for _ in range(10):  # measured decode steps as the prior says; a prompt token 1 ms
+            sched.stall.observe(2, 0, 0.010)
+            sched.stall.observe(2, 16, 0.010 + 16e-3)
+        return sched, running
+
+    def chunk(sched: StepScheduler) -> int:
+        out = step(sched)
+        return sum(s.num_new_tokens for s in out.scheduled if s.request.request_id == "long")
+
+    # Two waiting requests fit: 4 rows heading, a 20 ms decode step, (2 - 1) x 20 ms / 1 ms = 20 tokens.
+    sched, _ = taught(64)
+    add(sched, req("long", 40, max_tokens=2), req("next", 8, max_tokens=2))
+    assert chunk(sched) == 20
+    assert chunk(sched) == 20  # long now a running prefill: still 4 rows heading
+
+    # Free blocks admit neither (long needs 10 of 9): the 2 decoding rows, 10 ms, 10 tokens.
+    sched, _ = taught(11)
+    add(sched, req("long", 40, max_tokens=2), req("next", 8, max_tokens=2))
+    assert chunk(sched) == 10
+
+    # Rows admit one (max_num_seqs 3): 3 rows heading, the 4-row bucket, 20 tokens.
+    sched, _ = taught(64, max_num_seqs=3)
+    add(sched, req("long", 40, max_tokens=2), req("next", 8, max_tokens=2))
+    assert chunk(sched) == 20
