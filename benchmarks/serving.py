@@ -345,7 +345,8 @@ STEP_KINDS = {"decode": "decode-only", "prompt": "with prompt tokens"}
 
 def step_histogram(metrics_url: str) -> dict[str, list]:
     """The server's pie_step_duration_seconds now: per kind, (upper bound s, cumulative count);
-    and under "counters", pie_step_prompt_tokens and pie_steps_unbounded."""
+    under "counters", pie_step_prompt_tokens and pie_steps_unbounded; under "bound", what the
+    stall bound has learnt (the pie_stall_bound_* gauges)."""
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
@@ -354,13 +355,16 @@ def step_histogram(metrics_url: str) -> dict[str, list]:
         text = r.read().decode()
     out: dict[str, list[tuple[float, float]]] = {kind: [] for kind in STEP_KINDS}
     counters: list[tuple[str, float]] = []
+    bound: list[tuple[str, float]] = []
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if s.name == "pie_step_duration_seconds_bucket" and s.labels.get("kind") in out:
                 out[s.labels["kind"]].append((float(s.labels["le"]), s.value))
             elif s.name in ("pie_step_prompt_tokens_total", "pie_steps_unbounded_total"):
                 counters.append((s.name, s.value))
-    return {**{kind: sorted(v) for kind, v in out.items()}, "counters": sorted(counters)}
+            elif s.name.startswith("pie_stall_bound_"):
+                bound.append((s.name.removeprefix("pie_stall_bound_"), s.value))
+    return {**{kind: sorted(v) for kind, v in out.items()}, "counters": sorted(counters), "bound": sorted(bound)}
 
 
 def step_summary(before: dict, after: dict) -> dict:
@@ -381,6 +385,7 @@ def step_summary(before: dict, after: dict) -> dict:
     b, a = dict(before.get("counters", [])), dict(after.get("counters", []))
     summary["prompt_tokens"] = a.get("pie_step_prompt_tokens_total", 0.0) - b.get("pie_step_prompt_tokens_total", 0.0)
     summary["unbounded"] = a.get("pie_steps_unbounded_total", 0.0) - b.get("pie_steps_unbounded_total", 0.0)
+    summary["bound"] = dict(after.get("bound", []))  # as learnt by the level's end
     return summary
 
 
@@ -395,6 +400,11 @@ def print_steps(s: dict) -> None:
     if prompt_steps:  # what the stall bound let through
         parts.append(f"{s.get('prompt_tokens', 0) / prompt_steps:,.0f} prompt tokens per such step; "
                      f"{s.get('unbounded', 0):,.0f} steps beside decodes with no stall bound yet")
+    bound = s.get("bound", {})
+    if bound.get("prompt_token_seconds"):  # the line it bounds prompt tokens by, at the level's end
+        parts.append(f"the bound's line {1e3 * bound.get('fixed_seconds', 0.0):.1f} ms + "
+                     f"{1e6 * bound['prompt_token_seconds']:.1f} us a prompt token, decode steps "
+                     f"{bound.get('decode_ratio', 1.0):.2f}x its model")
     print("        server steps: " + "; ".join(parts or ["none timed"]), flush=True)
 
 

@@ -270,6 +270,9 @@ class EngineCore:
             step_seconds=dict(self.step_times.sums),
             step_prompt_tokens=self.step_times.prompt_tokens,
             steps_unbounded=self.scheduler.stall.unbounded_steps,
+            stall_fixed_s=self.scheduler.stall.fixed_s,
+            stall_prompt_token_s=self.scheduler.stall.per_prompt_token_s or 0.0,
+            stall_decode_ratio=self.scheduler.stall.decode_ratio,
             **self._spec_stats(),
         )
 

@@ -102,6 +102,12 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False):
     # Steps scheduled with running decodes but no stall bound (StallBound had no decode-step time
     # or no per-token cost yet): their prompt tokens were bounded by the token budget alone.
     steps_unbounded: int = 0
+    # What the stall bound has learnt (StallBound; 0 until measured): what carrying any prompt
+    # tokens adds to a step and what one prompt token adds, seconds; measured decode-only steps
+    # over its model of them.
+    stall_fixed_s: float = 0.0
+    stall_prompt_token_s: float = 0.0
+    stall_decode_ratio: float = 1.0
 
 
 # ---- client -> core --------------------------------------------------------------------------------

@@ -112,6 +112,12 @@ class _EngineCollector(Collector):
                       stats.step_prompt_tokens)
         yield counter("pie_steps_unbounded", "Steps with running decodes whose prompt tokens no stall bound limited "
                       "(--decode-stall-factor had no step times to go on yet).", stats.steps_unbounded)
+        yield gauge("pie_stall_bound_fixed_seconds", "What the stall bound learnt carrying any prompt tokens adds "
+                    "to a step (0 until measured).", stats.stall_fixed_s)
+        yield gauge("pie_stall_bound_prompt_token_seconds", "What the stall bound learnt one prompt token adds to a "
+                    "step (0 until measured).", stats.stall_prompt_token_s)
+        yield gauge("pie_stall_bound_decode_ratio", "Measured decode-only steps over the stall bound's model of "
+                    "them (CUDA graphs timed at start; 1 until measured).", stats.stall_decode_ratio)
         if self.num_speculative_tokens is not None:
             yield from self._spec_decode(stats, counter)
 

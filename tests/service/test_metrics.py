@@ -128,6 +128,9 @@ def test_metrics_after_traffic(server, client, log_buffer):
     # that no stall bound limited (a counter; the CPU's bound learns from the first steps).
     assert 0 <= value(m, "pie_step_prompt_tokens_total") <= sum(len(tok.encode(p)) for p in PROMPTS)
     assert value(m, "pie_steps_unbounded_total") >= 0
+    # What the bound learnt: no decode model on the CPU (no CUDA graphs), so its ratio stays 1.
+    assert value(m, "pie_stall_bound_decode_ratio") == 1.0
+    assert value(m, "pie_stall_bound_fixed_seconds") >= 0 and value(m, "pie_stall_bound_prompt_token_seconds") >= 0
 
     # The summary lines: one per request, with the fields an operator greps for.
     lines = {d["request_id"]: d for d in log_lines(log_buffer) if d.get("event") == "request_done"}
