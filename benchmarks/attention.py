@@ -18,14 +18,15 @@ from pathlib import Path
 import torch
 import triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+_ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(_ROOT), str(_ROOT / "clients")]  # benchmarks.*, and this checkout's pie
 from benchmarks.common import make_parser, require_cuda  # noqa: E402
-from kernels import reference  # noqa: E402
-from kernels.flash_prefill import paged_prefill  # noqa: E402
-from kernels.triton_cache_write import write_kv_cache  # noqa: E402
-from kernels.triton_decode import paged_decode  # noqa: E402
-from kernels.triton_extend import paged_extend  # noqa: E402
-from model.smoothing import factors_from_rms  # noqa: E402
+from pie.kernels import reference  # noqa: E402
+from pie.kernels.flash_prefill import paged_prefill  # noqa: E402
+from pie.kernels.triton_cache_write import write_kv_cache  # noqa: E402
+from pie.kernels.triton_decode import paged_decode  # noqa: E402
+from pie.kernels.triton_extend import paged_extend  # noqa: E402
+from pie.model.smoothing import factors_from_rms  # noqa: E402
 
 NEEDS_GPU = True  # read by `pie bench` (with ast, without importing this file)
 HQ, HKV, D, BLOCK = 32, 8, 128, 16

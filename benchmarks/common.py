@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from service.cli import HelpFormatter
+from pie.service.cli import HelpFormatter
 
 DEVICE_HELP = "device to run on: cpu or cuda (default: cuda where a CUDA GPU is visible, else cpu)"
 

@@ -25,10 +25,11 @@ import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import kernels.triton_decode as td  # noqa: E402
+_ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(_ROOT), str(_ROOT / "clients")]  # benchmarks.*, and this checkout's pie
+import pie.kernels.triton_decode as td  # noqa: E402
 from benchmarks.common import make_parser, require_cuda  # noqa: E402
-from kernels.reference import paged_attention_decode  # noqa: E402
+from pie.kernels.reference import paged_attention_decode  # noqa: E402
 
 NEEDS_GPU = True  # read by `pie bench` (with ast, without importing this file)
 C = td.DecodeConfig

@@ -21,11 +21,12 @@ import torch
 import torch.nn.functional as F
 import triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+_ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(_ROOT), str(_ROOT / "clients")]  # benchmarks.*, and this checkout's pie
 from benchmarks.common import make_parser, require_cuda  # noqa: E402
-from kernels import reference as ref  # noqa: E402
-from kernels.triton_cache_write import write_kv_cache  # noqa: E402
-from kernels.triton_extend import paged_extend  # noqa: E402
+from pie.kernels import reference as ref  # noqa: E402
+from pie.kernels.triton_cache_write import write_kv_cache  # noqa: E402
+from pie.kernels.triton_extend import paged_extend  # noqa: E402
 
 NEEDS_GPU = True  # read by `pie bench` (with ast, without importing this file)
 HQ, HKV, D, PAGE = 32, 8, 128, 16

@@ -19,12 +19,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "clients"))
+sys.path[:0] = [str(ROOT), str(ROOT / "clients")]  # benchmarks.*, and this checkout's pie
 from benchmarks.common import make_parser  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
-from engine.messages import SampledToken  # noqa: E402
-from service.server import BackgroundServer, ServerConfig  # noqa: E402
+from pie.engine.config import EngineConfig  # noqa: E402
+from pie.engine.messages import SampledToken  # noqa: E402
+from pie.service.server import BackgroundServer, ServerConfig  # noqa: E402
 
 
 def instant_forward(engine, step_s: float = 0.0) -> None:

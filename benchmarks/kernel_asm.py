@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+_ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(_ROOT), str(_ROOT / "clients")]  # benchmarks.*, and this checkout's pie
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -81,7 +82,7 @@ def compile_decode(cfg, d: int, group: int, int8: bool, page: int = 16, hkv: int
     """The stage-1 kernel as paged_decode would launch it for one split (DIRECT), or with fixed
     splits of `split_tokens` keys (the engine's launch), on a work list of splits with `worklist`,
     compiled only: (compiled kernel, the DecodeConfig used)."""
-    import kernels.triton_decode as td
+    import pie.kernels.triton_decode as td
 
     d_pad = max(16, triton.next_power_of_2(d))
     cfg = cfg or td._config(d_pad, page, torch.int8 if int8 else torch.bfloat16, True)

@@ -19,9 +19,10 @@ from pathlib import Path
 
 import structlog
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+_ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(_ROOT), str(_ROOT / "clients")]  # benchmarks.*, and this checkout's pie
 from benchmarks.common import DEVICE_HELP, default_device, make_parser  # noqa: E402
-from engine.attention import PagedAttention  # noqa: E402
+from pie.engine.attention import PagedAttention  # noqa: E402
 from tests.fidelity import MASSIVE_K, family_fidelity, mean  # noqa: E402
 from tests.helpers import ARCHS  # noqa: E402
 

@@ -39,12 +39,13 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+_ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(_ROOT), str(_ROOT / "clients")]  # benchmarks.*, and this checkout's pie
 from benchmarks.common import DEVICE_HELP, SizedFlags, default_device, make_parser  # noqa: E402
-from engine.config import DEFAULT_MODEL, EngineConfig  # noqa: E402
-from engine.core import EngineCore  # noqa: E402
-from engine.kv_cache import KVCache  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
+from pie.engine.config import DEFAULT_MODEL, EngineConfig  # noqa: E402
+from pie.engine.core import EngineCore  # noqa: E402
+from pie.engine.kv_cache import KVCache  # noqa: E402
+from pie.engine.sampling_params import SamplingParams  # noqa: E402
 
 SHAPES = {
     # Qwen3-4B: head dim 128, GQA 4:1, q/k norms, tied embeddings.

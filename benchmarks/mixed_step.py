@@ -33,13 +33,14 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+_ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(_ROOT), str(_ROOT / "clients")]  # benchmarks.*, and this checkout's pie
 from benchmarks.common import DEVICE_HELP, default_device, make_parser  # noqa: E402
 from benchmarks.mixed import SHAPES, build_model  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
-from engine.core import EngineCore  # noqa: E402
-from engine.cuda_graphs import CudaGraphs, PiecewiseGraphs  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
+from pie.engine.config import EngineConfig  # noqa: E402
+from pie.engine.core import EngineCore  # noqa: E402
+from pie.engine.cuda_graphs import CudaGraphs, PiecewiseGraphs  # noqa: E402
+from pie.engine.sampling_params import SamplingParams  # noqa: E402
 
 ATTENTION_KERNELS = ("_decode_stage", "_extend_kernel", "_write_kv")
 OTHER_TRITON = ("_rms_norm", "_silu_mul", "_rotary", "_apply_token_bitmask")

@@ -23,7 +23,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+_ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(_ROOT), str(_ROOT / "clients")]  # benchmarks.*, and this checkout's pie
 
 NEEDS_GPU = False  # read by `pie bench`: --report runs anywhere; --profile checks for a GPU itself
 DEFAULT_CASES = ("int8:old,int8:default,bf16:default,int8:old@256x400x64,int8:default@256x400x64,"
@@ -42,7 +43,7 @@ def launch_cases(cases: list[str]) -> None:
     profiles, each case's inputs freed before the next (ncu saves and restores device memory)."""
     import torch
 
-    import kernels.triton_decode as td
+    import pie.kernels.triton_decode as td
     from benchmarks.decode_variants import BF16, VARIANTS, make
 
     for warm in (True, False):

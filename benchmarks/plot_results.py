@@ -15,11 +15,11 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "clients")]  # benchmarks.*, and this checkout's pie
 
 from benchmarks.check_results import RESULTS, read_results  # noqa: E402
 from benchmarks.common import make_parser  # noqa: E402
-from training.plot import plot_curves  # noqa: E402
+from pie.training.plot import plot_curves  # noqa: E402
 
 BATCH = 64
 SWEEP = re.compile(r"decode sweep B(\d+) ctx(\d+) D128, (int8|bf16) pages, do_bench")

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import grpc
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1] / "clients")]
+_ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(_ROOT), str(_ROOT / "clients")]  # benchmarks.*, and this checkout's pie
 from benchmarks.common import make_parser  # noqa: E402
 from pie.v1 import generate_pb2 as pb  # noqa: E402
 from pie.v1 import generate_pb2_grpc as pb_grpc  # noqa: E402

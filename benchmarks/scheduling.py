@@ -24,13 +24,15 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+_ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(_ROOT), str(_ROOT / "clients")]  # benchmarks.*, and this checkout's pie
 from benchmarks.common import DEVICE_HELP, SizedFlags, default_device, make_parser  # noqa: E402
-from engine.config import DEFAULT_MODEL, EngineConfig  # noqa: E402
-from engine.core import EngineCore  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from model import LlamaForCausalLM, ModelConfig  # noqa: E402
-from training.export import export_hf  # noqa: E402
+from pie.engine.config import DEFAULT_MODEL, EngineConfig  # noqa: E402
+from pie.engine.core import EngineCore  # noqa: E402
+from pie.engine.sampling_params import SamplingParams  # noqa: E402
+from pie.model.config import ModelConfig  # noqa: E402
+from pie.model.llama import LlamaForCausalLM  # noqa: E402
+from pie.training.export import export_hf  # noqa: E402
 
 
 def make_model(folder: Path, hidden: int, layers: int, heads: int, kv_heads: int, ffn: int, max_len: int) -> str:

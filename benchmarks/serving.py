@@ -54,8 +54,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "clients"))
+_ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(_ROOT), str(_ROOT / "clients")]  # benchmarks.*, and this checkout's pie
 import grpc  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
@@ -229,7 +229,7 @@ def free_port() -> int:
 
 def start_server(model: str | None, extra: list[str], metrics_port: int | None = None) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--log-level", "warning", *extra]
+    cmd = [sys.executable, "-m", "pie.service.cli", "serve", "--port", str(port), "--log-level", "warning", *extra]
     if metrics_port is not None:
         cmd += ["--metrics-port", str(metrics_port)]
     if model:
@@ -328,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=2))
     if args.plot:
-        from training.plot import plot_curves
+        from pie.training.plot import plot_curves
 
         for mode in ("closed", "poisson"):
             pts = [r for r in rows if r["mode"] == mode]

@@ -22,16 +22,17 @@ import threading
 import time
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1] / "clients")]
+_ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(_ROOT), str(_ROOT / "clients")]  # benchmarks.*, and this checkout's pie
 
 import grpc  # noqa: E402
 
 from benchmarks.common import make_parser  # noqa: E402
-from engine.config import DEFAULT_MODEL, EngineConfig  # noqa: E402
+from pie.engine.config import DEFAULT_MODEL, EngineConfig  # noqa: E402
+from pie.service.logging import configure_logging  # noqa: E402
+from pie.service.server import BackgroundServer, ServerConfig  # noqa: E402
 from pie.v1 import generate_pb2 as pb  # noqa: E402
 from pie.v1 import generate_pb2_grpc as pb_grpc  # noqa: E402
-from service.logging import configure_logging  # noqa: E402
-from service.server import BackgroundServer, ServerConfig  # noqa: E402
 
 PROMPTS = ["Once upon a time", "The little dog", "Tom and Lily went to the park", "One day, a bird",
            "The sun was bright and", "She found a box under the bed"]

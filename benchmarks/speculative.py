@@ -60,17 +60,18 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+_ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(_ROOT), str(_ROOT / "clients")]  # benchmarks.*, and this checkout's pie
 from benchmarks.common import DEVICE_HELP, SizedFlags, default_device, make_parser  # noqa: E402
 from benchmarks.throughput import LLAMA_1B, LLAMA_4B, MICRO, TINY, build_model  # noqa: E402
-from engine.config import DEFAULT_MODEL, MODEL_DTYPES, EngineConfig  # noqa: E402
-from engine.core import EngineCore  # noqa: E402
-from engine.model_runner import PendingSample  # noqa: E402
-from engine.request import Request, RequestStatus  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from engine.scheduler import SchedulerOutput  # noqa: E402
-from engine.speculative import NgramProposer, Speculator  # noqa: E402
-from training.corpus import generate_stories  # noqa: E402
+from pie.engine.config import DEFAULT_MODEL, MODEL_DTYPES, EngineConfig  # noqa: E402
+from pie.engine.core import EngineCore  # noqa: E402
+from pie.engine.model_runner import PendingSample  # noqa: E402
+from pie.engine.request import Request, RequestStatus  # noqa: E402
+from pie.engine.sampling_params import SamplingParams  # noqa: E402
+from pie.engine.scheduler import SchedulerOutput  # noqa: E402
+from pie.engine.speculative import NgramProposer, Speculator  # noqa: E402
+from pie.training.corpus import generate_stories  # noqa: E402
 
 # Llama-3.1-8B's dimensions, its embeddings tied: a step's work is the same (the LM head is read
 # either way), and a random model with tied embeddings repeats its last token by wide margins, so

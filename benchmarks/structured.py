@@ -33,13 +33,14 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+_ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(_ROOT), str(_ROOT / "clients")]  # benchmarks.*, and this checkout's pie
 from benchmarks.common import DEVICE_HELP, default_device, make_parser  # noqa: E402
 from benchmarks.throughput import LLAMA_4B, TINY, build_model  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
-from engine.core import EngineCore  # noqa: E402
-from engine.sampling_params import SamplingParams, StructuredOutputParams  # noqa: E402
-from engine.structured import GrammarCompiler, GrammarState, StructuredOutputs  # noqa: E402
+from pie.engine.config import EngineConfig  # noqa: E402
+from pie.engine.core import EngineCore  # noqa: E402
+from pie.engine.sampling_params import SamplingParams, StructuredOutputParams  # noqa: E402
+from pie.engine.structured import GrammarCompiler, GrammarState, StructuredOutputs  # noqa: E402
 
 QWEN_TOKENS = 151_643  # Qwen2.5's tokenizer, before its special tokens
 QWEN_VOCAB = 151_936  # its embedding rows (the logits' width)
@@ -248,9 +249,9 @@ def host_side(tokenizer_json: str, vocab: int, batches: list[int], steps: int, t
 
 def mask_kernel(device: str, vocab: int, batches: list[int]) -> None:
     if device == "cuda":
-        from kernels.triton_bitmask import apply_token_bitmask_
+        from pie.kernels.triton_bitmask import apply_token_bitmask_
     else:
-        from kernels.reference import apply_token_bitmask_
+        from pie.kernels.reference import apply_token_bitmask_
     for batch in batches:
         logits = torch.randn(batch, vocab, device=device)
         mask = torch.randint(-2**31, 2**31 - 1, (batch, -(-vocab // 32)), dtype=torch.int32).pin_memory() \

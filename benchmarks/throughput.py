@@ -35,14 +35,16 @@ from typing import Literal
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+_ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(_ROOT), str(_ROOT / "clients")]  # benchmarks.*, and this checkout's pie
 from benchmarks.common import DEVICE_HELP, SizedFlags, default_device, make_parser  # noqa: E402
-from engine.config import DEFAULT_MODEL, EngineConfig  # noqa: E402
-from engine.core import EngineCore  # noqa: E402
-from engine.kv_cache import KVCache  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from model import LlamaForCausalLM, ModelConfig  # noqa: E402
-from training.export import export_hf  # noqa: E402
+from pie.engine.config import DEFAULT_MODEL, EngineConfig  # noqa: E402
+from pie.engine.core import EngineCore  # noqa: E402
+from pie.engine.kv_cache import KVCache  # noqa: E402
+from pie.engine.sampling_params import SamplingParams  # noqa: E402
+from pie.model.config import ModelConfig  # noqa: E402
+from pie.model.llama import LlamaForCausalLM  # noqa: E402
+from pie.training.export import export_hf  # noqa: E402
 
 LLAMA_1B = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
                 intermediate_size=8192, vocab_size=32000, tie_word_embeddings=True)

@@ -32,10 +32,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+_ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(_ROOT), str(_ROOT / "clients")]  # benchmarks.*, and this checkout's pie
 from benchmarks.common import DEVICE_HELP, default_device, make_parser  # noqa: E402
 from benchmarks.tp_vocab import SHAPES  # noqa: E402
-from model.parallel import TensorParallel  # noqa: E402
+from pie.model.parallel import TensorParallel  # noqa: E402
 
 
 def _free_port() -> int:

@@ -20,10 +20,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+_ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(_ROOT), str(_ROOT / "clients")]  # benchmarks.*, and this checkout's pie
 from benchmarks.common import make_parser  # noqa: E402
-from model import LlamaForCausalLM, ModelConfig  # noqa: E402
-from model.parallel import TensorParallel  # noqa: E402
+from pie.model.config import ModelConfig  # noqa: E402
+from pie.model.llama import LlamaForCausalLM  # noqa: E402
+from pie.model.parallel import TensorParallel  # noqa: E402
 
 SHAPES = {  # the published configs' shapes (random weights; nothing is downloaded)
     "Llama-3.2-1B": dict(model_type="llama", hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,

@@ -17,10 +17,11 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+_ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(_ROOT), str(_ROOT / "clients")]  # benchmarks.*, and this checkout's pie
 from benchmarks.common import make_parser  # noqa: E402
-from engine.messages import EngineStats, RequestOutput, SampledToken, StepResult, decode_result, encode  # noqa: E402
-from engine.request import RequestStatus  # noqa: E402
+from pie.engine.messages import EngineStats, RequestOutput, SampledToken, StepResult, decode_result, encode  # noqa: E402
+from pie.engine.request import RequestStatus  # noqa: E402
 
 
 @dataclasses.dataclass(slots=True)

@@ -30,9 +30,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import ATTENTION_BACKENDS
-from engine.kv_cache import KVCache
-from kernels import reference
+from pie.engine.config import ATTENTION_BACKENDS
+from pie.engine.kv_cache import KVCache
+from pie.kernels import reference
 
 
 @dataclass(slots=True)
@@ -97,7 +97,7 @@ class TritonOps:
     """The Triton kernels (imported only when chosen, so the CPU path never needs triton)."""
 
     def __init__(self, head_dim: int, max_model_len: int | None) -> None:
-        from kernels import flash_prefill, triton_cache_write, triton_decode, triton_extend
+        from pie.kernels import flash_prefill, triton_cache_write, triton_decode, triton_extend
 
         if head_dim > triton_decode.MAX_HEAD_DIM or head_dim % 2:
             raise ValueError(

@@ -32,17 +32,18 @@ from typing import TYPE_CHECKING, Protocol
 import msgspec
 import structlog
 
-from engine.config import EngineConfig
-from engine.errors import EngineDeadError, QueueFullError, RequestAbortedError
-from engine.messages import AbortRequest, AddRequest, Command, EngineStats, RequestOutput, StepResult
-from engine.request import RequestStatus
-from engine.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputParams
-from engine.structured import GrammarCompiler, StructuredOutputError
-from engine.validation import check_request
+from pie.engine.config import EngineConfig
+from pie.engine.errors import EngineDeadError, QueueFullError, RequestAbortedError
+from pie.engine.messages import AbortRequest, AddRequest, Command, EngineStats, RequestOutput, StepResult
+from pie.engine.request import RequestStatus
+from pie.engine.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputParams
+from pie.engine.structured import GrammarCompiler, StructuredOutputError
+from pie.engine.validation import check_request
 
 if TYPE_CHECKING:
-    from engine.core import EngineCore
-    from model import ModelConfig, Tokenizer
+    from pie.engine.core import EngineCore
+    from pie.model.config import ModelConfig
+    from pie.model.tokenizer import Tokenizer
 
 log = structlog.get_logger(__name__)
 

@@ -48,15 +48,15 @@ from multiprocessing.connection import Connection
 
 import structlog
 
-from engine.client import EngineClientBase
-from engine.config import EngineConfig
-from engine.core import EngineCore
-from engine.core_process import BOOT
-from engine.errors import StartupError, StepTimeoutError
-from engine.loop import Watchdog, heartbeat_interval
-from engine.messages import Command, StepResult, StopCore, decode_result, encode
-from engine.structured import GrammarCompiler
-from model import Tokenizer
+from pie.engine.client import EngineClientBase
+from pie.engine.config import EngineConfig
+from pie.engine.core import EngineCore
+from pie.engine.core_process import BOOT
+from pie.engine.errors import StartupError, StepTimeoutError
+from pie.engine.loop import Watchdog, heartbeat_interval
+from pie.engine.messages import Command, StepResult, StopCore, decode_result, encode
+from pie.engine.structured import GrammarCompiler
+from pie.model.tokenizer import Tokenizer
 
 log = structlog.get_logger(__name__)
 

@@ -16,11 +16,11 @@ from collections.abc import Callable
 
 import structlog
 
-from engine.client import EngineClientBase, EngineInfo
-from engine.config import EngineConfig
-from engine.core import EngineCore
-from engine.loop import Inbox, StepClock, Watchdog, run_core_loop, step_watchdog
-from engine.messages import Command, StepResult
+from pie.engine.client import EngineClientBase, EngineInfo
+from pie.engine.config import EngineConfig
+from pie.engine.core import EngineCore
+from pie.engine.loop import Inbox, StepClock, Watchdog, run_core_loop, step_watchdog
+from pie.engine.messages import Command, StepResult
 
 log = structlog.get_logger(__name__)
 

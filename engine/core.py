@@ -16,26 +16,28 @@ import time
 import structlog
 import torch
 
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig, usable_cores
-from engine.detokenizer import IncrementalDetokenizer
-from engine.device import TORCH_DTYPES, auto_dtype, resolve_device
-from engine.draft import DraftModel, DraftProposer, load_draft
-from engine.errors import EngineDeadError
-from engine.kv_cache import KVCache
-from engine.kv_sizing import num_kv_blocks
-from engine.messages import EngineStats, RequestOutput, StepTimes
-from engine.model_check import check_vocab, read_model_config, read_tokenizer
-from engine.model_runner import ModelRunner, PendingSample
-from engine.request import Request, RequestStatus, SampleGroup
-from engine.sampling_params import SamplingParams, SamplingParamsError
-from engine.scheduler import Scheduler, SchedulerOutput
-from engine.speculative import NgramProposer, Proposer, Speculator
-from engine.structured import GrammarCompiler, StructuredOutputError, StructuredOutputs
-from engine.tensor_parallel import Leader, check_devices
-from engine.validation import check_request
-from model import ModelConfig, load_model, smoothing
-from model.parallel import TensorParallel, check_shardable
+from pie.engine.block_manager import BlockManager
+from pie.engine.config import EngineConfig, usable_cores
+from pie.engine.detokenizer import IncrementalDetokenizer
+from pie.engine.device import TORCH_DTYPES, auto_dtype, resolve_device
+from pie.engine.draft import DraftModel, DraftProposer, load_draft
+from pie.engine.errors import EngineDeadError
+from pie.engine.kv_cache import KVCache
+from pie.engine.kv_sizing import num_kv_blocks
+from pie.engine.messages import EngineStats, RequestOutput, StepTimes
+from pie.engine.model_check import check_vocab, read_model_config, read_tokenizer
+from pie.engine.model_runner import ModelRunner, PendingSample
+from pie.engine.request import Request, RequestStatus, SampleGroup
+from pie.engine.sampling_params import SamplingParams, SamplingParamsError
+from pie.engine.scheduler import Scheduler, SchedulerOutput
+from pie.engine.speculative import NgramProposer, Proposer, Speculator
+from pie.engine.structured import GrammarCompiler, StructuredOutputError, StructuredOutputs
+from pie.engine.tensor_parallel import Leader, check_devices
+from pie.engine.validation import check_request
+from pie.model import smoothing
+from pie.model.config import ModelConfig
+from pie.model.loader import load_model
+from pie.model.parallel import TensorParallel, check_shardable
 
 log = structlog.get_logger(__name__)
 
@@ -74,7 +76,7 @@ class EngineCore:
                                                    tp=tp)
         self.model.eval()
         if self.device.type == "cuda":
-            from kernels import triton_fused
+            from pie.kernels import triton_fused
 
             self.model.use_fused_ops(triton_fused)  # one Triton kernel per norm / SwiGLU / RoPE
         self.tokenizer = read_tokenizer(config.model, self.model_config)

@@ -49,10 +49,10 @@ import numpy as np
 import structlog
 import torch
 
-from engine.attention import AttentionMetadata, PagedAttention
-from engine.scheduler import SchedulerOutput
-from engine.staging import Packed, StepStager
-from model.llama import LlamaForCausalLM
+from pie.engine.attention import AttentionMetadata, PagedAttention
+from pie.engine.scheduler import SchedulerOutput
+from pie.engine.staging import Packed, StepStager
+from pie.model.llama import LlamaForCausalLM
 
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE  # graph_pool_handle()'s type (a runtime import is a cycle)

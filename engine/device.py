@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from engine.config import MODEL_DTYPES
-from engine.errors import StartupError
-from model import ModelConfig
+from pie.engine.config import MODEL_DTYPES
+from pie.engine.errors import StartupError
+from pie.model.config import ModelConfig
 
 # Model dtype names (EngineConfig.dtype, --dtype) and the torch dtypes they stand for.
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

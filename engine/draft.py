@@ -28,16 +28,16 @@ from dataclasses import dataclass
 import structlog
 import torch
 
-from engine.config import EngineConfig
-from engine.errors import StartupError
-from engine.kv_cache import KVCache
-from engine.model_runner import ModelRunner
-from engine.request import Request
-from engine.sampler import SamplingTensors
-from engine.scheduler import ScheduledRequest, SchedulerOutput
-from engine.speculative import DraftProbs, draft_distribution, draft_draw
-from model.llama import LlamaForCausalLM
-from model.tokenizer import Tokenizer
+from pie.engine.config import EngineConfig
+from pie.engine.errors import StartupError
+from pie.engine.kv_cache import KVCache
+from pie.engine.model_runner import ModelRunner
+from pie.engine.request import Request
+from pie.engine.sampler import SamplingTensors
+from pie.engine.scheduler import ScheduledRequest, SchedulerOutput
+from pie.engine.speculative import DraftProbs, draft_distribution, draft_draw
+from pie.model.llama import LlamaForCausalLM
+from pie.model.tokenizer import Tokenizer
 
 log = structlog.get_logger(__name__)
 
@@ -61,8 +61,8 @@ def load_draft(config: EngineConfig, device: torch.device, dtype: torch.dtype, t
                max_model_len: int) -> DraftModel:
     """Loads `config.draft_model`; StartupError when it cannot serve as the target's draft (another
     tokenizer, a shorter context)."""
-    from engine.model_check import read_tokenizer
-    from model.loader import load_model
+    from pie.engine.model_check import read_tokenizer
+    from pie.model.loader import load_model
 
     path = config.draft_model
     assert path is not None
@@ -72,7 +72,7 @@ def load_draft(config: EngineConfig, device: torch.device, dtype: torch.dtype, t
         raise StartupError(f"--draft-model {path}: cannot load it ({e})") from e
     model.eval()
     if device.type == "cuda":
-        from kernels import triton_fused
+        from pie.kernels import triton_fused
 
         model.use_fused_ops(triton_fused)
     theirs = read_tokenizer(path, mc)

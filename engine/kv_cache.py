@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.config import KV_CACHE_DTYPES
-from kernels import reference
+from pie.engine.config import KV_CACHE_DTYPES
+from pie.kernels import reference
 
 TORCH_KV_DTYPES = {"int8": torch.int8, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 assert tuple(TORCH_KV_DTYPES) == KV_CACHE_DTYPES

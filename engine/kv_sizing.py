@@ -18,9 +18,9 @@ from collections.abc import Callable
 import structlog
 import torch
 
-from engine.config import EngineConfig
-from engine.errors import StartupError
-from engine.model_runner import ModelRunner
+from pie.engine.config import EngineConfig
+from pie.engine.errors import StartupError
+from pie.engine.model_runner import ModelRunner
 
 log = structlog.get_logger(__name__)
 

@@ -23,9 +23,9 @@ from collections.abc import Callable
 
 import structlog
 
-from engine.core import EngineCore
-from engine.errors import StepTimeoutError
-from engine.messages import AbortRequest, AddRequest, Command, StepResult
+from pie.engine.core import EngineCore
+from pie.engine.errors import StepTimeoutError
+from pie.engine.messages import AbortRequest, AddRequest, Command, StepResult
 
 log = structlog.get_logger(__name__)
 

@@ -16,8 +16,8 @@ import bisect
 
 import msgspec
 
-from engine.request import RequestStatus
-from engine.sampling_params import SamplingParams
+from pie.engine.request import RequestStatus
+from pie.engine.sampling_params import SamplingParams
 
 
 class SampledToken(msgspec.Struct, array_like=True, gc=False):

@@ -27,21 +27,21 @@ import numpy as np
 import structlog
 import torch
 
-from engine.attention import AttentionMetadata, PagedAttention
-from engine.config import EngineConfig
-from engine.cuda_graphs import CudaGraphs, PiecewiseGraphs, graph_buckets
-from engine.kv_cache import KVCache
-from engine.messages import SampledToken
-from engine.prompt_logprobs import PromptLogprobRows
-from engine.request import Request
-from engine.sampler import SamplingTensors, sample
-from engine.sampling_params import MAX_LOGPROBS, SamplingParams
-from engine.scheduler import ScheduledRequest, SchedulerOutput
-from engine.speculative import DraftProbs, verify
-from engine.staging import LastSample, StepFacts, StepStager
-from engine.structured import TokenMasks
-from kernels import reference
-from model import LlamaForCausalLM
+from pie.engine.attention import AttentionMetadata, PagedAttention
+from pie.engine.config import EngineConfig
+from pie.engine.cuda_graphs import CudaGraphs, PiecewiseGraphs, graph_buckets
+from pie.engine.kv_cache import KVCache
+from pie.engine.messages import SampledToken
+from pie.engine.prompt_logprobs import PromptLogprobRows
+from pie.engine.request import Request
+from pie.engine.sampler import SamplingTensors, sample
+from pie.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from pie.engine.scheduler import ScheduledRequest, SchedulerOutput
+from pie.engine.speculative import DraftProbs, verify
+from pie.engine.staging import LastSample, StepFacts, StepStager
+from pie.engine.structured import TokenMasks
+from pie.kernels import reference
+from pie.model.llama import LlamaForCausalLM
 
 log = structlog.get_logger(__name__)
 
@@ -219,7 +219,7 @@ class ModelRunner:
         self._stream = torch.cuda.current_stream(device) if on_cuda else None
         # Structured output's masks onto the logits: the Triton kernel on CUDA, its torch twin here.
         if on_cuda:
-            from kernels import triton_bitmask
+            from pie.kernels import triton_bitmask
 
             self._apply_masks = triton_bitmask.apply_token_bitmask_
         else:

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.messages import SampledToken
-from engine.request import Request
-from engine.scheduler import SchedulerOutput
+from pie.engine.messages import SampledToken
+from pie.engine.request import Request
+from pie.engine.scheduler import SchedulerOutput
 
 # Logit values (rows x vocabulary) made at once: 64 MiB of fp32.
 LOGITS_ELEMENTS = 1 << 24

@@ -18,11 +18,11 @@ import enum
 import time
 from typing import TYPE_CHECKING, Any
 
-from engine.sampling_params import SamplingParams
+from pie.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.detokenizer import IncrementalDetokenizer
-    from engine.structured import GrammarState
+    from pie.engine.detokenizer import IncrementalDetokenizer
+    from pie.engine.structured import GrammarState
 
 
 class RequestStatus(enum.IntEnum):

@@ -36,7 +36,7 @@ from itertools import chain
 import numpy as np
 import torch
 
-from engine.sampling_params import SamplingParams
+from pie.engine.sampling_params import SamplingParams
 
 # splitmix64 constants (Steele, Lea, Flood 2014), as signed int64 since torch has no uint64 math.
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)

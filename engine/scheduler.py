@@ -64,10 +64,10 @@ from typing import Protocol
 
 import structlog
 
-from engine.block_manager import BlockManager
-from engine.messages import RequestOutput, SampledToken
-from engine.request import Request, RequestStatus, SampleGroup
-from engine.structured import StructuredOutputs
+from pie.engine.block_manager import BlockManager
+from pie.engine.messages import RequestOutput, SampledToken
+from pie.engine.request import Request, RequestStatus, SampleGroup
+from pie.engine.structured import StructuredOutputs
 
 log = structlog.get_logger(__name__)
 

@@ -63,11 +63,11 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from engine.sampler import SamplerOutput, SamplingTensors, choose, hash_uniform, logprobs_of, race
+from pie.engine.sampler import SamplerOutput, SamplingTensors, choose, hash_uniform, logprobs_of, race
 
 if TYPE_CHECKING:
-    from engine.request import Request
-    from engine.scheduler import SchedulerOutput
+    from pie.engine.request import Request
+    from pie.engine.scheduler import SchedulerOutput
 
 # Salts of the random streams speculative decoding adds beside the sampler's (seed, step) stream.
 ACCEPT_SALT = 0x5DEECE66D  # the acceptance uniform of a draft proposal

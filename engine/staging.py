@@ -48,9 +48,9 @@ from itertools import chain
 import numpy as np
 import torch
 
-from engine.attention import AttentionMetadata
-from engine.request import Request
-from engine.scheduler import SchedulerOutput
+from pie.engine.attention import AttentionMetadata
+from pie.engine.request import Request
+from pie.engine.scheduler import SchedulerOutput
 
 
 @dataclass(slots=True)

@@ -51,17 +51,17 @@ import structlog
 import torch
 import torch.distributed as dist
 
-from model.parallel import TensorParallel
+from pie.model.parallel import TensorParallel
 
 if TYPE_CHECKING:
-    from engine.config import EngineConfig
-    from engine.model_runner import ModelRunner
-    from engine.staging import StepFacts
+    from pie.engine.config import EngineConfig
+    from pie.engine.model_runner import ModelRunner
+    from pie.engine.staging import StepFacts
 
 log = structlog.get_logger(__name__)
 
 BOOT = ("import sys; sys.path[:0] = sys.argv[4:]; "
-        "from engine.tensor_parallel import worker_main; worker_main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))")
+        "from pie.engine.tensor_parallel import worker_main; worker_main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))")
 OP_STOP, OP_FORWARD, OP_NEW_CACHE, OP_CALIBRATE, OP_CAPTURE = 0, 1, 2, 3, 4
 HEADER = 15  # int64 slots of the header: the op, then its numbers
 GROUP_TIMEOUT = datetime.timedelta(days=7)  # idle servers: a worker waits for the next step this long
@@ -247,9 +247,9 @@ def follow(runner: ModelRunner, numbers: list[int], link: _Link) -> None:
     the forward pass and of the LM head (the logits are rank 0's). A step rank 0 replays from a
     graph replays this rank's graph of the same bucket, its inputs received into the staging
     buffers that graph reads."""
-    from engine.model_runner import last_tokens
-    from engine.prompt_logprobs import run_on_worker
-    from engine.staging import Packed, StepFacts
+    from pie.engine.model_runner import last_tokens
+    from pie.engine.prompt_logprobs import run_on_worker
+    from pie.engine.staging import Packed, StepFacts
 
     n = len(StepFacts.__slots__)  # StepFacts.numbers(), then the header's own four
     facts = StepFacts(*numbers[:n])
@@ -286,11 +286,12 @@ def worker_main(parent_pid: int, rank: int, fd: int) -> None:
     conn = Connection(fd)
     init: WorkerInit = conn.recv()
     config = init.config
-    from engine.config import usable_cores
-    from engine.device import TORCH_DTYPES, resolve_device
-    from engine.kv_cache import KVCache
-    from engine.model_runner import ModelRunner
-    from model import load_model, smoothing
+    from pie.engine.config import usable_cores
+    from pie.engine.device import TORCH_DTYPES, resolve_device
+    from pie.engine.kv_cache import KVCache
+    from pie.engine.model_runner import ModelRunner
+    from pie.model import smoothing
+    from pie.model.loader import load_model
 
     device = device_of(resolve_device(config.device), rank)
     if device.type == "cpu":  # the ranks share the cores (rank 0 leaves one to the gRPC loop)
@@ -305,7 +306,7 @@ def worker_main(parent_pid: int, rank: int, fd: int) -> None:
     model, _ = load_model(config.model, device=device, dtype=TORCH_DTYPES[init.dtype_name], tp=tp)
     model.eval()
     if device.type == "cuda":
-        from kernels import triton_fused
+        from pie.kernels import triton_fused
 
         model.use_fused_ops(triton_fused)
     local = model.config

@@ -1,5 +1,10 @@
 """Torch reference ops for the paged KV cache: the CPU path, and the twins the Triton kernels are
-tested against.
+tested against (`triton_cache_write`, `triton_decode`, `triton_extend`, sharing `triton_tile`).
+Everything in kernels/ is a pure function on tensors with documented shapes, knowing nothing of
+requests or models. An int8 cache stores one symmetric scale per (token, kv head), computed once
+when the token is written (scale = fp16(absmax / 127), floored), so earlier tokens are never
+re-quantized. One op is not about the cache: `apply_token_bitmask_` forbids tokens in the logits
+from structured output's token masks (one bit per vocabulary entry; `triton_bitmask` is its kernel).
 
 Shapes (one layer):
     k_cache, v_cache   (num_blocks, block_size, Hkv, D)  int8 | bfloat16 | float16 | float32

@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.attention import AttentionBackend
-from model.config import ModelConfig
-from model.parallel import TensorParallel
-from model.rope import apply_rotary
+from pie.model.attention import AttentionBackend
+from pie.model.config import ModelConfig
+from pie.model.parallel import TensorParallel
+from pie.model.rope import apply_rotary
 
 
 class FusedOps(Protocol):

@@ -13,11 +13,11 @@ import math
 import torch
 from torch import nn
 
-from model.attention import AttentionBackend, BatchedCausalAttention
-from model.config import ModelConfig
-from model.layers import FusedOps, RMSNorm, SelfAttention, SwiGLUMLP
-from model.parallel import TensorParallel, local_config, vocab, vocab_per_rank
-from model.rope import RotaryEmbedding
+from pie.model.attention import AttentionBackend, BatchedCausalAttention
+from pie.model.config import ModelConfig
+from pie.model.layers import FusedOps, RMSNorm, SelfAttention, SwiGLUMLP
+from pie.model.parallel import TensorParallel, local_config, vocab, vocab_per_rank
+from pie.model.rope import RotaryEmbedding
 
 
 class DecoderLayer(nn.Module):

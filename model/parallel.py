@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from model.config import ModelConfig
+from pie.model.config import ModelConfig
 
 
 @dataclass(frozen=True, slots=True)

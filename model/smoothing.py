@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from model.attention import DenseCausalAttention
-from model.llama import LlamaForCausalLM
+from pie.model.attention import DenseCausalAttention
+from pie.model.llama import LlamaForCausalLM
 
 MIN_LOG2, MAX_LOG2 = -6, 10  # factors in [1/64, 1024]
 

@@ -18,7 +18,7 @@ import hashlib
 
 import grpc
 
-from engine.client import EngineClient, RequestStream
+from pie.engine.client import EngineClient, RequestStream
 
 
 def caller_of(context: grpc.aio.ServicerContext, auth: bool) -> str:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 import structlog
 
-from engine.config import (
+from pie.engine.config import (
     ATTENTION_BACKENDS,
     KV_CACHE_DTYPES,
     LOGPROBS_MODES,
@@ -27,15 +27,15 @@ from engine.config import (
     SPECULATIVE_METHODS,
     EngineConfig,
 )
-from engine.errors import StartupError
-from service.auth import read_token_file
-from service.logging import configure_logging
-from service.packages import ForeignPackageError, check_own_packages
-from service.server import ConnectionConfig, PieServer, ServerConfig, TlsConfig
-from service.validation import Limits
+from pie.engine.errors import StartupError
+from pie.service.auth import read_token_file
+from pie.service.logging import configure_logging
+from pie.service.packages import check_own_packages
+from pie.service.server import ConnectionConfig, PieServer, ServerConfig, TlsConfig
+from pie.service.validation import Limits
 
 if TYPE_CHECKING:
-    from engine.core import EngineCore
+    from pie.engine.core import EngineCore
 
 log = structlog.get_logger(__name__)
 
@@ -216,7 +216,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 
 def _train(argv: list[str]) -> int:
     """`pie train ...`: the training branch, imported only here so the server never loads it."""
-    from training.cli import add_train_parser, run
+    from pie.training.cli import add_train_parser, run
 
     parser = argparse.ArgumentParser(prog="pie")
     add_train_parser(parser.add_subparsers(dest="command", required=True), formatter_class=HelpFormatter)
@@ -294,7 +294,7 @@ def build_parser(*, with_train: bool = False) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineErrorParser)
     _add_serve(sub)
     if with_train:
-        from training.cli import add_train_parser
+        from pie.training.cli import add_train_parser
 
         add_train_parser(sub, formatter_class=HelpFormatter)
     else:
@@ -307,12 +307,8 @@ def main(argv: list[str] | None = None, *, engine_setup: Callable[[EngineCore], 
     """`pie ...`; `engine_setup` (for embedding and tests) is called with the built engine before
     it serves (ServerConfig.engine_setup)."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    try:
-        for warning in check_own_packages():
-            print(f"pie: warning: {warning}", file=sys.stderr)
-    except ForeignPackageError as e:
-        print(f"pie: error: {e}", file=sys.stderr)
-        return 2
+    for warning in check_own_packages():
+        print(f"pie: warning: {warning}", file=sys.stderr)
     if argv[:1] == ["train"]:
         return _train(argv[1:])
     if argv[:1] == ["bench"]:

@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_a
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from engine.messages import STEP_BUCKETS, STEP_KINDS, EngineStats
+from pie.engine.messages import STEP_BUCKETS, STEP_KINDS, EngineStats
 
 # Bucket edges follow vLLM's (seconds); requests on the CPU are slower, hence the long tails.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,

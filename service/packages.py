@@ -1,41 +1,25 @@
-"""The server's importable packages have generic top-level names (engine, kernels, model, service,
-training; README "Why the packages are not namespaced"). PyPI has packages named `kernels` and
-`service`: installed next to pie, one would shadow or overwrite ours and fail somewhere deep.
-`check_own_packages` finds that at start and says what to do."""
+"""pie installs two import names, `pie` (pie.engine, pie.kernels, pie.model, pie.service,
+pie.training and the generated stubs, pie.v1) and `pie_client` (README "Import names"), so packages
+with generic names (Hugging Face's `kernels`, PyPI's `service`, ...) install beside it unharmed.
+What can still collide is another distribution that also installs a top-level `pie` or
+`pie_client`: pip lets the later install overwrite the other's files. `check_own_packages` finds
+such a distribution at start and names it."""
 
 from __future__ import annotations
 
 import importlib.metadata
-import importlib.util
-from pathlib import Path
 
-OWN_PACKAGES = ("engine", "kernels", "model", "service", "training")
-DISTRIBUTION = "pie"
-
-
-class ForeignPackageError(RuntimeError):
-    pass
+OWN_NAMES = ("pie", "pie_client")
+DISTRIBUTIONS = {"pie", "pie-client"}  # ours: the server, and the client installed on its own
 
 
 def check_own_packages() -> list[str]:
-    """Raises ForeignPackageError when one of our package names imports from somewhere else than
-    this one's folder; returns warnings for another installed distribution that also provides one
-    of the names (harmless while ours comes first, as here, but it can overwrite ours on the next
-    install)."""
-    home = Path(__file__).resolve().parents[1]  # the folder holding service/ and its siblings
-    for name in OWN_PACKAGES:
-        spec = importlib.util.find_spec(name)
-        origin = None if spec is None or spec.origin is None else Path(spec.origin).resolve()
-        if origin is None or origin.parent.parent != home:
-            raise ForeignPackageError(
-                f"the package {name!r} imports from {origin or 'nowhere'}, not from pie's {home / name}: another "
-                f"distribution installs a package named {name!r}. Uninstall it (pip uninstall {name}) or install "
-                "pie in a virtual environment of its own.")
+    """One warning for each of our import names that another installed distribution provides too."""
     providers = importlib.metadata.packages_distributions()
     warnings = []
-    for name in OWN_PACKAGES:
-        others = sorted({d for d in providers.get(name, []) if d.lower() != DISTRIBUTION})
+    for name in OWN_NAMES:
+        others = sorted({d for d in providers.get(name, []) if d.lower().replace("_", "-") not in DISTRIBUTIONS})
         if others:
             warnings.append(f"the distribution(s) {', '.join(others)} also install a package named {name!r}; "
-                            f"pie's is imported now, but installing either again may overwrite the other")
+                            f"installing either again may overwrite the other's files (pip uninstall {others[0]})")
     return warnings

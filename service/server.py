@@ -15,20 +15,20 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from engine.client import EngineClient
-from engine.client_process import LaunchCancelled, ProcessEngineClient
-from engine.client_thread import ThreadEngineClient
-from engine.config import EngineConfig
-from engine.core import EngineCore
-from engine.errors import StartupError, StepTimeoutError
-from model.chat_template import ChatTemplates, NoChatTemplate
+from pie.engine.client import EngineClient
+from pie.engine.client_process import LaunchCancelled, ProcessEngineClient
+from pie.engine.client_thread import ThreadEngineClient
+from pie.engine.config import EngineConfig
+from pie.engine.core import EngineCore
+from pie.engine.errors import StartupError, StepTimeoutError
+from pie.model.chat_template import ChatTemplates, NoChatTemplate
+from pie.service.auth import BearerTokenInterceptor
+from pie.service.interceptors import UndecodableRequestInterceptor
+from pie.service.metrics import ServiceMetrics
+from pie.service.servicer import SERVICE_NAME, GenerateServicer
+from pie.service.startup import bind_error, check_startup
+from pie.service.validation import Limits
 from pie.v1 import generate_pb2_grpc
-from service.auth import BearerTokenInterceptor
-from service.interceptors import UndecodableRequestInterceptor
-from service.metrics import ServiceMetrics
-from service.servicer import SERVICE_NAME, GenerateServicer
-from service.startup import bind_error, check_startup
-from service.validation import Limits
 
 log = structlog.get_logger(__name__)
 

@@ -11,23 +11,21 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import structlog
 
-from engine.client import EngineClient, RequestStream
-from engine.config import usable_cores
-from engine.errors import EngineDeadError, PromptError, QueueFullError, RequestAbortedError
-from engine.messages import EngineStats, RequestOutput, SampledToken
-from engine.request import RequestStatus
-from engine.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputParams
-from engine.validation import prompt_too_long
-from model import Tokenizer, TooManyTokens
-from model.chat_template import ChatTemplateError, ChatTemplates, NoChatTemplate
-from pie.v1 import generate_pb2 as pb
-from pie.v1 import generate_pb2_grpc
-from service.aborts import InFlight, caller_of
-from service.errors import ServiceError, invalid_argument, send_error
-from service.logging import RequestSummary
-from service.memory import release_free_memory
-from service.metrics import ServiceMetrics
-from service.validation import (
+from pie.engine.client import EngineClient, RequestStream
+from pie.engine.config import usable_cores
+from pie.engine.errors import EngineDeadError, PromptError, QueueFullError, RequestAbortedError
+from pie.engine.messages import EngineStats, RequestOutput, SampledToken
+from pie.engine.request import RequestStatus
+from pie.engine.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputParams
+from pie.engine.validation import prompt_too_long
+from pie.model.chat_template import ChatTemplateError, ChatTemplates, NoChatTemplate
+from pie.model.tokenizer import Tokenizer, TooManyTokens
+from pie.service.aborts import InFlight, caller_of
+from pie.service.errors import ServiceError, invalid_argument, send_error
+from pie.service.logging import RequestSummary
+from pie.service.memory import release_free_memory
+from pie.service.metrics import ServiceMetrics
+from pie.service.validation import (
     ChatPrompt,
     FieldError,
     Limits,
@@ -39,6 +37,8 @@ from service.validation import (
     request_id_from,
     sampling_from_proto,
 )
+from pie.v1 import generate_pb2 as pb
+from pie.v1 import generate_pb2_grpc
 
 log = structlog.get_logger(__name__)
 

@@ -21,12 +21,12 @@ from pathlib import Path
 
 import structlog
 
-from engine.config import EngineConfig
-from engine.device import resolve_device
-from engine.errors import StartupError
-from engine.kv_cache import KVCache
-from engine.kv_sizing import budget_blocks
-from engine.model_check import (
+from pie.engine.config import EngineConfig
+from pie.engine.device import resolve_device
+from pie.engine.errors import StartupError
+from pie.engine.kv_cache import KVCache
+from pie.engine.kv_sizing import budget_blocks
+from pie.engine.model_check import (
     ModelNote,
     check_chat_template,
     check_vocab,
@@ -35,8 +35,8 @@ from engine.model_check import (
     read_model_config,
     read_tokenizer,
 )
-from model import ModelConfig
-from model.parallel import check_shardable
+from pie.model.config import ModelConfig
+from pie.model.parallel import check_shardable
 
 log = structlog.get_logger(__name__)
 

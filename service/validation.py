@@ -11,8 +11,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams, SamplingParamsError, StructuredOutputParams
-from model.chat_template import RESERVED_VARIABLES
+from pie.engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams, SamplingParamsError, StructuredOutputParams
+from pie.model.chat_template import RESERVED_VARIABLES
 
 DEFAULT_MAX_TOKENS = 16
 MAX_ABORT_IDS = 1024  # request ids one Abort call may name

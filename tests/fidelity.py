@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-from engine.config import EngineConfig
-from engine.core import EngineCore
-from engine.sampling_params import SamplingParams
+from pie.engine.config import EngineConfig
+from pie.engine.core import EngineCore
+from pie.engine.sampling_params import SamplingParams
 from tests.helpers import make_hf_model_dir
 
 # Head dim 64, GQA 2:1: the shape class of Llama-3.2-1B's attention, at toy width.

@@ -14,6 +14,8 @@ import json
 import os
 import random
 import secrets
+import shutil
+import subprocess
 import tempfile
 import threading
 import time
@@ -329,3 +331,27 @@ def help_problems(parser) -> list[str]:
 
     visit(parser)
     return problems
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def copy_tracked_files(dst: Path) -> None:
+    """The checkout's tracked files into dst, as a fresh clone has them: symbolic links stay links
+    (clients/pie's links to the package folders). Outside a git checkout, everything but build output."""
+    try:
+        files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+        names = [n for n in files.decode().split("\0") if n]
+    except (OSError, subprocess.CalledProcessError):
+        skip = {".venv", ".git", "node_modules", "runs", "__pycache__", ".pytest_cache"}
+        names = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*")
+                 if (p.is_file() or p.is_symlink()) and not skip & set(p.parts)]
+    for name in names:
+        src, out = ROOT / name, dst / name
+        if not (src.is_symlink() or src.is_file()):
+            continue  # deleted in the working tree, not yet in the index
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if src.is_symlink():
+            out.symlink_to(os.readlink(src))
+        else:
+            shutil.copy2(src, out)

@@ -8,7 +8,9 @@ functions), so a lazy import cannot slip past:
     model/     torch alone: attention (AttentionBackend) and fused ops (FusedOps) come from its owner
     kernels/   torch and triton; nothing else of ours
 
-and checked once more by importing `model` and `kernels` in a fresh interpreter."""
+and checked once more by importing `pie.model` and `pie.kernels` in a fresh interpreter. Every
+import of ours goes through its `pie.` name (README "Import names"): a bare `import kernels` would
+be Hugging Face's package, or the checkout's folder imported a second time under another name."""
 
 from __future__ import annotations
 
@@ -20,26 +22,39 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SERVER = {"engine", "kernels", "model", "service", "training"}
+SERVER = {"engine", "kernels", "model", "service", "training"}  # each imported as pie.<name>
 FORBIDDEN = {
     "clients": SERVER | {"torch", "triton"},
     "service": {"torch", "triton", "kernels"},
-    "engine": {"service", "training", "clients", "pie_client"},
-    "training": {"engine", "service", "kernels", "triton", "clients", "pie_client"},
-    "model": {"engine", "service", "training", "kernels", "triton", "clients", "pie_client"},
-    "kernels": (SERVER - {"kernels"}) | {"clients", "pie_client"},
+    "engine": {"service", "training", "pie_client", "pie.v1"},
+    "training": {"engine", "service", "kernels", "triton", "pie_client", "pie.v1"},
+    "model": {"engine", "service", "training", "kernels", "triton", "pie_client", "pie.v1"},
+    "kernels": (SERVER - {"kernels"}) | {"pie_client", "pie.v1"},
 }
 
 
-def imported_packages(source: str) -> set[str]:
-    """Top-level names of every absolute import in the source (relative ones stay in the package)."""
+def _package_of(module: str) -> str:
+    """The unit the rules speak of: pie.engine.core -> engine, pie.v1.generate_pb2 -> pie.v1,
+    torch.nn -> torch; a bare engine.core -> "bare engine" (never ours, so never allowed)."""
+    parts = module.split(".")
+    if parts[0] == "pie" and len(parts) > 1:
+        return parts[1] if parts[1] in SERVER else f"pie.{parts[1]}"
+    return f"bare {parts[0]}" if parts[0] in SERVER else parts[0]
+
+
+def imported_modules(source: str) -> set[str]:
+    """Every absolute import in the source, as written (relative ones stay in the package)."""
     names = set()
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
-            names.update(alias.name.split(".")[0] for alias in node.names)
+            names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names.add(node.module.split(".")[0])
+            names.add(node.module)
     return names
+
+
+def imported_packages(source: str) -> set[str]:
+    return {_package_of(name) for name in imported_modules(source)}
 
 
 def test_the_scanner_sees_every_kind_of_import() -> None:
@@ -56,6 +71,39 @@ except ImportError:
     pass
 """
     assert imported_packages(source) == {"a", "c", "g", "h", "j"}
+    assert imported_packages("import pie.engine.core\nfrom pie.v1 import x\nimport kernels") == {
+        "engine", "pie.v1", "bare kernels"}
+
+
+def _python_files() -> list[Path]:
+    """The project's own sources: the packages, clients, tests and benchmarks (not the generated
+    stubs; clients/pie's links to the packages are not followed, so each file comes once)."""
+    folders = [*sorted(SERVER), "clients", "tests", "benchmarks"]
+    return [p for folder in folders for p in sorted((ROOT / folder).rglob("*.py"))
+            if not p.is_relative_to(ROOT / "clients" / "pie" / "v1")]
+
+
+THEIRS = {"tests/test_import_names.py": {"kernels"}}  # Hugging Face's `kernels`, on purpose
+
+
+def test_our_packages_are_imported_by_their_pie_names() -> None:
+    bare = {path: sorted(n for n in imported_modules(p.read_text())
+                         if n.split(".")[0] in SERVER and n not in THEIRS.get(path, ()))
+            for p in _python_files() if (path := str(p.relative_to(ROOT)))}
+    bare = {path: names for path, names in bare.items() if names}
+    assert not bare, f"import these as pie.<name>: {bare}"
+
+
+def test_clients_pie_links_each_package_to_its_folder() -> None:
+    """clients/pie is the `pie` package of a checkout: its server subpackages are the top-level
+    folders themselves (links), the rest is the generated stubs. The folders are namespace packages
+    (no __init__.py): from the checkout's root, where Python puts them on its path as `kernels`,
+    `model`, ..., they never hide an installed package of that name."""
+    pie = ROOT / "clients" / "pie"
+    for name in SERVER:
+        assert (pie / name).is_symlink() and (pie / name).resolve() == ROOT / name, name
+        assert not (ROOT / name / "__init__.py").exists(), f"{name}/__init__.py would hide an installed {name!r}"
+    assert {p.name for p in pie.iterdir() if p.is_dir()} == SERVER | {"v1"}
 
 
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
@@ -72,14 +120,14 @@ def test_package_imports_point_one_way(package: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("package, never", [
-    ("model", ["kernels", "engine", "service", "training", "triton"]),
-    ("kernels", ["engine", "model", "service", "training"]),
+    ("model", ["pie.kernels", "pie.engine", "pie.service", "pie.training", "triton"]),
+    ("kernels", ["pie.engine", "pie.model", "pie.service", "pie.training"]),
 ])
-def test_importing_loads_nothing_it_must_not(package: str, never: list[str]) -> None:
-    code = (f"import sys, {package}; "
-            f"bad = sorted(m for m in sys.modules if m.split('.')[0] in {never!r}); "
+def test_importing_loads_nothing_it_must_not(package: str, never: list[str], tmp_path: Path) -> None:
+    code = (f"import sys, pie.{package}; "
+            f"bad = sorted(m for m in sys.modules if m.split('.')[0] in {never!r} or '.'.join(m.split('.')[:2]) in {never!r}); "
             "assert not bad, bad")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
 
 
@@ -87,8 +135,11 @@ OURS = ("engine", "kernels", "model", "service", "training", "pie_client")
 
 
 def _module_name(path: Path) -> str:
-    rel = path.relative_to(ROOT / "clients" if path.is_relative_to(ROOT / "clients") else ROOT).with_suffix("")
-    parts = list(rel.parts)
+    """engine/core.py -> pie.engine.core, clients/pie_client/aio.py -> pie_client.aio."""
+    if path.is_relative_to(ROOT / "clients"):
+        parts = list(path.relative_to(ROOT / "clients").with_suffix("").parts)
+    else:
+        parts = ["pie", *path.relative_to(ROOT).with_suffix("").parts]
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
@@ -149,6 +200,6 @@ def test_no_import_cycles() -> None:
     """No module of ours reaches itself through imports, counting those in functions and under
     TYPE_CHECKING: each module can be read (and tested) with what it depends on, and no further."""
     graph = import_graph()
-    assert "engine.core" in graph and "engine.scheduler" in graph["engine.core"]
+    assert "pie.engine.core" in graph and "pie.engine.scheduler" in graph["pie.engine.core"]
     cycle = find_cycle(graph)
     assert cycle is None, " -> ".join(cycle)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import shutil
 import signal
 import socket
 import subprocess
@@ -24,6 +23,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import copy_tracked_files
 
 # slow: builds virtual environments and runs the README's commands in subprocesses
 pytestmark = pytest.mark.slow
@@ -83,24 +84,11 @@ class FreshInstall:
                                 start_new_session=True)
 
 
-def _copy_tracked(dst: Path) -> None:
-    try:
-        files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
-        names = [n for n in files.decode().split("\0") if n]
-    except (OSError, subprocess.CalledProcessError):  # not a git checkout: everything but build output
-        skip = {".venv", ".git", "node_modules", "runs", "__pycache__", ".pytest_cache"}
-        names = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*") if p.is_file() and not skip & set(p.parts)]
-    for name in names:
-        if (ROOT / name).is_file():
-            (dst / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / name, dst / name)
-
-
 @pytest.fixture(scope="module")
 def fresh(tmp_path_factory) -> FreshInstall:
     folder = tmp_path_factory.mktemp("readme") / "pie"
     folder.mkdir()
-    _copy_tracked(folder)
+    copy_tracked_files(folder)
     install = FreshInstall(folder)
     *steps, serve = serve_command().split(" && ")
     assert serve == "pie serve", serve_command()

@@ -25,11 +25,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from model.config import ModelConfig
-from model.llama import LlamaForCausalLM
-from training.data import TokenSplits
-from training.plot import plot_curves
-from training.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from pie.model.config import ModelConfig
+from pie.model.llama import LlamaForCausalLM
+from pie.training.data import TokenSplits
+from pie.training.plot import plot_curves
+from pie.training.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 
 @dataclass(slots=True)

@@ -12,10 +12,10 @@ import pytest
 import structlog
 
 import pie_client
-from engine.config import EngineConfig
+from pie.engine.config import EngineConfig
+from pie.service.logging import configure_logging
+from pie.service.server import BackgroundServer, ServerConfig
 from pie_client import cli
-from service.logging import configure_logging
-from service.server import BackgroundServer, ServerConfig
 from tests.helpers import make_hf_model_dir
 
 # slow: every test starts a BackgroundServer

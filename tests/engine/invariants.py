@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from engine import block_manager
-from engine.core import EngineCore
+from pie.engine import block_manager
+from pie.engine.core import EngineCore
 
 
 def assert_engine_invariants(engine: EngineCore) -> None:

@@ -6,11 +6,11 @@ import asyncio
 
 import pytest
 
-from engine.client_thread import ThreadEngineClient
-from engine.config import EngineConfig
-from engine.core import EngineCore
-from engine.errors import QueueFullError
-from engine.sampling_params import SamplingParams, SamplingParamsError
+from pie.engine.client_thread import ThreadEngineClient
+from pie.engine.config import EngineConfig
+from pie.engine.core import EngineCore
+from pie.engine.errors import QueueFullError
+from pie.engine.sampling_params import SamplingParams, SamplingParamsError
 from tests.helpers import make_hf_model_dir
 
 

@@ -8,10 +8,10 @@ import random
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.core import EngineCore
-from engine.request import RequestStatus
-from engine.sampling_params import SamplingParams
+from pie.engine.config import EngineConfig
+from pie.engine.core import EngineCore
+from pie.engine.request import RequestStatus
+from pie.engine.sampling_params import SamplingParams
 from tests.engine.invariants import assert_engine_invariants
 from tests.helpers import make_hf_model_dir
 

@@ -12,19 +12,19 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from engine.config import EngineConfig
-from engine.core import EngineCore
-from engine.cuda_graphs import graph_buckets, mixed_buckets
-from engine.errors import StartupError
-from engine.kv_cache import KVCache
-from engine.kv_sizing import CPU_KV_CACHE_BYTES, num_kv_blocks
-from engine.model_runner import ModelRunner
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledRequest, SchedulerOutput
-from engine.staging import StepFacts
-from engine.tensor_parallel import OP_FORWARD, Leader, destroy_group, follow
-from model.parallel import TensorParallel
+from pie.engine.config import EngineConfig
+from pie.engine.core import EngineCore
+from pie.engine.cuda_graphs import graph_buckets, mixed_buckets
+from pie.engine.errors import StartupError
+from pie.engine.kv_cache import KVCache
+from pie.engine.kv_sizing import CPU_KV_CACHE_BYTES, num_kv_blocks
+from pie.engine.model_runner import ModelRunner
+from pie.engine.request import Request
+from pie.engine.sampling_params import SamplingParams
+from pie.engine.scheduler import ScheduledRequest, SchedulerOutput
+from pie.engine.staging import StepFacts
+from pie.engine.tensor_parallel import OP_FORWARD, Leader, destroy_group, follow
+from pie.model.parallel import TensorParallel
 from tests.helpers import make_hf_model_dir
 
 # A forward header's numbers (engine/tensor_parallel.py): the step's facts, then the rows, the

@@ -10,10 +10,10 @@ import random
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.core import EngineCore
-from engine.errors import StartupError
-from engine.sampling_params import SamplingParams
+from pie.engine.config import EngineConfig
+from pie.engine.core import EngineCore
+from pie.engine.errors import StartupError
+from pie.engine.sampling_params import SamplingParams
 from tests.engine.test_speculative import _assert_equal_runs, _engine, _prompts, _run
 from tests.helpers import make_hf_model_dir
 

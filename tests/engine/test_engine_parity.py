@@ -13,10 +13,10 @@ import random
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.core import EngineCore
-from engine.sampling_params import SamplingParams
-from model import ModelConfig
+from pie.engine.config import EngineConfig
+from pie.engine.core import EngineCore
+from pie.engine.sampling_params import SamplingParams
+from pie.model.config import ModelConfig
 from tests.helpers import ARCHS, make_hf_model_dir
 
 TOLERANCE = 1e-4

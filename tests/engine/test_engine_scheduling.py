@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.core import EngineCore
-from engine.sampling_params import SamplingParams
+from pie.engine.config import EngineConfig
+from pie.engine.core import EngineCore
+from pie.engine.sampling_params import SamplingParams
 from tests.helpers import make_hf_model_dir
 
 BS = 4

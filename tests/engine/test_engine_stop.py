@@ -3,11 +3,11 @@ min_tokens holding back EOS and stop token ids that logit_bias makes all but cer
 
 from __future__ import annotations
 
-from engine.config import EngineConfig
-from engine.core import EngineCore
-from engine.messages import SampledToken
-from engine.request import RequestStatus
-from engine.sampling_params import SamplingParams
+from pie.engine.config import EngineConfig
+from pie.engine.core import EngineCore
+from pie.engine.messages import SampledToken
+from pie.engine.request import RequestStatus
+from pie.engine.sampling_params import SamplingParams
 from tests.helpers import EOS_ID, make_hf_model_dir
 
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.core import EngineCore
-from engine.errors import StartupError
-from engine.kv_sizing import CPU_KV_CACHE_BYTES, num_kv_blocks, usable_blocks
+from pie.engine.config import EngineConfig
+from pie.engine.core import EngineCore
+from pie.engine.errors import StartupError
+from pie.engine.kv_sizing import CPU_KV_CACHE_BYTES, num_kv_blocks, usable_blocks
 from tests.helpers import make_hf_model_dir
 
 CPU = torch.device("cpu")

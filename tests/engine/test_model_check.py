@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.core import EngineCore
-from engine.errors import StartupError
-from engine.model_check import (
+from pie.engine.config import EngineConfig
+from pie.engine.core import EngineCore
+from pie.engine.errors import StartupError
+from pie.engine.model_check import (
     FOLDER_HINT,
     check_vocab,
     check_weights_present,

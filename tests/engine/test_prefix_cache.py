@@ -3,12 +3,12 @@ token-equality check, sharing, and preemption fairness (CPU, no model)."""
 
 from __future__ import annotations
 
-import engine.block_manager as block_manager_module
-from engine.block_manager import BlockManager
-from engine.messages import SampledToken
-from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
+import pie.engine.block_manager as block_manager_module
+from pie.engine.block_manager import BlockManager
+from pie.engine.messages import SampledToken
+from pie.engine.request import Request, RequestStatus
+from pie.engine.sampling_params import SamplingParams
+from pie.engine.scheduler import Scheduler, SchedulerOutput
 
 TOKEN = 7
 

@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig
-from engine.core import EngineCore
-from engine.messages import RequestOutput, SampledToken
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from pie.engine.block_manager import BlockManager
+from pie.engine.config import EngineConfig
+from pie.engine.core import EngineCore
+from pie.engine.messages import RequestOutput, SampledToken
+from pie.engine.request import Request
+from pie.engine.sampling_params import SamplingParams
+from pie.engine.scheduler import Scheduler
 from tests.helpers import make_hf_model_dir
 
 TOLERANCE = 1e-3  # against transformers' log_softmax in fp32 (measured ~1e-6 on the CPU)
@@ -206,8 +206,8 @@ def test_on_cuda_beside_graph_replayed_decodes(model_dir, hf, rng):
 
 def test_entries_beyond_the_bound_are_refused_by_field():
     """prompt tokens x (1 + prompt_logprobs) is bounded, so one answer stays a sane message."""
-    from engine.sampling_params import MAX_PROMPT_LOGPROB_ENTRIES, SamplingParamsError
-    from engine.validation import check_request
+    from pie.engine.sampling_params import MAX_PROMPT_LOGPROB_ENTRIES, SamplingParamsError
+    from pie.engine.validation import check_request
 
     limits = dict(config=EngineConfig(), vocab_size=512, max_model_len=10**7, num_kv_blocks=10**7)
     n = MAX_PROMPT_LOGPROB_ENTRIES // 21

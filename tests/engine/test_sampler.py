@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from engine.sampler import (
+from pie.engine.sampler import (
     SamplingTensors,
     _apply_top_k_top_p,
     apply_logit_adds,
@@ -17,7 +17,7 @@ from engine.sampler import (
     hash_uniform,
     sample,
 )
-from engine.sampling_params import SamplingParams
+from pie.engine.sampling_params import SamplingParams
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

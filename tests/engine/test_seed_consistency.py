@@ -19,10 +19,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import KV_CACHE_DTYPES, EngineConfig
-from engine.core import EngineCore
-from engine.sampler import hash_uniform
-from engine.sampling_params import SamplingParams
+from pie.engine.config import KV_CACHE_DTYPES, EngineConfig
+from pie.engine.core import EngineCore
+from pie.engine.sampler import hash_uniform
+from pie.engine.sampling_params import SamplingParams
 from tests.helpers import make_hf_model_dir
 
 # slow: ~9 s of engine runs per KV dtype

@@ -20,10 +20,10 @@ import random
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.core import EngineCore
-from engine.request import RequestStatus
-from engine.sampling_params import SamplingParams, StructuredOutputParams
+from pie.engine.config import EngineConfig
+from pie.engine.core import EngineCore
+from pie.engine.request import RequestStatus
+from pie.engine.sampling_params import SamplingParams, StructuredOutputParams
 from tests.engine.invariants import assert_engine_invariants
 from tests.engine.test_seed_consistency import Run, assert_same
 from tests.helpers import ARCHS, make_hf_model_dir

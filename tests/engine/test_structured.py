@@ -15,11 +15,11 @@ from concurrent.futures import Future
 import jsonschema
 import pytest
 
-from engine.config import EngineConfig
-from engine.core import EngineCore
-from engine.request import RequestStatus
-from engine.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputParams
-from engine.structured import GrammarCompiler, GrammarState, StructuredOutputError
+from pie.engine.config import EngineConfig
+from pie.engine.core import EngineCore
+from pie.engine.request import RequestStatus
+from pie.engine.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputParams
+from pie.engine.structured import GrammarCompiler, GrammarState, StructuredOutputError
 from tests.chat_templates import STYLES, make_chat_model_dir
 from tests.engine.invariants import assert_engine_invariants
 
@@ -432,7 +432,7 @@ def test_compiler_over_a_larger_vocabulary_than_the_tokenizer(model_dir):
     class Row:
         grammar = state
 
-    from engine.structured import StructuredOutputs
+    from pie.engine.structured import StructuredOutputs
 
     masks = StructuredOutputs(compiler, max_num_seqs=2, pin_memory=False).fill([Row()])  # type: ignore[list-item]
     assert masks is not None and masks.bitmask.shape == (1, -(-600 // 32))

@@ -20,9 +20,9 @@ import random
 import pytest
 import torch
 
-from engine.sampler import SamplingTensors, sample
-from engine.sampling_params import SamplingParams
-from engine.speculative import DraftProbs, NgramIndex, draft_distribution, draft_draw, verify
+from pie.engine.sampler import SamplingTensors, sample
+from pie.engine.sampling_params import SamplingParams
+from pie.engine.speculative import DraftProbs, NgramIndex, draft_distribution, draft_draw, verify
 
 ALPHA = 1e-4
 V = 6

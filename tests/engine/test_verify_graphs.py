@@ -19,14 +19,14 @@ import numpy as np
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.core import EngineCore
-from engine.cuda_graphs import CudaGraphs, Graph, graph_buckets, graph_inputs
-from engine.kv_cache import KVCache
-from engine.model_runner import ModelRunner, StepLogits
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledRequest, SchedulerOutput
+from pie.engine.config import EngineConfig
+from pie.engine.core import EngineCore
+from pie.engine.cuda_graphs import CudaGraphs, Graph, graph_buckets, graph_inputs
+from pie.engine.kv_cache import KVCache
+from pie.engine.model_runner import ModelRunner, StepLogits
+from pie.engine.request import Request
+from pie.engine.sampling_params import SamplingParams
+from pie.engine.scheduler import ScheduledRequest, SchedulerOutput
 from tests.engine.test_seed_consistency import Run
 from tests.engine.test_speculative import _prompts
 from tests.helpers import make_hf_model_dir

@@ -19,9 +19,9 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from kernels import reference as ref  # noqa: E402
-from kernels.flash_prefill import paged_prefill, supported  # noqa: E402
-from kernels.triton_gather import gather_pages  # noqa: E402
+from pie.kernels import reference as ref  # noqa: E402
+from pie.kernels.flash_prefill import paged_prefill, supported  # noqa: E402
+from pie.kernels.triton_gather import gather_pages  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -132,7 +132,7 @@ def test_prefill_matches_reference(cache_dtype, hq, hkv, d, window, cold, gen) -
 def test_a_large_gather_is_left_to_the_triton_kernel() -> None:
     """The gathered copy's size is the prefill sequences' whole contexts: past GATHER_MAX_BYTES
     (many requests over one long cached prefix) the engine reads the pages in place instead."""
-    from kernels.flash_prefill import GATHER_MAX_BYTES, fits
+    from pie.kernels.flash_prefill import GATHER_MAX_BYTES, fits
 
     per_token = 2 * 8 * 128 * 2  # K and V, 8 kv heads of 128, bf16
     assert fits(GATHER_MAX_BYTES // per_token, 8, 128, torch.bfloat16)

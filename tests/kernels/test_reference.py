@@ -11,14 +11,14 @@ import math
 import pytest
 import torch
 
-from kernels import (
+from pie.kernels import reference as ref
+from pie.kernels.reference import (
     dequantize,
     paged_attention,
     paged_attention_decode,
     quantize_per_token_head,
     write_kv_cache,
 )
-from kernels import reference as ref
 
 D = 32
 

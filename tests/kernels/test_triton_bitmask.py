@@ -13,8 +13,8 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from kernels.reference import apply_token_bitmask_ as reference  # noqa: E402
-from kernels.triton_bitmask import apply_token_bitmask_ as kernel  # noqa: E402
+from pie.kernels.reference import apply_token_bitmask_ as reference  # noqa: E402
+from pie.kernels.triton_bitmask import apply_token_bitmask_ as kernel  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CPU_DTYPES = [torch.float32, torch.float16]  # the interpreter computes bf16 wrongly (it only stores here)

@@ -16,8 +16,8 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from kernels import reference as ref  # noqa: E402
-from kernels.triton_cache_write import write_kv_cache  # noqa: E402
+from pie.kernels import reference as ref  # noqa: E402
+from pie.kernels.triton_cache_write import write_kv_cache  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -21,8 +21,8 @@ if not HAS_CUDA:
 
 import pytest  # noqa: E402
 
-from kernels.reference import paged_attention_decode, quantize_per_token_head  # noqa: E402
-from kernels.triton_decode import (  # noqa: E402
+from pie.kernels.reference import paged_attention_decode, quantize_per_token_head  # noqa: E402
+from pie.kernels.triton_decode import (  # noqa: E402
     MAX_FIXED_SPLITS,
     SPLIT_TOKENS,
     DecodeConfig,
@@ -210,7 +210,7 @@ def test_default_num_splits():
 def test_launch_table():
     """The GPU launch table (no GPU needed): int8 at head dim 128 on 4 warps without padding
     registers; head dim 64 on one warp only with many programs per SM; 16-bit pages unchanged."""
-    from kernels.triton_decode import MANY_PROGRAMS, _config
+    from pie.kernels.triton_decode import MANY_PROGRAMS, _config
 
     d128 = _config(128, 16, torch.int8, True)
     assert (d128.block_n, d128.num_warps, d128.k_mode, d128.v_mode, d128.tight_m) == (64, 4, "imma", "bias", True)

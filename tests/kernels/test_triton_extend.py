@@ -17,8 +17,8 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from kernels import reference as ref  # noqa: E402
-from kernels.triton_extend import paged_extend  # noqa: E402
+from pie.kernels import reference as ref  # noqa: E402
+from pie.kernels.triton_extend import paged_extend  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -23,7 +23,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from kernels.triton_fused import rms_norm, rotary_, silu_mul  # noqa: E402
+from pie.kernels.triton_fused import rms_norm, rotary_, silu_mul  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CPU_DTYPES = [torch.float32, torch.float16]  # the interpreter computes bf16 wrongly
@@ -344,8 +344,8 @@ def test_cuda_graph_capture(gen) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32] if DEVICE == "cpu" else [torch.float32, torch.bfloat16])
 def test_model_with_the_kernels_matches_the_torch_ops(rng, dtype) -> None:
     """A small Llama run with use_fused_ops(triton_fused) against the same model on the torch ops."""
-    from kernels import triton_fused
-    from model import DenseCausalAttention
+    from pie.kernels import triton_fused
+    from pie.model.attention import DenseCausalAttention
     from tests.model.test_fused_ops import tiny_model
 
     model = tiny_model(False, rng.randrange(2**31)).to(DEVICE, dtype)

@@ -2,7 +2,7 @@
 
 import torch
 
-from model import DenseCausalAttention
+from pie.model.attention import DenseCausalAttention
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from model import Tokenizer
-from model.chat_template import ChatTemplateError, ChatTemplates, NoChatTemplate
+from pie.model.chat_template import ChatTemplateError, ChatTemplates, NoChatTemplate
+from pie.model.tokenizer import Tokenizer
 from tests.chat_templates import CONVERSATIONS, STYLES, WEATHER_TOOL, write_chat_tokenizer
 from tests.helpers import write_tokenizer
 

@@ -11,8 +11,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import DenseCausalAttention, FusedOps, LlamaForCausalLM, ModelConfig
-from model.rope import apply_rotary
+from pie.model.attention import DenseCausalAttention
+from pie.model.config import ModelConfig
+from pie.model.layers import FusedOps
+from pie.model.llama import LlamaForCausalLM
+from pie.model.rope import apply_rotary
 
 
 def tiny_model(qk_norm: bool, seed: int) -> LlamaForCausalLM:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model import load_model
+from pie.model.loader import load_model
 from tests.model.oracle import CASES, SEQ_LENS, TOLERANCE, hf_logits, packed_logits, prompts, rel_error
 
 

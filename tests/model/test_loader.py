@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from model import load_model, read_generation_config
+from pie.model.loader import load_model, read_generation_config
 from tests.helpers import make_hf_model_dir
 from tests.model.oracle import TOLERANCE, hf_logits, packed_logits, prompts, rel_error
 
@@ -124,8 +124,8 @@ def test_each_rank_reads_only_its_slices(tmp_path, monkeypatch, size, overrides)
     """Under tensor parallelism a rank reads 1/N of every split tensor from the safetensors file
     (a KV head shared by N/Hkv ranks: that head) and the norms whole, nothing more: counted from
     what the reads return, against the checkpoint's own tensor sizes."""
-    import model.loader as loader
-    from model.parallel import TensorParallel
+    import pie.model.loader as loader
+    from pie.model.parallel import TensorParallel
 
     path = make_hf_model_dir(tmp_path, "llama", vocab_size=512, **overrides)  # N divides the vocabulary
     checkpoint = load_file(path / "model.safetensors")

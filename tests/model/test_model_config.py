@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from model import ModelConfig
-from model.rope import rope_inv_freq
+from pie.model.config import ModelConfig
+from pie.model.rope import rope_inv_freq
 
 BASE = {
     "architectures": ["LlamaForCausalLM"],

@@ -14,8 +14,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from model import DenseCausalAttention, load_model
-from model.parallel import TensorParallel, check_shardable, kv_heads, local_config, q_heads
+from pie.model.attention import DenseCausalAttention
+from pie.model.loader import load_model
+from pie.model.parallel import TensorParallel, check_shardable, kv_heads, local_config, q_heads
 from tests.helpers import make_hf_model_dir
 
 
@@ -32,7 +33,7 @@ def _rank_main(rank: int, size: int, port: int, model_dir: str, ids: list[int], 
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
         model, _ = load_model(model_dir, device=torch.device(device), tp=TensorParallel(rank, size))
         if device == "cuda":  # the Triton RMSNorm, SiLU-and-mul and rotary kernels on each rank's shapes
-            from kernels import triton_fused
+            from pie.kernels import triton_fused
 
             model.use_fused_ops(triton_fused)
         positions = torch.cat([torch.arange(n) for n in lens]).to(device)
@@ -102,7 +103,7 @@ def test_sharded_model_on_one_gpu(rng, tmp_path, overrides) -> None:
 
 
 def test_head_assignment() -> None:
-    from model import ModelConfig
+    from pie.model.config import ModelConfig
 
     cfg = ModelConfig.from_hf({"model_type": "llama", "architectures": ["X"], "vocab_size": 8, "hidden_size": 64,
                                "intermediate_size": 96, "num_hidden_layers": 1, "num_attention_heads": 8,

@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model import DenseCausalAttention, load_model, smoothing
+from pie.model import smoothing
+from pie.model.attention import DenseCausalAttention
+from pie.model.loader import load_model
 from tests.helpers import ARCHS, make_hf_model_dir
 
 SHAPE = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=256)

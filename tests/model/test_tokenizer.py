@@ -7,7 +7,8 @@ import json
 import pytest
 from tokenizers import Tokenizer as RawTokenizer
 
-from model import ModelConfig, Tokenizer, TooManyTokens
+from pie.model.config import ModelConfig
+from pie.model.tokenizer import Tokenizer, TooManyTokens
 from tests.helpers import BOS_ID, EOS_ID, PAD_ID, make_hf_model_dir, sample_sentences, write_tokenizer
 
 TEXTS = [
@@ -106,8 +107,7 @@ def test_long_texts_and_the_token_limit(rng, tmp_path, prepend_bos):
     """Texts past the GIL-free threshold take another tokenizers call: the same ids either way,
     BOS handling included; `max_tokens` refuses a longer text with its exact count."""
 
-    from model import TooManyTokens
-    from model.tokenizer import GIL_FREE_ENCODE_CHARS
+    from pie.model.tokenizer import GIL_FREE_ENCODE_CHARS, TooManyTokens
 
     path = write_tokenizer(tmp_path / "tok")
     if prepend_bos:

@@ -7,8 +7,8 @@ from __future__ import annotations
 import sys
 import threading
 
-from engine.model_runner import ModelRunner
-from service.cli import main
+from pie.engine.model_runner import ModelRunner
+from pie.service.cli import main
 
 
 def install_hang(after_steps: int) -> None:

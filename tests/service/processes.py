@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from service.servicer import SERVICE_NAME
+from pie.service.servicer import SERVICE_NAME
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -24,7 +24,7 @@ class ServerProcess:
 
     def __init__(self, args: list[str], *, script: Path | None = None, script_args: list[str] = ()):
         head = ([sys.executable, str(script), *script_args] if script is not None
-                else [sys.executable, "-m", "service.cli"])
+                else [sys.executable, "-m", "pie.service.cli"])
         self.proc = subprocess.Popen(
             [*head, "serve", *args, "--log-format", "json"], stderr=subprocess.PIPE, text=True, cwd=ROOT,
             env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'clients'}"})
@@ -60,7 +60,7 @@ def alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-def engine_children(pid: int, marker: str = "engine.core_process") -> list[int]:
+def engine_children(pid: int, marker: str = "pie.engine.core_process") -> list[int]:
     """Ids of pid's engine processes (or of its children whose command line holds `marker`)."""
     out = []
     for entry in os.listdir("/proc"):

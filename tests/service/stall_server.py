@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 import sys
 
-from service import cli
+from pie.service import cli
 from tests.helpers import stall_start
 
 if __name__ == "__main__":

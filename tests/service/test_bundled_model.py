@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import DEFAULT_MODEL, EngineConfig
+from pie.engine.config import DEFAULT_MODEL, EngineConfig
+from pie.service.server import BackgroundServer, ServerConfig
 from pie_client import Client
-from service.server import BackgroundServer, ServerConfig
 
 # slow: starts a BackgroundServer on the bundled model
 pytestmark = pytest.mark.slow

@@ -17,11 +17,11 @@ import grpc
 import jsonschema
 import pytest
 
-from engine.config import EngineConfig
-from engine.errors import StartupError
+from pie.engine.config import EngineConfig
+from pie.engine.errors import StartupError
+from pie.service.server import BackgroundServer, ServerConfig
+from pie.service.startup import check_startup
 from pie_client import Client, FailedPrecondition, InvalidArgument
-from service.server import BackgroundServer, ServerConfig
-from service.startup import check_startup
 from tests.chat_templates import CONVERSATIONS, STYLES, WEATHER_TOOL, make_chat_model_dir
 from tests.helpers import make_hf_model_dir
 

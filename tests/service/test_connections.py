@@ -12,12 +12,12 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from engine.config import EngineConfig
+from pie.engine.config import EngineConfig
+from pie.service.cli import _server_config, build_parser
+from pie.service.server import BackgroundServer, ConnectionConfig, ServerConfig
 from pie.v1 import generate_pb2 as pb
 from pie.v1 import generate_pb2_grpc as pb_grpc
 from pie_client import Client, cli
-from service.cli import _server_config, build_parser
-from service.server import BackgroundServer, ConnectionConfig, ServerConfig
 from tests.helpers import StepGate, make_hf_model_dir
 
 # slow: every test starts a BackgroundServer

@@ -33,10 +33,10 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import EngineConfig
-from service.logging import RequestSummary
-from service.server import BackgroundServer, ServerConfig
-from service.servicer import SERVICE_NAME
+from pie.engine.config import EngineConfig
+from pie.service.logging import RequestSummary
+from pie.service.server import BackgroundServer, ServerConfig
+from pie.service.servicer import SERVICE_NAME
 from tests.chat_templates import make_chat_model_dir
 from tests.helpers import help_problems
 
@@ -104,7 +104,7 @@ def test_every_serve_flag_is_in_the_readme_table():
 
 
 def _serve_parser() -> argparse.ArgumentParser:
-    from service.cli import build_parser
+    from pie.service.cli import build_parser
 
     return build_parser()
 
@@ -117,7 +117,7 @@ def test_documented_commands_that_need_a_big_model_or_hours_parse():
         assert args.metrics_port == 9090 and args.host == "0.0.0.0"
     train = [shlex.split(line) for line in shell_lines() if line.startswith("pie train ")]
     assert train
-    from service.cli import build_parser
+    from pie.service.cli import build_parser
 
     parser = build_parser(with_train=True)
     for argv in train:
@@ -125,7 +125,7 @@ def test_documented_commands_that_need_a_big_model_or_hours_parse():
 
 
 def test_every_flag_of_pie_has_one_line_and_its_default_once():
-    from service.cli import build_parser
+    from pie.service.cli import build_parser
 
     assert help_problems(build_parser(with_train=True)) == []
 
@@ -185,7 +185,7 @@ def test_client_commands_and_python_blocks_against_live_servers(two_servers, cap
 def test_error_table_and_proto_comment_match_the_server():
     """README's error table and the .proto's header list exactly service/errors.py's reasons, each
     with its status code."""
-    from service.errors import REASONS
+    from pie.service.errors import REASONS
 
     table = README.split("## Errors", 1)[1].split("\n## ", 1)[0]
     rows = re.findall(r"^\| [^|]+ \| ([A-Z_]+) \| `([A-Z_]+)` \|", table, re.M)

@@ -15,12 +15,12 @@ import structlog
 import structlog.testing
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine.config import EngineConfig
+from pie.engine.config import EngineConfig
+from pie.service.server import BackgroundServer, ServerConfig
+from pie.service.servicer import SERVICE_NAME
 from pie.v1 import generate_pb2 as pb
 from pie.v1 import generate_pb2_grpc as pb_grpc
 from pie_client import Client, InvalidArgument, PieError
-from service.server import BackgroundServer, ServerConfig
-from service.servicer import SERVICE_NAME
 from tests.helpers import make_hf_model_dir, slow_steps, wait_until
 
 # slow: every test starts a BackgroundServer (engine thread and process)

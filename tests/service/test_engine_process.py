@@ -8,9 +8,9 @@ import functools
 
 import pytest
 
-from engine.config import EngineConfig
+from pie.engine.config import EngineConfig
+from pie.service.server import BackgroundServer, ServerConfig
 from pie_client import Client, InvalidArgument, PieError
-from service.server import BackgroundServer, ServerConfig
 from tests.helpers import exit_process_after, fail_steps_after, hang_steps_after, make_hf_model_dir, wait_until
 
 # slow: every test starts an engine process or a server
@@ -109,7 +109,7 @@ def test_a_dead_or_hung_engine_process_is_unavailable(model_dir, how):
 def test_cli_default_is_by_device():
     import argparse
 
-    from service import cli
+    from pie.service import cli
 
     parser = argparse.ArgumentParser(prog="pie")
     cli._add_serve(parser.add_subparsers(dest="command", required=True))
@@ -122,7 +122,7 @@ def test_messages_cross_the_pipe_unchanged():
     """What the engine process sends and its client receives (engine/messages.py, MessagePack):
     a step's result rebuilds equal, every field set away from its default, logprobs included; and
     so do the commands, their SamplingParams validated again on the way in."""
-    from engine.messages import (
+    from pie.engine.messages import (
         AbortRequest,
         AddRequest,
         EngineStats,
@@ -134,8 +134,8 @@ def test_messages_cross_the_pipe_unchanged():
         decode_result,
         encode,
     )
-    from engine.request import RequestStatus
-    from engine.sampling_params import SamplingParams
+    from pie.engine.request import RequestStatus
+    from pie.engine.sampling_params import SamplingParams
 
     outs = [
         RequestOutput("a", [5, 6], "hi", [SampledToken(5, -0.5, [(5, -0.5), (9, -1.25)]), SampledToken(6, -2.0, [])],
@@ -168,9 +168,9 @@ def test_a_setup_function_of_the_main_script_reaches_the_engine_process(model_di
     script.write_text(f'''
 import sys
 sys.path[:0] = [{str(root)!r}, {str(root / "clients")!r}]
-from engine.config import EngineConfig
+from pie.engine.config import EngineConfig
 from pie_client import Client
-from service.server import BackgroundServer, ServerConfig
+from pie.service.server import BackgroundServer, ServerConfig
 
 def fixed_seed(engine):  # defined in __main__: pickled by reference
     engine.config.seed = 1234
@@ -199,9 +199,9 @@ def test_a_stalled_engine_process_never_blocks_the_event_loop(rng, model_dir):
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    from pie.service.servicer import SERVICE_NAME
     from pie.v1 import generate_pb2 as pb
     from pie.v1 import generate_pb2_grpc as pb_grpc
-    from service.servicer import SERVICE_NAME
 
     cfg = _config(model_dir)
     cfg.max_waiting, cfg.num_kv_blocks = 512, 512

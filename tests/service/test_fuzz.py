@@ -11,13 +11,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.config import EngineConfig
-from engine.sampling_params import MAX_LOGPROBS, MAX_N, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from pie.engine.config import EngineConfig
+from pie.engine.sampling_params import MAX_LOGPROBS, MAX_N, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from pie.service.server import BackgroundServer, ServerConfig
+from pie.service.validation import Limits
 from pie.v1 import generate_pb2 as pb
 from pie.v1 import generate_pb2_grpc as pb_grpc
 from pie_client.errors import from_rpc_error
-from service.server import BackgroundServer, ServerConfig
-from service.validation import Limits
 from tests.helpers import TINY_CONFIG, make_hf_model_dir, wait_until
 
 VOCAB = TINY_CONFIG["vocab_size"]

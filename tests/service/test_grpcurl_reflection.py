@@ -17,9 +17,9 @@ from google.protobuf import descriptor_pool, json_format, message_factory
 from google.protobuf.descriptor import FieldDescriptor
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from engine.config import EngineConfig
+from pie.engine.config import EngineConfig
+from pie.service.server import BackgroundServer, ServerConfig
 from pie.v1 import generate_pb2
-from service.server import BackgroundServer, ServerConfig
 from tests.chat_templates import make_chat_model_dir
 
 # slow: every test calls a BackgroundServer

@@ -20,10 +20,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
+from pie.service.server import EXIT_ENGINE_DEAD
 from pie.v1 import generate_pb2 as pb
 from pie.v1 import generate_pb2_grpc as pb_grpc
 from pie_client import Client, InvalidArgument, Unavailable
-from service.server import EXIT_ENGINE_DEAD
 from tests.helpers import make_hf_model_dir, wait_until
 from tests.service.processes import ServerProcess, engine_children, readiness
 

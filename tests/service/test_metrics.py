@@ -16,11 +16,11 @@ import pytest
 import structlog
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.config import EngineConfig
+from pie.engine.config import EngineConfig
+from pie.service.logging import configure_logging
+from pie.service.metrics import ServiceMetrics
+from pie.service.server import BackgroundServer, ServerConfig
 from pie_client import Client, InvalidArgument
-from service.logging import configure_logging
-from service.metrics import ServiceMetrics
-from service.server import BackgroundServer, ServerConfig
 from tests.helpers import make_hf_model_dir, wait_until
 
 MODEL = "tiny-llama"

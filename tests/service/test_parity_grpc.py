@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import EngineConfig
+from pie.engine.config import EngineConfig
+from pie.service.server import BackgroundServer, ServerConfig
 from pie_client import Client
-from service.server import BackgroundServer, ServerConfig
 from tests.helpers import ARCHS, make_hf_model_dir
 
 # slow: starts a BackgroundServer per model family

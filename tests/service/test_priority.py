@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from engine.config import EngineConfig
+from pie.engine.config import EngineConfig
+from pie.service.server import BackgroundServer, ServerConfig
 from pie_client import AsyncClient, Client
-from service.server import BackgroundServer, ServerConfig
 from tests.helpers import make_hf_model_dir, wait_until
 
 pytestmark = pytest.mark.slow
@@ -61,7 +61,7 @@ def test_waiting_by_priority_in_model_info_and_metrics(server):
     import msgspec
     from prometheus_client import generate_latest
 
-    from service.metrics import ServiceMetrics
+    from pie.service.metrics import ServiceMetrics
 
     with Client(server.address, timeout=60) as c:
         assert dict(c.model_info().load.requests_waiting_by_priority) == {}  # nothing waits now

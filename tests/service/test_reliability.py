@@ -17,13 +17,13 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine.config import EngineConfig
+from pie.engine.config import EngineConfig
+from pie.service.server import EXIT_ENGINE_DEAD, BackgroundServer, ServerConfig
+from pie.service.servicer import SERVICE_NAME
 from pie.v1 import generate_pb2 as pb
 from pie.v1 import generate_pb2_grpc as pb_grpc
 from pie_client import Client, InternalError, ResourceExhausted, Unavailable
 from pie_client.errors import from_rpc_error
-from service.server import EXIT_ENGINE_DEAD, BackgroundServer, ServerConfig
-from service.servicer import SERVICE_NAME
 from tests.helpers import make_hf_model_dir, wait_until
 
 # slow: every test starts a BackgroundServer or a `pie serve` subprocess

@@ -10,9 +10,9 @@ import threading
 import pytest
 import torch
 
-from engine.config import EngineConfig
+from pie.engine.config import EngineConfig
+from pie.service.server import BackgroundServer, ServerConfig
 from pie_client import AsyncClient, Cancelled, Client, InvalidArgument
-from service.server import BackgroundServer, ServerConfig
 from tests.helpers import BOS_ID, EOS_ID, StepGate, make_hf_model_dir, wait_until
 
 pytestmark = pytest.mark.slow

@@ -10,13 +10,13 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine.config import EngineConfig
+from pie.engine.config import EngineConfig
+from pie.service.auth import read_token_file
+from pie.service.cli import _add_serve, _server_config
+from pie.service.server import BackgroundServer, ServerConfig, TlsConfig
 from pie.v1 import generate_pb2 as pb
 from pie.v1 import generate_pb2_grpc as pb_grpc
 from pie_client import Client, ResourceExhausted, Unauthenticated, Unavailable, cli
-from service.auth import read_token_file
-from service.cli import _add_serve, _server_config
-from service.server import BackgroundServer, ServerConfig, TlsConfig
 from tests.helpers import make_hf_model_dir, wait_until
 
 # slow: every test starts a BackgroundServer, on certificates openssl makes

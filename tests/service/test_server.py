@@ -9,10 +9,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine.config import EngineConfig
+from pie.engine.config import EngineConfig
+from pie.service.server import BackgroundServer, ServerConfig
+from pie.service.servicer import SERVICE_NAME
 from pie_client import Client, DeadlineExceeded, InvalidArgument, ResourceExhausted
-from service.server import BackgroundServer, ServerConfig
-from service.servicer import SERVICE_NAME
 from tests.helpers import StepGate, make_hf_model_dir, wait_until
 
 # slow: every test calls a BackgroundServer
@@ -210,8 +210,8 @@ def test_not_serving_until_loaded(model_dir):
     """Readiness is NOT_SERVING and RPCs answer UNAVAILABLE while the model is not loaded yet."""
     import asyncio
 
+    from pie.service.server import PieServer
     from pie_client import Unavailable
-    from service.server import PieServer
 
     cfg = EngineConfig(model=str(model_dir), device="cpu", num_kv_blocks=8)
     loop = asyncio.new_event_loop()

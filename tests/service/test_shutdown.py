@@ -13,10 +13,10 @@ import pytest
 import structlog
 from grpc_health.v1 import health_pb2
 
-from engine.config import EngineConfig
+from pie.engine.config import EngineConfig
+from pie.service.logging import configure_logging
+from pie.service.server import BackgroundServer, ServerConfig
 from pie_client import Client, Unavailable
-from service.logging import configure_logging
-from service.server import BackgroundServer, ServerConfig
 from tests.helpers import make_hf_model_dir, wait_until
 from tests.service.processes import ServerProcess, engine_children, readiness
 

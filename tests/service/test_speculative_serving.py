@@ -12,15 +12,15 @@ import pytest
 import structlog
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.config import EngineConfig
-from engine.messages import EngineStats
+from pie.engine.config import EngineConfig
+from pie.engine.messages import EngineStats
+from pie.service import cli
+from pie.service.logging import RequestSummary
+from pie.service.metrics import ServiceMetrics
+from pie.service.server import BackgroundServer
+from pie.service.validation import sampling_from_proto
 from pie.v1 import generate_pb2 as pb
 from pie_client import Client
-from service import cli
-from service.logging import RequestSummary
-from service.metrics import ServiceMetrics
-from service.server import BackgroundServer
-from service.validation import sampling_from_proto
 from tests.helpers import make_hf_model_dir
 
 MODEL = "spec-model"

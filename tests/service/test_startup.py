@@ -30,7 +30,7 @@ ARGS = ["--device", "cpu", "--kv-cache-dtype", "fp32", "--num-kv-blocks", "64", 
 def serve(*args: str, timeout: float = WITHIN_S) -> subprocess.CompletedProcess:
     """`python -m service.cli serve ARGS` to its end; fails the test (TimeoutExpired) if it
     outlives `timeout`: a refusal must not wait for anything."""
-    return subprocess.run([sys.executable, "-m", "service.cli", "serve", *args], cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "pie.service.cli", "serve", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout,
                           env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'clients'}"})
 
@@ -229,7 +229,7 @@ def test_flag_values_the_engine_refuses_are_one_line_in_flag_words(model_dir):
 
 
 def test_config_errors_name_the_flag_not_the_field(tmp_path):
-    from service.cli import _in_flag_words, _server_config, build_parser
+    from pie.service.cli import _in_flag_words, _server_config, build_parser
 
     assert _in_flag_words("max_num_seqs must be >= 1") == "--max-num-seqs must be >= 1"
     assert _in_flag_words("kv_cache_memory_bytes must be >= 1") == "--kv-cache-memory must be >= 1"

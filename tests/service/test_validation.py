@@ -10,11 +10,9 @@ import math
 import grpc
 import pytest
 
-from engine.sampling_params import MAX_LOGPROBS, MAX_N, MAX_STOP_STRINGS
-from pie.v1 import generate_pb2 as pb
-from pie_client.errors import InvalidArgument, ResourceExhausted, from_rpc_error
-from service.errors import REASONS, ServiceError, invalid_argument
-from service.validation import (
+from pie.engine.sampling_params import MAX_LOGPROBS, MAX_N, MAX_STOP_STRINGS
+from pie.service.errors import REASONS, ServiceError, invalid_argument
+from pie.service.validation import (
     DEFAULT_MAX_TOKENS,
     FieldError,
     Limits,
@@ -23,6 +21,8 @@ from service.validation import (
     request_id_from,
     sampling_from_proto,
 )
+from pie.v1 import generate_pb2 as pb
+from pie_client.errors import InvalidArgument, ResourceExhausted, from_rpc_error
 
 CONTEXT = 256
 

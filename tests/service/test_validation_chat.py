@@ -7,9 +7,8 @@ import json
 
 import pytest
 
-from engine.sampling_params import StructuredOutputParams
-from pie.v1 import generate_pb2 as pb
-from service.validation import (
+from pie.engine.sampling_params import StructuredOutputParams
+from pie.service.validation import (
     ChatPrompt,
     FieldError,
     Limits,
@@ -18,6 +17,7 @@ from service.validation import (
     sampling_from_proto,
     structured_from_proto,
 )
+from pie.v1 import generate_pb2 as pb
 
 
 def test_a_chat_becomes_the_messages_a_template_reads():

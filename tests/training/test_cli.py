@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from model import load_model
-from service.cli import HelpFormatter, main
+from pie.model.loader import load_model
+from pie.service.cli import HelpFormatter, main
+from pie.training.cli import add_train_parser, schedule_warning
+from pie.training.train import TrainConfig
 from tests.helpers import help_problems, wait_until
-from training.cli import add_train_parser, schedule_warning
-from training.train import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -49,7 +49,7 @@ def test_plain_install_trains_on_a_generated_corpus_and_exports(tmp_path):
     """`pip install -e .` brings neither `datasets` nor pyarrow (nor transformers or pandas): importing
     them fails in this child, as it would there."""
     block = ("import runpy, sys; sys.modules.update(dict.fromkeys(['datasets', 'pyarrow', 'transformers', 'pandas']));"
-             " runpy.run_module('service.cli', run_name='__main__')")
+             " runpy.run_module('pie.service.cli', run_name='__main__')")
     cmd = [sys.executable, "-c", block, "train", "--generate-corpus", "60", "--out", str(tmp_path / "run"),
            "--export", str(tmp_path / "model"), *TINY, "--max-steps", "4", "--warmup-steps", "1"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
@@ -108,7 +108,7 @@ def test_a_signal_saves_a_checkpoint_and_exports_what_the_run_has(tmp_path, sig,
     """A run of 100k steps, stopped by SIGTERM (a supervisor) or SIGINT (Ctrl-C) once it trains:
     the step under way ends, the checkpoint holds it, the export serves it, and --resume continues."""
     run_dir, export = tmp_path / "run", tmp_path / "model"
-    cmd = [sys.executable, "-m", "service.cli", "train", "--generate-corpus", "60", "--out", str(run_dir),
+    cmd = [sys.executable, "-m", "pie.service.cli", "train", "--generate-corpus", "60", "--out", str(run_dir),
            "--export", str(export), *TINY, "--max-steps", "100000", "--warmup-steps", "1", "--log-every", "1"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'clients'}"}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)

@@ -3,7 +3,7 @@
 import random
 import re
 
-from training.corpus import (
+from pie.training.corpus import (
     HE,
     SHE,
     STORY_SEPARATOR,

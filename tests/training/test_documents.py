@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from training.data import hold_out, iter_texts
-from training.documents import (
+from pie.training.data import hold_out, iter_texts
+from pie.training.documents import (
     STORY_SEPARATOR,
     DocumentList,
     HubUnreachableError,

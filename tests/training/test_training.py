@@ -16,13 +16,15 @@ import numpy as np
 import pytest
 import torch
 
-from model import DenseCausalAttention, Tokenizer, load_model
-from training.data import iter_texts, prepare_tokens
-from training.documents import STORY_SEPARATOR, load_documents
-from training.export import export_hf
-from training.plot import PNG_SIGNATURE
-from training.tokenizer import BOS_ID, EOS_ID, PAD_ID, train_bpe_tokenizer
-from training.train import TrainConfig, _Progress, build_model, format_duration, train
+from pie.model.attention import DenseCausalAttention
+from pie.model.loader import load_model
+from pie.model.tokenizer import Tokenizer
+from pie.training.data import iter_texts, prepare_tokens
+from pie.training.documents import STORY_SEPARATOR, load_documents
+from pie.training.export import export_hf
+from pie.training.plot import PNG_SIGNATURE
+from pie.training.tokenizer import BOS_ID, EOS_ID, PAD_ID, train_bpe_tokenizer
+from pie.training.train import TrainConfig, _Progress, build_model, format_duration, train
 
 _WORDS = ("once upon a time there was a little cat named Tom . she liked to play in the big park with "
           "her red ball . one day Lily saw a dog and they were happy friends").split()
@@ -125,7 +127,7 @@ def test_tokens_per_s_leave_out_evals_and_the_time_left_counts_them(tokenized, t
     """On a fake clock every batch drawn takes 0.5 s and every eval pass 1000 s more (1002 s with
     its 4 batches). The time left is the steps left at the mean training time per step, plus the
     eval passes left (the final one included) at the mean pass: at 12/12 the final eval is left."""
-    import training.train as train_module
+    import pie.training.train as train_module
 
     _, _, splits = tokenized
     clock = [0.0]
@@ -285,7 +287,7 @@ def test_batched_training_forward_matches_serving_forward(exported):
 @pytest.mark.slow
 def test_cli_corpus_to_export(corpus, tmp_path):
     out, export = tmp_path / "run", tmp_path / "model"
-    cmd = [sys.executable, "-m", "service.cli", "train", "--data", str(corpus["train"]),
+    cmd = [sys.executable, "-m", "pie.service.cli", "train", "--data", str(corpus["train"]),
            "--eval-data", str(corpus["eval"]), "--out", str(out), "--export", str(export), "--vocab-size", "300",
            "--hidden-size", "32", "--num-layers", "1", "--num-heads", "2", "--num-kv-heads", "1",
            "--intermediate-size", "64", "--max-seq-len", "64", "--seq-len", "32", "--batch-size", "4",
@@ -299,9 +301,9 @@ def test_cli_corpus_to_export(corpus, tmp_path):
     loaded, cfg = load_model(export)
     assert cfg.vocab_size % 64 == 0 and cfg.vocab_size >= Tokenizer.from_pretrained(export).vocab_size
     # the exported folder serves through the gRPC server, end to end
-    from engine.config import EngineConfig
+    from pie.engine.config import EngineConfig
+    from pie.service.server import BackgroundServer, ServerConfig
     from pie_client import Client
-    from service.server import BackgroundServer, ServerConfig
 
     with BackgroundServer(ServerConfig(port=0, grace_s=1),
                           EngineConfig(model=str(export), device="cpu", num_kv_blocks=16)) as s, \
@@ -326,7 +328,7 @@ def test_save_interval_and_evals_left():
 
 def _stop_after_batches(monkeypatch, n: int) -> threading.Event:
     """An event set while the n-th batch is drawn (eval batches count too)."""
-    import training.train as train_module
+    import pie.training.train as train_module
 
     event, drawn, real = threading.Event(), [0], train_module.get_batch
 

@@ -1,1 +1,0 @@
-"""Continuous-batching engine over a paged KV cache. Speaks no protobuf or gRPC."""

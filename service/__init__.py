@@ -1,2 +1,0 @@
-"""gRPC service: servicer, validation, error mapping, health, reflection and the `pie` CLI.
-Knows nothing of blocks, tensors or CUDA."""
