@@ -311,6 +311,7 @@ def paged_extend(
     num_warps: int | None = None,
     num_stages: int | None = None,
     int8_modes: tuple[str, str] | None = None,
+    fp_fusion: bool = False,
 ) -> torch.Tensor:
     """Causal attention of packed queries over the paged cache; contract of
     `kernels.reference.paged_attention`.
@@ -325,12 +326,17 @@ def paged_extend(
     (each query sees its last `window` keys), None = all. Returns `out` (T, Hq, D) in q.dtype
     (written into `out` when given). block_m/block_n/num_warps/num_stages override the tile
     configuration (tests, benchmarks). int8_modes: (k_mode, v_mode) of the cached int8 tiles, as
-    in triton_decode's DecodeConfig, without k_new only (default on the GPU: ("imma", "bias"); the
-    interpreter: ("cast", "cast")).
+    in triton_decode's DecodeConfig, without k_new only (default ("cast", "cast")). fp_fusion: let
+    the compiler fuse multiplies into adds (FMA); off by default (below).
 
     Without k_new every key is read as stored, in tiles at fixed key positions (multiples of
     BLOCK_N from key 0), so a query's output does not depend on where its chunk starts (given the
-    same max_query_len, hence the same tile shapes).
+    same max_query_len, hence the same tile shapes), to the bit. That needs the tiles a q-block
+    reads whole and those it masks to round alike: with fusion on, an int8 tile's `s * k_scale - m`
+    became one FMA in the whole tiles but not across the masked tiles' select, so a key's score
+    rounded differently by the tile's kind, and chunks of a 1,000-token prompt differed from the
+    whole by up to 2e-3 (bf16 output) in every int8 mode, bit-equal with fusion off, which cost
+    the int8 kernel 1-2% and bf16 pages nothing (H200, 2026-12-04, .bis/extend_diag.py in HISTORY.md).
     """
     _check_cache(k_cache, k_scale)
     _check_cache(v_cache, v_scale)
@@ -398,6 +404,7 @@ def paged_extend(
         K_MODE={"cast": 0, "bias": 1, "imma": 2}[k_mode] if quant else 0, V_MODE=2 if quant and v_mode == "bias" else 0,
         QK_DTYPE=half, PV_DTYPE=half, ASM=on_gpu,
         num_warps=num_warps or cfg_warps, num_stages=num_stages or cfg_stages,
+        enable_fp_fusion=fp_fusion,
     )
     return out
 
