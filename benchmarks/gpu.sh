@@ -55,6 +55,11 @@
 #               a of K accepted (K = 4, 8) at batch 1, 8, 64, 256, the default speculative_max_batch and
 #               speculation forced on; rows starting after SPEC_BUDGET_S (default 200) s are skipped, so
 #               the suite ends within 5 minutes; SPEC_ARGS adds flags (e.g. "--shape 4b")
+#   ab          benchmarks/ab.py: the A/B gate, this tree against each base tree carried in .ab/
+#               (`git archive <commit> | tar -x -C .ab/<commit>` here, then carry [".whl", ".ab"]) on
+#               the 7B-class long work at the defaults, alternating rounds; AB_ARGS adds flags
+#               (default "--mode quick --rounds 3"; "--mode full" for every row); AB_BASES names the
+#               folders under .ab/ to compare with, one at a time (default: all of them)
 #
 # BASELINE=<commit> runs every suite a second time on that commit, checked out with `git worktree
 # add` (else `git archive`) outside the repo, and writes its files under $OUT/baseline/. The device
@@ -210,7 +215,16 @@ suite_spec() {
   timeout "$(t spec)" python3 benchmarks/speculative.py --only cost,speed --budget-s "${SPEC_BUDGET_S:-200}" \
     --out "$D/spec.json" ${SPEC_ARGS:-} 2>&1 | quiet | tee -a "$D/spec.md"
 }
-SUITES=" tests alltests kernels variants ncu extend engine profile host offline hf capacity serving scheduling mixed long stepcost burst fidelity seeds structured tp spec "
+suite_ab() {
+  local base
+  for base in ${AB_BASES:-$(ls "$ROOT/.ab" 2>/dev/null)}; do
+    echo "## this tree against $base" | tee -a "$D/ab.md"
+    # shellcheck disable=SC2086
+    timeout "$(t ab)" python3 benchmarks/ab.py --base "$ROOT/.ab/$base" ${AB_ARGS:---mode quick --rounds 3} \
+      --out "$D/ab-$base.json" 2>&1 | quiet | tee -a "$D/ab.md"
+  done
+}
+SUITES=" tests alltests kernels variants ncu extend engine profile host offline hf capacity serving scheduling mixed long stepcost burst fidelity seeds structured tp spec ab "
 
 g() { git -c safe.directory="$ROOT" -C "$ROOT" "$@"; }  # files copied to a machine may belong to another user
 baseline_tree() {  # check BASELINE out outside the repo (or take a carried .baseline); prints its folder

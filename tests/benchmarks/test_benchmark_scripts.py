@@ -194,3 +194,41 @@ def test_tiny_burst_steps(tmp_path: Path) -> None:
         trace = r["trace"]
         assert len(trace["measured"]) == len(trace["scheduled"]) - 1
         assert all(m["seconds"] > 0 for m in trace["measured"])
+
+
+def test_ab_verdict_needs_the_spreads_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+    ab = _load(SCRIPTS["ab"], monkeypatch)
+    assert ab.verdict([90, 95, 97], [100, 104, 110], higher_better=True) == "REGRESSION"
+    assert ab.verdict([90, 101, 97], [100, 104, 110], higher_better=True) == "same"  # best round within
+    assert ab.verdict([111, 115], [100, 110], higher_better=True) == "better"
+    assert ab.verdict([12.0, 13.0], [10.0, 11.5], higher_better=False) == "REGRESSION"  # a latency went up
+    assert ab.verdict([9.0, 9.5], [10.0, 11.5], higher_better=False) == "better"
+    text, regressions = ab.table({"offline-int8": {"new": [{"tok_per_s": 90.0}, {"tok_per_s": 95.0}],
+                                                   "old": [{"tok_per_s": 100.0}, {"tok_per_s": 104.0}]}},
+                                 ["new", "old"])
+    assert "| offline-int8 | tok_per_s (tok/s, higher is better) | 92.5 (90-95) | 102 (100-104) | 0.907 | REGRESSION |" \
+        in text, text
+    assert regressions == ["REGRESSION: offline-int8 tok_per_s: new 92.5 against old 102"]
+
+
+@pytest.mark.slow
+def test_tiny_ab_gate_against_a_tree_from_before_the_pie_names(tmp_path: Path) -> None:
+    """ab.py on the CPU: this tree against 65bef9d (its packages still top-level), offline and
+    served, each tree in its own processes."""
+    base = tmp_path / "65bef9d"
+    base.mkdir()
+    archive = subprocess.run(["git", "archive", "65bef9d", "--", ".", ":!model/bundled", ":!tests"], cwd=ROOT,
+                             capture_output=True)
+    if archive.returncode != 0:
+        pytest.skip("not a git checkout with 65bef9d")
+    subprocess.run(["tar", "-x", "-C", str(base)], input=archive.stdout, check=True)
+    out = tmp_path / "ab.json"
+    run = _run(["benchmarks/ab.py", "--tiny", "--rounds", "2", "--workloads", "offline-int8,burst", "--base",
+                str(base), "--out", str(out)], {**os.environ, "CUDA_VISIBLE_DEVICES": ""}, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "| offline-int8 | tok_per_s" in run.stdout and "| burst | itl_p99_over_p50" in run.stdout, run.stdout
+    assert "REGRESSION" in run.stdout or "verdict: no regression beyond the spreads" in run.stdout
+    results = json.loads(out.read_text())["results"]
+    for name in ("offline-int8", "burst"):
+        assert {label: len(rounds) for label, rounds in results[name].items()} == {"new": 2, "65bef9d": 2}
+        assert all(r["tok_per_s"] > 0 for rounds in results[name].values() for r in rounds)

@@ -1,0 +1,491 @@
+"""The A/B gate: the working tree against base commits on one GPU, in one call, at the defaults.
+
+    git archive <commit> | tar -x -C .ab/<commit>        # here: each base tree (gpu.sh ab's help says how to carry it)
+    python benchmarks/ab.py --base .ab/65bef9d [--base .ab/8945f39] [--mode full] [--rounds 3]
+    python benchmarks/ab.py --base DIR --tiny             # CPU-sized smoke run of the same code path
+
+Every tree runs the same work (the long-context work: 256 requests queued at once, log-normal
+prompts of median 800 tokens, a third after one shared 1,500-token prefix, 128-1,024 tokens out,
+greedy, EOS ignored) on one random-weight model (--shape; default the 7B-class GQA shape: 28 layers,
+28 query / 4 KV heads, head dim 128, qkv bias) with everything at that tree's defaults but the
+batch (--max-num-seqs, --max-num-batched-tokens, the same for all) and what a workload sets:
+
+    quick   offline-int8, offline-bf16 (memory ample), burst (256 streams at once, `pie serve`)
+    full    quick's, offline-int8-8g, offline-bf16-8g (the KV pool fixed at --kv-gib, 8 GiB), poisson-4, poisson-8
+            (arrivals at 4 and 8 requests/s), stream-int8, stream-bf16 (one request decoding),
+            ttft-4k (one 4,096-token prompt, cold: the time to its first token)
+
+The trees run alternately, round after round, each in a process of its own whose import path holds
+that tree alone (its `pie.*`, or the top-level packages of a tree from before the pie.* names):
+two trees' engines (or servers) of one workload are up together, each with --memory-fraction of
+the GPU, and take turns, so one round of every tree is measured under the same conditions. The
+served load comes from this tree's client for every server (the contract is the same).
+
+It prints one table: per workload and figure, each tree's median and spread (min-max) over the
+rounds, the ratio to the working tree, and a verdict: REGRESSION where the working tree is worse
+than a base beyond both spreads (its best round worse than the base's worst), better where the
+reverse holds, else same. --out writes every round's figures as JSON.
+
+Internal: `ab.py --worker SPEC.json` is one tree's offline engine (run by this script with that tree's
+import path); it reads "run" lines on stdin and answers each with one JSON line of figures.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# name: (family, config fields). qwen2-7b is Qwen2-7B's geometry (its attention has q/k/v biases).
+SHAPES = {
+    "qwen2-7b": ("qwen2", dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                               num_attention_heads=28, num_key_value_heads=4, vocab_size=152064)),
+    "llama-1b": ("llama", dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                               num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)),
+    "tiny": ("qwen2", dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, vocab_size=4096)),
+}
+
+# Offline workloads: (kv_cache_dtype, whether the KV pool is fixed at --kv-gib (else the tree's
+# default sizing: memory ample), what runs).
+OFFLINE = {
+    "offline-int8": ("int8", False, "long"), "offline-bf16": ("bf16", False, "long"),
+    "offline-int8-8g": ("int8", True, "long"), "offline-bf16-8g": ("bf16", True, "long"),
+    "stream-int8": ("int8", False, "stream"), "stream-bf16": ("bf16", False, "stream"),
+    "ttft-4k": ("int8", False, "ttft"),
+}
+# Served workloads (int8 pages, the server's default): arrival rate in requests/s, None = a burst.
+SERVED = {"burst": None, "poisson-4": 4.0, "poisson-8": 8.0}
+MODES = {
+    "quick": ["offline-int8", "offline-bf16", "burst"],
+    "full": ["offline-int8", "offline-bf16", "offline-int8-8g", "offline-bf16-8g", "burst", "poisson-4",
+             "poisson-8", "stream-int8", "stream-bf16", "ttft-4k"],
+}
+# Figure: (key in a round's result, unit, True where higher is better).
+FIGURES = {
+    "long": [("tok_per_s", "tok/s", True)],
+    "stream": [("tok_per_s", "tok/s", True)],
+    "ttft": [("ttft_ms", "ms", False)],
+    "served": [("tok_per_s", "tok/s", True), ("ttft_p50_ms", "ms", False), ("ttft_p99_ms", "ms", False),
+               ("itl_p50_ms", "ms", False), ("itl_p99_ms", "ms", False), ("itl_p99_over_p50", "x", False)],
+}
+
+
+def _tail(log: Path, lines: int = 30) -> str:
+    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+
+
+def tree_env(tree: Path, site: str | None) -> dict[str, str]:
+    """The environment of a process that runs `tree`'s code: its root and clients/ first on the
+    import path (a tree of either layout), the machine's extra wheels (.site) before them."""
+    path = [p for p in (site, str(tree), str(tree / "clients")) if p]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(path), "PYTHONUNBUFFERED": "1"}
+
+
+def server_module(tree: Path) -> str:
+    return "pie.service.cli" if (tree / "clients" / "pie" / "service").exists() else "service.cli"
+
+
+# ---------------------------------------------------------------------------------------------
+# The worker: one tree's offline engine. Imports nothing of this checkout, only the tree's engine.
+
+
+def _engine_api():
+    """(EngineCore, EngineConfig, SamplingParams) of the tree on the import path, whichever
+    generation of names it has."""
+    try:
+        from pie.engine.config import EngineConfig
+        from pie.engine.core import EngineCore
+        from pie.engine.sampling_params import SamplingParams
+    except ImportError:
+        from engine.config import EngineConfig  # type: ignore[no-redef]  # before the pie.* names
+        from engine.sampling_params import SamplingParams  # type: ignore[no-redef]
+        try:
+            from engine.core import EngineCore  # type: ignore[no-redef]
+        except ImportError:
+            from engine.engine import LLMEngine as EngineCore  # type: ignore[no-redef]  # before EngineCore
+    return EngineCore, EngineConfig, SamplingParams
+
+
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _run_long(eng, SamplingParams, prompts, outs, tag: str) -> dict:
+    eng.block_manager.reset_prefix_cache()
+    _sync()
+    t0 = time.perf_counter()
+    for i, (p, n) in enumerate(zip(prompts, outs)):
+        eng.add_request(f"{tag}-{i}", p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    tokens = 0
+    while eng.has_unfinished():
+        for o in eng.step():
+            tokens += len(o.new_token_ids)
+    _sync()
+    wall = time.perf_counter() - t0
+    return dict(tok_per_s=tokens / wall, tokens=tokens, wall_s=wall)
+
+
+def _run_stream(eng, SamplingParams, vocab: int, tag: str, prompt_len: int = 512, new: int = 512) -> dict:
+    """One request decoding alone: tokens after the first over the time after the first."""
+    import random
+
+    rng = random.Random(1)
+    eng.add_request(tag, [rng.randrange(3, vocab) for _ in range(prompt_len)],
+                    SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True))
+    first = None
+    tokens = 0
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.new_token_ids and first is None:
+                _sync()
+                first, tokens = time.perf_counter(), len(o.new_token_ids)
+            elif o.new_token_ids:
+                tokens += len(o.new_token_ids)
+    _sync()
+    return dict(tok_per_s=(tokens - 1) / (time.perf_counter() - first))
+
+
+def _run_ttft(eng, SamplingParams, vocab: int, tag: str, length: int = 4096) -> dict:
+    """One cold prompt of `length` tokens: the time from its arrival to its first token (median of 3)."""
+    import random
+
+    rng = random.Random(2)
+    times = []
+    for k in range(3):
+        eng.block_manager.reset_prefix_cache()
+        prompt = [rng.randrange(3, vocab) for _ in range(length)]
+        _sync()
+        t0 = time.perf_counter()
+        eng.add_request(f"{tag}-{k}", prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+        while eng.has_unfinished():
+            eng.step()
+        _sync()
+        times.append(time.perf_counter() - t0)
+    return dict(ttft_ms=1e3 * statistics.median(times))
+
+
+def worker(spec: dict) -> int:
+    """Builds the engine of `spec`, warms it up, answers every "run" line with one JSON line."""
+    answers = os.fdopen(os.dup(1), "w")  # the protocol's own channel; whatever else writes to stdout
+    os.dup2(2, 1)  # (logs, progress bars) goes to the log with stderr
+    sys.stdout = sys.stderr
+    EngineCore, EngineConfig, SamplingParams = _engine_api()
+    cfg = dict(model=spec["model"], device=spec["device"], kv_cache_dtype=spec["kv"],
+               max_num_seqs=spec["max_num_seqs"], max_num_batched_tokens=spec["max_num_batched_tokens"])
+    if spec["device"] == "cuda":
+        cfg["gpu_memory_fraction"] = spec["memory_fraction"]
+    else:
+        cfg["dtype"] = "fp32"
+    if spec["kv_gib"] is not None:
+        cfg["kv_cache_memory_bytes"] = int(spec["kv_gib"] * 2**30)
+    eng = EngineCore(EngineConfig(**cfg))
+    vocab = spec["vocab"]
+    prompts, outs = spec["prompts"], spec["outs"]
+    eng.generate([p[:32] for p in prompts[:4]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    print(json.dumps({"ready": True}), file=answers, flush=True)
+    for n, line in enumerate(sys.stdin):
+        if line.strip() != "run":
+            break
+        tag = f"r{n}"
+        if spec["what"] == "long":
+            result = _run_long(eng, SamplingParams, prompts, outs, tag)
+        elif spec["what"] == "stream":
+            result = _run_stream(eng, SamplingParams, vocab, tag)
+        else:
+            result = _run_ttft(eng, SamplingParams, vocab, tag, spec["ttft_tokens"])
+        print(json.dumps(result), file=answers, flush=True)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The driver.
+
+
+def build_model(folder: Path, shape: str, max_len: int) -> None:
+    """A random-weight model in bf16 (fp32 for the tiny shape), saved by transformers, with the
+    bundled tokenizer."""
+    import shutil
+
+    import torch
+    import transformers
+
+    family, fields = SHAPES[shape]
+    cls = {"qwen2": transformers.Qwen2Config, "llama": transformers.LlamaConfig}[family]
+    cfg = cls(**fields, max_position_embeddings=max_len, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
+              pad_token_id=0, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    dtype = torch.float32 if shape == "tiny" else torch.bfloat16
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg).to(dtype)
+    model.save_pretrained(folder)
+    bundled = ROOT / "model" / "bundled" / "stories-7m"
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(bundled / name, folder / name)
+    del model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the engines size their KV pools from what the device has free
+
+
+class Worker:
+    """One tree's offline engine in its own process (`ab.py --worker`)."""
+
+    def __init__(self, tree: Path, spec: dict, site: str | None, log: Path) -> None:
+        self.log = log.open("a")
+        spec_file = log.with_suffix(".json")  # the prompts: too long for a command line
+        spec_file.write_text(json.dumps(spec))
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--worker", str(spec_file)],
+                                     cwd=tempfile.gettempdir(), env=tree_env(tree, site), stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.log, text=True)
+
+    def read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"worker exited ({self.proc.wait()}); its log ends:\n{_tail(Path(self.log.name))}")
+        return json.loads(line)
+
+    def run(self) -> dict:
+        self.proc.stdin.write("run\n")
+        self.proc.stdin.flush()
+        return self.read()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+class Server:
+    """One tree's `pie serve` (int8 pages, its defaults but the batch), ready to take load."""
+
+    def __init__(self, tree: Path, args, site: str | None, log: Path, memory_fraction: float) -> None:
+        from benchmarks.serving import free_port
+
+        self.log = log.open("a")
+        port = free_port()
+        cmd = [sys.executable, "-m", server_module(tree), "serve", "--port", str(port), "--model", args.model_dir,
+               "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+               "--max-waiting", str(4 * args.requests), "--log-level", "warning", "--device", args.device]
+        if args.device == "cuda":
+            cmd += ["--gpu-memory-fraction", str(memory_fraction)]
+        else:
+            cmd += ["--dtype", "fp32"]
+        self.proc = subprocess.Popen(cmd, cwd=tree, env=tree_env(tree, site), stdout=self.log, stderr=self.log)
+        self.address = f"127.0.0.1:{port}"
+
+    def wait_ready(self, timeout: float = 900) -> None:
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        deadline = time.monotonic() + timeout
+        with grpc.insecure_channel(self.address) as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"server exited ({self.proc.returncode}); its log ends:\n"
+                                       f"{_tail(Path(self.log.name))}")
+                try:
+                    reply = stub.Check(health_pb2.HealthCheckRequest(service="pie.v1.GenerateService"), timeout=2)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.5)
+        raise RuntimeError(f"server not ready in {timeout:.0f} s; its log ends:\n{_tail(Path(self.log.name))}")
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+def served_round(address: str, work, rate: float | None, requests: int) -> dict:
+    import asyncio
+
+    from benchmarks.serving import poisson
+
+    row = asyncio.run(poisson(address, work, rate, requests))
+    row["itl_p99_over_p50"] = row["itl_p99_ms"] / row["itl_p50_ms"]
+    return row
+
+
+def run_workload(name: str, trees: dict[str, Path], args, work, logs: Path) -> dict[str, list[dict]]:
+    """`args.rounds` rounds of one workload on every tree, alternating (the order reversed every
+    other round, so neither tree always goes first); figures per tree, per round."""
+    labels = list(trees)
+    results: dict[str, list[dict]] = {label: [] for label in labels}
+    if name in OFFLINE:
+        kv, fixed_pool, what = OFFLINE[name]
+        spec = dict(model=args.model_dir, device=args.device, kv=kv, kv_gib=args.kv_gib if fixed_pool else None,
+                    what=what, vocab=args.vocab,
+                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                    memory_fraction=args.memory_fraction, prompts=work.prompts, outs=work.max_tokens,
+                    ttft_tokens=args.ttft_tokens)
+        # One after another: an engine sizes its pool from the device's free memory, so the k-th
+        # takes k shares of it (the others' use counts against its fraction).
+        units = {}
+        try:
+            for k, label in enumerate(labels, 1):
+                units[label] = Worker(trees[label], {**spec, "memory_fraction": k * args.memory_fraction}, args.site,
+                                      logs / f"{name}-{label}.log")
+                units[label].read()  # ready
+            for r in range(args.rounds):
+                for label in labels if r % 2 == 0 else labels[::-1]:
+                    results[label].append(units[label].run())
+        finally:
+            for unit in units.values():
+                unit.close()
+    else:
+        from benchmarks.serving import for_level
+
+        servers = {}
+        try:
+            for k, label in enumerate(labels, 1):  # one after another, as the workers above
+                servers[label] = Server(trees[label], args, args.site, logs / f"{name}-{label}.log",
+                                        memory_fraction=k * args.memory_fraction)
+                servers[label].wait_ready()
+            for r in range(args.rounds):
+                for label in labels if r % 2 == 0 else labels[::-1]:
+                    # a fresh draw of ids per round: the server's prefix cache holds the last round's prompts
+                    level = for_level(work, 1 + r, args.vocab)
+                    results[label].append(served_round(servers[label].address, level, SERVED[name], args.requests))
+        finally:
+            for server in servers.values():
+                server.close()
+    return results
+
+
+def verdict(new: list[float], base: list[float], higher_better: bool) -> str:
+    """REGRESSION: the new tree's best round is worse than the base's worst; better: the reverse."""
+    best_new, worst_new = (max(new), min(new)) if higher_better else (min(new), max(new))
+    best_base, worst_base = (max(base), min(base)) if higher_better else (min(base), max(base))
+    worse = (lambda a, b: a < b) if higher_better else (lambda a, b: a > b)
+    if worse(best_new, worst_base):
+        return "REGRESSION"
+    if worse(best_base, worst_new):
+        return "better"
+    return "same"
+
+
+def table(all_results: dict[str, dict[str, list[dict]]], labels: list[str]) -> tuple[str, list[str]]:
+    """The markdown table, and the REGRESSION lines."""
+    new, bases = labels[0], labels[1:]
+    head = ["workload", "figure"] + [f"{label} median (spread)" for label in labels]
+    head += [f"{new} / {b}" for b in bases] + [f"verdict vs {b}" for b in bases]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    regressions = []
+    for name, results in all_results.items():
+        kind = OFFLINE[name][2] if name in OFFLINE else "served"
+        for key, unit, higher in FIGURES[kind]:
+            values = {label: [r[key] for r in results[label]] for label in labels}
+            cells = [name, f"{key} ({unit}, {'higher' if higher else 'lower'} is better)"]
+            for label in labels:
+                v = values[label]
+                cells.append(f"{statistics.median(v):,.4g} ({min(v):,.4g}-{max(v):,.4g})")
+            ratios, verdicts = [], []
+            for b in bases:
+                ratios.append(f"{statistics.median(values[new]) / statistics.median(values[b]):.3f}")
+                verdicts.append(verdict(values[new], values[b], higher))
+                if verdicts[-1] == "REGRESSION":
+                    regressions.append(f"REGRESSION: {name} {key}: {new} {statistics.median(values[new]):,.4g} "
+                                       f"against {b} {statistics.median(values[b]):,.4g}")
+            lines.append("| " + " | ".join(cells + ratios + verdicts) + " |")
+    return "\n".join(lines), regressions
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:
+        return worker(json.loads(Path(argv[1]).read_text()))
+    sys.path[:0] = [str(ROOT), str(ROOT / "clients")]  # the driver's own code: benchmarks.*, this checkout's pie
+    from benchmarks.common import DEVICE_HELP, SizedFlags, default_device, make_parser
+    from benchmarks.serving import workload
+
+    ap = make_parser(__doc__)
+    ap.add_argument("--base", action="append", required=True,
+                    help="a base tree to compare with, a folder; repeat for several (default: none, one must be given)")
+    ap.add_argument("--new", default=str(ROOT), help="the tree under test (default: this checkout)")
+    ap.add_argument("--mode", choices=sorted(MODES), default="quick", help="which workloads (module docstring)")
+    ap.add_argument("--workloads", default="", help="these workloads instead of --mode's, comma-separated")
+    ap.add_argument("--rounds", type=int, default=3, help="runs of each workload per tree, alternating")
+    ap.add_argument("--tiny", action="store_true", help="CPU-sized model and work (a smoke run of the same path)")
+    ap.add_argument("--device", default=None, help=DEVICE_HELP)
+    sized = SizedFlags(ap)
+    sized.add("--shape", "qwen2-7b", "tiny", "model shape", type=str, choices=sorted(SHAPES))
+    sized.add("--requests", 256, 8, "requests of the long work (queued at once offline; a burst's streams)")
+    sized.add("--scale", 1.0, 0.05, "multiplies every length of the long work", type=float)
+    sized.add("--kv-gib", 8.0, 0.0025, "the fixed KV pool of the -8g workloads, GiB", type=float)
+    sized.add("--ttft-tokens", 4096, 256, "the prompt of ttft-4k, tokens")
+    ap.add_argument("--max-num-seqs", type=int, default=256, help="the batch cap, the same for every tree")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192, help="tokens per step, the same for every tree")
+    ap.add_argument("--memory-fraction", type=float, default=0.45,
+                    help="GPU share of each tree's engine or server (all trees' are up at once)")
+    ap.add_argument("--model-dir", default=None, help="the model folder (default: built into a temporary folder)")
+    ap.add_argument("--out", default=None, help="JSON file of every round's figures (default: none written)")
+    args = sized.fill(ap.parse_args(argv), "--tiny" in argv)
+    args.device = args.device or default_device()
+    args.site = str(ROOT / ".site") if (ROOT / ".site").is_dir() else None
+    names = [w for w in args.workloads.split(",") if w] or MODES[args.mode]
+    unknown = [w for w in names if w not in OFFLINE and w not in SERVED]
+    if unknown:
+        ap.error(f"unknown workloads {unknown}; known: {sorted(OFFLINE) + sorted(SERVED)}")
+    trees = {"new": Path(args.new).resolve()}
+    for base in args.base:
+        path = Path(base).resolve()
+        if not (path / "engine").is_dir():
+            ap.error(f"--base {base}: no engine/ there (a tree of this project, e.g. git archive <commit>)")
+        trees[path.name] = path
+    _, fields = SHAPES[args.shape]
+    args.vocab = min(fields["vocab_size"], 32000)  # prompt ids drawn from [3, vocab)
+    with tempfile.TemporaryDirectory(prefix="pie-ab-") as tmp:
+        logs = Path(tmp)  # each worker's and server's log; a failure prints the end of its own
+        if args.model_dir is None:
+            args.model_dir = str(Path(tmp) / "model")
+            t0 = time.perf_counter()
+            build_model(Path(args.model_dir), args.shape, max_len=2048 if args.shape == "tiny" else 16384)
+            print(f"model {args.shape} built in {time.perf_counter() - t0:.0f} s", flush=True)
+        work = workload("long", args.requests, args.vocab, prompt_len=0, max_tokens=0, scale=args.scale)
+        print("trees: " + ", ".join(f"{label} = {path}" for label, path in trees.items()), flush=True)
+        all_results = {}
+        for name in names:
+            t0 = time.perf_counter()
+            all_results[name] = run_workload(name, trees, args, work, logs)
+            key = FIGURES[OFFLINE[name][2] if name in OFFLINE else "served"][0][0]
+            medians = ", ".join(f"{label} {statistics.median(r[key] for r in rounds):,.4g}"
+                                for label, rounds in all_results[name].items())
+            print(f"{name}: {args.rounds} rounds x {len(trees)} trees in {time.perf_counter() - t0:.0f} s; "
+                  f"{key} medians: {medians}", flush=True)
+    text, regressions = table(all_results, list(trees))
+    print(f"\nA/B at the defaults, {args.shape}, {args.device}, {args.rounds} rounds "
+          f"(max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens})\n")
+    print(text)
+    print("\n" + ("\n".join(regressions) if regressions else "verdict: no regression beyond the spreads"))
+    if args.out:
+        Path(args.out).write_text(json.dumps(dict(trees={k: str(v) for k, v in trees.items()},
+                                                  results=all_results, args={k: v for k, v in vars(args).items()
+                                                                             if isinstance(v, (int, float, str))}),
+                                             indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
