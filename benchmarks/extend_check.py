@@ -7,6 +7,10 @@
    chunk after a 3.5k prefix) against torch SDPA causal on contiguous bf16, over a few tile
    configurations (BLOCK_M, BLOCK_N, warps, stages).
 3. Cache-write timing: T = 4096 / 16384 tokens from a fused qkv slice into int8 / bf16 caches.
+4. Chunk bits: a 1,000-token prompt attended whole and in chunks of 64, 100 and 1 tokens (every key
+   from the cache), per int8 mode, with the compiler's FMA fusion on and off: the chunks whose
+   output differs from the whole prompt's in any bit (4 random draws), and the kernel's time with
+   fusion on and off (the engine runs it off: paged_extend's docstring says why).
 Times: medians of triton.testing.do_bench (L2 flushed between runs). A markdown table goes to
 stdout and to DIR/extend_check.md.
 """
@@ -178,6 +182,49 @@ def cache_write_rows(rows: list[str]) -> None:
                         f"{'bit-exact' if exact else 'MISMATCH'} |")
 
 
+def chunk_bits_rows(rows: list[str]) -> None:
+    n = 1000
+    chunks = [(lo, min(n, lo + c)) for c in (64, 100) for lo in (0, 300, 517, 999)] + [(5, 6), (700, 701), (998, 999)]
+    for dtype, modes in ((torch.int8, None), (torch.int8, ("imma", "bias")), (torch.int8, ("bias", "bias")),
+                         (torch.bfloat16, None)):
+        for fusion in (True, False):
+            unequal, worst = [], 0.0
+            for _ in range(4):
+                k = torch.randn(1, n, HKV, D, device="cuda", dtype=torch.bfloat16)
+                kc, vc, ks, vs, tables = paged(k, torch.randn_like(k), [n], dtype)
+                q = torch.randn(n, HQ, D, device="cuda", dtype=torch.bfloat16)
+
+                def attend(lo: int, hi: int) -> torch.Tensor:
+                    out = torch.full_like(q[lo:hi], float("nan"))
+                    return paged_extend(q[lo:hi], kc, vc, ks, vs, tables, torch.tensor([hi], device="cuda", dtype=torch.int32),
+                                        torch.tensor([0, hi - lo], device="cuda", dtype=torch.int32), D ** -0.5,
+                                        max_query_len=n, out=out, int8_modes=modes, fp_fusion=fusion)
+
+                whole = attend(0, n)
+                parts = [(attend(lo, hi), whole[lo:hi]) for lo, hi in chunks]
+                diffs = [(got.float() - want.float()).abs().max().item() for got, want in parts
+                         if not torch.equal(got, want)]
+                unequal.append(len(diffs))
+                worst = max([worst, *diffs])
+            rows.append(f"| chunk bits, {str(dtype)[6:]} pages, modes {modes or 'default'}, fp fusion "
+                        f"{'on' if fusion else 'off'} | - | chunks unequal to the whole prompt, of {len(chunks)} per "
+                        f"draw: {unequal}, worst {worst:.2e} |")
+    for dtype in (torch.int8, torch.bfloat16):
+        for ctx, lq, new_kv in ((4096, 4096, False), (0, 4096, True), (8192, 512, False)):
+            s = ctx + lq
+            k = torch.randn(1, s, HKV, D, device="cuda", dtype=torch.bfloat16)
+            v = torch.randn_like(k)
+            kc, vc, ks, vs, tables = paged(k, v, [s], dtype)
+            q = torch.randn(lq, HQ, D, device="cuda", dtype=torch.bfloat16)
+            kn, vn = (k[0, ctx:], v[0, ctx:]) if new_kv else (None, None)
+            sl = torch.tensor([s], device="cuda", dtype=torch.int32)
+            qsl = torch.tensor([0, lq], device="cuda", dtype=torch.int32)
+            times = [bench(lambda f=f: paged_extend(q, kc, vc, ks, vs, tables, sl, qsl, D ** -0.5, max_query_len=lq,
+                                                     k_new=kn, v_new=vn, fp_fusion=f)) for f in (True, False)]
+            rows.append(f"| extend {str(dtype)[6:]} pages, {lq} new after {ctx} cached{', k_new' if new_kv else ''}: "
+                        f"fp fusion on / off | {times[0]:.3f} / {times[1]:.3f} ms | off costs {times[1] / times[0]:.3f}x |")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = make_parser(__doc__)
     parser.add_argument("--out", default=None, metavar="DIR",
@@ -191,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     cache_write_rows(rows)
     print("\n".join(rows), flush=True)
     extend_rows(rows)
+    chunk_bits_rows(rows)
     table = "\n".join(rows)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"triton {triton.__version__}\n{table}")
