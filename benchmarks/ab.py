@@ -82,6 +82,15 @@ def _tail(log: Path, lines: int = 30) -> str:
     return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
 
 
+def _wait_or_kill(proc: subprocess.Popen, timeout: float) -> None:
+    """Waits for a process asked to end, killing it past `timeout` seconds."""
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def tree_env(tree: Path, site: str | None) -> dict[str, str]:
     """The environment of a process that runs `tree`'s code: its root and clients/ first on the
     import path (a tree of either layout), the machine's extra wheels (.site) before them."""
@@ -261,12 +270,8 @@ class Worker:
 
     def close(self) -> None:
         if self.proc.poll() is None:
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(120)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            self.proc.stdin.close()  # the worker's loop ends with its input
+            _wait_or_kill(self.proc, 120)
         self.log.close()
 
 
@@ -310,11 +315,7 @@ class Server:
 
     def close(self) -> None:
         self.proc.terminate()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        _wait_or_kill(self.proc, 60)
         self.log.close()
 
 
