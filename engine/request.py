@@ -205,9 +205,11 @@ class Request:
         detokenizer's job, since they are found in text)."""
         out, sp = self.output_token_ids, self.sampling
         last = out[-1]
-        if (not sp.ignore_eos and last in self.eos_token_ids) or last in sp.stop_token_ids:
+        if last in sp.stop_token_ids:  # asked for: it is the stop reason, an EOS id too
             self.stop_reason = last
             return RequestStatus.FINISHED_STOPPED
+        if not sp.ignore_eos and last in self.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED  # the end of sequence: no stop reason (generate.proto)
         if len(out) >= sp.max_tokens or len(out) + len(self.prompt_token_ids) >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None

@@ -496,8 +496,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                 raise invalid_argument("text", f"is longer than {self.limits.max_prompt_chars} characters")
             add = request.add_special_tokens if request.HasField("add_special_tokens") else True
             ids = await self._encode(client, request.text, add)
-        tok = client.tokenizer
-        return pb.TokenizeResponse(token_ids=ids, tokens=[tok.id_to_token(i) or "" for i in ids], count=len(ids),
+        tok = client.tokenizer  # each token's text on its own, as logprobs give it (not its vocabulary spelling)
+        return pb.TokenizeResponse(token_ids=ids, tokens=[tok.token_text(i) for i in ids], count=len(ids),
                                    rendered_text=rendered)
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.GetModelInfoResponse:

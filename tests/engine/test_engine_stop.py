@@ -62,6 +62,8 @@ def test_min_tokens_holds_back_eos_and_stop_ids_the_bias_forces(tmp_path):
                                   logit_bias={stop_id: 100.0}, ignore_eos=True),
         "plain": SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
         "eos_now": SamplingParams(max_tokens=20, temperature=0, logit_bias={EOS_ID: 100.0}),
+        # EOS named as a stop token id too: then it is the stop reason
+        "eos_asked": SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[EOS_ID], logit_bias={EOS_ID: 100.0}),
     }
     for rid, sp in requests.items():
         engine.add_request(rid, [5, 6, 7], sp)
@@ -76,3 +78,6 @@ def test_min_tokens_holds_back_eos_and_stop_ids_the_bias_forces(tmp_path):
     assert last["stop_id"].stop_reason == stop_id
     assert len(tokens["plain"]) == 6
     assert tokens["eos_now"] == [EOS_ID]  # without min_tokens the bias ends it at once
+    # The end of sequence is no stop reason (generate.proto: empty for end-of-sequence); a stop id is.
+    assert last["eos"].stop_reason is None and last["eos_now"].stop_reason is None
+    assert tokens["eos_asked"] == [EOS_ID] and last["eos_asked"].stop_reason == EOS_ID

@@ -87,7 +87,8 @@ def test_a_chat_generates_from_the_rendered_prompt(client):
 
 def test_generation_ends_at_the_end_of_turn_ids(client):
     """Where the constraint ("a" or "ab") may end, every end-of-turn id of generation_config.json is
-    allowed: samples that take one end there (STOP, the id as stop reason, not in the text)."""
+    allowed: samples that take one end there (STOP, not in the text, and no stop reason: an
+    end-of-sequence id is none, generate.proto)."""
     style = STYLES["chatml"]
     info = client.model_info()
     assert sorted(info.eos_token_ids) == sorted(style.end_of_turn_ids)
@@ -99,7 +100,7 @@ def test_generation_ends_at_the_end_of_turn_ids(client):
     for c in choices:
         assert c.finish_reason == "stop" and c.text in ("a", "ab")
     for c in ended_by_eos:
-        assert c.text == "a" and c.stop_reason == str(c.token_ids[-1])
+        assert c.text == "a" and c.stop_reason == ""
 
 
 def test_seeded_samples_validate_against_their_schema(client, rng):

@@ -51,7 +51,9 @@ def test_model_info_and_tokenize(client, server):
     assert info.eos_token_ids == list(server.core.eos_token_ids)
     tok = client.tokenize("Once upon a time")
     assert tok.token_ids == server.core.tokenizer.encode("Once upon a time")
-    assert len(tok.tokens) == len(tok.token_ids)
+    # Each token's text piece (not its byte-level vocabulary spelling, "Ġupon"): together the text.
+    assert "".join(tok.tokens) == server.core.tokenizer.decode(tok.token_ids, skip_special_tokens=False)
+    assert "".join(tok.tokens).endswith("Once upon a time") and len(tok.tokens) == len(tok.token_ids)
 
 
 def test_streams_equal_unary(rng, client):
