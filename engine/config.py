@@ -17,6 +17,7 @@ ATTENTION_BACKENDS = ("auto", "triton", "torch")  # auto: triton on cuda, the to
 # What TokenLogprob.logprob reports: log_softmax of the raw logits (vLLM v1's default), or of the
 # logits the token was chosen from, after bias, penalties, temperature and filters (engine/sampler.py).
 LOGPROBS_MODES = ("raw", "processed")
+KV_SMOOTHING = ("auto", "on", "off")  # kv_smoothing: model/smoothing.py
 # Speculative decoding's proposers (engine/speculative.py): prompt lookup, or a small draft model.
 SPECULATIVE_METHODS = ("ngram", "draft")
 MAX_SPECULATIVE_TOKENS = 16  # proposals per step at most: a verify row is 1 + K tokens
@@ -68,7 +69,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # reuse K/V of full blocks shared by prompts (and n > 1 samples)
     # int8 caches: even out K/V channel magnitudes (a calibration pass at load, folded into the
     # weights; model/smoothing.py), so a few massive channels do not spend every token's int8 range.
-    kv_smoothing: bool = True
+    # auto: per layer and kv head, only where the calibration pass measures that it lowers the int8
+    # attention error (a trained checkpoint lost 5x the perplexity to smoothing everywhere); on:
+    # everywhere; off: never.
+    kv_smoothing: str = "auto"
     # Ranks sharing the model (engine/tensor_parallel.py): this engine is rank 0 and starts N - 1
     # worker processes, one per further GPU (or CPU process, gloo).
     tensor_parallel_size: int = 1
@@ -115,6 +119,8 @@ class EngineConfig:
             raise ValueError("tensor_parallel_size must be >= 1")
         if self.decode_stall_factor and self.decode_stall_factor <= 1.0:
             raise ValueError(f"decode_stall_factor must be 0 (off) or > 1, got {self.decode_stall_factor}")
+        if self.kv_smoothing not in KV_SMOOTHING:
+            raise ValueError(f"kv_smoothing must be one of {KV_SMOOTHING}, got {self.kv_smoothing!r}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -82,8 +82,8 @@ class EngineCore:
         self.tokenizer = read_tokenizer(config.model, self.model_config)
         mc: ModelConfig = self.model_config
         check_vocab(config.model, mc, self.tokenizer)
-        if config.kv_cache_dtype == "int8" and config.kv_smoothing:
-            self._smooth_kv()
+        if config.kv_cache_dtype == "int8" and config.kv_smoothing != "off":
+            self._smooth_kv(choose=config.kv_smoothing == "auto")
         self.vocab_size = mc.vocab_size
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
         self.max_model_len = mc.max_model_len if config.max_model_len is None else min(config.max_model_len, mc.max_model_len)
@@ -174,16 +174,23 @@ class EngineCore:
                 runner.capture_cuda_graphs()
         return runner
 
-    def _smooth_kv(self) -> None:
-        """Evens out K/V channel magnitudes before anything is quantized (model/smoothing.py)."""
+    def _smooth_kv(self, choose: bool) -> None:
+        """Evens out K/V channel magnitudes before anything is quantized (model/smoothing.py); with
+        `choose`, in the layers and kv heads where that lowers the int8 attention error."""
         mc = self.model_config
         ids = smoothing.calibration_tokens(self.tokenizer.encode, mc.vocab_size, min(256, mc.max_model_len))
         if self._tp is not None:
             self._tp.calibrate(ids)  # the calibration pass is collective: every rank runs it
-        factors = smoothing.calibrate(self.model, ids)
+        factors = smoothing.calibrate(self.model, ids, choose=choose)
         smoothing.fold(self.model, factors)
         low, high = factors.log2_range()
-        log.info("kv_smoothing", calibration_tokens=len(ids), factor_min=2.0 ** low, factor_max=2.0 ** high)
+        k_heads, v_heads, heads = factors.heads_smoothed()
+        errors = {}  # what the choice measured (auto): the int8 attention error without and with the factors kept
+        if factors.error_plain is not None and factors.error_kept is not None:
+            errors = dict(int8_error_plain=round(factors.error_plain, 6), int8_error_kept=round(factors.error_kept, 6))
+        log.info("kv_smoothing", mode=self.config.kv_smoothing, calibration_tokens=len(ids),
+                 k_heads_smoothed=f"{k_heads}/{heads}", v_heads_smoothed=f"{v_heads}/{heads}",
+                 factor_min=2.0 ** low, factor_max=2.0 ** high, **errors)
 
     def _make_kv_cache(self, num_blocks: int) -> KVCache:
         local = self.model.config  # this rank's KV heads

@@ -319,7 +319,7 @@ def worker_main(parent_pid: int, rank: int, fd: int) -> None:
                 break
             if op == OP_CALIBRATE:
                 ids = link.recv(numbers[0], torch.int64).tolist()
-                smoothing.fold(model, smoothing.calibrate(model, ids))
+                smoothing.fold(model, smoothing.calibrate(model, ids, choose=config.kv_smoothing == "auto"))
             elif op == OP_NEW_CACHE:
                 runner = None
                 cache = KVCache(num_layers=local.num_hidden_layers, num_blocks=numbers[0],

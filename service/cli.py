@@ -21,6 +21,7 @@ import structlog
 from pie.engine.config import (
     ATTENTION_BACKENDS,
     KV_CACHE_DTYPES,
+    KV_SMOOTHING,
     LOGPROBS_MODES,
     MAX_SPECULATIVE_TOKENS,
     MODEL_DTYPES,
@@ -99,6 +100,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                         "where the CPU has AVX512-BF16 or AMX, else fp32)")
     p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=KV_CACHE_DTYPES,
                    help="KV pages: int8 (one fp16 scale per token and head; ~2x the tokens of bf16) or exact")
+    p.add_argument("--kv-smoothing", default=d.kv_smoothing, choices=KV_SMOOTHING,
+                   help="int8 pages: even out K/V channel magnitudes in the weights (model/smoothing.py); auto "
+                        "keeps it per layer and KV head where a calibration pass at load measures that it "
+                        "lowers the int8 attention error; on: everywhere; off: never")
     p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching,
                    help="reuse the KV blocks of prompt prefixes already computed (a seeded request gives the same "
@@ -361,7 +366,7 @@ def engine_config_from(args: argparse.Namespace) -> EngineConfig:
                          "(speculative decoding is off without it)")
     return EngineConfig(
         model=args.model, device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-        block_size=args.block_size, kv_cache_memory_bytes=None if args.kv_cache_memory is None else int(args.kv_cache_memory * 2**30),
+        kv_smoothing=args.kv_smoothing, block_size=args.block_size, kv_cache_memory_bytes=None if args.kv_cache_memory is None else int(args.kv_cache_memory * 2**30),
         gpu_memory_fraction=args.gpu_memory_fraction, enforce_eager=args.enforce_eager,
         mixed_graph_max_tokens=args.mixed_graph_max_tokens,
         num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,

@@ -81,15 +81,17 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def measure(model_dir: Path, kv_dtypes: tuple[str, ...], *, prompts: int, tokens: int, seed: int,
+def measure(model_dir: Path, kv_dtypes: tuple[str, ...], *, prompts: int | list[list[int]], tokens: int, seed: int,
             device: str = "cpu", **engine_kwargs) -> dict[str, Fidelity]:
-    """Fidelity of the engine with each KV cache dtype on the model in `model_dir` (fp32 weights)."""
+    """Fidelity of the engine with each KV cache dtype on the model in `model_dir` (fp32 weights),
+    over `prompts` (token ids), or that many random prompts."""
     import transformers
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     rng = random.Random(seed)
     vocab = hf.config.vocab_size
-    ps = [[rng.randrange(3, vocab) for _ in range(rng.randrange(8, 64))] for _ in range(prompts)]
+    ps = prompts if isinstance(prompts, list) else [
+        [rng.randrange(3, vocab) for _ in range(rng.randrange(8, 64))] for _ in range(prompts)]
     want = [reference_greedy(hf, p, tokens) for p in ps]
     out = {}
     for kv in kv_dtypes:
@@ -132,3 +134,138 @@ def family_fidelity(tmp: Path, archs, kv_dtypes, *, prompts: int, tokens: int, s
 
 def mean(res: dict[str, dict[str, Fidelity]], kv: str, field: str) -> float:
     return sum(getattr(r[kv], field) for r in res.values()) / len(res)
+
+
+# ---- A real checkpoint (benchmarks/smollm2.py): perplexity over real text, beside the figures above.
+
+# Python's own documentation, in every Python: ordinary technical English with code.
+DOCS_TOPICS = ("execmodel", "objects", "exceptions", "typesmethods")
+
+
+def docs_text() -> str:
+    from pydoc_data.topics import topics
+
+    return "\n".join(topics[name] for name in DOCS_TOPICS)
+
+
+@dataclass(slots=True)
+class TextFidelity:
+    ppl: float  # perplexity of the text, the engine's prompt logprobs
+    ppl_ref: float  # transformers' (fp32) on the same chunks
+    teacher_forced: float  # positions of the text where the engine's top-1 is transformers' argmax
+    tokens: int  # positions scored
+
+
+def _chunks(ids: list[int], size: int) -> list[list[int]]:
+    return [ids[i:i + size] for i in range(0, len(ids), size) if len(ids[i:i + size]) > 1]
+
+
+def text_fidelity(model_dir: Path, kv_dtypes: tuple[str, ...], text: str, *, chunk: int = 512,
+                  device: str = "cpu", **engine_kwargs) -> dict[str, TextFidelity]:
+    """Perplexity and teacher-forced top-1 over `text` in `chunk`-token prompts, each scored on its
+    own (the first token of a chunk is not), per KV cache dtype, from the engine's prompt logprobs,
+    against transformers in fp32."""
+    import math
+
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    chunks = _chunks(tok(text, add_special_tokens=False)["input_ids"], chunk)
+    nll_ref, best = 0.0, []
+    with torch.inference_mode():
+        for c in chunks:
+            logp = hf(torch.tensor([c])).logits[0, :-1].float().log_softmax(-1)
+            nll_ref -= logp.gather(1, torch.tensor(c[1:])[:, None]).sum().item()
+            best.append(logp.argmax(-1).tolist())
+    n = sum(len(c) - 1 for c in chunks)
+    out = {}
+    for kv in kv_dtypes:
+        engine = EngineCore(EngineConfig(model=str(model_dir), device=device, dtype="fp32", kv_cache_dtype=kv,
+                                        max_num_seqs=len(chunks), max_num_batched_tokens=chunk * len(chunks),
+                                        **engine_kwargs))
+        entries: dict[str, list] = {}
+        for i, c in enumerate(chunks):
+            engine.add_request(f"ppl-{i}", c, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1))
+        while engine.has_unfinished():
+            for o in engine.step():
+                entries.setdefault(o.request_id, []).extend(o.prompt_logprobs or [])
+        nll, hits = 0.0, 0
+        for i, c in enumerate(chunks):
+            scored = entries[f"ppl-{i}"][-(len(c) - 1):]  # position 0 has no logprob
+            assert [e.token_id for e in scored] == c[1:]
+            nll -= sum(e.logprob for e in scored)
+            hits += sum(e.top[0][0] == b for e, b in zip(scored, best[i]))
+        out[kv] = TextFidelity(math.exp(nll / n), math.exp(nll_ref / n), hits / n, n)
+    return out
+
+
+def text_prompts(model_dir: Path, text: str, n: int, length: int = 48) -> list[list[int]]:
+    """n prompts of `length` tokens taken at even steps through `text`."""
+    import transformers
+
+    ids = transformers.AutoTokenizer.from_pretrained(model_dir)(text, add_special_tokens=False)["input_ids"]
+    step = (len(ids) - length) // max(1, n - 1)
+    return [ids[i * step:i * step + length] for i in range(n)]
+
+
+@dataclass(slots=True)
+class Consistency:
+    """How far a prompt's results move when the engine computes it otherwise than in one step."""
+
+    mean_diff: float  # mean |logprob difference| over the compared positions
+    max_diff: float
+    top1_differs: float  # share of the compared positions whose top-1 token differs
+    greedy_equal: int  # greedy continuations identical to the one-step run's
+    greedy_total: int
+
+
+def _prompt_runs(engine: EngineCore, prompts: list[list[int]], tokens: int, *, prompt_logprobs: bool
+                 ) -> tuple[list[list], list[list[int]]]:
+    """Each prompt alone, greedy: the logprobs (top 1) of its prompt positions (with
+    `prompt_logprobs`, which computes every position: no prefix cache) or of its first generated
+    token (what the prefill decides), and its `tokens` generated ids."""
+    entries, outs = [], []
+    for i, p in enumerate(prompts):
+        sp = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True, logprobs=1,
+                            prompt_logprobs=1 if prompt_logprobs else None)
+        engine.add_request(f"c-{i}-{engine.stats().prefix_cache_queries}", p, sp)
+        got, ids = [], []
+        while engine.has_unfinished():
+            for o in engine.step():
+                got.extend((o.prompt_logprobs or []) if prompt_logprobs else o.new_logprobs)
+                ids.extend(o.new_token_ids)
+        entries.append(got[-(len(p) - 1):] if prompt_logprobs else got[:1])
+        outs.append(ids)
+    return entries, outs
+
+
+def consistency(model_dir: Path, kv: str, prompts: list[list[int]], *, step: int, tokens: int = 32,
+                device: str = "cpu", **engine_kwargs) -> dict[str, Consistency]:
+    """Against each prompt computed in one step, alone, greedy: the prompt computed in `step`-token
+    steps ("chunked": its prompt positions' logprobs compared), and read back from the prefix cache
+    by the same engine's second run ("cached": the first generated token's logprob compared, the
+    cache holding every full block of the prompt); both also by their greedy continuations."""
+    longest = max(map(len, prompts))
+
+    def engine(budget: int) -> EngineCore:
+        return EngineCore(EngineConfig(model=str(model_dir), device=device, dtype="fp32", kv_cache_dtype=kv,
+                                       max_num_seqs=4, max_num_batched_tokens=budget, **engine_kwargs))
+
+    whole = engine(longest + tokens)
+    pairs = {"chunked": (_prompt_runs(whole, prompts, tokens, prompt_logprobs=True),
+                         _prompt_runs(engine(step), prompts, tokens, prompt_logprobs=True))}
+    cold = _prompt_runs(whole, prompts, tokens, prompt_logprobs=False)
+    hits = whole.stats().prefix_cache_hits
+    pairs["cached"] = (cold, _prompt_runs(whole, prompts, tokens, prompt_logprobs=False))
+    assert whole.stats().prefix_cache_hits > hits, "the second run did not read the prefix cache"
+    out = {}
+    for name, ((base, base_out), (entries, outs)) in pairs.items():
+        diffs, flips = [], 0
+        for a, b in zip(base, entries):
+            for x, y in zip(a, b):
+                diffs.append(abs(x.logprob - y.logprob))
+                flips += x.top[0][0] != y.top[0][0]
+        out[name] = Consistency(sum(diffs) / len(diffs), max(diffs), flips / len(diffs),
+                                sum(o == b for o, b in zip(outs, base_out)), len(outs))
+    return out

@@ -26,7 +26,7 @@ def massive_models(tmp_path_factory):
     smoothed = family_fidelity(tmp, ARCHS, ("int8", "bf16"), prompts=16, tokens=32, seed=seed,
                                weight_scale=2.5, massive_k=MASSIVE_K)
     raw = family_fidelity(tmp, ARCHS, ("int8",), prompts=16, tokens=32, seed=seed, weight_scale=2.5,
-                          massive_k=MASSIVE_K, kv_smoothing=False)
+                          massive_k=MASSIVE_K, kv_smoothing="off")
     return smoothed, raw
 
 

