@@ -46,14 +46,14 @@ def test_the_docs_name_only_suites_that_exist() -> None:
 
 
 def test_the_scripts_the_suites_run_exist() -> None:
-    scripts = set(re.findall(r"benchmarks/([a-z_]+\.py)", GPU_SH))
+    scripts = set(re.findall(r"benchmarks/([a-z0-9_]+\.py)", GPU_SH))
     assert {"attention.py", "throughput.py", "profile_step.py", "serving.py", "tp_collectives.py"} <= scripts
     assert [s for s in scripts if not (ROOT / "benchmarks" / s).is_file()] == []
 
 
 def test_every_script_has_its_line_in_the_benchmarks_readme() -> None:
     readme = (ROOT / "benchmarks" / "README.md").read_text()
-    listed = set(re.findall(r"^\| `([a-z_]+\.py)` \|", readme, re.M))
+    listed = set(re.findall(r"^\| `([a-z0-9_]+\.py)` \|", readme, re.M))
     scripts = {p.name for p in (ROOT / "benchmarks").glob("*.py")
                if any(isinstance(n, ast.If) and "__main__" in ast.unparse(n.test) for n in ast.parse(p.read_text()).body)}
     assert scripts == listed, f"not in benchmarks/README.md: {scripts - listed}; listed, not scripts: {listed - scripts}"
