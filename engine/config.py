@@ -49,7 +49,7 @@ class EngineConfig:
     max_num_seqs: int = 64  # running sequences per step at most (the batch cap)
     max_num_batched_tokens: int = 2048  # tokens per step (prefill chunks + decodes)
     # A step that carries prompt tokens beside running decodes may take at most this many times
-    # the decode step of the batch it heads to (engine.scheduler.StallBound, learnt from step
+    # the decode step of the batch it heads to (engine/stall.py, learnt from step
     # times); it bounds the inter-token stalls a long prompt causes. 0 = only
     # max_num_batched_tokens bounds a step. 3, measured on the H200 (8B shape, a cold burst of the
     # long work served, 2026-12-03, three runs): ITL p99 2.8x p50 at 7.5% fewer tokens/s than

@@ -67,6 +67,7 @@ import structlog
 from pie.engine.block_manager import BlockManager
 from pie.engine.messages import RequestOutput, SampledToken
 from pie.engine.request import Request, RequestStatus, SampleGroup
+from pie.engine.stall import StallBound
 from pie.engine.structured import StructuredOutputs
 
 log = structlog.get_logger(__name__)
@@ -117,139 +118,6 @@ class SchedulerOutput:
     def sampling_requests(self) -> list[Request]:
         """The requests whose next token this step samples, in row order (the runner's rows)."""
         return [s.request for s in self.scheduled if s.sample]
-
-
-class StallBound:
-    """How many prompt tokens a step may carry beside its running decodes, learnt from step times.
-
-    A step's time is modelled as t_decode + t_fixed + c_prompt x prompt tokens: t_decode what the
-    step's decodes alone would take; t_fixed and c_prompt a line fitted (least squares, over the
-    last WINDOW of them) to the extra time of steps that carried prompt tokens. t_fixed is what
-    carrying any prompt costs whatever its length (on CUDA such a step runs from piecewise graphs or
-    eagerly, with the decodes' attention between the pieces). Without it, the fixed part read as a
-    per-token cost, the larger the fewer the tokens; where it exceeds (factor - 1) x t_decode (few
-    decodes, a large model) the bound and the chunks shrank each other to `min_tokens` and prefill
-    starved (2026-12-02, H200, 8B shape, the long work at 8 requests/s: 50 s in the queue).
-
-    t_decode depends on the batch: on CUDA it is modelled as the decode graph of the batch's bucket
-    (`prior`, timed at start with one-token contexts) plus `kv_token_s` per token of the decodes'
-    contexts (the largest graph timed again over long contexts), times the ratio of measured
-    decode-only steps to that model (1 until one is seen). Without the context term the model
-    read a decode step of 256 rows at ~1,500 tokens of context as 7.4 ms where it took ~17 (8B
-    shape, H200), and every step of a burst's prefill carried ~225 prompt tokens: ITL p99 1.4x p50
-    but 27% fewer tokens/s than whole budgets (2026-12-02). Without a prior (the CPU, eager mode,
-    tensor parallelism) t_decode is the average of recent decode-only steps, whatever their size.
-
-    The bound keeps a step with decodes within `factor` x t_decode: ((factor - 1) x t_decode -
-    t_fixed) / c_prompt prompt tokens, but never fewer than t_fixed / c_prompt (a step that pays the
-    fixed part anyway carries at least as much prompt work again) nor `min_tokens`. Before c_prompt
-    is measured there is no bound; until steps of different prompt sizes were seen, t_fixed is
-    taken as 0 (the line needs two sizes). The line is fitted to the last WINDOW prompt-carrying
-    steps, its slope only while their sizes spread (coefficient of variation >= SPREAD); steps of
-    about one size move the intercept alone. Fitted to exponentially weighted moments instead, a
-    burst's first whole budget (8,189 tokens) kept the sizes "spread" long after its weight had
-    faded, the slope was read off the noise of ~150-token steps, one stalled step took it from 27
-    to 2 us a token, and t_fixed / c_prompt let 2,800-token chunks through (H200, 8B shape,
-    2026-12-02). t_decode's averages are exponential (weight `alpha` for the newest step), so the
-    bound follows the batch as it grows and the contexts as they lengthen.
-
-    A step counts at most SPIKE times what the model expects of it: one step stalled by something
-    else (a kernel compiled on first use, a collection, the host) would otherwise raise t_decode
-    or t_fixed for the next ten or so steps, and the bound with them: one decode step of 1 s among
-    10 ms ones took the bound from 400 prompt tokens to 10,300, and one prompt step of 2 s kept it
-    above 1,700 for eight steps (tests/engine/test_scheduler.py). A real change of cost still comes
-    through, at up to SPIKE times the estimate a step."""
-
-    SPIKE = 2.0
-    WINDOW = 32  # prompt-carrying steps the line is fitted to
-    SPREAD = 0.25  # their sizes' coefficient of variation from which the slope is fitted too
-
-    def __init__(self, factor: float, min_tokens: int, alpha: float = 0.2) -> None:
-        if factor and factor <= 1.0:
-            raise ValueError(f"stall factor must be 0 (off) or > 1, got {factor}")
-        self.factor = factor
-        self.min_tokens = min_tokens
-        self.alpha = alpha
-        self.decode_s: float | None = None  # a decode-only step, seconds (without a prior)
-        self.decode_ratio = 1.0  # measured decode-only steps over the prior's model of them
-        self._ratio_measured = False
-        self.per_prompt_token_s: float | None = None  # c_prompt: a prompt token's share of a step, seconds
-        self.fixed_s = 0.0  # t_fixed: what carrying any prompt tokens adds to a step, seconds
-        # The last WINDOW prompt-carrying steps as (n prompt tokens, y seconds over t_decode): the
-        # points the line is fitted to.
-        self._window: deque[tuple[float, float]] = deque(maxlen=self.WINDOW)
-        self._fitted = False
-        # A decode step of b rows over one-token contexts, seconds, by rows (sorted buckets; a batch
-        # takes the smallest bucket >= its rows), or empty; and what a token of context adds.
-        self.prior: dict[int, float] = {}
-        self.kv_token_s = 0.0
-        self.unbounded_steps = 0  # prompt_tokens calls with decodes that returned no bound (metrics)
-
-    def _modelled(self, num_decodes: int, kv_tokens: int) -> float | None:
-        """The prior's decode step of `num_decodes` rows over `kv_tokens` tokens of context."""
-        if not self.prior or not num_decodes:
-            return None
-        base = next((s for b, s in self.prior.items() if b >= num_decodes), self.prior[max(self.prior)])
-        return base + self.kv_token_s * kv_tokens
-
-    def decode_seconds(self, num_decodes: int, kv_tokens: int = 0) -> float | None:
-        """t_decode for a step of `num_decodes` decodes over `kv_tokens` tokens of context:
-        modelled and corrected by measurement, else measured, else None."""
-        model = self._modelled(num_decodes, kv_tokens)
-        return self.decode_s if model is None else model * self.decode_ratio
-
-    def observe(self, num_decodes: int, num_prompt_tokens: int, seconds: float, kv_tokens: int = 0) -> None:
-        """One step's shape (its decodes' rows and tokens of context, its prompt tokens) and how
-        long it took."""
-        if not self.factor or seconds <= 0:
-            return
-        a = self.alpha
-        if num_prompt_tokens == 0:
-            if not num_decodes:
-                return
-            model = self._modelled(num_decodes, kv_tokens)
-            if model is not None:  # the first measured step replaces the prior's guess of 1
-                ratio = min(seconds / model, self.SPIKE * self.decode_ratio)
-                self.decode_ratio = (1 - a) * self.decode_ratio + a * ratio if self._ratio_measured else ratio
-                self._ratio_measured = True
-            else:
-                self.decode_s = seconds if self.decode_s is None else (
-                    (1 - a) * self.decode_s + a * min(seconds, self.SPIKE * self.decode_s))
-            return
-        if num_prompt_tokens < self.min_tokens:
-            return  # too few tokens to tell their cost from the step's noise
-        base = (self.decode_seconds(num_decodes, kv_tokens) or 0.0) if num_decodes else 0.0
-        n, y = float(num_prompt_tokens), max(seconds - base, 0.0)
-        if self.per_prompt_token_s:  # what the line expects of n tokens
-            y = min(y, self.SPIKE * max(self.fixed_s + self.per_prompt_token_s * n, base))
-        self._window.append((n, y))
-        mean_n = sum(w[0] for w in self._window) / len(self._window)
-        mean_y = sum(w[1] for w in self._window) / len(self._window)
-        var = sum((w[0] - mean_n) ** 2 for w in self._window) / len(self._window)
-        if var >= (self.SPREAD * mean_n) ** 2:  # sizes spread enough to tell the slope from the intercept
-            slope = sum((w[0] - mean_n) * (w[1] - mean_y) for w in self._window) / len(self._window) / var
-            if slope > 0:
-                self.per_prompt_token_s = slope
-                self.fixed_s = max(mean_y - slope * mean_n, 0.0)
-                self._fitted = True
-                return
-        if self._fitted and self.per_prompt_token_s:  # steps of one size: the slope stays, the intercept follows
-            self.fixed_s = max(mean_y - self.per_prompt_token_s * mean_n, 0.0)
-        else:  # one size of step so far: all of its time per token
-            self.per_prompt_token_s = mean_y / mean_n
-
-    def prompt_tokens(self, num_decodes: int, kv_tokens: int = 0) -> int | None:
-        """The most prompt tokens a step with `num_decodes` decodes over `kv_tokens` tokens of
-        context should carry (None: no bound)."""
-        c = self.per_prompt_token_s
-        decode_s = self.decode_seconds(num_decodes, kv_tokens)
-        if not self.factor or not num_decodes:
-            return None
-        if decode_s is None or not c:
-            self.unbounded_steps += 1
-            return None
-        within = ((self.factor - 1.0) * decode_s - self.fixed_s) / c
-        return max(self.min_tokens, int(self.fixed_s / c + 1e-6), int(within + 1e-6))  # 1e-6: float noise of the means
 
 
 class Scheduler:
