@@ -1,7 +1,7 @@
 """A burst step by step (issue 29): serving.py's long work, every request queued at once on a fresh
 engine (no gRPC), once per --decode-stall-factor. Per factor: tokens/s, time to first token and
 inter-token latency (token times as `step()` returns them), how many steps carried prompt tokens
-and how many each, and what the stall bound learnt (engine/scheduler.py `StallBound`: what carrying
+and how many each, and what the stall bound learnt (engine/stall.py `StallBound`: what carrying
 any prompt adds to a step, what a prompt token adds, the decode model's context term and its
 measured ratio). --out keeps every step: its decodes, prompt tokens and the time the engine
 measured for it.

@@ -1,5 +1,5 @@
 """What a step that carries prompt tokens beside its running decodes costs (issue 29): the line the
-stall bound fits (engine.scheduler.StallBound: t_decode + t_fixed + c x n), where the step's time
+stall bound fits (engine/stall.py StallBound: t_decode + t_fixed + c x n), where the step's time
 goes by kernel class, and prefill's share of the dense bf16 peak.
 
     python benchmarks/mixed_step.py                          # GPU: Llama-3.1-8B shape, 32 decodes
