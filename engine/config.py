@@ -51,20 +51,16 @@ class EngineConfig:
     # A step that carries prompt tokens beside running decodes may take at most this many times
     # the decode step of the batch it heads to (engine/stall.py, learnt from step
     # times); it bounds the inter-token stalls a long prompt causes. 0 = only
-    # max_num_batched_tokens bounds a step. 3, measured on the H200 (8B shape, a cold burst of the
-    # long work served, 2026-12-03, three runs): ITL p99 2.8x p50 at 7.5% fewer tokens/s than
-    # whole budgets; 2.5 gave 2.4x at 15% fewer, and no lower ratio under Poisson arrivals
-    # (RESULTS.md, issue 29).
+    # max_num_batched_tokens bounds a step. 3 kept a served burst's inter-token p99 under 3x its
+    # median for the fewest tokens/s lost among the factors tried (RESULTS.md, "Serving").
     decode_stall_factor: float = 3.0
     max_model_len: int | None = None  # context served; default and cap: the model's
     max_waiting: int = 256  # waiting queue bound; beyond it the service answers RESOURCE_EXHAUSTED
     seed: int = 0  # seeds the stream that draws seeds for requests that bring none
     attention_backend: str = "auto"  # auto (triton on cuda, torch on cpu), triton, torch (reference)
     # torch intra-op threads when the model runs on the CPU; None = the cores this process may use
-    # but one, which the gRPC loop needs. Measured on 2 cores with the engine in its own process
-    # (2026-12-01): 1 thread served 16 streams as fast as 2 (~1,300 tok/s), and with another busy
-    # process on the machine 1,162 tok/s against 398 (a single 64-token stream: 153 tok/s
-    # against 55): OpenMP threads that wait on a descheduled peer are what degrades.
+    # but one, which the gRPC loop needs: OpenMP threads that wait on a descheduled peer slow every
+    # step, and on 2 cores one thread serves as fast as two (RESULTS.md, "CPU").
     cpu_threads: int | None = None
     enable_prefix_caching: bool = True  # reuse K/V of full blocks shared by prompts (and n > 1 samples)
     # int8 caches: even out K/V channel magnitudes (a calibration pass at load, folded into the

@@ -320,8 +320,7 @@ class EngineCore:
         masks on the host while the device runs the forward pass, and queues the sampling after
         them (`ModelRunner.forward`, `StructuredOutputs.fill`, `ModelRunner.sample`). Filling on a
         thread from the moment the matchers took the tokens, beside the rest of the bookkeeping,
-        was tried (5cad4f9) and measured slower on the H200: +60% a step at 256 constrained rows
-        and +24% at 64, against +14.5% and +2.4% this way (2026-12-02, benchmarks/structured.py)."""
+        measured slower (5cad4f9; benchmarks/HISTORY.md, structured output)."""
         early: list[RequestOutput] = []
         spec = self.speculator
         if spec is not None and self._pending is not None and (
@@ -386,9 +385,9 @@ class EngineCore:
         was busy in between), which the scheduler's stall bound learns from. On CUDA that time is
         read off the device, between the events the two steps recorded after their last work: the
         host's clock saw a step end only when it came to read it back, which under async
-        scheduling can be long after (the next step's launch runs first), and it once timed a
-        step of 8,179 prompt tokens at 14.6 ms and the one before it at 228 ms (H200, a cold
-        burst: the stall bound's line then read half the cost per token)."""
+        scheduling can be long after (the next step's launch runs first): it credited a long
+        prompt step's time to the step before it, and the stall bound's line read half the cost
+        per token (benchmarks/HISTORY.md, issue 29)."""
         now = time.monotonic()
         if self._last_done is not None and self._pending_shape is not None:
             decodes, prompt_tokens, context = self._pending_shape

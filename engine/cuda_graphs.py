@@ -28,9 +28,9 @@ Steps that carry prompt tokens (prefill chunks, mixed batches) of up to `mixed_m
 replay piecewise graphs (`PiecewiseGraphs`): the model's forward pass cut at every layer's
 attention, one graph per piece, captured per bucket of token counts; attention runs eagerly
 between the pieces, so its kernels see the step's own lengths, split decodes from prefills as in an
-eager step, and nothing about attention has to fit a bucket. Eagerly such a step cost the host
-~0.7 ms a layer in launches (H200, 8B shape, 2026-12-02: a step of 32 decodes and 512 prompt tokens
-39.3 ms, the GPU busy 15.7 ms of it); the pieces leave four kernels a layer to launch.
+eager step, and nothing about attention has to fit a bucket. Eagerly such a step spends most of its
+time launching kernels, the GPU idle between them (RESULTS.md, "Engine offline"); the pieces leave
+four kernels a layer to launch.
 
 Other steps (longer ones, whose GPU time hides their launches; prompt logprobs; batches beyond the
 largest bucket) run eagerly. Under tensor parallelism every rank captures the same decode buckets,

@@ -284,8 +284,8 @@ class Scheduler:
         running prefills, and the waiting requests that rows (max_num_seqs) and free blocks would
         admit next, each at its length once computed. The stall bound measures a step against that
         batch's decode step, the inter-token time its streams will see, not the few rows decoding
-        so far: bounded by the first rows of a burst, chunks stayed small while the batch built
-        up, and the burst lost a fifth of its throughput (H200, 8B shape, 2026-12-03)."""
+        so far: bounded by the first rows of a burst, chunks stay small while the batch builds up
+        (benchmarks/HISTORY.md, issue 29)."""
         if not self.stall.factor:
             return num_decodes, context
         rows = num_decodes + len(prefills)

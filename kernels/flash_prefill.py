@@ -13,17 +13,15 @@ everything the cache holds for it. Two steps:
    seq_len - q_len + j: FlashAttention's rule when the key run is the longer), GQA natively, a
    sliding window as (window - 1, 0).
 
-Measured on the H200 (2026-12-02, Hq 32, Hkv 8, D 128, int8 pages; `benchmarks/attention.py
---extend-only --repeats 3`): over cached prefixes this path runs at 1.01-1.27x SDPA (the Triton
-kernel 1.19-1.23x); a 4k-token prompt with nothing cached at 1.7-1.9x (the Triton kernel 2.0x), because SDPA takes cuDNN's
-attention there (533 TFLOP/s against FlashAttention-2's 272). One SDPA call per such prompt was
-tried and dropped: no faster in the kernel benchmark (the per-call host work and copies), and
-served at 4 requests/s it came with decode steps of 50-100 ms (1.6% of them; ITL p99 83-100 ms),
-as a per-shape plan build in cuDNN would give.
+Over cached prefixes this path runs at about SDPA's speed, faster than the Triton extend kernel;
+on a long prompt with nothing cached it trails SDPA, which takes cuDNN's attention there (RESULTS.md,
+"Kernels": `benchmarks/attention.py --extend-only`). One SDPA call per such prompt was tried and
+dropped: no faster in the kernel benchmark (the per-call host work and copies), and served it came
+with occasional decode steps of 50-100 ms, as a per-shape plan build in cuDNN would give
+(benchmarks/HISTORY.md).
 
-Why: the Triton paged extend kernel over int8 pages ran at 1.2x SDPA over a cached prefix and
-2.0x on a whole 4k-token prompt (H200; bf16 pages 1.1-1.8x), and prefill is the compute-bound
-part of serving. The gathered copy makes any cache dtype a contiguous bf16/fp16 problem, which
+Why: the Triton paged extend kernel over int8 pages is slower than SDPA, and prefill is the
+compute-bound part of serving. The gathered copy makes any cache dtype a contiguous bf16/fp16 problem, which
 FlashAttention solves at the GPU's speed; attention still reads every key as stored, so a prompt
 gives the same tokens whether its prefix was computed in this step or read from the cache
 (engine/attention.py). vLLM's backends gather and dequantize a cached context into contiguous

@@ -325,11 +325,10 @@ def fixed_split_tokens(max_len: int, batch: int, num_kv_heads: int, sm_count: in
     batch-dependent split count.
 
     Fixed splits balance a ragged batch: one long context no longer runs alone on one SM while the
-    rest of the chip idles (H200, 64 contexts of median 1,800 up to 7,500 keys, int8 pages: 0.154
-    against 0.285 ms; 256 of them 0.550 against 0.661; 16 of them 0.060 against 0.092), and a
-    sequence's output does not depend on its companions. But the grid holds a program per split of
-    the longest allowed context, and for short contexts most of them only read their length and
-    leave (at max_len 2,048 the Llama-1B decode step took 0.10 ms longer), so they are used up to
+    rest of the chip idles (RESULTS.md, "Kernels": ragged contexts), and a sequence's output does
+    not depend on its companions. But the grid holds a program per split of the longest allowed
+    context, and for short contexts most of them only read their length and leave (a measurable
+    cost on a short-context decode step), so they are used up to
     MAX_FIXED_SPLITS (max_len <= 16,384). And a few sequences get more programs each from the batch
     count (one 32k context: 64 splits, 0.034 ms, against 32 fixed ones, 0.047; eight: equal), so
     fixed splits need the batch to give at least half the SMs a program (batch x kv heads)."""
@@ -362,8 +361,7 @@ MANY_PROGRAMS = 8  # (sequence, kv head) pairs per SM from which head dim 64 run
 
 def _config(d_pad: int, page: int, cache_dtype: torch.dtype, on_gpu: bool, programs_per_sm: float = 0.0) -> DecodeConfig:
     """Launch table, by the padded head dim. Interpreter: small tiles keep masked work low. GPU:
-    measured on an H200 with benchmarks/decode_variants.py (RESULTS.md, issue 26: Hq 32, Hkv 8,
-    page 16, the issue's shapes). int8 at head dim 128: 4 warps over 64-key tiles, the group's 4
+    measured with benchmarks/decode_variants.py (RESULTS.md, "Kernels": Hq 32, Hkv 8, page 16). int8 at head dim 128: 4 warps over 64-key tiles, the group's 4
     query rows without padding registers (128 registers, 4 programs and 16 warps per SM; the old
     2-warp table used 255 and spilled), scores on int8 tensor cores, V read as 1152 + V. Head dim
     64: 2 warps over 128-key tiles (the 4-warp table lost at 400-token contexts), and with at least
@@ -382,8 +380,8 @@ def _config(d_pad: int, page: int, cache_dtype: torch.dtype, on_gpu: bool, progr
             return DecodeConfig(64, 4, 2, k_mode=k_mode, v_mode="bias", tight_m=True, k_t=False, per_sm=4)
         if programs_per_sm >= MANY_PROGRAMS:
             # 128 registers: 16 programs per SM (the B256 ctx400 grid in one wave); uncapped, the
-            # fixed-split paths take 145 (triton 3.6): 14 per SM and a second wave (H200: the Llama-1B
-            # decode step's forward 2.73 ms, 2.33 with the cap)
+            # fixed-split paths take 145 (triton 3.6): 14 per SM and a second wave, measurably
+            # slower (RESULTS.md, the decode step's forward)
             return DecodeConfig(32, 1, 3, maxnreg=128, k_mode="bias", v_mode="bias", tight_m=True, k_t=False,
                                 per_sm=10)
         return DecodeConfig(128, 2, 2, k_mode=k_mode, v_mode="bias", tight_m=True)
@@ -483,8 +481,8 @@ def paged_decode(
     assert cfg.k_mode in K_MODES and cfg.v_mode in V_MODES, f"unknown int8 modes {cfg.k_mode}, {cfg.v_mode}"
     assert not (is_int8 and cfg.k_mode.startswith("imma") and d_pad < 32), "int8 tensor-core scores need D >= 32"
     assert on_gpu or cfg.v_mode != "asm", "v_mode 'asm' is inline PTX: GPU only"
-    # int8 V cast to bf16 in the dot-operand layout failed the kernel tests on the H200 (2026-12-02,
-    # cause not found; no launch table used it): refused there
+    # int8 V cast to bf16 in the dot-operand layout fails the kernel tests on the GPU (cause not
+    # found; no launch table uses it): refused there
     assert not (on_gpu and is_int8 and cfg.v_mode == "cast"), "v_mode 'cast' is not for int8 pages on the GPU"
     # The int8 modes that read K or V as fp16 do so in fp16 on the GPU; the interpreter keeps the
     # dot dtype (its fp32 dots check the same algebra exactly).

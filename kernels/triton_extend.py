@@ -274,11 +274,11 @@ def _interpreting() -> bool:
 
 def _default_config(d_pad: int, quant: bool, new_kv: bool, interpret: bool) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages). BLOCK_M 128 puts the dots on wgmma (M % 64 == 0,
-    warps a multiple of 4). Measured on an H200 at D=128, 4k-token prompts (benchmarks/
-    extend_check.py), every key from the cache: 16-bit caches best at (128, 32, 4, 3); int8 caches
-    at (128, 128, 8, 2) with K and V cast (int8_modes "cast"): 0.543 ms, 2.00x SDPA, against
-    0.713 ms for (128, 64) with K on int8 tensor cores and 0.934-0.966 ms for (128, 32) with the
-    1152 + x reads, although (128, 128) spills 352 bytes a thread and (128, 32) none (2026-12-02).
+    warps a multiple of 4). Measured at D=128 on 4k-token prompts (benchmarks/extend_check.py),
+    every key from the cache: 16-bit caches are fastest at (128, 32, 4, 3); int8 caches at
+    (128, 128, 8, 2) with K and V cast (int8_modes "cast"), ahead of (128, 64) with K on int8
+    tensor cores and (128, 32) with the 1152 + x reads, although (128, 128) spills 352 bytes a
+    thread and (128, 32) none (RESULTS.md, "Kernels").
     With the new keys read as computed (new_kv), a prefill without a cached prefix is 16-bit work:
     the 16-bit tiles. Head dims past 128 halve BLOCK_M so the accumulator keeps its register budget."""
     if interpret:
@@ -334,9 +334,9 @@ def paged_extend(
     same max_query_len, hence the same tile shapes), to the bit. That needs the tiles a q-block
     reads whole and those it masks to round alike: with fusion on, an int8 tile's `s * k_scale - m`
     became one FMA in the whole tiles but not across the masked tiles' select, so a key's score
-    rounded differently by the tile's kind, and chunks of a 1,000-token prompt differed from the
-    whole by up to 2e-3 (bf16 output) in every int8 mode, bit-equal with fusion off, which cost
-    the int8 kernel 1-2% and bf16 pages nothing (H200, 2026-12-04, .bis/extend_diag.py in HISTORY.md).
+    rounded differently by the tile's kind and chunks differed from the whole prompt in the last
+    bits of the output. Off, they are bit-equal in every int8 mode, for 1-2% of the int8 kernel's
+    time and none of bf16's (RESULTS.md, "Kernels"; benchmarks/extend_check.py section 4).
     """
     _check_cache(k_cache, k_scale)
     _check_cache(v_cache, v_scale)

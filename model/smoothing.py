@@ -47,7 +47,7 @@ MIN_LOG2, MAX_LOG2 = -6, 10  # factors in [1/64, 1024]
 # output projection and the layers after it weigh the channels unevenly): on SmolLM2-135M most
 # heads' factors change it by a few percent either way and, kept at 0.75 (7 of 180), still cost
 # top-1 agreement end to end; massive K channels' factors cut it 15- to 60-fold (benchmarks/
-# HISTORY.md, 2026-12-04).
+# HISTORY.md, issue 45).
 KEEP_BELOW = 0.5
 
 # What `calibrate` runs through the model when the caller brings no tokens of its own: ordinary

@@ -104,8 +104,8 @@ class ServerConfig:
     auth_tokens: tuple[str, ...] = ()  # bearer tokens accepted; empty = no token needed
     connection: ConnectionConfig = field(default_factory=ConnectionConfig)
     # Run the engine in a child process (engine/client_process.py) instead of a thread, so the
-    # gRPC loop and the engine do not share one GIL (`pie serve` does by default; 256 streams on
-    # the H200: 44k tokens/s against 6.7k on a thread). Off here so that tests start fast.
+    # gRPC loop and the engine do not share one GIL (`pie serve` does by default; at 256 streams it
+    # serves several times the tokens a thread does, RESULTS.md "Serving"). Off here so that tests start fast.
     engine_process: bool = False
     stream_interval: int = 1  # after the first, a stream message carries at least this many tokens (or the end)
     chat_template: str | None = None  # a Jinja chat template file that replaces the model's own

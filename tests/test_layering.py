@@ -15,6 +15,7 @@ be Hugging Face's package, or the checkout's folder imported a second time under
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -206,3 +207,17 @@ def test_no_import_cycles() -> None:
     assert "pie.engine.core" in graph and "pie.engine.scheduler" in graph["pie.engine.core"]
     cycle = find_cycle(graph)
     assert cycle is None, " -> ".join(cycle)
+
+
+LAB_NOTES = re.compile(r"\b20\d\d-\d\d-\d\d\b|\b(?:H100|H200|H800|A100|A800|B200|GB200|V100|MI300X?|L40S?|RTX ?\d{4})\b")
+
+
+def test_the_code_keeps_no_lab_notebook() -> None:
+    """Comments and docstrings say what the code does and why, in the present tense: a dated
+    measurement or a GPU's name rots the moment the code changes, so figures live in
+    benchmarks/RESULTS.md (current) and HISTORY.md (dated), which a comment may point to."""
+    found = {str(p.relative_to(ROOT)): [n for n, line in enumerate(p.read_text().splitlines(), 1) if LAB_NOTES.search(line)]
+             for package in ("engine", "service", "kernels", "model") for p in sorted((ROOT / package).rglob("*.py"))}
+    found = {path: lines for path, lines in found.items() if lines}
+    assert not found, f"dates or GPU names in the code (move them to benchmarks/RESULTS.md or HISTORY.md): {found}"
+    assert LAB_NOTES.search("measured on the H200 (2026-12-02)") and not LAB_NOTES.search("an H-shaped tile 2026")
