@@ -11,28 +11,44 @@ import pytest
 from pie.engine.config import EngineConfig
 from pie.service.server import BackgroundServer, ServerConfig
 from pie_client import AsyncClient, Client
-from tests.helpers import make_hf_model_dir, wait_until
+from tests.helpers import StepGate, make_hf_model_dir, wait_until
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def gate() -> StepGate:
+    return StepGate()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, gate):
     model = make_hf_model_dir(tmp_path_factory.mktemp("prio"), "llama", weight_scale=4.0)
     cfg = EngineConfig(model=str(model), device="cpu", kv_cache_dtype="fp32", num_kv_blocks=256, max_num_seqs=2,
                        max_waiting=64)
-    with BackgroundServer(ServerConfig(port=0, grace_s=5), cfg) as s:
+    with BackgroundServer(ServerConfig(port=0, grace_s=5, engine_setup=gate), cfg) as s:
         yield s
 
 
-def test_an_urgent_request_sent_last_starts_before_the_queue(server):
+async def _until(condition, what: str, timeout: float = 30.0) -> None:
+    """Polls `condition` without blocking the event loop (the streams run on it), or fails."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.005)
+
+
+def test_an_urgent_request_sent_last_starts_before_the_queue(server, gate):
     """--max-num-seqs 2, 30 requests queued at priority 0, then one at priority -1: it starts at
     the first free slot, before every one of the 28 still waiting. (Their own order is the order
     they reached the server, which 30 concurrent calls do not fix: tests/engine/test_scheduler.py
-    holds first come, first served within a priority.) The queued requests are long enough (32
-    tokens) that the two running ones do not finish, and free their slots for queued ones, while
-    the urgent call is on its way: with 12 tokens that happened on a loaded machine (5th)."""
+    holds first come, first served within a priority.) The engine's steps wait for permits while
+    the queue is built, so two run and 28 wait when the urgent call arrives, however fast the
+    machine: polling for that queue while steps ran free once saw it never form (the first
+    requests had finished) and waited forever."""
     firsts: dict[str, float] = {}
+    in_flight = server.pie.servicer.in_flight
+    scheduler = server.core.scheduler
 
     async def run() -> None:
         async with AsyncClient(server.address, timeout=120) as client:
@@ -42,12 +58,22 @@ def test_an_urgent_request_sent_last_starts_before_the_queue(server):
                     if delta.token_ids and name not in firsts:
                         firsts[name] = time.monotonic()
 
-            normal = [asyncio.create_task(one(f"n{i}", 0)) for i in range(30)]
-            while (await client.model_info()).load.requests_waiting < 28:
-                await asyncio.sleep(0.005)
-            load = (await client.model_info()).load
-            assert load.requests_waiting_by_priority[0] == load.requests_waiting
-            urgent = asyncio.create_task(one("urgent", -1))
+            gate.hold()
+            try:
+                # n0's step admits it and waits; the other 29 reach the engine behind it
+                normal = [asyncio.create_task(one("n0", 0))]
+                await _until(lambda: len(in_flight) == 1, "n0 in the engine")
+                normal += [asyncio.create_task(one(f"n{i}", 0)) for i in range(1, 30)]
+                await _until(lambda: len(in_flight) == 30, "30 requests in the engine")
+                gate.allow(1)  # n0's step runs; the next takes the 29 in: n1 admitted, 28 waiting
+                await _until(lambda: scheduler.num_waiting == 28, "28 requests waiting")
+                urgent = asyncio.create_task(one("urgent", -1))
+                await _until(lambda: len(in_flight) == 31, "the urgent request in the engine")
+                load = (await client.model_info()).load  # the queue by priority, the urgent one counted or not yet
+                assert sum(load.requests_waiting_by_priority.values()) == load.requests_waiting
+                assert load.requests_waiting_by_priority[0] >= 28
+            finally:
+                gate.release()
             await asyncio.gather(*normal, urgent)
 
     asyncio.run(run())
