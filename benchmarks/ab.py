@@ -111,8 +111,12 @@ def _engine_api():
     generation of names it has."""
     try:
         from pie.engine.config import EngineConfig
-        from pie.engine.core import EngineCore
         from pie.engine.sampling_params import SamplingParams
+
+        try:
+            from pie.engine.core.engine_core import EngineCore
+        except ImportError:
+            from pie.engine.core import EngineCore  # type: ignore[attr-defined,no-redef]  # before the sub-packages
     except ImportError:
         from engine.config import EngineConfig  # type: ignore[no-redef]  # before the pie.* names
         from engine.sampling_params import SamplingParams  # type: ignore[no-redef]

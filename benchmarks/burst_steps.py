@@ -1,7 +1,7 @@
 """A burst step by step (issue 29): serving.py's long work, every request queued at once on a fresh
 engine (no gRPC), once per --decode-stall-factor. Per factor: tokens/s, time to first token and
 inter-token latency (token times as `step()` returns them), how many steps carried prompt tokens
-and how many each, and what the stall bound learnt (engine/stall.py `StallBound`: what carrying
+and how many each, and what the stall bound learnt (engine/scheduling/stall.py `StallBound`: what carrying
 any prompt adds to a step, what a prompt token adds, the decode model's context term and its
 measured ratio). --out keeps every step: its decodes, prompt tokens and the time the engine
 measured for it.
@@ -31,7 +31,7 @@ from benchmarks.common import DEVICE_HELP, SizedFlags, default_device, make_pars
 from benchmarks.mixed import SHAPES, build_model  # noqa: E402
 from benchmarks.serving import workload  # noqa: E402
 from pie.engine.config import EngineConfig  # noqa: E402
-from pie.engine.core import EngineCore  # noqa: E402
+from pie.engine.core.engine_core import EngineCore  # noqa: E402
 from pie.engine.sampling_params import SamplingParams  # noqa: E402
 
 

@@ -29,8 +29,8 @@ import structlog
 _ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(_ROOT), str(_ROOT / "clients")]  # benchmarks.*, and this checkout's pie
 from benchmarks.common import DEVICE_HELP, default_device, make_parser  # noqa: E402
-from pie.engine.attention import PagedAttention  # noqa: E402
 from pie.engine.config import KV_SMOOTHING  # noqa: E402
+from pie.engine.runner.attention import PagedAttention  # noqa: E402
 from tests.fidelity import MASSIVE_K, docs_text, family_fidelity, mean, measure, text_fidelity, text_prompts  # noqa: E402
 from tests.helpers import ARCHS  # noqa: E402
 

@@ -43,8 +43,8 @@ _ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(_ROOT), str(_ROOT / "clients")]  # benchmarks.*, and this checkout's pie
 from benchmarks.common import DEVICE_HELP, SizedFlags, default_device, make_parser  # noqa: E402
 from pie.engine.config import DEFAULT_MODEL, EngineConfig  # noqa: E402
-from pie.engine.core import EngineCore  # noqa: E402
-from pie.engine.kv_cache import KVCache  # noqa: E402
+from pie.engine.core.engine_core import EngineCore  # noqa: E402
+from pie.engine.runner.kv_cache import KVCache  # noqa: E402
 from pie.engine.sampling_params import SamplingParams  # noqa: E402
 
 SHAPES = {

@@ -1,5 +1,5 @@
 """What a step that carries prompt tokens beside its running decodes costs (issue 29): the line the
-stall bound fits (engine/stall.py StallBound: t_decode + t_fixed + c x n), where the step's time
+stall bound fits (engine/scheduling/stall.py StallBound: t_decode + t_fixed + c x n), where the step's time
 goes by kernel class, and prefill's share of the dense bf16 peak.
 
     python benchmarks/mixed_step.py                          # GPU: Llama-3.1-8B shape, 32 decodes
@@ -10,7 +10,7 @@ D requests are admitted and prefilled (contexts of --ctx tokens), then each meas
 their D decodes and one new prompt of n random tokens (whole, in that step: the stall bound is off
 here, max_num_batched_tokens is n + D), which samples its first token and ends. Steps are timed
 synchronously (async scheduling off: the step's own wall time), --repeats per n, the median kept,
-as served (piecewise graphs up to --mixed-graph-max-tokens, engine/cuda_graphs.py) and eagerly,
+as served (piecewise graphs up to --mixed-graph-max-tokens, engine/runner/cuda_graphs.py) and eagerly,
 alternating; the decode-only step as served (its graph), from the piecewise graphs, and eagerly. Then, for a few n,
 torch.profiler splits one step's device time into GEMMs, attention (the Triton cache-write, decode
 and extend kernels), the other Triton kernels (norms, rotary, SiLU), and the rest (elementwise,
@@ -38,8 +38,8 @@ sys.path[:0] = [str(_ROOT), str(_ROOT / "clients")]  # benchmarks.*, and this ch
 from benchmarks.common import DEVICE_HELP, default_device, make_parser  # noqa: E402
 from benchmarks.mixed import SHAPES, build_model  # noqa: E402
 from pie.engine.config import EngineConfig  # noqa: E402
-from pie.engine.core import EngineCore  # noqa: E402
-from pie.engine.cuda_graphs import CudaGraphs, PiecewiseGraphs  # noqa: E402
+from pie.engine.core.engine_core import EngineCore  # noqa: E402
+from pie.engine.runner.cuda_graphs import CudaGraphs, PiecewiseGraphs  # noqa: E402
 from pie.engine.sampling_params import SamplingParams  # noqa: E402
 
 ATTENTION_KERNELS = ("_decode_stage", "_extend_kernel", "_write_kv")

@@ -27,9 +27,9 @@ sys.path[:0] = [str(_ROOT), str(_ROOT / "clients")]  # benchmarks.*, and this ch
 from benchmarks.common import DEVICE_HELP, default_device, make_parser  # noqa: E402
 from benchmarks.throughput import LLAMA_1B, MICRO, TINY, build_model  # noqa: E402
 from pie.engine.config import EngineConfig  # noqa: E402
-from pie.engine.core import EngineCore  # noqa: E402
+from pie.engine.core.engine_core import EngineCore  # noqa: E402
 from pie.engine.messages import SampledToken  # noqa: E402
-from pie.engine.sampler import SamplingTensors, sample  # noqa: E402
+from pie.engine.sample.sampler import SamplingTensors, sample  # noqa: E402
 from pie.engine.sampling_params import SamplingParams  # noqa: E402
 
 

@@ -37,11 +37,11 @@ _ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(_ROOT), str(_ROOT / "clients")]  # benchmarks.*, and this checkout's pie
 from benchmarks.common import SizedFlags, make_parser  # noqa: E402
 from benchmarks.serving import Work, workload  # noqa: E402
-from pie.engine.block_manager import BlockManager  # noqa: E402
 from pie.engine.messages import SampledToken  # noqa: E402
-from pie.engine.request import Request  # noqa: E402
 from pie.engine.sampling_params import SamplingParams  # noqa: E402
-from pie.engine.scheduler import Scheduler  # noqa: E402
+from pie.engine.scheduling.block_manager import BlockManager  # noqa: E402
+from pie.engine.scheduling.request import Request  # noqa: E402
+from pie.engine.scheduling.scheduler import Scheduler  # noqa: E402
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256)  # decode graph batch sizes
 

@@ -26,7 +26,7 @@ sys.path[:0] = [str(_ROOT), str(_ROOT / "clients")]  # benchmarks.*, and this ch
 from benchmarks.common import DEVICE_HELP, SizedFlags, default_device, make_parser  # noqa: E402
 from benchmarks.mixed import SHAPES, build_model  # noqa: E402
 from pie.engine.config import EngineConfig  # noqa: E402
-from pie.engine.core import EngineCore  # noqa: E402
+from pie.engine.core.engine_core import EngineCore  # noqa: E402
 from pie.engine.sampling_params import SamplingParams  # noqa: E402
 
 

@@ -22,7 +22,7 @@ copy-heavy prompts.
     proposed), mean accepted length (vLLM's definition: 1 + accepted / verify steps with
     proposals, the bonus token counted), tokens per decode step, decode tokens/s with and without
     it, and whether the outputs are those of plain decoding (greedy: every prompt; temperature > 0:
-    the same seed draws the same tokens, engine/speculative.py).
+    the same seed draws the same tokens, engine/spec_decode/speculator.py).
 
 Oracle proposals for (a) and (b): a plain greedy run first gives each request's continuation; the
 proposer then proposes its next K tokens with all but the first a changed, and the verification's
@@ -65,12 +65,13 @@ sys.path[:0] = [str(_ROOT), str(_ROOT / "clients")]  # benchmarks.*, and this ch
 from benchmarks.common import DEVICE_HELP, SizedFlags, default_device, make_parser  # noqa: E402
 from benchmarks.throughput import LLAMA_1B, LLAMA_4B, MICRO, TINY, build_model  # noqa: E402
 from pie.engine.config import DEFAULT_MODEL, MODEL_DTYPES, EngineConfig  # noqa: E402
-from pie.engine.core import EngineCore  # noqa: E402
-from pie.engine.model_runner import PendingSample  # noqa: E402
-from pie.engine.request import Request, RequestStatus  # noqa: E402
+from pie.engine.core.engine_core import EngineCore  # noqa: E402
+from pie.engine.messages import RequestStatus  # noqa: E402
+from pie.engine.runner.model_runner import PendingSample  # noqa: E402
 from pie.engine.sampling_params import SamplingParams  # noqa: E402
-from pie.engine.scheduler import SchedulerOutput  # noqa: E402
-from pie.engine.speculative import NgramProposer, Speculator  # noqa: E402
+from pie.engine.scheduling.request import Request  # noqa: E402
+from pie.engine.scheduling.scheduler import SchedulerOutput  # noqa: E402
+from pie.engine.spec_decode.speculator import NgramProposer, Speculator  # noqa: E402
 from pie.training.corpus import generate_stories  # noqa: E402
 
 # Llama-3.1-8B's dimensions, its embeddings tied: a step's work is the same (the LM head is read
@@ -96,7 +97,7 @@ class OracleProposer:
     """Proposals from a known future (the module docstring): request `truth[id]` is its greedy
     continuation; proposal j is that continuation's next token j for j < `accepted`, and another
     token after, so a verify step accepts exactly `accepted` (the Proposer protocol of
-    engine/speculative.py). `diverged`: requests whose output left their continuation."""
+    engine/spec_decode/speculator.py). `diverged`: requests whose output left their continuation."""
 
     method = "oracle"
 

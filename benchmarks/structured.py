@@ -38,9 +38,9 @@ sys.path[:0] = [str(_ROOT), str(_ROOT / "clients")]  # benchmarks.*, and this ch
 from benchmarks.common import DEVICE_HELP, default_device, make_parser  # noqa: E402
 from benchmarks.throughput import LLAMA_4B, TINY, build_model  # noqa: E402
 from pie.engine.config import EngineConfig  # noqa: E402
-from pie.engine.core import EngineCore  # noqa: E402
+from pie.engine.core.engine_core import EngineCore  # noqa: E402
+from pie.engine.sample.structured import GrammarCompiler, GrammarState, StructuredOutputs  # noqa: E402
 from pie.engine.sampling_params import SamplingParams, StructuredOutputParams  # noqa: E402
-from pie.engine.structured import GrammarCompiler, GrammarState, StructuredOutputs  # noqa: E402
 
 QWEN_TOKENS = 151_643  # Qwen2.5's tokenizer, before its special tokens
 QWEN_VOCAB = 151_936  # its embedding rows (the logits' width)
@@ -205,7 +205,7 @@ def host_side(tokenizer_json: str, vocab: int, batches: list[int], steps: int, t
         compiler.compile(StructuredOutputParams(kind, text))
         print(f"compile a {kind}: {(time.perf_counter() - t0) * 1e3:.2f} ms")
 
-    # the engine's matchers: copies of the constraint's replicas (engine/structured.py), once all are built
+    # the engine's matchers: copies of the constraint's replicas (engine/sample/structured.py), once all are built
     schema = StructuredOutputParams("json_schema", json.dumps({**ORDER_SCHEMA, "$comment": "replicas"}))
     compiled = compiler.submit(schema).result()
     while len(compiled.matchers) < compiler.replicas:

@@ -20,8 +20,15 @@ from pathlib import Path
 _ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(_ROOT), str(_ROOT / "clients")]  # benchmarks.*, and this checkout's pie
 from benchmarks.common import make_parser  # noqa: E402
-from pie.engine.messages import EngineStats, RequestOutput, SampledToken, StepResult, decode_result, encode  # noqa: E402
-from pie.engine.request import RequestStatus  # noqa: E402
+from pie.engine.messages import (  # noqa: E402
+    EngineStats,
+    RequestOutput,
+    RequestStatus,  # noqa: E402
+    SampledToken,
+    StepResult,
+    decode_result,
+    encode,
+)
 
 
 @dataclasses.dataclass(slots=True)

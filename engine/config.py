@@ -15,10 +15,10 @@ KV_CACHE_DTYPES = ("int8", "bf16", "fp16", "fp32")
 MODEL_DTYPES = ("auto", "fp32", "bf16", "fp16")
 ATTENTION_BACKENDS = ("auto", "triton", "torch")  # auto: triton on cuda, the torch reference elsewhere
 # What TokenLogprob.logprob reports: log_softmax of the raw logits (vLLM v1's default), or of the
-# logits the token was chosen from, after bias, penalties, temperature and filters (engine/sampler.py).
+# logits the token was chosen from, after bias, penalties, temperature and filters (engine/sample/sampler.py).
 LOGPROBS_MODES = ("raw", "processed")
 KV_SMOOTHING = ("auto", "on", "off")  # kv_smoothing: model/smoothing.py
-# Speculative decoding's proposers (engine/speculative.py): prompt lookup, or a small draft model.
+# Speculative decoding's proposers (engine/spec_decode/speculator.py): prompt lookup, or a small draft model.
 SPECULATIVE_METHODS = ("ngram", "draft")
 MAX_SPECULATIVE_TOKENS = 16  # proposals per step at most: a verify row is 1 + K tokens
 
@@ -34,7 +34,7 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV block (page)
     # KV pool budget when num_kv_blocks is not given. None: on CUDA, what gpu_memory_fraction of the
     # device leaves after the weights and a profiling forward's peak; on the CPU, what max_num_seqs
-    # sequences of the whole context can use, at most 1 GiB (engine/kv_sizing.py).
+    # sequences of the whole context can use, at most 1 GiB (engine/runner/kv_sizing.py).
     kv_cache_memory_bytes: int | None = None
     gpu_memory_fraction: float = 0.9  # share of the whole device memory this engine may use (CUDA)
     # Queue step N on the device before reading step N-1's tokens back (see EngineCore.step).
@@ -42,14 +42,14 @@ class EngineConfig:
     async_scheduling: bool | None = None
     enforce_eager: bool = False  # never replay CUDA graphs (decode and verify steps are captured by default on CUDA)
     # Steps with prompt tokens of up to this many tokens (capped by max_num_batched_tokens) replay
-    # piecewise CUDA graphs, attention eager between the pieces (engine/cuda_graphs.py); longer ones
+    # piecewise CUDA graphs, attention eager between the pieces (engine/runner/cuda_graphs.py); longer ones
     # run eagerly. 0: every such step eagerly. Not under tensor parallelism.
     mixed_graph_max_tokens: int = 2048
     num_kv_blocks: int | None = None  # exact pool size; overrides the byte budget (tests)
     max_num_seqs: int = 64  # running sequences per step at most (the batch cap)
     max_num_batched_tokens: int = 2048  # tokens per step (prefill chunks + decodes)
     # A step that carries prompt tokens beside running decodes may take at most this many times
-    # the decode step of the batch it heads to (engine/stall.py, learnt from step
+    # the decode step of the batch it heads to (engine/scheduling/stall.py, learnt from step
     # times); it bounds the inter-token stalls a long prompt causes. 0 = only
     # max_num_batched_tokens bounds a step. 3 kept a served burst's inter-token p99 under 3x its
     # median for the fewest tokens/s lost among the factors tried (RESULTS.md, "Serving").
@@ -69,11 +69,11 @@ class EngineConfig:
     # attention error (a trained checkpoint lost 5x the perplexity to smoothing everywhere); on:
     # everywhere; off: never.
     kv_smoothing: str = "auto"
-    # Ranks sharing the model (engine/tensor_parallel.py): this engine is rank 0 and starts N - 1
+    # Ranks sharing the model (engine/runner/tensor_parallel.py): this engine is rank 0 and starts N - 1
     # worker processes, one per further GPU (or CPU process, gloo).
     tensor_parallel_size: int = 1
     logprobs_mode: str = "raw"  # raw | processed: which logits generated tokens' logprobs come from
-    # Speculative decoding (engine/speculative.py): None = off (the default: decoding as without it);
+    # Speculative decoding (engine/spec_decode/speculator.py): None = off (the default: decoding as without it);
     # "ngram" proposes from earlier text, "draft" from `draft_model`. One forward pass verifies
     # `num_speculative_tokens` proposals per request (fewer where fewer are found or fit).
     speculative: str | None = None

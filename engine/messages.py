@@ -13,11 +13,47 @@ On a thread the same objects are handed over without encoding.
 from __future__ import annotations
 
 import bisect
+import enum
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import msgspec
 
-from pie.engine.request import RequestStatus
 from pie.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pie.engine.config import EngineConfig
+    from pie.model.config import ModelConfig
+
+
+@dataclass(slots=True, frozen=True)
+class EngineInfo:
+    """What the service reads about a loaded engine; fixed once it is built."""
+
+    config: EngineConfig
+    model_config: ModelConfig
+    max_model_len: int  # context served (the model's, or less when configured)
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    device: str  # e.g. "cpu", "cuda:0"
+    dtype_name: str  # weights/activations: "fp32", "bf16", "fp16"
+    num_kv_blocks: int  # size of the KV pool
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered so that `status >= FINISHED_STOPPED` means finished."""
+
+    WAITING = 0  # never scheduled yet
+    RUNNING = 1  # holds KV blocks, scheduled each step
+    PREEMPTED = 2  # blocks taken back; waits to be recomputed from scratch
+    FINISHED_STOPPED = 3  # EOS, stop token id or stop string
+    FINISHED_LENGTH = 4  # max_tokens reached or the context is full
+    FINISHED_ABORTED = 5  # cancelled by the caller (RPC cancelled, deadline, shutdown)
+    FINISHED_ERROR = 6  # an engine fault failed this request
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
 
 
 class SampledToken(msgspec.Struct, array_like=True, gc=False):
@@ -49,7 +85,7 @@ class RequestOutput(msgspec.Struct, array_like=True, gc=False):
     # On the first output of sample 0 when prompt logprobs were asked: entries 1..P-1, entry i the
     # prompt token i (token_id) with its raw logprob given tokens 0..i-1 and the top-n there.
     prompt_logprobs: list[SampledToken] | None = None
-    # On the output that finishes a sample that speculated (engine/speculative.py): proposals
+    # On the output that finishes a sample that speculated (engine/spec_decode/speculator.py): proposals
     # verified for it and how many of them were accepted.
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0

@@ -41,7 +41,7 @@ class SamplingParamsError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class StructuredOutputParams:
-    """What a structured output must be (compiled by engine/structured.py into an llguidance
+    """What a structured output must be (compiled by engine/sample/structured.py into an llguidance
     matcher). Hashable: the compiled grammars are cached by it."""
 
     kind: str  # one of STRUCTURED_KINDS

@@ -24,7 +24,7 @@ Why: the Triton paged extend kernel over int8 pages is slower than SDPA, and pre
 compute-bound part of serving. The gathered copy makes any cache dtype a contiguous bf16/fp16 problem, which
 FlashAttention solves at the GPU's speed; attention still reads every key as stored, so a prompt
 gives the same tokens whether its prefix was computed in this step or read from the cache
-(engine/attention.py). vLLM's backends gather and dequantize a cached context into contiguous
+(engine/runner/attention.py). vLLM's backends gather and dequantize a cached context into contiguous
 buffers for the same reason.
 
 Where it applies (`supported`): CUDA, fp16/bf16 queries, head dims that are multiples of 8 up to

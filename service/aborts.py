@@ -2,7 +2,7 @@
 
 A router that holds a stream on one call and decides on another (its own client went away, a
 hedged request won elsewhere) names the request by the id it gave it. Ids are the caller's and not
-unique (engine/client.py), so a request is found by (caller, id): an Abort call ends only the
+unique (engine/client/engine_client.py), so a request is found by (caller, id): an Abort call ends only the
 requests of its own caller, every one of them under that id, and never learns of anyone else's.
 
 The caller is its bearer token when the server requires one (`--auth-token-file`: the same token
@@ -18,7 +18,7 @@ import hashlib
 
 import grpc
 
-from pie.engine.client import EngineClient, RequestStream
+from pie.engine.client.engine_client import EngineClient, RequestStream
 
 
 def caller_of(context: grpc.aio.ServicerContext, auth: bool) -> str:

@@ -36,7 +36,7 @@ from pie.service.server import ConnectionConfig, PieServer, ServerConfig, TlsCon
 from pie.service.validation import Limits
 
 if TYPE_CHECKING:
-    from pie.engine.core import EngineCore
+    from pie.engine.core.engine_core import EngineCore
 
 log = structlog.get_logger(__name__)
 

@@ -15,11 +15,11 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pie.engine.client import EngineClient
-from pie.engine.client_process import LaunchCancelled, ProcessEngineClient
-from pie.engine.client_thread import ThreadEngineClient
+from pie.engine.client.engine_client import EngineClient
+from pie.engine.client.process import LaunchCancelled, ProcessEngineClient
+from pie.engine.client.thread import ThreadEngineClient
 from pie.engine.config import EngineConfig
-from pie.engine.core import EngineCore
+from pie.engine.core.engine_core import EngineCore
 from pie.engine.errors import StartupError, StepTimeoutError
 from pie.model.chat_template import ChatTemplates, NoChatTemplate
 from pie.service.auth import BearerTokenInterceptor
@@ -103,7 +103,7 @@ class ServerConfig:
     tls: TlsConfig | None = None  # None: plaintext (fine on loopback)
     auth_tokens: tuple[str, ...] = ()  # bearer tokens accepted; empty = no token needed
     connection: ConnectionConfig = field(default_factory=ConnectionConfig)
-    # Run the engine in a child process (engine/client_process.py) instead of a thread, so the
+    # Run the engine in a child process (engine/client/process.py) instead of a thread, so the
     # gRPC loop and the engine do not share one GIL (`pie serve` does by default; at 256 streams it
     # serves several times the tokens a thread does, RESULTS.md "Serving"). Off here so that tests start fast.
     engine_process: bool = False

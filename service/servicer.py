@@ -11,11 +11,10 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import structlog
 
-from pie.engine.client import EngineClient, RequestStream
+from pie.engine.client.engine_client import EngineClient, RequestStream
 from pie.engine.config import usable_cores
 from pie.engine.errors import EngineDeadError, PromptError, QueueFullError, RequestAbortedError
-from pie.engine.messages import EngineStats, RequestOutput, SampledToken
-from pie.engine.request import RequestStatus
+from pie.engine.messages import EngineStats, RequestOutput, RequestStatus, SampledToken
 from pie.engine.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputParams
 from pie.engine.validation import prompt_too_long
 from pie.model.chat_template import ChatTemplateError, ChatTemplates, NoChatTemplate

@@ -24,8 +24,6 @@ import structlog
 from pie.engine.config import EngineConfig
 from pie.engine.device import resolve_device
 from pie.engine.errors import StartupError
-from pie.engine.kv_cache import KVCache
-from pie.engine.kv_sizing import budget_blocks
 from pie.engine.model_check import (
     ModelNote,
     check_chat_template,
@@ -35,6 +33,8 @@ from pie.engine.model_check import (
     read_model_config,
     read_tokenizer,
 )
+from pie.engine.runner.kv_cache import KVCache
+from pie.engine.runner.kv_sizing import budget_blocks
 from pie.model.config import ModelConfig
 from pie.model.parallel import check_shardable
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from pie.engine.config import EngineConfig
-from pie.engine.core import EngineCore
+from pie.engine.core.engine_core import EngineCore
 from pie.engine.sampling_params import SamplingParams
 from tests.helpers import make_hf_model_dir
 

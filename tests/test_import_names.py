@@ -49,7 +49,7 @@ import torch
 import transformers  # builds the model below, which imports Hugging Face's `kernels` in 5.25+
 
 from pie.engine.config import EngineConfig
-from pie.engine.core import EngineCore
+from pie.engine.core.engine_core import EngineCore
 from pie.engine.sampling_params import SamplingParams
 from pie.kernels import reference
 from pie.kernels.triton_cache_write import write_kv_cache
@@ -127,9 +127,9 @@ def test_the_wheel_installs_pie_and_pie_client_alone(tmp_path: Path) -> None:
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
                    check=True, capture_output=True, timeout=300)
-    code = ("import pie.service.cli, pie.engine.core, pie.training.cli, pie.kernels.triton_decode, pie_client; "
+    code = ("import pie.service.cli, pie.engine.core.engine_core, pie.training.cli, pie.kernels.triton_decode, pie_client; "
             "from pathlib import Path; from pie.engine.config import DEFAULT_MODEL; "
-            "mods = [pie.service.cli, pie.engine.core, pie.training.cli, pie.kernels.triton_decode, pie_client]; "
+            "mods = [pie.service.cli, pie.engine.core.engine_core, pie.training.cli, pie.kernels.triton_decode, pie_client]; "
             f"assert all(Path(m.__file__).is_relative_to({str(target)!r}) for m in mods), mods; "
             "assert (Path(DEFAULT_MODEL) / 'model.safetensors').is_file(), DEFAULT_MODEL")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONPATH": str(target)}

@@ -35,7 +35,7 @@ FORBIDDEN = {
 
 
 def _package_of(module: str) -> str:
-    """The unit the rules speak of: pie.engine.core -> engine, pie.v1.generate_pb2 -> pie.v1,
+    """The unit the rules speak of: pie.engine.core.engine_core -> engine, pie.v1.generate_pb2 -> pie.v1,
     torch.nn -> torch; a bare engine.core -> "bare engine" (never ours, so never allowed)."""
     parts = module.split(".")
     if parts[0] == "pie" and len(parts) > 1:
@@ -72,7 +72,7 @@ except ImportError:
     pass
 """
     assert imported_packages(source) == {"a", "c", "g", "h", "j"}
-    assert imported_packages("import pie.engine.core\nfrom pie.v1 import x\nimport kernels") == {
+    assert imported_packages("import pie.engine.core.engine_core\nfrom pie.v1 import x\nimport kernels") == {
         "engine", "pie.v1", "bare kernels"}
 
 
@@ -139,7 +139,7 @@ OURS = ("engine", "kernels", "model", "service", "training", "pie_client")
 
 
 def _module_name(path: Path) -> str:
-    """engine/core.py -> pie.engine.core, clients/pie_client/aio.py -> pie_client.aio."""
+    """engine/core/engine_core.py -> pie.engine.core.engine_core, clients/pie_client/aio.py -> pie_client.aio."""
     if path.is_relative_to(ROOT / "clients"):
         parts = list(path.relative_to(ROOT / "clients").with_suffix("").parts)
     else:
@@ -204,7 +204,7 @@ def test_no_import_cycles() -> None:
     """No module of ours reaches itself through imports, counting those in functions and under
     TYPE_CHECKING: each module can be read (and tested) with what it depends on, and no further."""
     graph = import_graph()
-    assert "pie.engine.core" in graph and "pie.engine.scheduler" in graph["pie.engine.core"]
+    assert "pie.engine.core.engine_core" in graph and "pie.engine.scheduling.scheduler" in graph["pie.engine.core.engine_core"]
     cycle = find_cycle(graph)
     assert cycle is None, " -> ".join(cycle)
 
@@ -221,3 +221,29 @@ def test_the_code_keeps_no_lab_notebook() -> None:
     found = {path: lines for path, lines in found.items() if lines}
     assert not found, f"dates or GPU names in the code (move them to benchmarks/RESULTS.md or HISTORY.md): {found}"
     assert LAB_NOTES.search("measured on the H200 (2026-12-02)") and not LAB_NOTES.search("an H-shaped tile 2026")
+
+
+# engine/'s rooms, lowest first: a module may import from its own room and the rooms before it,
+# never from one after it. The top level is the contract every room shares (config, errors,
+# sampling parameters, the messages that cross the process boundary, validation, the device and
+# the model folder's checks).
+ENGINE_ROOMS = ["", "sample", "scheduling", "runner", "spec_decode", "core", "client"]
+
+
+def _engine_room(module: str) -> str | None:
+    """pie.engine.runner.staging -> "runner", pie.engine.config -> "", pie.model.llama -> None."""
+    parts = module.split(".")
+    if parts[:2] != ["pie", "engine"]:
+        return None
+    return parts[2] if len(parts) > 3 else ""
+
+
+def test_engine_rooms_import_downward_only() -> None:
+    graph = import_graph()
+    rooms = {m: r for m in graph if (r := _engine_room(m)) is not None}
+    assert set(rooms.values()) == set(ENGINE_ROOMS), f"engine/ has rooms {sorted(set(rooms.values()))}: order them here"
+    upward = {m: sorted(d for d in graph[m] if d in rooms and ENGINE_ROOMS.index(rooms[d]) > ENGINE_ROOMS.index(r))
+              for m, r in rooms.items()}
+    upward = {m: deps for m, deps in upward.items() if deps}
+    assert not upward, f"imports up engine/'s order {ENGINE_ROOMS}: {upward}"
+

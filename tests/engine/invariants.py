@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import Counter
 
 from pie.engine import block_manager
-from pie.engine.core import EngineCore
+from pie.engine.core.engine_core import EngineCore
 
 
 def assert_engine_invariants(engine: EngineCore) -> None:
@@ -37,7 +37,7 @@ def assert_engine_invariants(engine: EngineCore) -> None:
     for req in running:
         assert len(req.block_ids) >= bm.blocks_needed(req.num_computed_tokens)
         # No block past what its tokens (and the proposals in flight) need: rejected speculative
-        # proposals' blocks went back (engine/speculative.py).
+        # proposals' blocks went back (engine/spec_decode/speculator.py).
         assert len(req.block_ids) <= bm.blocks_needed(req.num_tokens + len(req.spec_token_ids)), \
             f"{req} holds {len(req.block_ids)} blocks for {req.num_tokens} tokens"
         assert req.num_computed_tokens <= req.num_tokens, f"{req}: more K/V computed than tokens"

@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 
-from pie.engine.client_thread import ThreadEngineClient
+from pie.engine.client.thread import ThreadEngineClient
 from pie.engine.config import EngineConfig
-from pie.engine.core import EngineCore
+from pie.engine.core.engine_core import EngineCore
 from pie.engine.errors import QueueFullError
 from pie.engine.sampling_params import SamplingParams, SamplingParamsError
 from tests.helpers import make_hf_model_dir

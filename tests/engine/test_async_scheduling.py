@@ -9,8 +9,8 @@ import random
 import pytest
 
 from pie.engine.config import EngineConfig
-from pie.engine.core import EngineCore
-from pie.engine.request import RequestStatus
+from pie.engine.core.engine_core import EngineCore
+from pie.engine.messages import RequestStatus
 from pie.engine.sampling_params import SamplingParams
 from tests.engine.invariants import assert_engine_invariants
 from tests.helpers import make_hf_model_dir

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from pie.engine.block_manager import BlockManager, FreeBlockQueue
-from pie.engine.request import Request
 from pie.engine.sampling_params import SamplingParams
+from pie.engine.scheduling.block_manager import BlockManager, FreeBlockQueue
+from pie.engine.scheduling.request import Request
 
 
 def req(rid: str, num_prompt: int = 1) -> Request:

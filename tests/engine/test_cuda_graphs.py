@@ -13,21 +13,21 @@ import torch
 import torch.distributed as dist
 
 from pie.engine.config import EngineConfig
-from pie.engine.core import EngineCore
-from pie.engine.cuda_graphs import graph_buckets, mixed_buckets
+from pie.engine.core.engine_core import EngineCore
 from pie.engine.errors import StartupError
-from pie.engine.kv_cache import KVCache
-from pie.engine.kv_sizing import CPU_KV_CACHE_BYTES, num_kv_blocks
-from pie.engine.model_runner import ModelRunner
-from pie.engine.request import Request
+from pie.engine.runner.cuda_graphs import graph_buckets, mixed_buckets
+from pie.engine.runner.kv_cache import KVCache
+from pie.engine.runner.kv_sizing import CPU_KV_CACHE_BYTES, num_kv_blocks
+from pie.engine.runner.model_runner import ModelRunner
+from pie.engine.runner.staging import StepFacts
+from pie.engine.runner.tensor_parallel import OP_FORWARD, Leader, destroy_group, follow
 from pie.engine.sampling_params import SamplingParams
-from pie.engine.scheduler import ScheduledRequest, SchedulerOutput
-from pie.engine.staging import StepFacts
-from pie.engine.tensor_parallel import OP_FORWARD, Leader, destroy_group, follow
+from pie.engine.scheduling.request import Request
+from pie.engine.scheduling.scheduler import ScheduledRequest, SchedulerOutput
 from pie.model.parallel import TensorParallel
 from tests.helpers import make_hf_model_dir
 
-# A forward header's numbers (engine/tensor_parallel.py): the step's facts, then the rows, the
+# A forward header's numbers (engine/runner/tensor_parallel.py): the step's facts, then the rows, the
 # table width and the graph bucket.
 GRAPH_BATCH = len(dataclasses.fields(StepFacts)) + 2
 
@@ -207,7 +207,7 @@ def test_graphs_and_eager_generate_alike(rng, tmp_path):
 
 class _RecordingLink:
     """Rank 0's broadcasts kept in order, then handed out to a follower as if it were a worker
-    (engine/tensor_parallel.py's _Link, without the process group)."""
+    (engine/runner/tensor_parallel.py's _Link, without the process group)."""
 
     def __init__(self) -> None:
         self.headers: list[list[int]] = []

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from pie.engine.detokenizer import IncrementalDetokenizer
+from pie.engine.scheduling.detokenizer import IncrementalDetokenizer
 
 WORDS = ("the cat sat on a mat while café naïve 日本語 東京 🙂🚀 déjà vu über straße "
          "hello world , . ! ? 42 emoji 🎉 test ünïcödé ελληνικά русский текст").split()

@@ -1,4 +1,4 @@
-"""Speculative decoding with a draft model (engine/draft.py) on the CPU engine: greedy output is
+"""Speculative decoding with a draft model (engine/spec_decode/draft.py) on the CPU engine: greedy output is
 plain decoding's token for token whatever the draft, a draft equal to the model is accepted almost
 always, seeded sampled runs repeat, the draft's cache follows preemption and rollback, and a draft
 that cannot serve is refused at start with the reason."""
@@ -11,7 +11,7 @@ import random
 import pytest
 
 from pie.engine.config import EngineConfig
-from pie.engine.core import EngineCore
+from pie.engine.core.engine_core import EngineCore
 from pie.engine.errors import StartupError
 from pie.engine.sampling_params import SamplingParams
 from tests.engine.test_speculative import _assert_equal_runs, _engine, _prompts, _run

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pie.engine.config import EngineConfig
-from pie.engine.core import EngineCore
+from pie.engine.core.engine_core import EngineCore
 from pie.engine.sampling_params import SamplingParams
 from pie.model.config import ModelConfig
 from tests.helpers import ARCHS, make_hf_model_dir

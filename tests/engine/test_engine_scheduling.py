@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pie.engine.config import EngineConfig
-from pie.engine.core import EngineCore
+from pie.engine.core.engine_core import EngineCore
 from pie.engine.sampling_params import SamplingParams
 from tests.helpers import make_hf_model_dir
 

@@ -4,9 +4,8 @@ min_tokens holding back EOS and stop token ids that logit_bias makes all but cer
 from __future__ import annotations
 
 from pie.engine.config import EngineConfig
-from pie.engine.core import EngineCore
-from pie.engine.messages import SampledToken
-from pie.engine.request import RequestStatus
+from pie.engine.core.engine_core import EngineCore
+from pie.engine.messages import RequestStatus, SampledToken
 from pie.engine.sampling_params import SamplingParams
 from tests.helpers import EOS_ID, make_hf_model_dir
 

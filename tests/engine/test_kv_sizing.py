@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from pie.engine.config import EngineConfig
-from pie.engine.core import EngineCore
+from pie.engine.core.engine_core import EngineCore
 from pie.engine.errors import StartupError
-from pie.engine.kv_sizing import CPU_KV_CACHE_BYTES, num_kv_blocks, usable_blocks
+from pie.engine.runner.kv_sizing import CPU_KV_CACHE_BYTES, num_kv_blocks, usable_blocks
 from tests.helpers import make_hf_model_dir
 
 CPU = torch.device("cpu")

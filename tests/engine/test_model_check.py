@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from pie.engine.config import EngineConfig
-from pie.engine.core import EngineCore
+from pie.engine.core.engine_core import EngineCore
 from pie.engine.errors import StartupError
 from pie.engine.model_check import (
     FOLDER_HINT,

@@ -3,12 +3,12 @@ token-equality check, sharing, and preemption fairness (CPU, no model)."""
 
 from __future__ import annotations
 
-import pie.engine.block_manager as block_manager_module
-from pie.engine.block_manager import BlockManager
-from pie.engine.messages import SampledToken
-from pie.engine.request import Request, RequestStatus
+import pie.engine.scheduling.block_manager as block_manager_module
+from pie.engine.messages import RequestStatus, SampledToken
 from pie.engine.sampling_params import SamplingParams
-from pie.engine.scheduler import Scheduler, SchedulerOutput
+from pie.engine.scheduling.block_manager import BlockManager
+from pie.engine.scheduling.request import Request
+from pie.engine.scheduling.scheduler import Scheduler, SchedulerOutput
 
 TOKEN = 7
 

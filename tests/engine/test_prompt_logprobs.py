@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pie.engine.block_manager import BlockManager
 from pie.engine.config import EngineConfig
-from pie.engine.core import EngineCore
+from pie.engine.core.engine_core import EngineCore
 from pie.engine.messages import RequestOutput, SampledToken
-from pie.engine.request import Request
 from pie.engine.sampling_params import SamplingParams
-from pie.engine.scheduler import Scheduler
+from pie.engine.scheduling.block_manager import BlockManager
+from pie.engine.scheduling.request import Request
+from pie.engine.scheduling.scheduler import Scheduler
 from tests.helpers import make_hf_model_dir
 
 TOLERANCE = 1e-3  # against transformers' log_softmax in fp32 (measured ~1e-6 on the CPU)

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from pie.engine.sampler import (
+from pie.engine.sample.sampler import (
     SamplingTensors,
     _apply_top_k_top_p,
     apply_logit_adds,

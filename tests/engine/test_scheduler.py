@@ -9,11 +9,11 @@ import random
 
 import pytest
 
-from pie.engine.block_manager import BlockManager
-from pie.engine.messages import SampledToken
-from pie.engine.request import Request, RequestStatus
+from pie.engine.messages import RequestStatus, SampledToken
 from pie.engine.sampling_params import SamplingParams
-from pie.engine.scheduler import Scheduler, SchedulerOutput
+from pie.engine.scheduling.block_manager import BlockManager
+from pie.engine.scheduling.request import Request
+from pie.engine.scheduling.scheduler import Scheduler, SchedulerOutput
 
 TOKEN = 7
 
@@ -329,7 +329,7 @@ def test_the_least_urgent_is_preempted_first() -> None:
 
 # ---- bounded stalls ----------------------------------------------------------------------------------
 def test_stall_bound_learns_from_step_times() -> None:
-    from pie.engine.stall import StallBound
+    from pie.engine.scheduling.stall import StallBound
 
     bound = StallBound(2.0, min_tokens=16)
     assert bound.prompt_tokens(8) is None  # nothing measured yet
@@ -355,7 +355,7 @@ def test_stall_bound_learns_from_step_times() -> None:
 def test_stall_bound_shrugs_off_one_stalled_step() -> None:
     """One step stalled by something else (a kernel compiled on first use, the host) moves the
     bound by little; a lasting change of cost still comes through within a few steps."""
-    from pie.engine.stall import StallBound
+    from pie.engine.scheduling.stall import StallBound
 
     bound = StallBound(2.0, min_tokens=16)
     for _ in range(20):
@@ -386,7 +386,7 @@ def test_stall_bound_fits_a_fixed_cost_and_does_not_starve_prompts() -> None:
     floor (the per-token-only model collapsed there: prefill starved)."""
     import random
 
-    from pie.engine.stall import StallBound
+    from pie.engine.scheduling.stall import StallBound
 
     rng = random.Random(0)
     decode, fixed, per_token = 0.010, 0.003, 20e-6
@@ -417,7 +417,7 @@ def test_stall_bound_uses_its_prior_until_a_decode_step_is_measured() -> None:
     """A burst: every step carries prompt tokens until the queue is prefilled, so no decode-only
     step is ever timed. The decode graphs' timings (the prior, by bucket) stand in for t_decode, as
     the base prompt steps are measured over and in the bound, until a decode-only step is seen."""
-    from pie.engine.stall import StallBound
+    from pie.engine.scheduling.stall import StallBound
 
     bound = StallBound(2.0, min_tokens=16)
     bound.prior = {8: 0.004, 16: 0.005, 32: 0.006}
@@ -442,7 +442,7 @@ def test_stall_bound_models_a_decode_step_by_its_context() -> None:
     per token of context, both timed at start: a full batch at long contexts is allowed the prompt
     tokens its real decode step covers, and measured decode-only steps correct the model by a
     ratio that carries over to other batch sizes and contexts."""
-    from pie.engine.stall import StallBound
+    from pie.engine.scheduling.stall import StallBound
 
     bound = StallBound(2.0, min_tokens=16)
     bound.prior = {16: 0.0047, 256: 0.0075}
@@ -466,7 +466,7 @@ def test_stall_bound_holds_through_a_burst() -> None:
     (fitted to exponentially weighted moments it let 2,800-token chunks through after the stall)."""
     import random
 
-    from pie.engine.stall import StallBound
+    from pie.engine.scheduling.stall import StallBound
 
     rng = random.Random(1)
     bound = StallBound(2.0, min_tokens=16)

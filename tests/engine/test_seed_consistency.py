@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from pie.engine.config import KV_CACHE_DTYPES, EngineConfig
-from pie.engine.core import EngineCore
-from pie.engine.sampler import hash_uniform
+from pie.engine.core.engine_core import EngineCore
+from pie.engine.sample.sampler import hash_uniform
 from pie.engine.sampling_params import SamplingParams
 from tests.helpers import make_hf_model_dir
 

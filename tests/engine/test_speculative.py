@@ -1,4 +1,4 @@
-"""Speculative decoding end to end on the CPU engine (engine/speculative.py), against plain
+"""Speculative decoding end to end on the CPU engine (engine/spec_decode/speculator.py), against plain
 decoding of the same engine: the same tokens, texts, logprobs and finish reasons with every
 feature a request can ask for, every KV block back at the end, and the engine's bookkeeping
 (tests/engine/invariants.py: no block past a request's tokens, hashes of its real ids only)
@@ -25,8 +25,8 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from pie.engine.config import EngineConfig
-from pie.engine.core import EngineCore
-from pie.engine.request import RequestStatus
+from pie.engine.core.engine_core import EngineCore
+from pie.engine.messages import RequestStatus
 from pie.engine.sampling_params import SamplingParams, StructuredOutputParams
 from tests.engine.invariants import assert_engine_invariants
 from tests.engine.test_seed_consistency import Run, assert_same

@@ -1,4 +1,4 @@
-"""Structured output in the engine (engine/structured.py): every finished sample parses, fullmatches
+"""Structured output in the engine (engine/sample/structured.py): every finished sample parses, fullmatches
 its regex or equals a choice; the masks hold with n > 1, stop strings, logprobs, penalties, async
 scheduling and preemption; only max_tokens cuts an output short; constraints that do not compile
 are refused naming the field; a request waits for its constraint to compile without holding up
@@ -16,10 +16,10 @@ import jsonschema
 import pytest
 
 from pie.engine.config import EngineConfig
-from pie.engine.core import EngineCore
-from pie.engine.request import RequestStatus
+from pie.engine.core.engine_core import EngineCore
+from pie.engine.messages import RequestStatus
+from pie.engine.sample.structured import GrammarCompiler, GrammarState, StructuredOutputError
 from pie.engine.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputParams
-from pie.engine.structured import GrammarCompiler, GrammarState, StructuredOutputError
 from tests.chat_templates import STYLES, make_chat_model_dir
 from tests.engine.invariants import assert_engine_invariants
 
@@ -432,7 +432,7 @@ def test_compiler_over_a_larger_vocabulary_than_the_tokenizer(model_dir):
     class Row:
         grammar = state
 
-    from pie.engine.structured import StructuredOutputs
+    from pie.engine.sample.structured import StructuredOutputs
 
     masks = StructuredOutputs(compiler, max_num_seqs=2, pin_memory=False).fill([Row()])  # type: ignore[list-item]
     assert masks is not None and masks.bitmask.shape == (1, -(-600 // 32))

@@ -1,4 +1,4 @@
-"""Tensor parallelism on the CPU with gloo (engine/tensor_parallel.py): N processes give the same
+"""Tensor parallelism on the CPU with gloo (engine/runner/tensor_parallel.py): N processes give the same
 greedy tokens as one, for the four families with grouped-query attention (KV heads fewer than
 ranks included), with preemption and prefix caching, through the gRPC service; a worker that dies
 or hangs ends the server's engine with a clear error; a size that does not divide the heads is
@@ -13,7 +13,7 @@ import time
 import pytest
 
 from pie.engine.config import EngineConfig
-from pie.engine.core import EngineCore
+from pie.engine.core.engine_core import EngineCore
 from pie.engine.sampling_params import SamplingParams
 from pie.service.server import BackgroundServer, ServerConfig
 from pie_client import Client, Unavailable
@@ -42,7 +42,7 @@ def _prompts(rng, n: int, vocab: int = 512) -> list[list[int]]:
 
 def _workers(parent: int | None = None) -> list[int]:
     """Pids of the tensor-parallel workers of `parent` (this process by default)."""
-    return engine_children(os.getpid() if parent is None else parent, marker="pie.engine.tensor_parallel")
+    return engine_children(os.getpid() if parent is None else parent, marker="pie.engine.runner.tensor_parallel")
 
 
 CASES = [("llama", {}, 2), ("mistral", {}, 2), ("qwen2", {}, 2), ("qwen3", {}, 2),
@@ -203,7 +203,7 @@ def test_a_size_that_does_not_divide_the_heads_is_refused_before_any_process(tmp
 def test_more_ranks_than_visible_gpus_is_refused() -> None:
     import torch
 
-    from pie.engine.tensor_parallel import check_devices
+    from pie.engine.runner.tensor_parallel import check_devices
 
     check_devices(torch.device("cpu"), 4, 0)  # gloo ranks share the CPU
     check_devices(torch.device("cuda"), 2, 2)

@@ -1,4 +1,4 @@
-"""Speculative decoding's verification (engine/speculative.py) on the device functions alone: the
+"""Speculative decoding's verification (engine/spec_decode/speculator.py) on the device functions alone: the
 n-gram proposer's index, and the rule that keeps the output distribution, tested statistically.
 
 The statistical tests simulate a model whose next-token distribution depends on the previous
@@ -20,9 +20,10 @@ import random
 import pytest
 import torch
 
-from pie.engine.sampler import SamplingTensors, sample
+from pie.engine.sample.rejection import DraftProbs, draft_distribution, draft_draw, verify
+from pie.engine.sample.sampler import SamplingTensors, sample
 from pie.engine.sampling_params import SamplingParams
-from pie.engine.speculative import DraftProbs, NgramIndex, draft_distribution, draft_draw, verify
+from pie.engine.spec_decode.speculator import NgramIndex
 
 ALPHA = 1e-4
 V = 6

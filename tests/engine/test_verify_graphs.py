@@ -1,4 +1,4 @@
-"""CUDA graphs for speculative decoding's verify steps (engine/cuda_graphs.py; the strided layout
+"""CUDA graphs for speculative decoding's verify steps (engine/runner/cuda_graphs.py; the strided layout
 of `StepStager.stage_verify`).
 
 On the CPU: the strided layout against the packed layout of the eager step (ids, positions, slots,
@@ -20,13 +20,13 @@ import pytest
 import torch
 
 from pie.engine.config import EngineConfig
-from pie.engine.core import EngineCore
-from pie.engine.cuda_graphs import CudaGraphs, Graph, graph_buckets, graph_inputs
-from pie.engine.kv_cache import KVCache
-from pie.engine.model_runner import ModelRunner, StepLogits
-from pie.engine.request import Request
+from pie.engine.core.engine_core import EngineCore
+from pie.engine.runner.cuda_graphs import CudaGraphs, Graph, graph_buckets, graph_inputs
+from pie.engine.runner.kv_cache import KVCache
+from pie.engine.runner.model_runner import ModelRunner, StepLogits
 from pie.engine.sampling_params import SamplingParams
-from pie.engine.scheduler import ScheduledRequest, SchedulerOutput
+from pie.engine.scheduling.request import Request
+from pie.engine.scheduling.scheduler import ScheduledRequest, SchedulerOutput
 from tests.engine.test_seed_consistency import Run
 from tests.engine.test_speculative import _prompts
 from tests.helpers import make_hf_model_dir

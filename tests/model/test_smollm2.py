@@ -10,7 +10,7 @@ import pytest
 
 from benchmarks.smollm2 import build
 from pie.engine.config import EngineConfig
-from pie.engine.core import EngineCore
+from pie.engine.core.engine_core import EngineCore
 from pie.engine.sampling_params import SamplingParams
 from tests.fidelity import _chunks, consistency, docs_text, measure, text_fidelity, text_prompts
 

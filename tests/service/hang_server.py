@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 import threading
 
-from pie.engine.model_runner import ModelRunner
+from pie.engine.runner.model_runner import ModelRunner
 from pie.service.cli import main
 
 

@@ -127,6 +127,7 @@ def test_messages_cross_the_pipe_unchanged():
         AddRequest,
         EngineStats,
         RequestOutput,
+        RequestStatus,
         SampledToken,
         StepResult,
         StopCore,
@@ -134,7 +135,6 @@ def test_messages_cross_the_pipe_unchanged():
         decode_result,
         encode,
     )
-    from pie.engine.request import RequestStatus
     from pie.engine.sampling_params import SamplingParams
 
     outs = [

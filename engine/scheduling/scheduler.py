@@ -13,7 +13,7 @@ The scheduler opens each step and closes it (as vLLM v1's `Scheduler.update_from
     outputs = scheduler.update_from_output(out.sampling_requests, sampled)
                                                      # tokens appended, stops, blocks freed
 
-With async scheduling (engine/core.py) step N is launched before step N-1's tokens are read back:
+With async scheduling (engine/core/engine_core.py) step N is launched before step N-1's tokens are read back:
 `update_from_output` of N-1 comes first (so N-1's ids are known when N's full blocks are hashed),
 then `step_launched(N)`, which gives each sampling row of N a placeholder token until it is read.
 
@@ -28,7 +28,7 @@ positions have no logits) until it has them all; its chunks are listed in
 until sample 0 has computed the prompt; then they hit the cache for every full prompt block and
 compute only the rest (at least one token, for the logits). Without prefix caching they prefill
 independently. A request with structured output is skipped the same way until its constraint is
-compiled (engine/structured.py: compiling runs on a thread of its own, not in the step).
+compiled (engine/sample/structured.py: compiling runs on a thread of its own, not in the step).
 
 Priority: every request has one (lower first, 0 by default, as vLLM's). The waiting queue is kept
 in (priority, arrival) order, so admission takes the most urgent first and requests of one
@@ -64,17 +64,17 @@ from typing import Protocol
 
 import structlog
 
-from pie.engine.block_manager import BlockManager
-from pie.engine.messages import RequestOutput, SampledToken
-from pie.engine.request import Request, RequestStatus, SampleGroup
-from pie.engine.stall import StallBound
-from pie.engine.structured import StructuredOutputs
+from pie.engine.messages import RequestOutput, RequestStatus, SampledToken
+from pie.engine.sample.structured import StructuredOutputs
+from pie.engine.scheduling.block_manager import BlockManager
+from pie.engine.scheduling.request import Request, SampleGroup
+from pie.engine.scheduling.stall import StallBound
 
 log = structlog.get_logger(__name__)
 
 
 class Speculation(Protocol):
-    """What the scheduler asks of speculative decoding (engine.speculative.Speculator, which
+    """What the scheduler asks of speculative decoding (engine.spec_decode.speculator.Speculator, which
     imports this module: hence a protocol here, not an import)."""
 
     def active(self, num_decodes: int) -> bool: ...  # speculate in a step with this many decodes?
@@ -91,7 +91,7 @@ class ScheduledRequest:
     start: int  # their first position: num_computed_tokens before the step
     sample: bool  # start + num_new_tokens - num_spec == num_tokens: this step produces the next token
     # Of num_new_tokens, the proposed ones after the newest token (Request.spec_token_ids, verified
-    # this step; engine/speculative.py); 0 without speculative decoding.
+    # this step; engine/spec_decode/speculator.py); 0 without speculative decoding.
     num_spec: int = 0
 
 
@@ -381,7 +381,7 @@ class Scheduler:
         step computed (SchedulerOutput.prompt_logprobs), collected first, so that a request whose
         last prompt chunk samples its first token hands them all over with that token.
 
-        speculated: in a step that verified proposals (engine/speculative.py), each row's tokens:
+        speculated: in a step that verified proposals (engine/spec_decode/speculator.py), each row's tokens:
         its accepted proposals and the token after them (`sampled` is then not read)."""
         for request, first, entries in prompt_logprobs:
             collected = request.prompt_logprobs

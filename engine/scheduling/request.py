@@ -7,38 +7,22 @@ rule. The request samples a new token only in the step that brings it to `num_to
 
 Everything the engine keeps about one request lives on it: its seed, its detokenizer, its block
 table and the chain hashes of its full blocks, the group of samples it belongs to (n > 1), and its
-structured output's matcher (engine/structured.py). No
+structured output's matcher (engine/sample/structured.py). No
 component keeps a map keyed by request id beside it (each such map was one more place to clean up
 on finish, abort and preemption); the scheduler's table of groups is the one lookup by id.
 """
 
 from __future__ import annotations
 
-import enum
 import time
 from typing import TYPE_CHECKING, Any
 
+from pie.engine.messages import RequestStatus
 from pie.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from pie.engine.detokenizer import IncrementalDetokenizer
-    from pie.engine.structured import GrammarState
-
-
-class RequestStatus(enum.IntEnum):
-    """Ordered so that `status >= FINISHED_STOPPED` means finished."""
-
-    WAITING = 0  # never scheduled yet
-    RUNNING = 1  # holds KV blocks, scheduled each step
-    PREEMPTED = 2  # blocks taken back; waits to be recomputed from scratch
-    FINISHED_STOPPED = 3  # EOS, stop token id or stop string
-    FINISHED_LENGTH = 4  # max_tokens reached or the context is full
-    FINISHED_ABORTED = 5  # cancelled by the caller (RPC cancelled, deadline, shutdown)
-    FINISHED_ERROR = 6  # an engine fault failed this request
-
-    @property
-    def finished(self) -> bool:
-        return self >= RequestStatus.FINISHED_STOPPED
+    from pie.engine.sample.structured import GrammarState
+    from pie.engine.scheduling.detokenizer import IncrementalDetokenizer
 
 
 class SampleGroup:
@@ -110,7 +94,7 @@ class Request:
         self.wait_for = wait_for
         self.num_cached_tokens = 0  # prompt tokens taken from the prefix cache on first admission
         self.priority = priority  # lower is scheduled first (admission, and the last to be preempted)
-        self.seed = seed  # of this sample's random stream (engine.sampler: the same tokens in any batch)
+        self.seed = seed  # of this sample's random stream (engine.sample.sampler: the same tokens in any batch)
         self.detokenizer = detokenizer  # its text deltas and stop strings (None: ids only, in tests)
         # Block table: logical block i -> physical block id, owned by the block manager (which
         # appends on allocation and empties it on free); the runner stages it as it is.
@@ -126,12 +110,12 @@ class Request:
         # Structured output: this sample's matcher (None: free text). Not admitted before its
         # constraint is compiled; it advances with every token appended (Scheduler.update_from_output).
         self.grammar = grammar
-        # Speculative decoding (engine/speculative.py): the ids proposed after the newest token in
+        # Speculative decoding (engine/spec_decode/speculator.py): the ids proposed after the newest token in
         # the step in flight (empty otherwise; they are not outputs until verified), the n-gram
         # proposer's index of this request's tokens, and how many of its tokens the draft model's
         # cache holds (0 after a preemption).
         self.spec_token_ids: list[int] = []
-        self.ngram: Any = None  # engine.speculative.NgramIndex, made on the first lookup
+        self.ngram: Any = None  # engine.spec_decode.speculator.NgramIndex, made on the first lookup
         self.draft_computed = 0
         self.num_drafts = 0  # verify steps of this request that carried proposals
         self.num_draft_tokens = 0  # proposals verified

@@ -4,7 +4,7 @@ Two implementations stand behind it: the core on a thread of the server process
 (`client_thread.ThreadEngineClient`) and the core in a process of its own
 (`client_process.ProcessEngineClient`). Both share `EngineClientBase`, the asyncio side:
 
-    service (asyncio loop)                        core loop (engine/loop.py)
+    service (asyncio loop)                        core loop (engine/core/loop.py)
       submit(prompt, sampling, caller_id=...)
         validates it (the one place requests are checked), mints the engine's own id ("r17")
                                        ------>   AddRequest("r17", prompt, sampling)
@@ -26,46 +26,30 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 import structlog
 
-from pie.engine.config import EngineConfig
 from pie.engine.errors import EngineDeadError, QueueFullError, RequestAbortedError
-from pie.engine.messages import AbortRequest, AddRequest, Command, EngineStats, RequestOutput, StepResult
-from pie.engine.request import RequestStatus
+from pie.engine.messages import (
+    AbortRequest,
+    AddRequest,
+    Command,
+    EngineInfo,
+    EngineStats,
+    RequestOutput,
+    RequestStatus,
+    StepResult,
+)
+from pie.engine.sample.structured import GrammarCompiler, StructuredOutputError
 from pie.engine.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputParams
-from pie.engine.structured import GrammarCompiler, StructuredOutputError
 from pie.engine.validation import check_request
 
 if TYPE_CHECKING:
-    from pie.engine.core import EngineCore
-    from pie.model.config import ModelConfig
     from pie.model.tokenizer import Tokenizer
 
 log = structlog.get_logger(__name__)
-
-
-@dataclass(slots=True, frozen=True)
-class EngineInfo:
-    """What the service reads about a loaded engine; fixed once it is built."""
-
-    config: EngineConfig
-    model_config: ModelConfig
-    max_model_len: int  # context served (the model's, or less when configured)
-    vocab_size: int
-    eos_token_ids: tuple[int, ...]
-    device: str  # e.g. "cpu", "cuda:0"
-    dtype_name: str  # weights/activations: "fp32", "bf16", "fp16"
-    num_kv_blocks: int  # size of the KV pool
-
-    @classmethod
-    def of(cls, engine: EngineCore) -> EngineInfo:
-        return cls(config=engine.config, model_config=engine.model_config, max_model_len=engine.max_model_len,
-                   vocab_size=engine.vocab_size, eos_token_ids=engine.eos_token_ids, device=str(engine.device),
-                   dtype_name=engine.dtype_name, num_kv_blocks=engine.block_manager.num_total_blocks)
 
 
 class RequestStream:

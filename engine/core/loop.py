@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import structlog
 
-from pie.engine.core import EngineCore
+from pie.engine.core.engine_core import EngineCore
 from pie.engine.errors import StepTimeoutError
 from pie.engine.messages import AbortRequest, AddRequest, Command, StepResult
 
@@ -134,7 +134,7 @@ def step_watchdog(clock: StepClock, timeout_s: float, on_hang: Callable[[StepTim
 def apply_commands(engine: EngineCore, commands: list[Command]) -> int:
     """Applies AddRequest / AbortRequest in order; returns the samples the adds brought in. The
     requests were validated by the client that sent them (the one place requests are checked,
-    engine/client.py): an add that fails here is a bug, and ends the loop."""
+    engine/client/engine_client.py): an add that fails here is a bug, and ends the loop."""
     taken = 0
     for cmd in commands:
         if isinstance(cmd, AddRequest):

@@ -16,10 +16,10 @@ from collections.abc import Callable
 
 import structlog
 
-from pie.engine.client import EngineClientBase, EngineInfo
+from pie.engine.client.engine_client import EngineClientBase
 from pie.engine.config import EngineConfig
-from pie.engine.core import EngineCore
-from pie.engine.loop import Inbox, StepClock, Watchdog, run_core_loop, step_watchdog
+from pie.engine.core.engine_core import EngineCore
+from pie.engine.core.loop import Inbox, StepClock, Watchdog, run_core_loop, step_watchdog
 from pie.engine.messages import Command, StepResult
 
 log = structlog.get_logger(__name__)
@@ -63,7 +63,7 @@ class ThreadEngineClient(EngineClientBase):
 
     def _adopt(self, engine: EngineCore) -> None:
         self.core = engine
-        self._info = EngineInfo.of(engine)
+        self._info = engine.info()
         self._tokenizer = engine.tokenizer
         self._grammars = engine.structured.compiler  # one cache: what the service checked, the engine reuses
         self._stats = engine.stats()

@@ -3,7 +3,7 @@ verify steps, captured at start.
 
 Decode graphs are captured for bucketed batch sizes (1, 2, 4, 8, then multiples of 16 up to
 max_num_seqs); each reads its inputs from the staging buffers' device copies at the offsets of
-its bucket's layout (engine/staging.py). A batch of B rows replays the smallest bucket >= B; its
+its bucket's layout (engine/runner/staging.py). A batch of B rows replays the smallest bucket >= B; its
 padding rows write no slot and attend to nothing.
 
 Verify graphs (only with speculative decoding on) are captured for buckets of B rows up to
@@ -34,7 +34,7 @@ four kernels a layer to launch.
 
 Other steps (longer ones, whose GPU time hides their launches; prompt logprobs; batches beyond the
 largest bucket) run eagerly. Under tensor parallelism every rank captures the same decode buckets,
-the collectives inside, and the workers replay theirs when rank 0 does (engine/tensor_parallel.py);
+the collectives inside, and the workers replay theirs when rank 0 does (engine/runner/tensor_parallel.py);
 steps with prompt tokens run eagerly there, and speculative decoding does not run under tensor
 parallelism, so no verify graph is captured there either.
 """
@@ -49,9 +49,9 @@ import numpy as np
 import structlog
 import torch
 
-from pie.engine.attention import AttentionMetadata, PagedAttention
-from pie.engine.scheduler import SchedulerOutput
-from pie.engine.staging import Packed, StepStager
+from pie.engine.runner.attention import AttentionMetadata, PagedAttention
+from pie.engine.runner.staging import Packed, StepStager
+from pie.engine.scheduling.scheduler import SchedulerOutput
 from pie.model.llama import LlamaForCausalLM
 
 if TYPE_CHECKING:
@@ -74,7 +74,7 @@ def graph_inputs(stager: StepStager, rows: int, width: int,
                  max_model_len: int) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
     """What the graph of `rows` rows of `width` tokens each (1: decode) reads: the attention
     metadata, input ids and positions as views of the staging buffers' device copies, at the
-    offsets of its layout (engine/staging.py), with the block tables' whole-width rows."""
+    offsets of its layout (engine/runner/staging.py), with the block tables' whole-width rows."""
     assert stager.dev_tables is not None, "graphs read the staging buffers' device copies"
     layout = Packed(n_tok=rows * width, rows=rows)
     dev = stager.dev_ints[:layout.end]

@@ -18,7 +18,7 @@ Only steps that hold such a chunk do any of this (a host check of one list); the
 positions are made in slices of at most `LOGITS_ELEMENTS` values, so a 2,048-token chunk over a
 150k vocabulary never holds more than one slice's (rows, V) at once. Values are log_softmax of the
 raw fp32 logits, whatever the server's logprobs mode. Under tensor parallelism the LM head is a
-collective, so the workers run the same slices on the same rows (engine/tensor_parallel.py).
+collective, so the workers run the same slices on the same rows (engine/runner/tensor_parallel.py).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ import numpy as np
 import torch
 
 from pie.engine.messages import SampledToken
-from pie.engine.request import Request
-from pie.engine.scheduler import SchedulerOutput
+from pie.engine.scheduling.request import Request
+from pie.engine.scheduling.scheduler import SchedulerOutput
 
 # Logit values (rows x vocabulary) made at once: 64 MiB of fp32.
 LOGITS_ELEMENTS = 1 << 24

@@ -17,7 +17,7 @@ attend through the decode kernel, the rest through the extend kernel. The key st
 rest are where each one's keys begin once gathered from the pages (kernels/flash_prefill.py):
 summed here on the host, once per step, instead of on the device in every layer.
 
-For a decode step replayed from a CUDA graph (engine/cuda_graphs.py) the sections are laid out
+For a decode step replayed from a CUDA graph (engine/runner/cuda_graphs.py) the sections are laid out
 for its bucket's size: rows past the batch are padding, with slot -1 (the cache write skips them)
 and length 0 (attention reads nothing).
 
@@ -48,9 +48,9 @@ from itertools import chain
 import numpy as np
 import torch
 
-from pie.engine.attention import AttentionMetadata
-from pie.engine.request import Request
-from pie.engine.scheduler import SchedulerOutput
+from pie.engine.runner.attention import AttentionMetadata
+from pie.engine.scheduling.request import Request
+from pie.engine.scheduling.scheduler import SchedulerOutput
 
 
 @dataclass(slots=True)
@@ -117,7 +117,7 @@ class DecodeStaging:
 @dataclass(slots=True)
 class StepFacts:
     """The numbers that, with the packed ints and the block tables, make a step's inputs: what
-    tensor-parallel workers receive to run the same forward pass (engine/tensor_parallel.py)."""
+    tensor-parallel workers receive to run the same forward pass (engine/runner/tensor_parallel.py)."""
 
     n_tok: int  # the layout's token count (T, or the graph bucket)
     rows: int  # the layout's sequence rows
@@ -170,7 +170,7 @@ class StepStager:
         # + the query and key starts of a step's prefill part (2 (B + 1)) + (dst, src) of up to B
         # placeholder ids
         ints = 3 * max_tokens + 6 * max_num_seqs + 3
-        # A verify graph's strided layout of up to `verify_tokens` tokens (engine/cuda_graphs.py):
+        # A verify graph's strided layout of up to `verify_tokens` tokens (engine/runner/cuda_graphs.py):
         # its sections and the logits rows it keeps (at most one per token).
         ints = max(ints, 4 * verify_tokens + 2 * max_num_seqs + 1)
         on_cuda = device.type == "cuda"
@@ -195,7 +195,7 @@ class StepStager:
         T = B = graph_batch and rows B.. are padding. `last`: the previous step's sample, whose ids
         on the device are the inputs of tokens sampled but not read back yet (async scheduling).
         `proposals`: rows may run past their known tokens into their speculative proposals
-        (Request.input_slice; engine/speculative.py)."""
+        (Request.input_slice; engine/spec_decode/speculator.py)."""
         scheduled = out.scheduled
         b = len(scheduled)
         reqs = [s.request for s in scheduled]
@@ -309,7 +309,7 @@ class StepStager:
         [i width, i width + 1 + k_i), the rest padding; starts their copy to the device. Every
         row must be a decode (it samples; 1 + num_spec tokens, at most `width`) whose newest id is
         on the host: a verify step is read back before the next one is scheduled
-        (engine/speculative.py), so no row takes its input from the last step's ids. Returns the
+        (engine/spec_decode/speculator.py), so no row takes its input from the last step's ids. Returns the
         inputs with `logits_index`, the rows of the graph's logits that the eager step's logits
         would be, in its order."""
         scheduled = out.scheduled

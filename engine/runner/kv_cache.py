@@ -1,4 +1,4 @@
-"""The paged KV pool (engine/attention.py reads and writes it).
+"""The paged KV pool (engine/runner/attention.py reads and writes it).
 
 Layout (one tensor for all layers, so capacity is one number):
     k, v:             (num_layers, num_blocks, block_size, num_kv_heads, head_dim)  int8 | bf16 | fp16 | fp32

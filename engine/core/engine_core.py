@@ -1,8 +1,8 @@
 """EngineCore: loads the model, sizes the KV pool, and advances every request by one step.
 
-Synchronous and single-threaded on purpose; `engine.loop.run_core_loop` steps it on a thread of
+Synchronous and single-threaded on purpose; `engine.core.loop.run_core_loop` steps it on a thread of
 the server (`client_thread`) or in a process of its own (`core_process`), behind the EngineClient
-the service holds (`engine.client`). One `step()` = schedule -> execute (one forward pass, one
+the service holds (`engine.client.engine_client`). One `step()` = schedule -> execute (one forward pass, one
 batched sample) -> update (the scheduler appends the tokens, detokenizes, checks stops, frees).
 """
 
@@ -16,23 +16,23 @@ import time
 import structlog
 import torch
 
-from pie.engine.block_manager import BlockManager
 from pie.engine.config import EngineConfig, usable_cores
-from pie.engine.detokenizer import IncrementalDetokenizer
 from pie.engine.device import TORCH_DTYPES, auto_dtype, resolve_device
-from pie.engine.draft import DraftModel, DraftProposer, load_draft
 from pie.engine.errors import EngineDeadError
-from pie.engine.kv_cache import KVCache
-from pie.engine.kv_sizing import num_kv_blocks
-from pie.engine.messages import EngineStats, RequestOutput, StepTimes
+from pie.engine.messages import EngineInfo, EngineStats, RequestOutput, RequestStatus, StepTimes
 from pie.engine.model_check import check_vocab, read_model_config, read_tokenizer
-from pie.engine.model_runner import ModelRunner, PendingSample
-from pie.engine.request import Request, RequestStatus, SampleGroup
+from pie.engine.runner.kv_cache import KVCache
+from pie.engine.runner.kv_sizing import num_kv_blocks
+from pie.engine.runner.model_runner import ModelRunner, PendingSample
+from pie.engine.runner.tensor_parallel import Leader, check_devices
+from pie.engine.sample.structured import GrammarCompiler, StructuredOutputError, StructuredOutputs
 from pie.engine.sampling_params import SamplingParams, SamplingParamsError
-from pie.engine.scheduler import Scheduler, SchedulerOutput
-from pie.engine.speculative import NgramProposer, Proposer, Speculator
-from pie.engine.structured import GrammarCompiler, StructuredOutputError, StructuredOutputs
-from pie.engine.tensor_parallel import Leader, check_devices
+from pie.engine.scheduling.block_manager import BlockManager
+from pie.engine.scheduling.detokenizer import IncrementalDetokenizer
+from pie.engine.scheduling.request import Request, SampleGroup
+from pie.engine.scheduling.scheduler import Scheduler, SchedulerOutput
+from pie.engine.spec_decode.draft import DraftModel, DraftProposer, load_draft
+from pie.engine.spec_decode.speculator import NgramProposer, Proposer, Speculator
 from pie.engine.validation import check_request
 from pie.model import smoothing
 from pie.model.config import ModelConfig
@@ -93,7 +93,7 @@ class EngineCore:
             num_layers=local.num_hidden_layers, block_size=config.block_size,
             num_kv_heads=local.num_key_value_heads, head_dim=local.head_dim, kv_cache_dtype=config.kv_cache_dtype)
         # A draft model (speculative decoding) is loaded before the pool is sized: its weights take
-        # memory first, and each block of the pool has a draft half of its own (engine/draft.py).
+        # memory first, and each block of the pool has a draft half of its own (engine/spec_decode/draft.py).
         self.draft: DraftModel | None = None
         if config.speculative == "draft":
             self.draft = load_draft(config, self.device, TORCH_DTYPES[dtype_name], self.tokenizer, self.max_model_len)
@@ -103,11 +103,11 @@ class EngineCore:
         self.kv_cache = self._make_kv_cache(num_blocks)
         self.block_manager = BlockManager(num_blocks, config.block_size,
                                           enable_caching=config.enable_prefix_caching)
-        # Structured output (engine/structured.py): llguidance over the model's tokenizer and vocabulary.
+        # Structured output (engine/sample/structured.py): llguidance over the model's tokenizer and vocabulary.
         self.structured = StructuredOutputs(
             GrammarCompiler(self.tokenizer.backend.to_str(), self.vocab_size, self.eos_token_ids),
             max_num_seqs=config.max_num_seqs, pin_memory=self.device.type == "cuda")
-        # Speculative decoding (engine/speculative.py): None unless asked for.
+        # Speculative decoding (engine/spec_decode/speculator.py): None unless asked for.
         self.speculator = self._make_speculator(config, num_blocks)
         self.scheduler = Scheduler(
             self.block_manager, max_num_seqs=config.max_num_seqs,
@@ -156,7 +156,7 @@ class EngineCore:
         return Speculator(proposer, config.num_speculative_tokens, config.speculative_max_batch)
 
     def _draft_runner(self, config: EngineConfig, num_blocks: int) -> ModelRunner:
-        """The draft model's runner over its own pool of `num_blocks` blocks (engine/draft.py),
+        """The draft model's runner over its own pool of `num_blocks` blocks (engine/spec_decode/draft.py),
         warmed up and its decode steps captured as the target's are."""
         assert self.draft is not None
         mc = self.draft.model.config
@@ -231,7 +231,7 @@ class EngineCore:
         engine: EngineClient.submit, or `generate` here). With sampling.n > 1, n samples
         (ids f"{request_id}#{i}") whose outputs carry `request_id` and `index` = i; sample i draws
         from seed + i when a seed is given (so one seed reproduces all n), else from a random seed
-        of its own. `priority`: lower is scheduled first (engine/scheduler.py). A structured
+        of its own. `priority`: lower is scheduled first (engine/scheduling/scheduler.py). A structured
         output's constraint starts compiling now (on a thread; the samples are admitted once it is
         done). Raises ValueError for an id in use."""
         n = sampling.n
@@ -260,6 +260,12 @@ class EngineCore:
         for rid in ids:
             self.scheduler.abort(rid)
         return ids
+
+    def info(self) -> EngineInfo:
+        """What the service reads about this engine (fixed once it is built)."""
+        return EngineInfo(config=self.config, model_config=self.model_config, max_model_len=self.max_model_len,
+                          vocab_size=self.vocab_size, eos_token_ids=self.eos_token_ids, device=str(self.device),
+                          dtype_name=self.dtype_name, num_kv_blocks=self.block_manager.num_total_blocks)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._pending is not None
@@ -295,7 +301,7 @@ class EngineCore:
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule -> execute -> update: advances every scheduled request by one forward pass and
-        returns the outputs that are ready (the scheduler closes the step, engine/scheduler.py).
+        returns the outputs that are ready (the scheduler closes the step, engine/scheduling/scheduler.py).
 
         Synchronous (the CPU default): the outputs of this step. Async scheduling (the CUDA
         default): this step is queued on the device, then the previous step's tokens are read back
@@ -326,7 +332,7 @@ class EngineCore:
         if spec is not None and self._pending is not None and (
                 self._pending.speculative or spec.active(self.scheduler.num_running)):
             # Speculative decoding under async scheduling: proposals need the tokens, and a step
-            # with proposals decides where the next one starts (engine/speculative.py).
+            # with proposals decides where the next one starts (engine/spec_decode/speculator.py).
             early = self._collect()
         out = self.scheduler.schedule()
         launched = None

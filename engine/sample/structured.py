@@ -234,10 +234,10 @@ class GrammarState:
 
 
 class Constrained(Protocol):
-    """What mask filling reads of a request (engine.request.Request has it)."""
+    """What mask filling reads of a request (engine.scheduling.request.Request has it)."""
 
     grammar: GrammarState | None
-    spec_token_ids: list[int]  # speculative proposals in flight (engine/speculative.py)
+    spec_token_ids: list[int]  # speculative proposals in flight (engine/spec_decode/speculator.py)
 
 
 @dataclass(slots=True)

@@ -20,7 +20,7 @@ import torch
 
 from pie.engine.config import EngineConfig
 from pie.engine.errors import StartupError
-from pie.engine.model_runner import ModelRunner
+from pie.engine.runner.model_runner import ModelRunner
 
 log = structlog.get_logger(__name__)
 

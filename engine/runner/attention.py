@@ -1,7 +1,7 @@
 """The attention backend handed to the model: writes each layer's new K/V into the paged KV pool
-(engine/kv_cache.py), then attends from it.
+(engine/runner/kv_cache.py), then attends from it.
 
-Per step the runner fills `AttentionMetadata` for the packed batch (engine/staging.py). For
+Per step the runner fills `AttentionMetadata` for the packed batch (engine/runner/staging.py). For
 sequence i:
 
     |<------------- seq_lens[i] (tokens in the cache after this step's write) ------------->|
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from pie.engine.config import ATTENTION_BACKENDS
-from pie.engine.kv_cache import KVCache
+from pie.engine.runner.kv_cache import KVCache
 from pie.kernels import reference
 
 
@@ -190,7 +190,7 @@ class PagedAttention:
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  out: torch.Tensor | None = None) -> torch.Tensor:
         # q: (T, Hq, D); k, v: (T, Hkv, D) -> (T, Hq, D), written into `out` when given (the static
-        # buffer of piecewise graphs, engine/cuda_graphs.py)
+        # buffer of piecewise graphs, engine/runner/cuda_graphs.py)
         md = self.metadata
         assert md is not None, "attention metadata must be set before the forward pass"
         ops, scale = self.ops, self.softmax_scale

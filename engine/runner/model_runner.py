@@ -1,22 +1,22 @@
 """Turns a SchedulerOutput into one forward pass and one batched sample.
 
-The step's inputs are staged into the runner's buffers (engine/staging.py); a pure decode step
-replays a CUDA graph where one was captured (engine/cuda_graphs.py), and so does a verify step of
+The step's inputs are staged into the runner's buffers (engine/runner/staging.py); a pure decode step
+replays a CUDA graph where one was captured (engine/runner/cuda_graphs.py), and so does a verify step of
 speculative decoding whose rows are all decodes (in the strided layout of its verify graph,
 `StepStager.stage_verify`); a step with prompt tokens of up to mixed_graph_max_tokens tokens
 replays the piecewise graphs of its token bucket, attention eager between them
 (`PiecewiseGraphs`); anything else runs eagerly. The logits of the rows that sample go through
-the batched sampler (engine/sampler.py) on the device, and what it drew comes back to the host
+the batched sampler (engine/sample/sampler.py) on the device, and what it drew comes back to the host
 in one copy: the only device->host
 synchronization of a step, which `PendingSample.result()` waits for (async scheduling reads it a
 step later). A step that holds prompt chunks of requests asking for prompt logprobs also makes the
-logits of those prompt positions and their logprobs (engine/prompt_logprobs.py), which come back
+logits of those prompt positions and their logprobs (engine/runner/prompt_logprobs.py), which come back
 with the same synchronization; such a step runs eagerly. Structured output's token masks, where a
 step has them, are applied to the logits on the device before sampling, after the forward pass
 (and after a CUDA graph's replay): `launch` = `forward` then `sample`, which the engine calls apart
 when it fills masks on the host while the device runs the forward pass. Under tensor parallelism
 this runner is rank 0's: it hands each step's inputs to the workers first (`StepBroadcast`), and
-the workers follow (engine/tensor_parallel.py).
+the workers follow (engine/runner/tensor_parallel.py).
 """
 
 from __future__ import annotations
@@ -27,19 +27,19 @@ import numpy as np
 import structlog
 import torch
 
-from pie.engine.attention import AttentionMetadata, PagedAttention
 from pie.engine.config import EngineConfig
-from pie.engine.cuda_graphs import CudaGraphs, PiecewiseGraphs, graph_buckets
-from pie.engine.kv_cache import KVCache
 from pie.engine.messages import SampledToken
-from pie.engine.prompt_logprobs import PromptLogprobRows
-from pie.engine.request import Request
-from pie.engine.sampler import SamplingTensors, sample
+from pie.engine.runner.attention import AttentionMetadata, PagedAttention
+from pie.engine.runner.cuda_graphs import CudaGraphs, PiecewiseGraphs, graph_buckets
+from pie.engine.runner.kv_cache import KVCache
+from pie.engine.runner.prompt_logprobs import PromptLogprobRows
+from pie.engine.runner.staging import LastSample, StepFacts, StepStager
+from pie.engine.sample.rejection import DraftProbs, verify
+from pie.engine.sample.sampler import SamplingTensors, sample
+from pie.engine.sample.structured import TokenMasks
 from pie.engine.sampling_params import MAX_LOGPROBS, SamplingParams
-from pie.engine.scheduler import ScheduledRequest, SchedulerOutput
-from pie.engine.speculative import DraftProbs, verify
-from pie.engine.staging import LastSample, StepFacts, StepStager
-from pie.engine.structured import TokenMasks
+from pie.engine.scheduling.request import Request
+from pie.engine.scheduling.scheduler import ScheduledRequest, SchedulerOutput
 from pie.kernels import reference
 from pie.model.llama import LlamaForCausalLM
 
@@ -177,10 +177,10 @@ class ModelRunner:
         # per row (K): verify graphs hold max_spec_tokens // K rows of 1 + K tokens at most.
         self.max_spec_tokens = max_spec_tokens
         self.spec_tokens_per_row = spec_tokens_per_row if max_spec_tokens else 0
-        # A draft model's runner (engine/draft.py) stages rows that run into the proposals.
+        # A draft model's runner (engine/spec_decode/draft.py) stages rows that run into the proposals.
         self.reads_proposals = False
         # Report logprobs of the logits each token was chosen from, not the raw ones (`pie serve
-        # --logprobs-mode processed`; engine/sampler.py).
+        # --logprobs-mode processed`; engine/sample/sampler.py).
         self.processed_logprobs = processed_logprobs
         self._tp = tp_leader  # rank 0 of a tensor-parallel group: each step goes to the workers first
         self.kv_cache = kv_cache
@@ -309,7 +309,7 @@ class ModelRunner:
         logprobs were computed). The sampled ids also stay on the device, as the next step's input
         ids of requests whose newest token is a placeholder. `masks`: structured output's token
         masks of the sampling rows (of their logits rows, in a step with proposals). `draft`: the
-        draft model's distributions of the step's proposals (engine/speculative.py)."""
+        draft model's distributions of the step's proposals (engine/spec_decode/speculator.py)."""
         return self.sample(self.forward(out), masks, draft)
 
     @torch.inference_mode()
@@ -377,7 +377,7 @@ class ModelRunner:
     def _verify(self, step: StepLogits, logits: torch.Tensor, draft: DraftProbs | None) -> PendingSample:
         """Samples each of a verify step's logits rows as plain decoding would sample that output
         token had the proposals before it been outputs, and judges the proposals
-        (engine/speculative.py). Rows are read back as they come: no placeholder is left behind."""
+        (engine/spec_decode/speculator.py). Rows are read back as they come: no placeholder is left behind."""
         out = step.out
         scheduled = [out.scheduled[i] for i in step.rows]
         reqs = [s.request for s in scheduled]

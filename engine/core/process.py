@@ -43,7 +43,7 @@ from multiprocessing.connection import Connection
 
 # What the parent runs with `python -c`; argv: parent pid, the socket's fd, then sys.path entries.
 BOOT = ("import sys; sys.path[:0] = sys.argv[3:]; "
-        "from pie.engine.core_process import main; main(int(sys.argv[1]), int(sys.argv[2]))")
+        "from pie.engine.core.process import main; main(int(sys.argv[1]), int(sys.argv[2]))")
 
 EXIT_ORPHANED = 70  # the parent went away before this process was told to stop
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -150,13 +150,12 @@ def main(parent_pid: int, fd: int) -> None:
     # The engine's imports come only now: everything above is the standard library.
     import structlog
 
-    from pie.engine.client import EngineInfo
-    from pie.engine.core import EngineCore
+    from pie.engine.core.engine_core import EngineCore
+    from pie.engine.core.loop import Inbox, StepClock, run_core_loop
     from pie.engine.errors import StartupError
-    from pie.engine.loop import Inbox, StepClock, run_core_loop
     from pie.engine.messages import CoreDied
 
-    log = structlog.get_logger("pie.engine.core_process")
+    log = structlog.get_logger("pie.engine.core.process")
     inbox = Inbox()
     threading.Thread(target=_read_commands, args=(conn, inbox), name="engine-inbox", daemon=True).start()
     outbox = Outbox(conn)
@@ -171,7 +170,7 @@ def main(parent_pid: int, fd: int) -> None:
         outbox.put(("failed", str(e) if startup else f"{type(e).__name__}: {e}", startup))
         outbox.close()
         return
-    outbox.put(("ready", EngineInfo.of(engine), engine.stats()))
+    outbox.put(("ready", engine.info(), engine.stats()))
     clock = StepClock()
     try:
         run_core_loop(engine, inbox, clock, outbox.put, heartbeat_s=heartbeat_s)

@@ -7,7 +7,7 @@ few hundred open streams the loop is busy most of the time and the engine's step
 (7 ms steps became 15 ms at 256 streams). In its own process the core steps at its own pace and
 the loop coalesces what it cannot send at once into larger messages.
 
-    parent (gRPC, asyncio)                               child (engine/core_process.py)
+    parent (gRPC, asyncio)                               child (engine/core/process.py)
       ProcessEngineClient.submit/abort -> sender -->       reader thread -> Inbox
                      (a thread: never blocks the loop)     run_core_loop (as on a thread)
       link thread: starts the child, then  <----------     outbox thread: StepResult per step
@@ -19,13 +19,13 @@ Commands and results are the typed messages of engine/messages.py, MessagePack-e
 
 The watchdog lives here, outside the child, so it sees a child that is stopped or frozen as a
 whole (SIGSTOP, a host stall, a stuck driver call, a deadlocked extension): while requests are in
-flight, the child reports at least every heartbeat (engine/loop.py); silence longer than the step
+flight, the child reports at least every heartbeat (engine/core/loop.py); silence longer than the step
 timeout declares the engine dead (requests fail UNAVAILABLE, readiness off, the server exits 3)
 and kills the child. An engine with nothing to do sends nothing and is not stalled.
 
 The parent keeps what the service reads without a round trip: its own tokenizer (and structured
 output's compiler over it, which checks constraints before they are sent), the engine's facts
-(EngineInfo, sent once when the child is ready), and the stats the child sends with every step. Requests are validated in the parent, the one place they are checked (engine/client.py).
+(EngineInfo, sent once when the child is ready), and the stats the child sends with every step. Requests are validated in the parent, the one place they are checked (engine/client/engine_client.py).
 
 The child never outlives the parent (see core_process.py). Its parent-death signal is tied to the
 thread that started it, so the link thread, which lives exactly as long as the child serves,
@@ -48,14 +48,14 @@ from multiprocessing.connection import Connection
 
 import structlog
 
-from pie.engine.client import EngineClientBase
+from pie.engine.client.engine_client import EngineClientBase
 from pie.engine.config import EngineConfig
-from pie.engine.core import EngineCore
-from pie.engine.core_process import BOOT
+from pie.engine.core.engine_core import EngineCore
+from pie.engine.core.loop import Watchdog, heartbeat_interval
+from pie.engine.core.process import BOOT
 from pie.engine.errors import StartupError, StepTimeoutError
-from pie.engine.loop import Watchdog, heartbeat_interval
 from pie.engine.messages import Command, StepResult, StopCore, decode_result, encode
-from pie.engine.structured import GrammarCompiler
+from pie.engine.sample.structured import GrammarCompiler
 from pie.model.tokenizer import Tokenizer
 
 log = structlog.get_logger(__name__)

@@ -1,7 +1,7 @@
 """The draft model of speculative decoding (`pie serve --speculative draft --draft-model DIR`).
 
 A small model with the target's tokenizer proposes K tokens per request and step; the target
-verifies them in one forward pass (engine/speculative.py). The draft keeps its K/V in a pool of
+verifies them in one forward pass (engine/spec_decode/speculator.py). The draft keeps its K/V in a pool of
 its own with as many blocks as the target's, addressed by the same block ids: a request's draft
 K/V live in the blocks the target gave it, so the draft needs no block manager, preemption frees
 both at once, and rolling back rejected proposals is one number (`Request.draft_computed`, the
@@ -30,12 +30,12 @@ import torch
 
 from pie.engine.config import EngineConfig
 from pie.engine.errors import StartupError
-from pie.engine.kv_cache import KVCache
-from pie.engine.model_runner import ModelRunner
-from pie.engine.request import Request
-from pie.engine.sampler import SamplingTensors
-from pie.engine.scheduler import ScheduledRequest, SchedulerOutput
-from pie.engine.speculative import DraftProbs, draft_distribution, draft_draw
+from pie.engine.runner.kv_cache import KVCache
+from pie.engine.runner.model_runner import ModelRunner
+from pie.engine.sample.rejection import DraftProbs, draft_distribution, draft_draw
+from pie.engine.sample.sampler import SamplingTensors
+from pie.engine.scheduling.request import Request
+from pie.engine.scheduling.scheduler import ScheduledRequest, SchedulerOutput
 from pie.model.llama import LlamaForCausalLM
 from pie.model.tokenizer import Tokenizer
 

@@ -55,13 +55,13 @@ from pie.model.parallel import TensorParallel
 
 if TYPE_CHECKING:
     from pie.engine.config import EngineConfig
-    from pie.engine.model_runner import ModelRunner
-    from pie.engine.staging import StepFacts
+    from pie.engine.runner.model_runner import ModelRunner
+    from pie.engine.runner.staging import StepFacts
 
 log = structlog.get_logger(__name__)
 
 BOOT = ("import sys; sys.path[:0] = sys.argv[4:]; "
-        "from pie.engine.tensor_parallel import worker_main; worker_main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))")
+        "from pie.engine.runner.tensor_parallel import worker_main; worker_main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))")
 OP_STOP, OP_FORWARD, OP_NEW_CACHE, OP_CALIBRATE, OP_CAPTURE = 0, 1, 2, 3, 4
 HEADER = 15  # int64 slots of the header: the op, then its numbers
 GROUP_TIMEOUT = datetime.timedelta(days=7)  # idle servers: a worker waits for the next step this long
@@ -160,7 +160,7 @@ class Leader:
         """Before rank 0's own forward pass: the workers start theirs on the same inputs, replaying
         their graph of `graph_batch` (its rows of whole-width tables) or eagerly (None).
         `prompt_index`: the token indices of prompt positions whose logits the step makes too
-        (engine/prompt_logprobs.py; eager steps only)."""
+        (engine/runner/prompt_logprobs.py; eager steps only)."""
         b, w = tables.shape
         m = 0 if prompt_index is None else prompt_index.shape[0]
         self._link.send_header(OP_FORWARD, *facts.numbers(), b, w, graph_batch or 0, m)
@@ -247,9 +247,9 @@ def follow(runner: ModelRunner, numbers: list[int], link: _Link) -> None:
     the forward pass and of the LM head (the logits are rank 0's). A step rank 0 replays from a
     graph replays this rank's graph of the same bucket, its inputs received into the staging
     buffers that graph reads."""
-    from pie.engine.model_runner import last_tokens
-    from pie.engine.prompt_logprobs import run_on_worker
-    from pie.engine.staging import Packed, StepFacts
+    from pie.engine.runner.model_runner import last_tokens
+    from pie.engine.runner.prompt_logprobs import run_on_worker
+    from pie.engine.runner.staging import Packed, StepFacts
 
     n = len(StepFacts.__slots__)  # StepFacts.numbers(), then the header's own four
     facts = StepFacts(*numbers[:n])
@@ -288,8 +288,8 @@ def worker_main(parent_pid: int, rank: int, fd: int) -> None:
     config = init.config
     from pie.engine.config import usable_cores
     from pie.engine.device import TORCH_DTYPES, resolve_device
-    from pie.engine.kv_cache import KVCache
-    from pie.engine.model_runner import ModelRunner
+    from pie.engine.runner.kv_cache import KVCache
+    from pie.engine.runner.model_runner import ModelRunner
     from pie.model import smoothing
     from pie.model.loader import load_model
 

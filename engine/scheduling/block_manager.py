@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from pie.engine.request import Request
+from pie.engine.scheduling.request import Request
 
 
 def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
@@ -273,7 +273,7 @@ class BlockManager:
 
     def trim(self, request: Request) -> int:
         """Gives back the request's blocks past those its tokens need (`num_tokens`): after a
-        verify step, the tail that only rejected proposals filled (engine/speculative.py). Such
+        verify step, the tail that only rejected proposals filled (engine/spec_decode/speculator.py). Such
         blocks never held a hashed (fully computed) prefix. Returns how many went back."""
         table = request.block_ids
         keep = self.blocks_needed(request.num_tokens)
@@ -292,7 +292,7 @@ class BlockManager:
         """Slots of the request's tokens at positions start .. end-1 (they must be allocated).
 
         For tests and debugging; the runner computes a whole step's slots at once
-        (engine/staging.py).
+        (engine/runner/staging.py).
         """
         table = request.block_ids
         bs = self.block_size
