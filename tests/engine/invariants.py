@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from pie.engine import block_manager
+from pie.engine.scheduling import block_manager
 from pie.engine.core.engine_core import EngineCore
 
 
