@@ -23,6 +23,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "clients")]  # benchmarks.*, and this chec
 from benchmarks.common import make_parser  # noqa: E402
 from pie.engine.config import EngineConfig  # noqa: E402
 from pie.engine.messages import SampledToken  # noqa: E402
+from pie.engine.scheduling.step import StepOutput  # noqa: E402
 from pie.service.server import BackgroundServer, ServerConfig  # noqa: E402
 
 
@@ -36,8 +37,11 @@ def instant_forward(engine, step_s: float = 0.0) -> None:
         def __init__(self, requests) -> None:
             self.requests = requests
 
-        def result(self) -> list[SampledToken]:
-            return [SampledToken(token, 0.0, []) for _ in self.requests]
+        done = None  # no device event: the host's clock times the step
+        speculative = False
+
+        def result(self) -> StepOutput:
+            return StepOutput(self.requests, [[SampledToken(token, 0.0, [])] for _ in self.requests])
 
     def launch(out):
         if step_s:

@@ -29,8 +29,10 @@ from benchmarks.throughput import LLAMA_1B, MICRO, TINY, build_model  # noqa: E4
 from pie.engine.config import EngineConfig  # noqa: E402
 from pie.engine.core.engine_core import EngineCore  # noqa: E402
 from pie.engine.messages import SampledToken  # noqa: E402
-from pie.engine.sample.sampler import SamplingTensors, sample  # noqa: E402
+from pie.engine.sample.sampler import sample  # noqa: E402
+from pie.engine.sample.tensors import SamplingTensors  # noqa: E402
 from pie.engine.sampling_params import SamplingParams  # noqa: E402
+from pie.engine.scheduling.step import StepOutput  # noqa: E402
 
 
 def sync(dev: str) -> None:
@@ -152,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
             t3 = time.perf_counter()
             phases["sample_and_sync"] += t3 - t2
             eng.scheduler.step_launched(out)
-            eng.scheduler.update_from_output(reqs, [SampledToken(tok, 0.0, []) for tok in ids])
+            eng.scheduler.update_from_output(StepOutput(reqs, [[SampledToken(tok, 0.0, [])] for tok in ids]))
             phases["bookkeeping"] += time.perf_counter() - t3
         runner.stager.stage = orig_stage
         print(f"{graph_steps}/{args.steps} steps replayed a CUDA graph")

@@ -42,6 +42,7 @@ from pie.engine.sampling_params import SamplingParams  # noqa: E402
 from pie.engine.scheduling.block_manager import BlockManager  # noqa: E402
 from pie.engine.scheduling.request import Request  # noqa: E402
 from pie.engine.scheduling.scheduler import Scheduler  # noqa: E402
+from pie.engine.scheduling.step import StepOutput  # noqa: E402
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256)  # decode graph batch sizes
 
@@ -96,7 +97,7 @@ def simulate(work: Work, arrivals: list[float], cost: CostModel, *, factor: floa
         prompt_tokens += prompt
         sched.step_launched(out)
         sampled = out.sampling_requests
-        sched.update_from_output(sampled, [SampledToken(7, 0.0, []) for _ in sampled])
+        sched.update_from_output(StepOutput(sampled, [[SampledToken(7, 0.0, [])] for _ in sampled]))
         for r in sampled:
             token_times[r.request_id].append(now)
         sched.stall.observe(rows, prompt, seconds, context)

@@ -67,10 +67,10 @@ from benchmarks.throughput import LLAMA_1B, LLAMA_4B, MICRO, TINY, build_model  
 from pie.engine.config import DEFAULT_MODEL, MODEL_DTYPES, EngineConfig  # noqa: E402
 from pie.engine.core.engine_core import EngineCore  # noqa: E402
 from pie.engine.messages import RequestStatus  # noqa: E402
-from pie.engine.runner.model_runner import PendingSample  # noqa: E402
+from pie.engine.runner.pending import PendingStep  # noqa: E402
 from pie.engine.sampling_params import SamplingParams  # noqa: E402
 from pie.engine.scheduling.request import Request  # noqa: E402
-from pie.engine.scheduling.scheduler import SchedulerOutput  # noqa: E402
+from pie.engine.scheduling.step import SchedulerOutput  # noqa: E402
 from pie.engine.spec_decode.speculator import NgramProposer, Speculator  # noqa: E402
 from pie.training.corpus import generate_stories  # noqa: E402
 
@@ -128,11 +128,11 @@ class OracleProposer:
 @contextmanager
 def forced_acceptance(accepted: int) -> Iterator[None]:
     """Verify steps accept exactly min(accepted, k) of a row's k proposals while this is open: the
-    verdict read back from the device (PendingSample._verified's rows: token id, logprob,
+    verdict read back from the device (PendingStep._verified's rows: token id, logprob,
     accepted, ...) is rewritten before the engine reads it. The step's device work is unchanged."""
-    real = PendingSample._verified
+    real = PendingStep._verified
 
-    def forced(self: PendingSample, rows: list[list[float]]) -> list:
+    def forced(self: PendingStep, rows: list[list[float]]) -> list:
         at = 0
         for request, k in zip(self.requests, self._num_spec or []):
             a = min(accepted, k)
@@ -143,11 +143,11 @@ def forced_acceptance(accepted: int) -> Iterator[None]:
             at += k + 1
         return real(self, rows)
 
-    PendingSample._verified = forced  # type: ignore[method-assign]
+    PendingStep._verified = forced  # type: ignore[method-assign]
     try:
         yield
     finally:
-        PendingSample._verified = real  # type: ignore[method-assign]
+        PendingStep._verified = real  # type: ignore[method-assign]
 
 
 @dataclass(slots=True)

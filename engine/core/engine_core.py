@@ -1,9 +1,8 @@
 """EngineCore: loads the model, sizes the KV pool, and advances every request by one step.
 
-Synchronous and single-threaded on purpose; `engine.core.loop.run_core_loop` steps it on a thread of
-the server (`client_thread`) or in a process of its own (`core_process`), behind the EngineClient
-the service holds (`engine.client.engine_client`). One `step()` = schedule -> execute (one forward pass, one
-batched sample) -> update (the scheduler appends the tokens, detokenizes, checks stops, frees).
+Synchronous and single-threaded on purpose: `run_core_loop` (engine/core/loop.py) steps it on a
+thread of the server or in a process of its own, behind the EngineClient the service holds
+(engine/client/). One `step()`: schedule -> launch -> read back -> update.
 """
 
 from __future__ import annotations
@@ -11,30 +10,33 @@ from __future__ import annotations
 import concurrent.futures
 import gc
 import random
-import time
+from collections.abc import Callable
 
 import structlog
 import torch
 
 from pie.engine.config import EngineConfig, usable_cores
+from pie.engine.core.build import make_speculator, smooth_kv
+from pie.engine.core.step_timer import StepTimer
 from pie.engine.device import TORCH_DTYPES, auto_dtype, resolve_device
 from pie.engine.errors import EngineDeadError
 from pie.engine.messages import EngineInfo, EngineStats, RequestOutput, RequestStatus, StepTimes
 from pie.engine.model_check import check_vocab, read_model_config, read_tokenizer
 from pie.engine.runner.kv_cache import KVCache
 from pie.engine.runner.kv_sizing import num_kv_blocks
-from pie.engine.runner.model_runner import ModelRunner, PendingSample
+from pie.engine.runner.model_runner import ModelRunner
+from pie.engine.runner.pending import PendingStep
 from pie.engine.runner.tensor_parallel import Leader, check_devices
-from pie.engine.sample.structured import GrammarCompiler, StructuredOutputError, StructuredOutputs
+from pie.engine.runner.warm_up import warm_up
+from pie.engine.sample.structured import GrammarCompiler, StructuredOutputError, StructuredOutputs, TokenMasks
 from pie.engine.sampling_params import SamplingParams, SamplingParamsError
 from pie.engine.scheduling.block_manager import BlockManager
 from pie.engine.scheduling.detokenizer import IncrementalDetokenizer
 from pie.engine.scheduling.request import Request, SampleGroup
-from pie.engine.scheduling.scheduler import Scheduler, SchedulerOutput
-from pie.engine.spec_decode.draft import DraftModel, DraftProposer, load_draft
-from pie.engine.spec_decode.speculator import NgramProposer, Proposer, Speculator
+from pie.engine.scheduling.scheduler import Scheduler
+from pie.engine.scheduling.step import SchedulerOutput
+from pie.engine.spec_decode.draft import DraftModel, load_draft
 from pie.engine.validation import check_request
-from pie.model import smoothing
 from pie.model.config import ModelConfig
 from pie.model.loader import load_model
 from pie.model.parallel import TensorParallel, check_shardable
@@ -83,7 +85,7 @@ class EngineCore:
         mc: ModelConfig = self.model_config
         check_vocab(config.model, mc, self.tokenizer)
         if config.kv_cache_dtype == "int8" and config.kv_smoothing != "off":
-            self._smooth_kv(choose=config.kv_smoothing == "auto")
+            smooth_kv(self.model, mc, self.tokenizer, self._tp, config.kv_smoothing)
         self.vocab_size = mc.vocab_size
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
         self.max_model_len = mc.max_model_len if config.max_model_len is None else min(config.max_model_len, mc.max_model_len)
@@ -103,39 +105,34 @@ class EngineCore:
         self.kv_cache = self._make_kv_cache(num_blocks)
         self.block_manager = BlockManager(num_blocks, config.block_size,
                                           enable_caching=config.enable_prefix_caching)
-        # Structured output (engine/sample/structured.py): llguidance over the model's tokenizer and vocabulary.
+        # Structured output (engine/sample/structured.py): llguidance over the model's vocabulary.
         self.structured = StructuredOutputs(
             GrammarCompiler(self.tokenizer.backend.to_str(), self.vocab_size, self.eos_token_ids),
             max_num_seqs=config.max_num_seqs, pin_memory=self.device.type == "cuda")
-        # Speculative decoding (engine/spec_decode/speculator.py): None unless asked for.
-        self.speculator = self._make_speculator(config, num_blocks)
+        self.speculator = make_speculator(config, self.vocab_size, self.draft, self.device, self.max_model_len,
+                                          num_blocks)  # speculative decoding; None unless asked for
         self.scheduler = Scheduler(
             self.block_manager, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=self.max_model_len,
             stall_factor=config.decode_stall_factor, structured=self.structured, speculator=self.speculator)
         self.runner = self._make_runner(self.kv_cache)
         if self.device.type == "cuda":
-            self.runner.warm_up()
+            warm_up(self.runner)
             if not config.enforce_eager:
                 if self._tp is not None:
                     self._tp.capture()  # every rank captures the same buckets, collectives inside
                 self.runner.capture_cuda_graphs()
-                # the stall bound's decode-step time until it measures one (a burst may not run
-                # a decode-only step before its queue is prefilled)
+                # the stall bound's decode-step times until it measures one (engine/scheduling/stall.py)
                 self.scheduler.stall.prior = dict(self.runner.graphs.replay_seconds)
                 self.scheduler.stall.kv_token_s = self.runner.graphs.kv_token_seconds or 0.0
         self._seed_source = random.Random(config.seed)
         self._async = (self.device.type == "cuda") if config.async_scheduling is None else config.async_scheduling
-        self._pending: PendingSample | None = None  # async scheduling: the launched step not read back yet
-        # What the scheduler learns step times from (StallBound): the shape (decode rows, prompt
-        # tokens) of the step in flight, and when the last step's tokens came back while busy.
-        self._pending_shape: tuple[int, int, int] | None = None
-        self.step_times = StepTimes()  # the same samples, for the metrics (pie_step_duration_seconds)
-        self._last_done: float | torch.cuda.Event | None = None  # the last step's end: a time, or its event on CUDA
-        # Everything alive now (model, tokenizer, torch and library modules: ~10^5-10^6 objects)
-        # lives as long as the engine. Out of the cyclic collector's sight, a full collection
-        # under load scans only what requests create: 3 ms instead of ~190 ms measured in the
-        # middle of a 256-stream run (`gc.unfreeze()` undoes it, as the test suite does).
+        self._pending: PendingStep | None = None  # async scheduling: the launched step not read back yet
+        self.step_times = StepTimes()  # for the metrics (pie_step_duration_seconds)
+        self._timer = StepTimer(self.scheduler.stall, self.step_times)  # what the stall bound learns from
+        # Everything alive now (model, tokenizer, modules: ~10^5-10^6 objects) lives as long as the
+        # engine: out of the cyclic collector's sight, a collection under load scans only what
+        # requests create (HISTORY.md, gc.freeze; `gc.unfreeze()` undoes it, as the tests do).
         gc.collect()
         gc.freeze()
         log.info("engine_ready", model=config.model, architecture=mc.architecture, device=str(self.device),
@@ -143,54 +140,6 @@ class EngineCore:
                  block_size=config.block_size, kv_cache_tokens=num_blocks * config.block_size,
                  max_model_len=self.max_model_len, speculative=config.speculative,
                  num_speculative_tokens=config.num_speculative_tokens if config.speculative else None)
-
-    def _make_speculator(self, config: EngineConfig, num_blocks: int) -> Speculator | None:
-        if config.speculative is None:
-            return None
-        proposer: Proposer
-        if config.speculative == "ngram":
-            proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-        else:
-            assert self.draft is not None
-            proposer = DraftProposer(self._draft_runner(config, num_blocks), self.vocab_size)
-        return Speculator(proposer, config.num_speculative_tokens, config.speculative_max_batch)
-
-    def _draft_runner(self, config: EngineConfig, num_blocks: int) -> ModelRunner:
-        """The draft model's runner over its own pool of `num_blocks` blocks (engine/spec_decode/draft.py),
-        warmed up and its decode steps captured as the target's are."""
-        assert self.draft is not None
-        mc = self.draft.model.config
-        cache = KVCache(num_layers=mc.num_hidden_layers, num_blocks=num_blocks, block_size=config.block_size,
-                        num_kv_heads=mc.num_key_value_heads, head_dim=mc.head_dim,
-                        kv_cache_dtype=config.kv_cache_dtype, device=self.device)
-        runner = ModelRunner(self.draft.model, cache, vocab_size=mc.vocab_size, softmax_scale=mc.attn_scale,
-                             device=self.device, attention_backend=config.attention_backend,
-                             max_num_seqs=min(config.max_num_seqs, config.speculative_max_batch),
-                             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=self.max_model_len,
-                             windows=[mc.layer_window(i) for i in range(mc.num_hidden_layers)])
-        if self.device.type == "cuda":
-            runner.warm_up()
-            if not config.enforce_eager:
-                runner.capture_cuda_graphs()
-        return runner
-
-    def _smooth_kv(self, choose: bool) -> None:
-        """Evens out K/V channel magnitudes before anything is quantized (model/smoothing.py); with
-        `choose`, in the layers and kv heads where that lowers the int8 attention error."""
-        mc = self.model_config
-        ids = smoothing.calibration_tokens(self.tokenizer.encode, mc.vocab_size, min(256, mc.max_model_len))
-        if self._tp is not None:
-            self._tp.calibrate(ids)  # the calibration pass is collective: every rank runs it
-        factors = smoothing.calibrate(self.model, ids, choose=choose)
-        smoothing.fold(self.model, factors)
-        low, high = factors.log2_range()
-        k_heads, v_heads, heads = factors.heads_smoothed()
-        errors = {}  # what the choice measured (auto): the int8 attention error without and with the factors kept
-        if factors.error_plain is not None and factors.error_kept is not None:
-            errors = dict(int8_error_plain=round(factors.error_plain, 6), int8_error_kept=round(factors.error_kept, 6))
-        log.info("kv_smoothing", mode=self.config.kv_smoothing, calibration_tokens=len(ids),
-                 k_heads_smoothed=f"{k_heads}/{heads}", v_heads_smoothed=f"{v_heads}/{heads}",
-                 factor_min=2.0 ** low, factor_max=2.0 ** high, **errors)
 
     def _make_kv_cache(self, num_blocks: int) -> KVCache:
         local = self.model.config  # this rank's KV heads
@@ -300,16 +249,58 @@ class EngineCore:
 
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule -> execute -> update: advances every scheduled request by one forward pass and
-        returns the outputs that are ready (the scheduler closes the step, engine/scheduling/scheduler.py).
+        """Schedule -> launch -> read back -> update: advances every scheduled request by one
+        forward pass and returns the outputs that are ready. Every kind of step takes this path
+        (prompt chunks and decodes, structured output's masks, speculative proposals): the
+        scheduler plans it (SchedulerOutput), `_launch` queues it on the device, its tokens come
+        back as one StepOutput, and `Scheduler.update_from_output` closes it.
 
-        Synchronous (the CPU default): the outputs of this step. Async scheduling (the CUDA
-        default): this step is queued on the device, then the previous step's tokens are read back
-        and turned into outputs while the device runs, so the host's bookkeeping hides behind the
-        GPU. A request that ends on a token (EOS, stop token, stop string) may so run one step too
-        many, whose token is dropped; length limits are known from the counts and stop at once.
+        Synchronous (the CPU default): this step's outputs. Async scheduling (the CUDA default)
+        reads each step back one step later, while the next one runs (`_step_overlapped`)."""
+        if self._async:
+            return self._step_overlapped()
+        out = self.scheduler.schedule()
+        launched = None
+        if out.scheduled:
+            try:
+                launched = self._launch(out)
+            except Exception as e:  # an engine fault fails this step's requests, not the engine
+                self._timer.idle()  # the failed step's time is no step's
+                return self._step_failed([s.request for s in out.scheduled], e)
+        else:
+            self._wait_for_grammars()
+        self.scheduler.step_launched(out)
+        self._pending = launched
+        self._timer.launched(out, launched)
+        return self._collect()
 
-        Invariants of async scheduling (tests/engine/invariants.py checks them after every step):
+    def _launch(self, out: SchedulerOutput, read_back: Callable[[], None] | None = None) -> PendingStep | None:
+        """Queues the step on the device (`ModelRunner.launch`): its proposals (speculative
+        decoding), the forward pass, then the sampling after the rows' token masks (structured
+        output), which the host fills while the device runs the forward pass. `read_back`, under
+        async scheduling: reads the previous step back before the masks are filled (the matchers
+        take its tokens first)."""
+        spec = self.speculator
+        draft = spec.propose(out) if spec is not None and out.num_spec_tokens else None
+        rows = out.sampling_requests
+        if not any(r.grammar is not None for r in rows):
+            return self.runner.launch(out) if draft is None else self.runner.launch(out, draft=draft)
+
+        def masks() -> TokenMasks | None:
+            if read_back is not None:
+                read_back()
+            return self.structured.fill(rows, bool(out.num_spec_tokens))
+
+        return self.runner.launch(out, masks=masks, draft=draft)
+
+    def _step_overlapped(self) -> list[RequestOutput]:
+        """`step` under async scheduling: this step is queued on the device, then the previous
+        step's tokens are read back and turned into outputs while the device runs, so the host's
+        bookkeeping hides behind the GPU. A request that ends on a token (EOS, stop token, stop
+        string) may so run one step too many, whose token is dropped; length limits are known
+        from the counts and stop at once.
+
+        Invariants (tests/engine/invariants.py checks them after every step):
         - At most one step is pending (`_pending`). A request holds at most one placeholder token,
           its newest, and only while it is a row of the pending step.
         - Blocks freed while the pending step may still write them (its request aborted, finished
@@ -320,50 +311,40 @@ class EngineCore:
           stream it was built on.
         - The previous step's tokens are read back (`update_from_output`) before this step counts
           as launched (`step_launched`), so the blocks it fills are hashed with known ids.
-
-        Structured output: a step with constrained rows queues its forward pass, then (async) reads
-        the previous step's tokens back, which advances the matchers, then fills the rows' token
-        masks on the host while the device runs the forward pass, and queues the sampling after
-        them (`ModelRunner.forward`, `StructuredOutputs.fill`, `ModelRunner.sample`). Filling on a
-        thread from the moment the matchers took the tokens, beside the rest of the bookkeeping,
-        measured slower (5cad4f9; benchmarks/HISTORY.md, structured output)."""
+        - A step that verified proposals is read back before the next is scheduled: proposals
+          need the tokens, and how many were accepted decides where the next step starts.
+        Structured output: the previous step is read back between the forward pass and the masks
+        (`_launch`). Filling the masks on a thread from the moment the matchers took the tokens,
+        beside the rest of the bookkeeping, measured slower (benchmarks/HISTORY.md, structured
+        output)."""
         early: list[RequestOutput] = []
         spec = self.speculator
         if spec is not None and self._pending is not None and (
                 self._pending.speculative or spec.active(self.scheduler.num_running)):
-            # Speculative decoding under async scheduling: proposals need the tokens, and a step
-            # with proposals decides where the next one starts (engine/spec_decode/speculator.py).
             early = self._collect()
         out = self.scheduler.schedule()
+        previous: list[RequestOutput] | None = None  # the previous step's outputs, once read back
+
+        def read_back() -> None:
+            nonlocal previous
+            previous = self._collect()
+
         launched = None
-        outputs: list[RequestOutput] | None = None  # the previous step's, once read back
         if out.scheduled:
             try:
-                draft = spec.propose(out) if spec is not None and out.num_spec_tokens else None
-                sampling = out.sampling_requests
-                if any(r.grammar is not None for r in sampling):
-                    step = self.runner.forward(out)
-                    if self._async:
-                        outputs = self._collect()  # the matchers take the previous step's tokens first
-                    launched = self.runner.sample(step, self.structured.fill(sampling, bool(out.num_spec_tokens)),
-                                                  draft)
-                else:
-                    launched = self.runner.launch(out) if draft is None else self.runner.launch(out, draft=draft)
+                launched = self._launch(out, read_back)
             except Exception as e:  # an engine fault fails this step's requests, not the engine
-                return (early + (outputs or []) + self._collect()
+                return (early + (previous or []) + self._collect()
                         + self._step_failed([s.request for s in out.scheduled], e))
         elif self._pending is None:
             self._wait_for_grammars()
-        shape = _shape(out) if launched is not None and not out.num_spec_tokens else None
-        if self._async:
-            if outputs is None:
-                outputs = self._collect()  # the previous step's tokens, while this one runs
-            self.scheduler.step_launched(out)
-            self._pending, self._pending_shape = launched, shape
-            return early + outputs if early else outputs
+        if previous is None:
+            read_back()  # the previous step's tokens, while this one runs
         self.scheduler.step_launched(out)
-        self._pending, self._pending_shape = launched, shape
-        return self._collect()  # this step's tokens
+        self._pending = launched
+        self._timer.launched(out, launched)
+        assert previous is not None
+        return early + previous if early else previous
 
     def _wait_for_grammars(self) -> None:
         """Nothing could be scheduled: if requests wait for their constraints to compile, waits a
@@ -376,35 +357,14 @@ class EngineCore:
         """Reads back the pending step's tokens (waiting for the device) and closes that step."""
         pending, self._pending = self._pending, None
         if pending is None:
-            self._last_done = None  # idle: the next step's time is no step's alone
+            self._timer.idle()
             return []
         try:
-            sampled = pending.result()
-            prompt_logprobs = pending.prompt_logprobs()
+            step = pending.result()
         except Exception as e:
             return self._step_failed(pending.all_requests, e)
-        self._step_done(pending.done)
-        return self.scheduler.update_from_output(pending.requests, sampled, prompt_logprobs, pending.speculated())
-
-    def _step_done(self, done: torch.cuda.Event | None) -> None:
-        """A step's tokens are back: the time since the previous one's is this step's (the engine
-        was busy in between), which the scheduler's stall bound learns from. On CUDA that time is
-        read off the device, between the events the two steps recorded after their last work: the
-        host's clock saw a step end only when it came to read it back, which under async
-        scheduling can be long after (the next step's launch runs first): it credited a long
-        prompt step's time to the step before it, and the stall bound's line read half the cost
-        per token (benchmarks/HISTORY.md, issue 29)."""
-        now = time.monotonic()
-        if self._last_done is not None and self._pending_shape is not None:
-            decodes, prompt_tokens, context = self._pending_shape
-            last = self._last_done
-            if isinstance(last, torch.cuda.Event):
-                seconds = last.elapsed_time(done) / 1e3 if done is not None else 0.0
-            else:
-                seconds = now - last
-            self.scheduler.stall.observe(decodes, prompt_tokens, seconds, context)
-            self.step_times.observe(prompt_tokens, seconds)
-        self._last_done = now if done is None else done
+        self._timer.done(pending.done)
+        return self.scheduler.update_from_output(step)
 
     def _step_failed(self, requests: list[Request], e: Exception) -> list[RequestOutput]:
         self._check_workers(e)
@@ -438,10 +398,3 @@ class EngineCore:
                 if o.status == RequestStatus.FINISHED_ERROR:
                     raise RuntimeError(o.error)
         return [results[i] for i in ids]
-
-
-def _shape(out: SchedulerOutput) -> tuple[int, int, int]:
-    """(decode rows, prompt tokens, the decodes' tokens of context) of a step: what its time
-    depends on (StallBound)."""
-    decodes = [s.start + 1 for s in out.scheduled if s.num_new_tokens == 1]
-    return len(decodes), out.num_batched_tokens - len(decodes), sum(decodes)

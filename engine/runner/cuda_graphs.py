@@ -51,7 +51,7 @@ import torch
 
 from pie.engine.runner.attention import AttentionMetadata, PagedAttention
 from pie.engine.runner.staging import Packed, StepStager
-from pie.engine.scheduling.scheduler import SchedulerOutput
+from pie.engine.scheduling.step import SchedulerOutput
 from pie.model.llama import LlamaForCausalLM
 
 if TYPE_CHECKING:

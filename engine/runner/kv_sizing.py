@@ -21,6 +21,7 @@ import torch
 from pie.engine.config import EngineConfig
 from pie.engine.errors import StartupError
 from pie.engine.runner.model_runner import ModelRunner
+from pie.engine.runner.warm_up import profile
 
 log = structlog.get_logger(__name__)
 
@@ -97,7 +98,7 @@ def _blocks_from_free_memory(c: EngineConfig, device: torch.device, block_bytes:
     runner = make_runner(-(-n_tok // c.block_size) + rows)
     lens = [n_tok // rows] * rows
     lens[-1] += n_tok - sum(lens)
-    runner.profile(lens)
+    profile(runner, lens)
     torch.cuda.synchronize(device)
     activation_peak = torch.cuda.max_memory_allocated(device) - base
     del runner

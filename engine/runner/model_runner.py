@@ -8,7 +8,7 @@ replays the piecewise graphs of its token bucket, attention eager between them
 (`PiecewiseGraphs`); anything else runs eagerly. The logits of the rows that sample go through
 the batched sampler (engine/sample/sampler.py) on the device, and what it drew comes back to the host
 in one copy: the only device->host
-synchronization of a step, which `PendingSample.result()` waits for (async scheduling reads it a
+synchronization of a step, which `PendingStep.result()` waits for (async scheduling reads it a
 step later). A step that holds prompt chunks of requests asking for prompt logprobs also makes the
 logits of those prompt positions and their logprobs (engine/runner/prompt_logprobs.py), which come back
 with the same synchronization; such a step runs eagerly. Structured output's token masks, where a
@@ -21,6 +21,7 @@ the workers follow (engine/runner/tensor_parallel.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
@@ -28,18 +29,19 @@ import structlog
 import torch
 
 from pie.engine.config import EngineConfig
-from pie.engine.messages import SampledToken
 from pie.engine.runner.attention import AttentionMetadata, PagedAttention
-from pie.engine.runner.cuda_graphs import CudaGraphs, PiecewiseGraphs, graph_buckets
+from pie.engine.runner.cuda_graphs import CudaGraphs, PiecewiseGraphs
 from pie.engine.runner.kv_cache import KVCache
+from pie.engine.runner.pending import PendingStep, StepLogits
 from pie.engine.runner.prompt_logprobs import PromptLogprobRows
 from pie.engine.runner.staging import LastSample, StepFacts, StepStager
 from pie.engine.sample.rejection import DraftProbs, verify
-from pie.engine.sample.sampler import SamplingTensors, sample
+from pie.engine.sample.sampler import sample
 from pie.engine.sample.structured import TokenMasks
+from pie.engine.sample.tensors import SamplingTensors
 from pie.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from pie.engine.scheduling.request import Request
-from pie.engine.scheduling.scheduler import ScheduledRequest, SchedulerOutput
+from pie.engine.scheduling.step import SchedulerOutput, StepOutput
 from pie.kernels import reference
 from pie.model.llama import LlamaForCausalLM
 
@@ -52,109 +54,6 @@ class StepBroadcast(Protocol):
 
     def forward(self, facts: StepFacts, ints: torch.Tensor, tables: torch.Tensor, graph_batch: int | None,
                 prompt_index: torch.Tensor | None) -> None: ...
-
-
-class StepLogits:
-    """A step's forward pass, queued on the device: the rows that sample and their logits."""
-
-    __slots__ = ("out", "rows", "logits", "prompt")
-
-    def __init__(self, out: SchedulerOutput, rows: list[int], logits: torch.Tensor | None,
-                 prompt: PromptLogprobRows | None) -> None:
-        self.out = out
-        self.rows = rows  # indices into out.scheduled of the rows that sample
-        # (R, V) fp32; None when no row samples. In a step with proposals (out.num_spec_tokens),
-        # 1 + num_spec rows per sampling row: its newest token's position, then each proposal's.
-        self.logits = logits
-        self.prompt = prompt  # the prompt positions whose logprobs this step computes, if any
-
-
-class PendingSample:
-    """What one launched step sampled (and the prompt logprobs it computed), on its way to the host."""
-
-    def __init__(self, requests: list[Request], host: torch.Tensor, n_top: int,
-                 done: torch.cuda.Event | None, prompt: tuple[PromptLogprobRows, torch.Tensor] | None = None,
-                 num_spec: list[int] | None = None) -> None:
-        self.requests = requests  # the rows' requests, in row order (none: a step of prompt chunks only)
-        # (R, 2 + 2 * n_top) float64, pinned on CUDA; a step with proposals: 1 + num_spec[i] rows for
-        # row i, each (id, logprob, accepted, n_top ids, n_top logprobs)
-        self._host = host
-        self._n_top = n_top
-        self._done = done  # recorded after the device->host copies (timed); None on the CPU
-        self._prompt = prompt  # the step's prompt-logprob rows and their (M, 1 + 2 * top) values on the host
-        self._num_spec = num_spec  # proposals of each row (a step that verified some), else None
-        self._speculated: list[list[SampledToken]] | None = None
-
-    @property
-    def done(self) -> torch.cuda.Event | None:
-        """The event recorded after the step's last work on the device (None on the CPU)."""
-        return self._done
-
-    @property
-    def speculative(self) -> bool:
-        """The step verified proposals: the next one cannot be scheduled before it is read back."""
-        return self._num_spec is not None
-
-    def speculated(self) -> list[list[SampledToken]] | None:
-        """After `result()`, in a step that verified proposals: each row's accepted proposals and
-        the token after them (Scheduler.update_from_output); None in other steps."""
-        return self._speculated
-
-    @property
-    def all_requests(self) -> list[Request]:
-        """Every request the step produced something for: its rows', then prompt chunks' (when they
-        fail, all of these fail)."""
-        if self._prompt is None:
-            return self.requests
-        return self.requests + [span[0] for span in self._prompt[0].spans if span[0] not in self.requests]
-
-    def prompt_logprobs(self) -> list[tuple[Request, int, list[SampledToken]]]:
-        """After `result()`: (request, first entry, entries) of the prompt positions the step
-        computed (Scheduler.update_from_output)."""
-        if self._prompt is None:
-            return []
-        rows, host = self._prompt
-        return rows.entries(host.tolist())
-
-    def result(self) -> list[SampledToken]:
-        """Waits for the copy (the step's one host synchronization); the token of each row."""
-        if self._done is not None:
-            self._done.synchronize()
-        if not self.requests:
-            return []
-        n_top = self._n_top
-        rows = self._host.tolist()
-        if self._num_spec is not None:
-            return self._verified(rows)
-        if not n_top:
-            return [SampledToken(int(row[0]), row[1], []) for row in rows]
-        sampled = []
-        for r, row in zip(self.requests, rows):
-            n = min(r.sampling.logprobs, n_top)
-            top = [(int(t), lp) for t, lp in zip(row[2:2 + n], row[2 + n_top:2 + n_top + n])]
-            sampled.append(SampledToken(int(row[0]), row[1], top))
-        return sampled
-
-
-    def _verified(self, rows: list[list[float]]) -> list[SampledToken]:
-        """A verify step's rows: each request's tokens up to its first rejected proposal (the
-        token drawn there instead) or its bonus token; returns each request's first."""
-        assert self._num_spec is not None
-        n_top = self._n_top
-        speculated = []
-        at = 0
-        for r, k in zip(self.requests, self._num_spec):
-            n = min(r.sampling.logprobs, n_top)
-            tokens = []
-            for row in rows[at:at + k + 1]:
-                top = [(int(t), lp) for t, lp in zip(row[3:3 + n], row[3 + n_top:3 + n_top + n])] if n else []
-                tokens.append(SampledToken(int(row[0]), row[1], top))
-                if not row[2]:  # its proposal rejected (always so on the last row: nothing to judge)
-                    break
-            speculated.append(tokens)
-            at += k + 1
-        self._speculated = speculated
-        return [t[0] for t in speculated]
 
 
 def last_tokens(hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
@@ -302,15 +201,17 @@ class ModelRunner:
         return rows, self.model.compute_logits(last)
 
     @torch.inference_mode()
-    def launch(self, out: SchedulerOutput, masks: TokenMasks | None = None,
-               draft: DraftProbs | None = None) -> PendingSample | None:
+    def launch(self, out: SchedulerOutput, masks: Callable[[], TokenMasks | None] | None = None,
+               draft: DraftProbs | None = None) -> PendingStep | None:
         """Queues the step's forward pass and sampling on the device and the copy of what is
         sampled back to the host; returns without waiting (None when no row samples and no prompt
         logprobs were computed). The sampled ids also stay on the device, as the next step's input
-        ids of requests whose newest token is a placeholder. `masks`: structured output's token
-        masks of the sampling rows (of their logits rows, in a step with proposals). `draft`: the
+        ids of requests whose newest token is a placeholder. `masks`: called once the forward pass
+        is queued, gives structured output's token masks of the sampling rows (of their logits
+        rows, in a step with proposals), filled on the host while the device runs. `draft`: the
         draft model's distributions of the step's proposals (engine/spec_decode/speculator.py)."""
-        return self.sample(self.forward(out), masks, draft)
+        step = self.forward(out)
+        return self.sample(step, None if masks is None else masks(), draft)
 
     @torch.inference_mode()
     def forward(self, out: SchedulerOutput) -> StepLogits:
@@ -322,7 +223,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample(self, step: StepLogits, masks: TokenMasks | None = None,
-               draft: DraftProbs | None = None) -> PendingSample | None:
+               draft: DraftProbs | None = None) -> PendingStep | None:
         """Queues the sampling of a step whose forward pass is queued (`forward`), after its token
         masks, and the copy of what is sampled back to the host (None when no row samples and no
         prompt logprobs were computed). A step with proposals verifies them (`_verify`)."""
@@ -374,7 +275,7 @@ class ModelRunner:
             cols += [result.top_ids.double(), result.top_logprobs.double()]
         return self._to_host(reqs, torch.cat(cols, dim=1), prompt)
 
-    def _verify(self, step: StepLogits, logits: torch.Tensor, draft: DraftProbs | None) -> PendingSample:
+    def _verify(self, step: StepLogits, logits: torch.Tensor, draft: DraftProbs | None) -> PendingStep:
         """Samples each of a verify step's logits rows as plain decoding would sample that output
         token had the proposals before it been outputs, and judges the proposals
         (engine/spec_decode/speculator.py). Rows are read back as they come: no placeholder is left behind."""
@@ -419,7 +320,7 @@ class ModelRunner:
         return self._to_host(reqs, torch.cat(cols, dim=1), step.prompt, num_spec)
 
     def _to_host(self, reqs: list[Request], packed: torch.Tensor | None,
-                 prompt: PromptLogprobRows | None, num_spec: list[int] | None = None) -> PendingSample:
+                 prompt: PromptLogprobRows | None, num_spec: list[int] | None = None) -> PendingStep:
         """Starts the copy of what the step sampled (`packed`: (R, 2 + 2n) float64, None when no row
         samples; with `num_spec`, a verify step's (N, 3 + 2n)) and of its prompt logprobs
         (`prompt.packed`) to the host."""
@@ -447,78 +348,20 @@ class ModelRunner:
                 host.copy_(values, non_blocking=True)
                 values = host
             # One event per step, timed: the engine reads the step's time off the device's
-            # clock as the gap to the previous step's (EngineCore._step_done).
+            # clock as the gap to the previous step's (engine/core/step_timer.py).
             event = torch.cuda.Event(enable_timing=True)
             event.record()
             done: torch.cuda.Event | None = event
         else:
             done = None
-        return PendingSample(reqs, packed, n_top, done,
+        return PendingStep(reqs, packed, n_top, done,
                              None if prompt is None or values is None else (prompt, values), num_spec)
 
-    def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
-        """Runs the scheduled tokens and waits for the sample: the sampled token of every request
-        that reached the end of its known tokens this step (prefill chunks in the middle of a
-        prompt sample nothing), by request id."""
+    def execute(self, out: SchedulerOutput) -> StepOutput:
+        """Runs the scheduled tokens and waits for the sample: what the step produced (nothing for
+        a step of prompt chunks in the middle of their prompts)."""
         pending = self.launch(out)
-        if pending is None:
-            return {}
-        return {r.request_id: tok for r, tok in zip(pending.requests, pending.result())}
-
-    def profile(self, prompt_lens: list[int]) -> None:
-        """One prefill step of sequences with these prompt lengths, sampled with every sampler
-        feature on (penalties, logit bias, top-k/top-p/min-p, logprobs, prompt logprobs): what sizing
-        the KV pool measures.
-        Needs sum(prompt_lens) / block_size blocks in this runner's cache; writes block 0 onward."""
-        top = min(MAX_LOGPROBS, self.vocab_size)
-        sampling = SamplingParams(max_tokens=1, temperature=1.0, top_p=0.9, min_p=0.05,
-                                  repetition_penalty=1.1, frequency_penalty=0.1, presence_penalty=0.1,
-                                  logprobs=top, prompt_logprobs=top, logit_bias={0: 1.0})
-        scheduled, next_block = [], 0
-        for i, n in enumerate(prompt_lens):
-            blocks = -(-n // self.block_size)
-            req = Request(f"profile-{i}", [1] * n, sampling, max_model_len=self.max_model_len, seed=i)
-            req.block_ids = list(range(next_block, next_block + blocks))  # outside the block manager's pool
-            scheduled.append(ScheduledRequest(req, n, 0, True))
-            next_block += blocks
-        # Every prompt position's logprobs too: the largest slice of prompt logits is part of the peak.
-        self.execute(SchedulerOutput(scheduled=scheduled, num_batched_tokens=sum(prompt_lens),
-                                     prompt_logprobs=[s for s in scheduled if s.num_new_tokens > 1]))
-
-    def warm_up(self) -> None:
-        """Prefills of 2, 3, 5, 9, ... tokens, one per tile variant of the extend kernel (its
-        BLOCK_M follows the longest query of a step in powers of two), then a step of B decodes
-        beside a prompt chunk for every decode graph bucket B (`mixed_step`), so that Triton
-        compiles them at start and not under load. Writes the cache's first blocks; nothing refers
-        to them yet."""
-        n = 2
-        while n < self.max_model_len and n <= self.max_tokens and -(-n // self.block_size) <= self.kv_cache.num_blocks:
-            self.profile([n])
-            n = 2 * n - 1
-        per_row = -(-4 // self.block_size)  # blocks of a mixed_step row
-        # (the prompt chunk takes a row: the largest bucket warms up one decode short)
-        sizes = sorted({min(b, self.max_num_seqs - 1) for b in graph_buckets(self.max_num_seqs)} - {0})
-        buckets = [b for b in sizes if b + 3 <= self.max_tokens and (b + 1) * per_row <= self.kv_cache.num_blocks]
-        for b in buckets:
-            self.mixed_step(b)
-        log.info("warmed_up", longest_prefill=(n + 1) // 2, mixed_steps=len(buckets))
-
-    def mixed_step(self, num_decodes: int) -> None:
-        """One step of `num_decodes` decodes at short contexts (the decode kernel's one-split
-        launch, at this batch's launch table) beside a 3-token prompt chunk over one cached token
-        (the prompt path with a prefix): the kernels a mixed step runs eagerly, which the decode
-        graphs (whole-context splits, bucket batches) never compile. Needs (num_decodes + 1) x
-        ceil(4 / block_size) blocks of this runner's cache; writes block 0 onward."""
-        sampling = SamplingParams(max_tokens=1, temperature=0.0)
-        per_row = -(-4 // self.block_size)
-        scheduled = []
-        for i in range(num_decodes + 1):
-            req = Request(f"warm-{i}", [1] * 4, sampling, max_model_len=self.max_model_len, seed=i)
-            req.block_ids = list(range(i * per_row, (i + 1) * per_row))  # outside the block manager's pool
-            start, n = (3, 1) if i < num_decodes else (1, 3)
-            req.num_computed_tokens = start
-            scheduled.append(ScheduledRequest(req, n, start, True))
-        self.execute(SchedulerOutput(scheduled=scheduled, num_batched_tokens=num_decodes + 3))
+        return StepOutput() if pending is None else pending.result()
 
     # ---- CUDA graphs ----------------------------------------------------------------------------
     def graph_forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,7 @@ import torch
 
 from pie.engine.messages import SampledToken
 from pie.engine.scheduling.request import Request
-from pie.engine.scheduling.scheduler import SchedulerOutput
+from pie.engine.scheduling.step import SchedulerOutput
 
 # Logit values (rows x vocabulary) made at once: 64 MiB of fp32.
 LOGITS_ELEMENTS = 1 << 24

@@ -50,7 +50,7 @@ import torch
 
 from pie.engine.runner.attention import AttentionMetadata
 from pie.engine.scheduling.request import Request
-from pie.engine.scheduling.scheduler import SchedulerOutput
+from pie.engine.scheduling.step import SchedulerOutput
 
 
 @dataclass(slots=True)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from pie.engine.messages import RequestStatus
+from pie.engine.messages import RequestOutput, RequestStatus, SampledToken
 from pie.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -103,9 +103,8 @@ class Request:
         # Prompt logprobs (sample 0 of a request that asks): entries 1..P-1 as they are computed,
         # chunk by chunk (entry i: prompt token i given tokens 0..i-1); handed over with the first
         # output token, then None. While a list, the request computes its prompt in full: no
-        # prefix-cache hit on admission (cached positions have no logits). The entries are
-        # engine.messages.SampledToken, not named here: that module imports this one.
-        self.prompt_logprobs: list[Any] | None = (
+        # prefix-cache hit on admission (cached positions have no logits).
+        self.prompt_logprobs: list[SampledToken] | None = (
             [] if sampling.prompt_logprobs is not None and index == 0 else None)
         # Structured output: this sample's matcher (None: free text). Not admitted before its
         # constraint is compiled; it advances with every token appended (Scheduler.update_from_output).
@@ -181,8 +180,39 @@ class Request:
     def finished(self) -> bool:
         return self.status.finished
 
-    def append_token(self, token_id: int) -> None:
-        self.output_token_ids.append(token_id)
+    def append_tokens(self, tokens: list[SampledToken]) -> tuple[int, str, RequestStatus | None]:
+        """The one way sampled tokens join the request: one, or a verify step's accepted proposals
+        and the token after them. Each in turn is appended, taken by the structured output's
+        matcher (all but the first: the step's first tokens go to the matchers together,
+        StructuredOutputs.consume), detokenized, and checked for a stop string, a stop id or EOS,
+        the length, and a complete constraint; the first that ends the request drops the rest.
+        Returns how many joined, their text, and the end found (None: the request goes on). A
+        matcher that refuses a token sets `grammar.error` and takes nothing more: the caller
+        fails the request. (Runs for every running request each step: plain attribute reads.)"""
+        detok, grammar = self.detokenizer, self.grammar
+        text = ""
+        n = 0
+        for token in tokens:
+            token_id = token.token_id
+            self.output_token_ids.append(token_id)
+            n += 1
+            if grammar is not None:
+                matcher = grammar.matcher
+                if n > 1 and grammar.error is None and matcher is not None and not matcher.consume_token(token_id):
+                    grammar.error = (f"the structured output's matcher refused token {token_id}: "
+                                     f"{matcher.get_error() or 'not allowed here'}")
+                if grammar.error is not None:
+                    return n, text, None
+            if detok is not None:
+                text += detok.step((token_id,))
+                if detok.stopped:
+                    return n, text, RequestStatus.FINISHED_STOPPED
+            status = self.check_token_stop()
+            if grammar is not None and grammar.finished:
+                status = RequestStatus.FINISHED_STOPPED  # the constraint is complete: nothing may follow
+            if status is not None:
+                return n, text, status
+        return n, text, None
 
     def check_token_stop(self) -> RequestStatus | None:
         """Finish status implied by the last generated token, if any (stop strings are the
@@ -197,6 +227,30 @@ class Request:
         if len(out) >= sp.max_tokens or len(out) + len(self.prompt_token_ids) >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+    def output(self, emitted: list[SampledToken], text: str) -> RequestOutput:
+        """What the caller sees of new tokens `emitted` that joined the request (`text`: their
+        text); the prompt logprobs go out with the first token. Not finished: the scheduler marks
+        the request's end on it."""
+        num_out = len(self.output_token_ids)
+        o = RequestOutput(
+            request_id=self.parent_id, new_token_ids=[t.token_id for t in emitted], new_text=text,
+            new_logprobs=emitted if emitted[0].top or self.sampling.logprobs else [],
+            num_prompt_tokens=len(self.prompt_token_ids), num_output_tokens=num_out,
+            num_cached_tokens=self.num_cached_tokens, index=self.index, all_finished=False)
+        if num_out == len(emitted) and self.first_scheduled_time is not None:
+            o.queue_time_s = self.first_scheduled_time - self.arrival_time
+        if self.prompt_logprobs is not None:  # all computed by now: its first token is out
+            o.prompt_logprobs, self.prompt_logprobs = self.prompt_logprobs, None
+        return o
+
+    def error_output(self, error: str, *, out_of_memory: bool, all_finished: bool) -> RequestOutput:
+        """What the caller sees of the request failed by an engine fault."""
+        return RequestOutput(
+            request_id=self.parent_id, new_token_ids=[], new_text="", finished=True,
+            status=RequestStatus.FINISHED_ERROR, num_prompt_tokens=self.num_prompt_tokens,
+            num_output_tokens=self.num_output_tokens, error=error, out_of_memory=out_of_memory,
+            index=self.index, num_cached_tokens=self.num_cached_tokens, all_finished=all_finished)
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, status={self.status.name}, "

@@ -8,9 +8,9 @@ prefilled in chunks over several steps; a batch can mix both.
 The scheduler opens each step and closes it (as vLLM v1's `Scheduler.update_from_output`):
 
     out = scheduler.schedule()                       # which requests, how many tokens each
-    sampled = runner.launch(out).result()            # the forward pass and the sample
+    pending = runner.launch(out)                     # the forward pass and the sample, queued
     scheduler.step_launched(out)                     # the tokens count as computed
-    outputs = scheduler.update_from_output(out.sampling_requests, sampled)
+    outputs = scheduler.update_from_output(pending.result())
                                                      # tokens appended, stops, blocks freed
 
 With async scheduling (engine/core/engine_core.py) step N is launched before step N-1's tokens are read back:
@@ -42,24 +42,17 @@ cache where the blocks survived) and then samples the next token. Choosing by ar
 admission, means an old request that was re-admitted is never the victim of newer ones of its
 priority, so nothing starves within a priority.
 
-Bounded stalls: a step that carries prompt tokens stalls every decode it carries for as long as it
-runs. With `stall_factor` > 0 the prompt tokens of a step with running decodes are cut so that the
-step is expected to take at most `stall_factor` times the decode-only step of the batch it heads
-to (`Scheduler._heading`: its decodes, running prefills and the waiting requests rows and blocks
-admit next; `StallBound` learns both costs from the step times the engine reports), never below
-`min_prompt_tokens`; `max_num_batched_tokens` stays the cap. A step without decodes takes the
-whole budget.
+Bounded stalls: with `stall_factor` > 0, the prompt tokens of a step with running decodes are cut
+so that it is expected to take at most `stall_factor` times the decode-only step of the batch it
+heads to (`_heading`; engine/scheduling/stall.py), never below one block; a step without decodes
+takes the whole budget.
 """
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import time
-from collections import deque
-from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Protocol
 
 import structlog
@@ -67,8 +60,10 @@ import structlog
 from pie.engine.messages import RequestOutput, RequestStatus, SampledToken
 from pie.engine.sample.structured import StructuredOutputs
 from pie.engine.scheduling.block_manager import BlockManager
-from pie.engine.scheduling.request import Request, SampleGroup
+from pie.engine.scheduling.request import Request
+from pie.engine.scheduling.requests import RequestTable
 from pie.engine.scheduling.stall import StallBound
+from pie.engine.scheduling.step import ScheduledRequest, SchedulerOutput, StepOutput
 
 log = structlog.get_logger(__name__)
 
@@ -84,43 +79,10 @@ class Speculation(Protocol):
     def record(self, k: int, accepted: int) -> None: ...  # a verified row: k proposed, `accepted` taken
 
 
-@dataclass(slots=True)
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int  # tokens of the request run through the model this step (>= 1), proposals included
-    start: int  # their first position: num_computed_tokens before the step
-    sample: bool  # start + num_new_tokens - num_spec == num_tokens: this step produces the next token
-    # Of num_new_tokens, the proposed ones after the newest token (Request.spec_token_ids, verified
-    # this step; engine/spec_decode/speculator.py); 0 without speculative decoding.
-    num_spec: int = 0
+class Scheduler(RequestTable):
+    """Plans each step (`schedule`) and closes it (`step_launched`, `update_from_output`) over the
+    engine's requests (RequestTable: where each one is, and how it leaves)."""
 
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    # Requests that run this step: running decodes, running prefills (admission order within
-    # each), then newly admitted ones.
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    # Requests preempted this step (blocks freed, back in the waiting queue in arrival order).
-    preempted: list[Request] = field(default_factory=list)
-    # Sum of num_new_tokens over `scheduled`; at most max_num_batched_tokens.
-    num_batched_tokens: int = 0
-    # Of `scheduled`, those whose tokens include prompt positions whose logprobs their request
-    # collects (Request.prompt_logprobs); empty in almost every step.
-    prompt_logprobs: list[ScheduledRequest] = field(default_factory=list)
-    # Sum of num_spec over `scheduled`: proposals this step verifies (0: no row speculates).
-    num_spec_tokens: int = 0
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-    @property
-    def sampling_requests(self) -> list[Request]:
-        """The requests whose next token this step samples, in row order (the runner's rows)."""
-        return [s.request for s in self.scheduled if s.sample]
-
-
-class Scheduler:
     def __init__(
         self,
         block_manager: BlockManager,
@@ -136,52 +98,13 @@ class Scheduler:
     ) -> None:
         if min(max_num_seqs, max_num_batched_tokens, max_model_len) < 1:
             raise ValueError("max_num_seqs, max_num_batched_tokens and max_model_len must be >= 1")
-        self.block_manager = block_manager
+        super().__init__(block_manager)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.structured = structured
         self.speculator = speculator
         self.stall = StallBound(stall_factor, min_tokens=block_manager.block_size)
-        # In (priority, arrival) order; preempted requests re-enter in their place.
-        self.waiting: deque[Request] = deque()
-        # Admission order; the least urgent, latest arrival is preempted first.
-        self.running: list[Request] = []
-        # Every engine request with an unfinished sample, by its id: the one lookup by id.
-        self.groups: dict[str, SampleGroup] = {}
-        self.num_preemptions = 0  # cumulative, for stats
-
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
-
-    def add_request(self, group: SampleGroup) -> None:
-        """Queue every sample of a new engine request (ValueError for an id in use). Whether it can
-        ever fit was checked where it entered the engine (engine.validation.check_request)."""
-        if group.request_id in self.groups:
-            raise ValueError(f"request id {group.request_id!r} is already in use")
-        self.groups[group.request_id] = group
-        for request in group.samples:
-            self._enqueue(request)
-
-    def _enqueue(self, request: Request) -> None:
-        """Into the waiting queue after every request of its priority that arrived no later."""
-        key = (request.priority, request.arrival_time)
-        self.waiting.insert(bisect.bisect_right(self.waiting, key, key=lambda r: (r.priority, r.arrival_time)),
-                            request)
-
-    def num_waiting_by_priority(self) -> dict[int, int]:
-        counts: dict[int, int] = {}
-        for r in self.waiting:
-            counts[r.priority] = counts.get(r.priority, 0) + 1
-        return counts
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -319,12 +242,6 @@ class Scheduler:
         nothing else to run)."""
         return [f for r in self.waiting if r.grammar is not None and (f := r.grammar.pending) is not None]
 
-    def _pick_victim(self) -> Request:
-        """The running request of the least urgent priority that arrived last (ties: admitted
-        last). Preempting by arrival, not admission, means a re-admitted old request is never the
-        victim of newer ones of its priority: nothing starves within a priority."""
-        return max(enumerate(self.running), key=lambda ir: (ir[1].priority, ir[1].arrival_time, ir[0]))[1]
-
     def _schedule(self, out: SchedulerOutput, request: Request, num_new: int, num_spec: int = 0) -> ScheduledRequest:
         start = request.num_computed_tokens
         s = ScheduledRequest(request, num_new, start, start + num_new - num_spec == request.num_tokens, num_spec)
@@ -334,18 +251,6 @@ class Scheduler:
         if request.prompt_logprobs is not None and start < len(request.prompt_token_ids) - 1:
             out.prompt_logprobs.append(s)
         return s
-
-    def _preempt(self, request: Request) -> None:
-        self.block_manager.free(request)
-        request.num_computed_tokens = 0
-        request.spec_token_ids = []
-        request.draft_computed = 0
-        request.status = RequestStatus.PREEMPTED
-        request.num_preemptions += 1
-        self.num_preemptions += 1
-        self._enqueue(request)  # ahead of everything of its priority that came later
-        log.info("preempted", request_id=request.request_id,
-                 num_preemptions=request.num_preemptions, num_tokens=request.num_tokens)
 
     # ---- closing the step ------------------------------------------------------------------------
     def step_launched(self, out: SchedulerOutput) -> None:
@@ -366,23 +271,43 @@ class Scheduler:
             if s.sample:
                 request.num_output_placeholders += 1
 
-    def update_from_output(self, requests: Sequence[Request], sampled: Sequence[SampledToken],
-                           prompt_logprobs: Sequence[tuple[Request, int, list[SampledToken]]] = (),
-                           speculated: Sequence[list[SampledToken]] | None = None) -> list[RequestOutput]:
-        """Closes a step: each row's sampled token (rows in `SchedulerOutput.sampling_requests`
-        order) joins its request, is detokenized and checked for a stop, and ends the request
-        (its blocks freed) when it stops. Returns one output per row still running. A row whose
+    def update_from_output(self, step: StepOutput) -> list[RequestOutput]:
+        """Closes a step, whatever kind it was: each row's new tokens join its request
+        (`Request.append_tokens`), proposals it rejected are rolled back, and a request that
+        stops ends (its blocks freed). Returns one output per row still running. A row whose
         request finished since its step was launched (aborted, failed, or stopped by the step
-        before under async scheduling) is dropped with its token. A structured output's matcher
-        takes the token first (all of the step's at once, in parallel); one that refuses it fails
+        before under async scheduling) is dropped with its tokens. The matchers of structured
+        outputs take every row's first token at once, in parallel; one that refuses a token fails
         its request.
 
-        prompt_logprobs: (request, index of its first entry, entries) of the prompt positions the
-        step computed (SchedulerOutput.prompt_logprobs), collected first, so that a request whose
-        last prompt chunk samples its first token hands them all over with that token.
+        The step's prompt logprobs are collected first, so that a request whose last prompt chunk
+        samples its first token hands them all over with that token."""
+        self._collect_prompt_logprobs(step.prompt_logprobs)
+        assert len(step.tokens) == len(step.requests) and (step.proposed is None or len(step.proposed) == len(step.requests))
+        if self.structured is not None:
+            self.structured.consume([(r.grammar, tokens[0].token_id) for r, tokens in zip(step.requests, step.tokens)
+                                     if r.grammar is not None and not r.finished])
+        outputs = []
+        for request, tokens, k in zip(step.requests, step.tokens, step.proposed or itertools.repeat(0)):
+            if request.finished:
+                continue
+            request.num_output_placeholders -= 1
+            if k:
+                self._settle_proposals(request, k, len(tokens) - 1)
+            n, text, status = request.append_tokens(tokens)
+            grammar = request.grammar
+            if grammar is not None and grammar.error is not None:  # a refused token, or a constraint that never compiled
+                log.error("structured_output_failed", request_id=request.request_id, error=grammar.error)
+                outputs += self.fail([request], grammar.error)
+                continue
+            outputs.append(self._output(request, tokens if n == len(tokens) else tokens[:n], text, status))
+            if k and not request.finished:
+                self.block_manager.trim(request)  # blocks only rejected proposals filled go back
+                self.block_manager.cache_full_blocks(request)
+                request.draft_computed = min(request.draft_computed, request.num_computed_tokens)
+        return outputs
 
-        speculated: in a step that verified proposals (engine/spec_decode/speculator.py), each row's tokens:
-        its accepted proposals and the token after them (`sampled` is then not read)."""
+    def _collect_prompt_logprobs(self, prompt_logprobs: list[tuple[Request, int, list[SampledToken]]]) -> None:
         for request, first, entries in prompt_logprobs:
             collected = request.prompt_logprobs
             if collected is None or request.finished:
@@ -392,171 +317,38 @@ class Scheduler:
             have = len(collected) + 1  # entry 0 (the first prompt token) has none
             if first <= have < first + len(entries):
                 collected.extend(entries[have - first:])
-        if speculated is not None:
-            return self._update_speculative(requests, speculated)
-        if self.structured is not None:
-            self.structured.consume([(r.grammar, t.token_id) for r, t in zip(requests, sampled, strict=True)
-                                     if r.grammar is not None and not r.finished])
-        outputs = []
-        for request, token in zip(requests, sampled, strict=True):
-            if request.finished:
-                continue
-            request.num_output_placeholders -= 1
-            request.output_token_ids.append(token.token_id)
-            grammar = request.grammar
-            if grammar is not None and grammar.error is not None:  # a bug, or a constraint that never compiled
-                log.error("structured_output_failed", request_id=request.request_id, error=grammar.error)
-                outputs += self.fail([request], grammar.error)
-                continue
-            outputs.append(self._output(request, token))
-        return outputs
 
-    def _output(self, request: Request, token: SampledToken) -> RequestOutput:
-        """The output of one new token (already in request.output_token_ids): text, stop checks,
-        and the request's end when it stops here. (Runs for every running request each step:
-        plain attribute reads.)"""
+    def _settle_proposals(self, request: Request, k: int, accepted: int) -> None:
+        """A row verified k proposals and accepted the first `accepted`: those count as computed
+        (the newest token's K/V counted at launch); the rest are rolled back once the tokens
+        joined (update_from_output), so blocks are hashed from accepted tokens only."""
+        assert 0 <= accepted <= k, f"{request}: {accepted} of {k} proposals accepted"
+        request.spec_token_ids = []
+        request.num_drafts += 1
+        request.num_draft_tokens += k
+        request.num_accepted_tokens += accepted
+        if self.speculator is not None:
+            self.speculator.record(k, accepted)
+        request.num_computed_tokens += accepted
+
+    def _output(self, request: Request, emitted: list[SampledToken], text: str,
+                status: RequestStatus | None) -> RequestOutput:
+        """The output of a request's new tokens `emitted` (`text` their text so far, `status` the
+        end `append_tokens` found), and the request's end when it ends here."""
         detok = request.detokenizer
-        text = ""
-        stopped = False
         if detok is not None:
-            text = detok.step((token.token_id,))
-            stopped = detok.stopped
-        status = RequestStatus.FINISHED_STOPPED if stopped else request.check_token_stop()
-        if request.grammar is not None and request.grammar.finished and status != RequestStatus.FINISHED_STOPPED:
-            status = RequestStatus.FINISHED_STOPPED  # the constraint is complete: nothing may follow
-        return self._closed_output(request, [token], text, status, stopped)
-
-    def _closed_output(self, request: Request, emitted: list[SampledToken], text: str,
-                       status: RequestStatus | None, stopped: bool) -> RequestOutput:
-        """The output of a request's new tokens `emitted` (their `text` so far; `status` the end
-        their checks found, `stopped` whether the detokenizer found a stop string), and the
-        request's end when it ends here."""
-        detok = request.detokenizer
-        if status is not None and not stopped and detok is not None:
-            # Ending for another reason: text held back (a possible stop string, a split
-            # character) comes out now, and a stop string found in it still ends the request.
-            text += detok.flush()
+            if status is not None and not detok.stopped:
+                # Ending for another reason: text held back (a possible stop string, a split
+                # character) comes out now, and a stop string found in it still ends the request.
+                text += detok.flush()
+                if detok.stopped:
+                    status = RequestStatus.FINISHED_STOPPED
             if detok.stopped:
-                status = RequestStatus.FINISHED_STOPPED
-        if detok is not None and detok.stopped:
-            request.stop_reason = detok.stop_string
-        num_out = len(request.output_token_ids)
-        o = RequestOutput(
-            request_id=request.parent_id, new_token_ids=[t.token_id for t in emitted], new_text=text,
-            new_logprobs=emitted if emitted[0].top or request.sampling.logprobs else [],
-            num_prompt_tokens=len(request.prompt_token_ids), num_output_tokens=num_out,
-            num_cached_tokens=request.num_cached_tokens, index=request.index, all_finished=False)
-        if num_out == len(emitted) and request.first_scheduled_time is not None:
-            o.queue_time_s = request.first_scheduled_time - request.arrival_time
-        if request.prompt_logprobs is not None:  # all computed by now: its first token is out
-            o.prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, None
+                request.stop_reason = detok.stop_string
+        o = request.output(emitted, text)
         if status is not None:
             o.all_finished = self.finish(request, status)
             o.finished, o.status, o.stop_reason = True, status, request.stop_reason
             if request.num_drafts:
                 o.num_draft_tokens, o.num_accepted_tokens = request.num_draft_tokens, request.num_accepted_tokens
         return o
-
-    def _update_speculative(self, requests: Sequence[Request], speculated: Sequence[list[SampledToken]]
-                            ) -> list[RequestOutput]:
-        """update_from_output of a step that verified proposals: each row's accepted proposals and
-        the token after them join the request one at a time, as plain decoding would append them;
-        the rejected proposals are rolled back (their K/V no longer count, the blocks only they
-        filled go back to the pool; blocks are hashed from accepted tokens only)."""
-        bm, speculator = self.block_manager, self.speculator
-        outputs = []
-        for request, tokens in zip(requests, speculated, strict=True):
-            if request.finished:
-                continue
-            k = len(request.spec_token_ids)
-            accepted = len(tokens) - 1
-            assert 0 <= accepted <= k, f"{request}: {accepted} of {k} proposals accepted"
-            request.spec_token_ids = []
-            request.num_output_placeholders -= 1
-            if k:
-                request.num_drafts += 1
-                request.num_draft_tokens += k
-                request.num_accepted_tokens += accepted
-                if speculator is not None:
-                    speculator.record(k, accepted)
-            request.num_computed_tokens += accepted  # the newest token's K/V counted at launch
-            outputs += self._output_many(request, tokens)
-            if not request.finished:
-                bm.trim(request)
-                bm.cache_full_blocks(request)
-                request.draft_computed = min(request.draft_computed, request.num_computed_tokens)
-        return outputs
-
-    def _output_many(self, request: Request, tokens: list[SampledToken]) -> list[RequestOutput]:
-        """`_output` for several new tokens of one request (a verify step's): they join it one at
-        a time, its matcher takes each, and the first that ends the request drops the rest."""
-        detok, grammar = request.detokenizer, request.grammar
-        text = ""
-        stopped = False
-        status = None
-        emitted: list[SampledToken] = []
-        for token in tokens:
-            request.output_token_ids.append(token.token_id)
-            emitted.append(token)
-            if grammar is not None and grammar.matcher is not None and grammar.error is None:
-                if not grammar.matcher.consume_token(token.token_id):
-                    grammar.error = (f"the structured output's matcher refused token {token.token_id}: "
-                                     f"{grammar.matcher.get_error() or 'not allowed here'}")
-            if grammar is not None and grammar.error is not None:
-                log.error("structured_output_failed", request_id=request.request_id, error=grammar.error)
-                return self.fail([request], grammar.error)
-            if detok is not None:
-                text += detok.step((token.token_id,))
-                stopped = detok.stopped
-            status = RequestStatus.FINISHED_STOPPED if stopped else request.check_token_stop()
-            if grammar is not None and grammar.finished and status != RequestStatus.FINISHED_STOPPED:
-                status = RequestStatus.FINISHED_STOPPED
-            if status is not None:
-                break
-        return [self._closed_output(request, emitted, text, status, stopped)]
-
-    def fail(self, requests: Sequence[Request], error: str, *, out_of_memory: bool = False) -> list[RequestOutput]:
-        """Ends each of `requests` (not finished yet) with FINISHED_ERROR: an engine fault in their
-        step. Returns their error outputs."""
-        outputs = []
-        for request in requests:
-            if request.finished:
-                continue
-            last = self.finish(request, RequestStatus.FINISHED_ERROR)
-            outputs.append(RequestOutput(
-                request_id=request.parent_id, new_token_ids=[], new_text="", finished=True,
-                status=RequestStatus.FINISHED_ERROR, num_prompt_tokens=request.num_prompt_tokens,
-                num_output_tokens=request.num_output_tokens, error=error, out_of_memory=out_of_memory,
-                index=request.index, num_cached_tokens=request.num_cached_tokens, all_finished=last))
-        return outputs
-
-    def finish(self, request: Request, status: RequestStatus) -> bool:
-        """Ends one sample (status must be a FINISHED_* one) and gives back its blocks. True when
-        it was the last unfinished sample of its engine request (whose id is then free again)."""
-        assert status.finished, f"{status.name} is not a finished status"
-        if request.finished:
-            return False
-        request.status = status
-        request.spec_token_ids = []
-        if request in self.running:
-            self.running.remove(request)
-        else:
-            self.waiting.remove(request)
-        self.block_manager.free(request)
-        group = request.group
-        group.num_unfinished -= 1
-        if group.num_unfinished:
-            return False
-        if self.groups.get(group.request_id) is group:
-            del self.groups[group.request_id]
-        return True
-
-    def abort(self, request_id: str) -> bool:
-        """Ends every unfinished sample of the engine request as FINISHED_ABORTED, wherever it is
-        (its blocks free at once); False for an unknown or finished id."""
-        group = self.groups.get(request_id)
-        if group is None:
-            return False
-        for request in group.samples:
-            self.finish(request, RequestStatus.FINISHED_ABORTED)
-        return True

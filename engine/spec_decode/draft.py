@@ -33,9 +33,9 @@ from pie.engine.errors import StartupError
 from pie.engine.runner.kv_cache import KVCache
 from pie.engine.runner.model_runner import ModelRunner
 from pie.engine.sample.rejection import DraftProbs, draft_distribution, draft_draw
-from pie.engine.sample.sampler import SamplingTensors
+from pie.engine.sample.tensors import SamplingTensors
 from pie.engine.scheduling.request import Request
-from pie.engine.scheduling.scheduler import ScheduledRequest, SchedulerOutput
+from pie.engine.scheduling.step import ScheduledRequest, SchedulerOutput
 from pie.model.llama import LlamaForCausalLM
 from pie.model.tokenizer import Tokenizer
 

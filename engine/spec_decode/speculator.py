@@ -63,7 +63,7 @@ from typing import Protocol
 
 from pie.engine.sample.rejection import DraftProbs
 from pie.engine.scheduling.request import Request
-from pie.engine.scheduling.scheduler import SchedulerOutput
+from pie.engine.scheduling.step import SchedulerOutput
 
 
 class Proposer(Protocol):

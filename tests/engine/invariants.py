@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from pie.engine.scheduling import block_manager
 from pie.engine.core.engine_core import EngineCore
+from pie.engine.scheduling import block_manager
 
 
 def assert_engine_invariants(engine: EngineCore) -> None:

@@ -136,20 +136,20 @@ def test_a_fault_fails_its_step_and_leaks_nothing(rng, model_dir, where):
         engine.add_request(f"f{i}", p, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
     for _ in range(4):
         engine.step()
-    launch = engine.runner.launch
+    sample = engine.runner.sample  # the step's last launch call (EngineCore._launch)
 
-    def faulty(out):
-        engine.runner.launch = launch  # once
+    def faulty(*args):
+        engine.runner.sample = sample  # once
         if where == "launch":
             raise RuntimeError("injected launch fault")
-        pending = launch(out)
+        pending = sample(*args)
 
         def broken():
             raise RuntimeError("injected read-back fault")
         pending.result = broken
         return pending
 
-    engine.runner.launch = faulty
+    engine.runner.sample = faulty
     outs = []
     while engine.has_unfinished():
         outs += engine.step()

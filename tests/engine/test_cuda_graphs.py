@@ -15,15 +15,18 @@ import torch.distributed as dist
 from pie.engine.config import EngineConfig
 from pie.engine.core.engine_core import EngineCore
 from pie.engine.errors import StartupError
+from pie.engine.runner import kv_sizing
+from pie.engine.runner import warm_up as warm_up_module
 from pie.engine.runner.cuda_graphs import graph_buckets, mixed_buckets
 from pie.engine.runner.kv_cache import KVCache
 from pie.engine.runner.kv_sizing import CPU_KV_CACHE_BYTES, num_kv_blocks
 from pie.engine.runner.model_runner import ModelRunner
 from pie.engine.runner.staging import StepFacts
 from pie.engine.runner.tensor_parallel import OP_FORWARD, Leader, destroy_group, follow
+from pie.engine.runner.warm_up import profile, warm_up
 from pie.engine.sampling_params import SamplingParams
 from pie.engine.scheduling.request import Request
-from pie.engine.scheduling.scheduler import ScheduledRequest, SchedulerOutput
+from pie.engine.scheduling.step import ScheduledRequest, SchedulerOutput
 from pie.model.parallel import TensorParallel
 from tests.helpers import make_hf_model_dir
 
@@ -117,7 +120,7 @@ def test_profile_step_runs_on_the_cpu(tmp_path):
     """The profiling step that sizes the KV pool on CUDA (every sampler feature on) runs anywhere."""
     engine = EngineCore(EngineConfig(model=str(make_hf_model_dir(tmp_path, "llama")), device="cpu",
                                     kv_cache_dtype="int8", num_kv_blocks=64, max_num_seqs=4))
-    engine.runner.profile([20, 7, 1])
+    profile(engine.runner, [20, 7, 1])
     assert engine.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0)) != []
 
 
@@ -317,13 +320,14 @@ def test_kv_sizing_arithmetic_with_a_fake_device(monkeypatch):
     profiled: list[list[int]] = []
     made: list[int] = []
 
-    class Runner:
-        def profile(self, lens):
-            profiled.append(lens)
+    class Runner:  # stands for a ModelRunner over n blocks: the sizing only profiles it
+        pass
 
     def make_runner(n: int) -> Runner:
         made.append(n)
         return Runner()
+
+    monkeypatch.setattr(kv_sizing, "profile", lambda runner, lens: profiled.append(lens))
 
     cfg = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, gpu_memory_fraction=0.9)
     cuda = torch.device("cuda")
@@ -341,17 +345,18 @@ def test_kv_sizing_arithmetic_with_a_fake_device(monkeypatch):
     assert num_kv_blocks(EngineConfig(), torch.device("cpu"), 1 << 20, 2048, make_runner) == CPU_KV_CACHE_BYTES >> 20
 
 
-def test_warm_up_runs_every_prefill_tile_on_the_cpu(tmp_path):
+def test_warm_up_runs_every_prefill_tile_on_the_cpu(tmp_path, monkeypatch):
     engine = EngineCore(EngineConfig(model=str(make_hf_model_dir(tmp_path, "llama")), device="cpu",
                                     kv_cache_dtype="int8", num_kv_blocks=64, max_num_seqs=4,
                                     max_num_batched_tokens=128))
     seen, mixed = [], []
-    profile, mixed_step, execute = engine.runner.profile, engine.runner.mixed_step, engine.runner.execute
-    engine.runner.profile = lambda lens: (seen.append(lens[0]), profile(lens))
-    engine.runner.mixed_step = lambda b: (mixed.append(b), mixed_step(b))
+    monkeypatch.setattr(warm_up_module, "profile", lambda runner, lens: (seen.append(lens[0]), profile(runner, lens)))
+    mixed_step = warm_up_module.mixed_step
+    monkeypatch.setattr(warm_up_module, "mixed_step", lambda runner, b: (mixed.append(b), mixed_step(runner, b)))
     sampled = []
-    engine.runner.execute = lambda out: sampled.append(execute(out)) or sampled[-1]
-    engine.runner.warm_up()
+    execute = engine.runner.execute
+    engine.runner.execute = lambda out: sampled.append(execute(out).tokens) or sampled[-1]
+    warm_up(engine.runner)
     assert seen == [2, 3, 5, 9, 17, 33, 65]  # 129 > the step's 128-token budget
     # then a step of B decodes beside a prompt chunk for each decode graph bucket (1, 2, 4), the
     # largest one decode short (the chunk takes the fourth row)

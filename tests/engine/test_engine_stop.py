@@ -7,6 +7,7 @@ from pie.engine.config import EngineConfig
 from pie.engine.core.engine_core import EngineCore
 from pie.engine.messages import RequestStatus, SampledToken
 from pie.engine.sampling_params import SamplingParams
+from pie.engine.scheduling.step import StepOutput
 from tests.helpers import EOS_ID, make_hf_model_dir
 
 
@@ -39,14 +40,8 @@ class Forced:
         self.requests = self.all_requests = out.sampling_requests
         self._tokens = tokens
 
-    def result(self) -> list[SampledToken]:
-        return [SampledToken(next(self._tokens), 0.0, []) for _ in self.requests]
-
-    def prompt_logprobs(self) -> list:
-        return []
-
-    def speculated(self) -> None:
-        return None
+    def result(self) -> StepOutput:
+        return StepOutput(self.requests, [[SampledToken(next(self._tokens), 0.0, [])] for _ in self.requests])
 
 
 def test_min_tokens_holds_back_eos_and_stop_ids_the_bias_forces(tmp_path):

@@ -8,7 +8,8 @@ from pie.engine.messages import RequestStatus, SampledToken
 from pie.engine.sampling_params import SamplingParams
 from pie.engine.scheduling.block_manager import BlockManager
 from pie.engine.scheduling.request import Request
-from pie.engine.scheduling.scheduler import Scheduler, SchedulerOutput
+from pie.engine.scheduling.scheduler import Scheduler
+from pie.engine.scheduling.step import SchedulerOutput, StepOutput
 
 TOKEN = 7
 
@@ -22,7 +23,7 @@ def close(sched: Scheduler, out: SchedulerOutput) -> None:
     """The engine's end of a step: launched, then every sampling row read back as TOKEN."""
     sched.step_launched(out)
     rows = out.sampling_requests
-    sched.update_from_output(rows, [SampledToken(TOKEN, 0.0, []) for _ in rows])
+    sched.update_from_output(StepOutput(rows, [[SampledToken(TOKEN, 0.0, [])] for _ in rows]))
 
 
 def compute(bm: BlockManager, r: Request, num_tokens: int | None = None) -> None:
@@ -105,7 +106,7 @@ def test_decode_blocks_get_hashed_when_full() -> None:
     a = req("a", [1, 2, 3])
     compute(bm, a)
     assert bm.block_hash(1) is None
-    a.append_token(4)
+    a.output_token_ids.append(4)
     assert bm.allocate_slots(a, 1) == ()  # 4 tokens still fit in 2 blocks
     a.num_computed_tokens = 4
     bm.cache_full_blocks(a)

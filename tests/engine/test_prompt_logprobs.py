@@ -14,6 +14,7 @@ from pie.engine.sampling_params import SamplingParams
 from pie.engine.scheduling.block_manager import BlockManager
 from pie.engine.scheduling.request import Request
 from pie.engine.scheduling.scheduler import Scheduler
+from pie.engine.scheduling.step import StepOutput
 from tests.helpers import make_hf_model_dir
 
 TOLERANCE = 1e-3  # against transformers' log_softmax in fp32 (measured ~1e-6 on the CPU)
@@ -161,9 +162,9 @@ def test_overlapping_chunks_are_collected_once():
     def entries(first: int, count: int) -> list[SampledToken]:
         return [SampledToken(r.prompt_token_ids[i], -float(i), []) for i in range(first, first + count)]
 
-    sched.update_from_output([], [], [(r, 1, entries(1, 4))])
-    sched.update_from_output([], [], [(r, 1, entries(1, 6))])  # recomputed from the start
-    sched.update_from_output([], [], [(r, 7, entries(7, 3))])
+    sched.update_from_output(StepOutput(prompt_logprobs=[(r, 1, entries(1, 4))]))
+    sched.update_from_output(StepOutput(prompt_logprobs=[(r, 1, entries(1, 6))]))  # recomputed from the start
+    sched.update_from_output(StepOutput(prompt_logprobs=[(r, 7, entries(7, 3))]))
     assert r.prompt_logprobs is not None
     assert [e.logprob for e in r.prompt_logprobs] == [-float(i) for i in range(1, 10)]
 

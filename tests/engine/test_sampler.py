@@ -9,14 +9,8 @@ import math
 import pytest
 import torch
 
-from pie.engine.sample.sampler import (
-    SamplingTensors,
-    _apply_top_k_top_p,
-    apply_logit_adds,
-    apply_penalties,
-    hash_uniform,
-    sample,
-)
+from pie.engine.sample.sampler import _apply_top_k_top_p, apply_penalties, hash_uniform, sample
+from pie.engine.sample.tensors import SamplingTensors, apply_logit_adds
 from pie.engine.sampling_params import SamplingParams
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

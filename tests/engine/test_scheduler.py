@@ -13,7 +13,8 @@ from pie.engine.messages import RequestStatus, SampledToken
 from pie.engine.sampling_params import SamplingParams
 from pie.engine.scheduling.block_manager import BlockManager
 from pie.engine.scheduling.request import Request
-from pie.engine.scheduling.scheduler import Scheduler, SchedulerOutput
+from pie.engine.scheduling.scheduler import Scheduler
+from pie.engine.scheduling.step import SchedulerOutput, StepOutput
 
 TOKEN = 7
 
@@ -57,7 +58,7 @@ def close(sched: Scheduler, out: SchedulerOutput) -> None:
     """The engine's end of a step: launched, then every sampling row read back as TOKEN."""
     sched.step_launched(out)
     rows = out.sampling_requests
-    sched.update_from_output(rows, [SampledToken(TOKEN, 0.0, []) for _ in rows])
+    sched.update_from_output(StepOutput(rows, [[SampledToken(TOKEN, 0.0, [])] for _ in rows]))
 
 
 def step(sched: Scheduler) -> SchedulerOutput:

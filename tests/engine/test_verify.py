@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from pie.engine.sample.rejection import DraftProbs, draft_distribution, draft_draw, verify
-from pie.engine.sample.sampler import SamplingTensors, sample
+from pie.engine.sample.sampler import sample
+from pie.engine.sample.tensors import SamplingTensors
 from pie.engine.sampling_params import SamplingParams
 from pie.engine.spec_decode.speculator import NgramIndex
 

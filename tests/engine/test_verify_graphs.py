@@ -23,10 +23,11 @@ from pie.engine.config import EngineConfig
 from pie.engine.core.engine_core import EngineCore
 from pie.engine.runner.cuda_graphs import CudaGraphs, Graph, graph_buckets, graph_inputs
 from pie.engine.runner.kv_cache import KVCache
-from pie.engine.runner.model_runner import ModelRunner, StepLogits
+from pie.engine.runner.model_runner import ModelRunner
+from pie.engine.runner.pending import StepLogits
 from pie.engine.sampling_params import SamplingParams
 from pie.engine.scheduling.request import Request
-from pie.engine.scheduling.scheduler import ScheduledRequest, SchedulerOutput
+from pie.engine.scheduling.step import ScheduledRequest, SchedulerOutput
 from tests.engine.test_seed_consistency import Run
 from tests.engine.test_speculative import _prompts
 from tests.helpers import make_hf_model_dir
@@ -323,10 +324,9 @@ def _verified(runner: ModelRunner, out: SchedulerOutput, rows: list[int], logits
     """The tokens the verify step emits per row from these logits (greedy rows)."""
     pending = runner.sample(StepLogits(out, rows, logits, None))
     assert pending is not None
-    pending.result()
-    speculated = pending.speculated()
-    assert speculated is not None
-    return [[t.token_id for t in row] for row in speculated]
+    step = pending.result()
+    assert step.proposed is not None
+    return [[t.token_id for t in row] for row in step.tokens]
 
 
 @pytest.mark.gpu

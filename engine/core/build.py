@@ -1,0 +1,76 @@
+"""What EngineCore builds beside the model and its pool: the K/V smoothing folded into the weights
+before int8 pages quantize anything, and speculative decoding's `Speculator` (with the draft
+model's runner over a pool of its own)."""
+
+from __future__ import annotations
+
+import structlog
+import torch
+
+from pie.engine.config import EngineConfig
+from pie.engine.runner.kv_cache import KVCache
+from pie.engine.runner.model_runner import ModelRunner
+from pie.engine.runner.tensor_parallel import Leader
+from pie.engine.runner.warm_up import warm_up
+from pie.engine.spec_decode.draft import DraftModel, DraftProposer
+from pie.engine.spec_decode.speculator import NgramProposer, Proposer, Speculator
+from pie.model import smoothing
+from pie.model.config import ModelConfig
+from pie.model.llama import LlamaForCausalLM
+from pie.model.tokenizer import Tokenizer
+
+log = structlog.get_logger(__name__)
+
+
+def smooth_kv(model: LlamaForCausalLM, mc: ModelConfig, tokenizer: Tokenizer, tp: Leader | None, mode: str) -> None:
+    """Evens out K/V channel magnitudes of `model` (its config `mc`) before anything is quantized
+    (model/smoothing.py); with `mode` "auto", in the layers and kv heads where that lowers the int8
+    attention error."""
+    ids = smoothing.calibration_tokens(tokenizer.encode, mc.vocab_size, min(256, mc.max_model_len))
+    if tp is not None:
+        tp.calibrate(ids)  # the calibration pass is collective: every rank runs it
+    factors = smoothing.calibrate(model, ids, choose=mode == "auto")
+    smoothing.fold(model, factors)
+    low, high = factors.log2_range()
+    k_heads, v_heads, heads = factors.heads_smoothed()
+    errors = {}  # what the choice measured (auto): the int8 attention error without and with the factors kept
+    if factors.error_plain is not None and factors.error_kept is not None:
+        errors = dict(int8_error_plain=round(factors.error_plain, 6), int8_error_kept=round(factors.error_kept, 6))
+    log.info("kv_smoothing", mode=mode, calibration_tokens=len(ids),
+             k_heads_smoothed=f"{k_heads}/{heads}", v_heads_smoothed=f"{v_heads}/{heads}",
+             factor_min=2.0 ** low, factor_max=2.0 ** high, **errors)
+
+
+def make_speculator(config: EngineConfig, vocab_size: int, draft: DraftModel | None, device: torch.device,
+                    max_model_len: int, num_blocks: int) -> Speculator | None:
+    """Speculative decoding's proposals as `config` asks (None: off), for a target model of
+    `vocab_size` whose pool has `num_blocks` blocks."""
+    if config.speculative is None:
+        return None
+    proposer: Proposer
+    if config.speculative == "ngram":
+        proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    else:
+        assert draft is not None
+        proposer = DraftProposer(_draft_runner(config, draft, device, max_model_len, num_blocks), vocab_size)
+    return Speculator(proposer, config.num_speculative_tokens, config.speculative_max_batch)
+
+
+def _draft_runner(config: EngineConfig, draft: DraftModel, device: torch.device, max_model_len: int,
+                  num_blocks: int) -> ModelRunner:
+    """The draft model's runner over its own pool of `num_blocks` blocks (engine/spec_decode/draft.py),
+    warmed up and its decode steps captured as the target's are."""
+    mc = draft.model.config
+    cache = KVCache(num_layers=mc.num_hidden_layers, num_blocks=num_blocks, block_size=config.block_size,
+                    num_kv_heads=mc.num_key_value_heads, head_dim=mc.head_dim,
+                    kv_cache_dtype=config.kv_cache_dtype, device=device)
+    runner = ModelRunner(draft.model, cache, vocab_size=mc.vocab_size, softmax_scale=mc.attn_scale,
+                         device=device, attention_backend=config.attention_backend,
+                         max_num_seqs=min(config.max_num_seqs, config.speculative_max_batch),
+                         max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
+                         windows=[mc.layer_window(i) for i in range(mc.num_hidden_layers)])
+    if device.type == "cuda":
+        warm_up(runner)
+        if not config.enforce_eager:
+            runner.capture_cuda_graphs()
+    return runner
