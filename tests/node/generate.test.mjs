@@ -48,7 +48,8 @@ test('GenerateStream: the deltas add up to the greedy Generate answer; the last 
   const messages = [];
   for await (const message of pie.stream({ prompt: PROMPT, sampling: GREEDY })) messages.push(message);
 
-  assert.ok(messages.length >= 2, `${messages.length} messages`);
+  // The server coalesces what arrived before it writes: a busy machine may get the whole answer in one message.
+  assert.ok(messages.length >= 1, `${messages.length} messages`);
   for (const message of messages.slice(0, -1)) {
     assert.equal(message.finish_reason, 'FINISH_REASON_UNSPECIFIED');
     assert.equal(message.usage, null); // usage rides on the last message only
