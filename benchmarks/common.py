@@ -14,14 +14,14 @@ from typing import Any
 
 import torch
 
-from pie.service.cli import HelpFormatter
+from pie.service.help_format import HelpFormatter
 
 DEVICE_HELP = "device to run on: cpu or cuda (default: cuda where a CUDA GPU is visible, else cpu)"
 
 
 def make_parser(description: str | None) -> argparse.ArgumentParser:
     """A script's parser: the description keeps its line breaks, and every flag's help ends with
-    its default, once (service.cli.HelpFormatter)."""
+    its default, once (service.help_format.HelpFormatter)."""
     return argparse.ArgumentParser(description=description, formatter_class=HelpFormatter)
 
 

@@ -247,3 +247,13 @@ def test_engine_rooms_import_downward_only() -> None:
     upward = {m: deps for m, deps in upward.items() if deps}
     assert not upward, f"imports up engine/'s order {ENGINE_ROOMS}: {upward}"
 
+
+
+MAX_LINES = 400
+
+
+def test_every_engine_and_service_file_fits_in_one_sitting() -> None:
+    """Each file holds one concept and is read top to bottom: at most MAX_LINES lines."""
+    long = {str(p.relative_to(ROOT)): n for package in ("engine", "service") for p in sorted((ROOT / package).rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"longer than {MAX_LINES} lines (split by concept): {long}"

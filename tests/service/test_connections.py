@@ -13,7 +13,8 @@ import grpc
 import pytest
 
 from pie.engine.config import EngineConfig
-from pie.service.cli import _server_config, build_parser
+from pie.service.cli import build_parser
+from pie.service.serve_config import server_config_from
 from pie.service.server import BackgroundServer, ConnectionConfig, ServerConfig
 from pie.v1 import generate_pb2 as pb
 from pie.v1 import generate_pb2_grpc as pb_grpc
@@ -94,19 +95,19 @@ def test_flags_reach_the_grpc_options() -> None:
         ["serve", "--keepalive-time", "30", "--keepalive-timeout", "5", "--no-keepalive-permit-without-calls",
          "--keepalive-min-client-interval", "2", "--max-connection-age", "600", "--max-connection-age-grace", "120",
          "--compression", "gzip"])
-    config = _server_config(args).connection
+    config = server_config_from(args).connection
     assert dict(config.options()) == {
         "grpc.keepalive_time_ms": 30000, "grpc.keepalive_timeout_ms": 5000, "grpc.keepalive_permit_without_calls": 0,
         "grpc.http2.min_ping_interval_without_data_ms": 2000, "grpc.http2.max_pings_without_data": 0,
         "grpc.max_connection_age_ms": 600000, "grpc.max_connection_age_grace_ms": 120000}
     assert config.compression_algorithm() == grpc.Compression.Gzip
-    defaults = _server_config(build_parser().parse_args(["serve"])).connection
+    defaults = server_config_from(build_parser().parse_args(["serve"])).connection
     assert defaults == ConnectionConfig()
     assert "grpc.max_connection_age_grace_ms" not in dict(defaults.options())  # calls in flight are never cut
-    never = _server_config(build_parser().parse_args(["serve", "--max-connection-age", "0"])).connection
+    never = server_config_from(build_parser().parse_args(["serve", "--max-connection-age", "0"])).connection
     assert "grpc.max_connection_age_ms" not in dict(never.options())
     with pytest.raises(ValueError, match="--keepalive-time"):
-        _server_config(build_parser().parse_args(["serve", "--keepalive-time", "0"]))
+        server_config_from(build_parser().parse_args(["serve", "--keepalive-time", "0"]))
 
 
 def test_max_connection_age_moves_new_calls_to_a_new_connection_and_lets_streams_finish(model_dir) -> None:

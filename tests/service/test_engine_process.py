@@ -109,13 +109,13 @@ def test_a_dead_or_hung_engine_process_is_unavailable(model_dir, how):
 def test_cli_default_is_by_device():
     import argparse
 
-    from pie.service import cli
+    from pie.service import serve_config, serve_flags
 
     parser = argparse.ArgumentParser(prog="pie")
-    cli._add_serve(parser.add_subparsers(dest="command", required=True))
-    assert cli._server_config(parser.parse_args(["serve", "--device", "cpu"])).engine_process is True
-    assert cli._server_config(parser.parse_args(["serve", "--device", "cpu", "--no-engine-process"])).engine_process is False
-    assert cli._server_config(parser.parse_args(["serve", "--engine-process"])).engine_process is True
+    serve_flags.add_serve_parser(parser.add_subparsers(dest="command", required=True))
+    assert serve_config.server_config_from(parser.parse_args(["serve", "--device", "cpu"])).engine_process is True
+    assert serve_config.server_config_from(parser.parse_args(["serve", "--device", "cpu", "--no-engine-process"])).engine_process is False
+    assert serve_config.server_config_from(parser.parse_args(["serve", "--engine-process"])).engine_process is True
 
 
 def test_messages_cross_the_pipe_unchanged():

@@ -12,7 +12,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pie.engine.config import EngineConfig
 from pie.service.auth import read_token_file
-from pie.service.cli import _add_serve, _server_config
+from pie.service.serve_config import server_config_from
+from pie.service.serve_flags import add_serve_parser
 from pie.service.server import BackgroundServer, ServerConfig, TlsConfig
 from pie.v1 import generate_pb2 as pb
 from pie.v1 import generate_pb2_grpc as pb_grpc
@@ -155,19 +156,19 @@ def test_cli_flags_build_the_server_config(certs, tmp_path):
     import argparse
 
     parser = argparse.ArgumentParser()
-    _add_serve(parser.add_subparsers(dest="command"))
+    add_serve_parser(parser.add_subparsers(dest="command"))
     tokens = tmp_path / "tokens"
     tokens.write_text("t1\n")
     args = parser.parse_args(["serve", "--tls-cert", str(certs / "server.pem"), "--tls-key", str(certs / "server.key"),
                               "--tls-client-ca", str(certs / "ca.pem"), "--auth-token-file", str(tokens),
                               "--max-concurrent-rpcs", "7", "--step-timeout", "5", "--max-message-bytes", "1000",
                               "--max-prompt-chars", "99"])
-    cfg = _server_config(args)
+    cfg = server_config_from(args)
     assert cfg.host == "127.0.0.1"
     assert cfg.tls.client_ca.endswith("ca.pem") and cfg.auth_tokens == ("t1",)
     assert (cfg.max_concurrent_rpcs, cfg.step_timeout_s, cfg.max_message_bytes, cfg.limits.max_prompt_chars) == \
         (7, 5.0, 1000, 99)
-    assert _server_config(parser.parse_args(["serve", "--step-timeout", "0"])).step_timeout_s is None
+    assert server_config_from(parser.parse_args(["serve", "--step-timeout", "0"])).step_timeout_s is None
     for bad in (["--tls-cert", "x.pem"], ["--tls-client-ca", "ca.pem"], ["--max-concurrent-rpcs", "0"]):
         with pytest.raises(ValueError):
-            _server_config(parser.parse_args(["serve", *bad]))
+            server_config_from(parser.parse_args(["serve", *bad]))

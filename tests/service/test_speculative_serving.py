@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pie.engine.config import EngineConfig
 from pie.engine.messages import EngineStats
-from pie.service import cli
+from pie.service import cli, serve_config
 from pie.service.logging import RequestSummary
 from pie.service.metrics import ServiceMetrics
 from pie.service.server import BackgroundServer
@@ -41,17 +41,17 @@ def _refusal(capsys, *flags: str) -> str:
 
 
 def test_speculative_flags_reach_the_engine_config():
-    off = cli.engine_config_from(_args())
+    off = serve_config.engine_config_from(_args())
     assert off.speculative is None and off.draft_model is None
     d = EngineConfig()
     assert (off.num_speculative_tokens, off.speculative_max_batch, off.prompt_lookup_max, off.prompt_lookup_min) == \
         (d.num_speculative_tokens, d.speculative_max_batch, d.prompt_lookup_max, d.prompt_lookup_min)
-    ngram = cli.engine_config_from(_args("--speculative", "ngram", "--num-speculative-tokens", "7",
+    ngram = serve_config.engine_config_from(_args("--speculative", "ngram", "--num-speculative-tokens", "7",
                                          "--speculative-max-batch", "3", "--prompt-lookup-max", "5",
                                          "--prompt-lookup-min", "1"))
     assert (ngram.speculative, ngram.num_speculative_tokens, ngram.speculative_max_batch, ngram.prompt_lookup_max,
             ngram.prompt_lookup_min, ngram.draft_model) == ("ngram", 7, 3, 5, 1, None)
-    draft = cli.engine_config_from(_args("--speculative", "draft", "--draft-model", "/models/small"))
+    draft = serve_config.engine_config_from(_args("--speculative", "draft", "--draft-model", "/models/small"))
     assert (draft.speculative, draft.draft_model, draft.num_speculative_tokens) == ("draft", "/models/small", 4)
 
 
@@ -89,7 +89,7 @@ def test_an_unknown_method_is_argparse_one_line(capsys):
 
 
 def test_field_names_in_messages_become_flags():
-    words = cli._in_flag_words
+    words = serve_config.in_flag_words
     assert words("speculative='draft' needs draft_model") == "--speculative draft needs --draft-model"
     assert words("device must be auto, cpu, cuda or cuda:N, got 'tpu'") == \
         "--device must be auto, cpu, cuda or cuda:N, got 'tpu'"
@@ -158,7 +158,7 @@ def _server(flags: list[str]) -> BackgroundServer:
     """A server built from `pie serve` flags as the CLI builds it (the engine on a thread, so that
     the test can read its counts)."""
     args = _args(*flags)
-    return BackgroundServer(cli._server_config(args), cli.engine_config_from(args))
+    return BackgroundServer(serve_config.server_config_from(args), serve_config.engine_config_from(args))
 
 
 @pytest.fixture(scope="module")

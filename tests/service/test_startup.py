@@ -229,14 +229,15 @@ def test_flag_values_the_engine_refuses_are_one_line_in_flag_words(model_dir):
 
 
 def test_config_errors_name_the_flag_not_the_field(tmp_path):
-    from pie.service.cli import _in_flag_words, _server_config, build_parser
+    from pie.service.cli import build_parser
+    from pie.service.serve_config import in_flag_words, server_config_from
 
-    assert _in_flag_words("max_num_seqs must be >= 1") == "--max-num-seqs must be >= 1"
-    assert _in_flag_words("kv_cache_memory_bytes must be >= 1") == "--kv-cache-memory must be >= 1"
-    assert _in_flag_words("the folder is gone") == "the folder is gone"  # not a field: left as it is
+    assert in_flag_words("max_num_seqs must be >= 1") == "--max-num-seqs must be >= 1"
+    assert in_flag_words("kv_cache_memory_bytes must be >= 1") == "--kv-cache-memory must be >= 1"
+    assert in_flag_words("the folder is gone") == "the folder is gone"  # not a field: left as it is
     parser = build_parser()
     with pytest.raises(ValueError, match=f"^--auth-token-file {tmp_path}/tokens: cannot read it "):
-        _server_config(parser.parse_args(["serve", "--auth-token-file", str(tmp_path / "tokens")]))
+        server_config_from(parser.parse_args(["serve", "--auth-token-file", str(tmp_path / "tokens")]))
     (tmp_path / "tokens").write_text("# none yet\n")
     with pytest.raises(ValueError, match=f"^--auth-token-file {tmp_path}/tokens: no tokens"):
-        _server_config(parser.parse_args(["serve", "--auth-token-file", str(tmp_path / "tokens")]))
+        server_config_from(parser.parse_args(["serve", "--auth-token-file", str(tmp_path / "tokens")]))
