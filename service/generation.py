@@ -103,11 +103,11 @@ async def generation(host: Host, request, context: grpc.aio.ServicerContext, s: 
                 if failed is not None:
                     log.error("request_failed", request_id=rid, engine_request_id=stream.engine_id,
                               error=failed.error)
-                    raise _fail(host.metrics, s, _failure(client, rid, failed))
-                _observe(host.metrics, s, batch)
+                    raise _fail(host.metrics, s, failure(client, rid, failed))
+                observe(host.metrics, s, batch)
                 cached = max(cached, max((o.num_cached_tokens for o in batch), default=0))
                 yield Handoff(admitted, batch, finished, cached)
-            _end(host.metrics, s, grpc.StatusCode.OK)
+            end_summary(host.metrics, s, grpc.StatusCode.OK)
         except RequestAbortedError:
             raise _fail(host.metrics, s, _aborted(rid)) from None
         finally:
@@ -125,7 +125,7 @@ def _request_id(request, context: grpc.aio.ServicerContext) -> str:
     return request_id_from(request, metadata, lambda: uuid.uuid4().hex)
 
 
-def _observe(metrics: ServiceMetrics, s: RequestSummary, batch: list[RequestOutput]) -> None:
+def observe(metrics: ServiceMetrics, s: RequestSummary, batch: list[RequestOutput]) -> None:
     """Times one hand-off of outputs: TTFT, inter-token gaps (split over its tokens), queue time;
     counts its speculative proposals for the summary line."""
     first = s.ttft_s is None
@@ -145,7 +145,7 @@ def _observe(metrics: ServiceMetrics, s: RequestSummary, batch: list[RequestOutp
             metrics.queued(q)
 
 
-def _end(metrics: ServiceMetrics, s: RequestSummary, code: grpc.StatusCode, error: str | None = None) -> None:
+def end_summary(metrics: ServiceMetrics, s: RequestSummary, code: grpc.StatusCode, error: str | None = None) -> None:
     """Where every generation RPC ends, once: its summary log line and its metrics."""
     s.status, s.error, s.ended = code.name, error, True
     metrics.request_finished(
@@ -156,7 +156,7 @@ def _end(metrics: ServiceMetrics, s: RequestSummary, code: grpc.StatusCode, erro
 
 def _fail(metrics: ServiceMetrics, s: RequestSummary, err: ServiceError) -> ServiceError:
     """Ends the RPC's summary with `err` (the error to raise next: `_refuse` sends it)."""
-    _end(metrics, s, err.code, err.message)
+    end_summary(metrics, s, err.code, err.message)
     return err
 
 
@@ -165,7 +165,7 @@ def _refuse(metrics: ServiceMetrics, context, s: RequestSummary, err: ServiceErr
     if isinstance(err, FieldError):
         err = invalid_argument(err.field, err.description)
     if not s.ended:
-        _end(metrics, s, err.code, err.message)
+        end_summary(metrics, s, err.code, err.message)
     send_error(context, err, s.request_id)
 
 
@@ -173,14 +173,14 @@ def _gone(host: Host, context, s: RequestSummary) -> None:
     """Ends the summary of an RPC whose caller went away: its deadline, its cancel, or the shutdown
     that cut it."""
     if host.shutting_down:  # the caller gets UNAVAILABLE from gRPC; the reason is DRAINING's
-        _end(host.metrics, s, grpc.StatusCode.UNAVAILABLE,
+        end_summary(host.metrics, s, grpc.StatusCode.UNAVAILABLE,
              "server shutting down (DRAINING): the grace period ended first")
         return
     remaining = context.time_remaining()
     if remaining is not None and remaining <= DEADLINE_SLACK_S:
-        _end(host.metrics, s, grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed")
+        end_summary(host.metrics, s, grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed")
     else:
-        _end(host.metrics, s, grpc.StatusCode.CANCELLED, "cancelled by the caller")
+        end_summary(host.metrics, s, grpc.StatusCode.CANCELLED, "cancelled by the caller")
 
 
 def _aborted(rid: str) -> ServiceError:
@@ -188,7 +188,7 @@ def _aborted(rid: str) -> ServiceError:
                         reason="REQUEST_ABORTED")
 
 
-def _failure(client: EngineClient, rid: str, failed: RequestOutput) -> ServiceError:
+def failure(client: EngineClient, rid: str, failed: RequestOutput) -> ServiceError:
     """The status a caller gets for an engine-side failure (`failed` has FINISHED_ERROR)."""
     if client.dead is not None:  # hung, stalled or crashed: try another replica
         return ServiceError(grpc.StatusCode.UNAVAILABLE,

@@ -104,12 +104,15 @@ def server_config_from(args: argparse.Namespace) -> ServerConfig:
         raise ValueError(f"--auth-token-file {args.auth_token_file}: cannot read it ({e.strerror or e})") from e
     except ValueError as e:
         raise ValueError(f"--auth-token-file {e}") from e
+    if any(not key.strip() for key in args.api_key or ()):
+        raise ValueError("--api-key: must not be empty")
+    tokens += tuple(args.api_key or ())
     return ServerConfig(
         host=args.host, port=args.port, grace_s=args.grace, model_name=args.model_name,
         max_message_bytes=args.max_message_bytes, limits=Limits(max_prompt_chars=args.max_prompt_chars),
         max_concurrent_rpcs=args.max_concurrent_rpcs, step_timeout_s=args.step_timeout or None, tls=tls,
         auth_tokens=tokens, connection=connection,
-        metrics_port=args.metrics_port, engine_process=args.engine_process, stream_interval=args.stream_interval,
+        metrics_port=args.metrics_port, http_port=args.http_port, engine_process=args.engine_process, stream_interval=args.stream_interval,
         chat_template=args.chat_template,
         log_setup=functools.partial(configure_logging, json=None if args.log_format == "auto" else args.log_format == "json",
                                     level=args.log_level))

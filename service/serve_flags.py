@@ -150,6 +150,12 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                         "needs `authorization: Bearer <token>` metadata (default: no authentication)")
     p.add_argument("--metrics-port", type=_port, default=None,
                    help="serve Prometheus metrics at http://HOST:PORT/metrics; 0 = any free port (default: off)")
+    p.add_argument("--http-port", type=_port, default=None,
+                   help="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models; "
+                        "docs at /docs, a playground at /) at http://HOST:PORT; 0 = any free port (default: off)")
+    p.add_argument("--api-key", action="append", default=None,
+                   help="an accepted API key, for both doors: HTTP callers send `Authorization: Bearer <key>`, gRPC "
+                        "callers the same metadata; repeat for several; adds to --auth-token-file's (default: none)")
     c = ConnectionConfig()
     p.add_argument("--keepalive-time", type=float, default=c.keepalive_time_s,
                    help="seconds between the server's pings on an idle connection (keeps NATs and load balancers "

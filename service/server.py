@@ -23,6 +23,8 @@ from pie.engine.core.engine_core import EngineCore
 from pie.engine.errors import StartupError, StepTimeoutError
 from pie.model.chat_template import ChatTemplates, NoChatTemplate
 from pie.service.auth import BearerTokenInterceptor
+from pie.service.http.app import Door
+from pie.service.http.serve import HttpServer
 from pie.service.interceptors import UndecodableRequestInterceptor
 from pie.service.metrics import ServiceMetrics
 from pie.service.servicer import SERVICE_NAME, GenerateServicer
@@ -98,6 +100,7 @@ class ServerConfig:
     model_name: str | None = None  # reported by GetModelInfo; default: the model folder's name
     limits: Limits = field(default_factory=Limits)
     metrics_port: int | None = None  # Prometheus /metrics over HTTP on `host`; None = off, 0 = any free port
+    http_port: int | None = None  # the OpenAI-compatible HTTP door (service/http/); None = off, 0 = any free port
     max_concurrent_rpcs: int | None = None  # RPCs in progress at most; beyond it grpc answers RESOURCE_EXHAUSTED
     step_timeout_s: float | None = 60.0  # watchdog: a step longer than this marks the engine hung (None = off)
     tls: TlsConfig | None = None  # None: plaintext (fine on loopback)
@@ -129,6 +132,7 @@ class PieServer:
         self.servicer = GenerateServicer(model_name=name, limits=server_config.limits, metrics=self.metrics,
                                          stream_interval=server_config.stream_interval,
                                          auth=bool(server_config.auth_tokens))
+        self.http = HttpServer(Door(self.servicer, self.metrics, name, server_config.auth_tokens))
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.port: int | None = None
@@ -148,7 +152,8 @@ class PieServer:
         names the flag or path and the fix) comes before anything is bound or logged as listening."""
         host, tls = self.config.host, self.config.tls
         check_startup(self.engine_config, host=host,
-                      ports={"--port": self.config.port, "--metrics-port": self.config.metrics_port},
+                      ports={"--port": self.config.port, "--metrics-port": self.config.metrics_port,
+                             "--http-port": self.config.http_port},
                       tls=None if tls is None else (tls.cert, tls.key, tls.client_ca),
                       chat_template=self.config.chat_template)
         opts = [("grpc.max_receive_message_length", self.config.max_message_bytes),
@@ -170,6 +175,12 @@ class PieServer:
                 self.metrics_port = self.metrics.serve_http(host, self.config.metrics_port)
             except OSError as e:
                 raise bind_error(e, host, self.config.metrics_port, "--metrics-port") from e
+        if self.config.http_port is not None:
+            try:
+                self.http.bind(host, self.config.http_port)
+            except OSError as e:
+                self.metrics.stop_http()
+                raise bind_error(e, host, self.config.http_port, "--http-port") from e
         address = f"{host}:{self.config.port}"
         try:
             self.port = (self.server.add_secure_port(address, tls.credentials()) if tls is not None
@@ -178,12 +189,15 @@ class PieServer:
             self.port = 0
         if self.port == 0:
             self.metrics.stop_http()
+            await self.http.stop()
             raise StartupError(f"--port {self.config.port}: gRPC could not bind {address}"
                                f"{' with --tls-cert and --tls-key' if tls is not None else ''} (the port is "
                                "in use, or --host is not an address of this machine); pick another port or host")
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)  # liveness
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)  # readiness
         await self.server.start()
+        if self.config.http_port is not None:
+            await self.http.start()
         if self.metrics_port is not None:
             log.info("metrics_listening", host=host, port=self.metrics_port, path="/metrics")
         log.info("server_listening", host=self.config.host, port=self.port, tls=self.config.tls is not None,
@@ -252,6 +266,7 @@ class PieServer:
         if self.server is not None:
             self.servicer.shutting_down = True  # what gRPC cancels from here on, the shutdown cut
             await self.server.stop(max(0.0, deadline - loop.time()))
+        await self.http.stop()
         if self.engine_client is not None:
             await asyncio.to_thread(self.engine_client.stop)
         self.servicer.close()
@@ -326,6 +341,7 @@ class BackgroundServer:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="grpc-loop", daemon=True)
         self.address: str | None = None
+        self.http_url: str | None = None
 
     def _call(self, coro, timeout: float | None = None):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
@@ -334,6 +350,8 @@ class BackgroundServer:
         self._thread.start()
         port = self._call(self.pie.start(), 60)
         self.address = f"{self.pie.config.host}:{port}"
+        if self.pie.http.port is not None:
+            self.http_url = f"http://{self.pie.config.host}:{self.pie.http.port}"  # the HTTP door's
         self._call(self.pie.load(), 600)
         return self
 

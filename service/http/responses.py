@@ -1,0 +1,146 @@
+"""The engine's outputs as OpenAI's Completions and Chat Completions bodies: whole answers, stream
+chunks, logprobs in each endpoint's format, usage, and finish reasons as OpenAI defines them
+("stop": an end-of-sequence token, a stop string or a stop token id; "length": max_tokens or the
+context)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pie.engine.messages import RequestOutput, RequestStatus, SampledToken
+from pie.model.tokenizer import Tokenizer
+
+FINISH_REASONS = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
+                  RequestStatus.FINISHED_ABORTED: "abort"}
+
+
+@dataclass(slots=True)
+class Choice:
+    """One choice of an answer as it grows."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[SampledToken] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def add(self, out: RequestOutput) -> None:
+        self.text += out.new_text
+        self.token_ids += out.new_token_ids
+        self.logprobs += out.new_logprobs
+        if out.finished:
+            self.finish_reason = FINISH_REASONS.get(out.status)
+            self.stop_reason = out.stop_reason
+
+
+@dataclass(slots=True)
+class Answer:
+    """Everything one HTTP request asked for: its choices (index = prompt x n + sample) and usage."""
+
+    id: str
+    model: str
+    created: int = field(default_factory=lambda: int(time.time()))
+    choices: dict[int, Choice] = field(default_factory=dict)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def usage(self) -> dict[str, Any]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+
+def _token(tokenizer: Tokenizer, token_id: int) -> str:
+    return tokenizer.token_text(token_id)
+
+
+def chat_logprobs(entries: list[SampledToken], tokenizer: Tokenizer, top: int) -> dict[str, Any]:
+    """Chat's `logprobs`: {"content": [{token, logprob, bytes, top_logprobs: [...]}]}."""
+    content = []
+    for e in entries:
+        text = _token(tokenizer, e.token_id)
+        content.append({
+            "token": text, "logprob": e.logprob, "bytes": list(text.encode()),
+            "top_logprobs": [{"token": (t := _token(tokenizer, i)), "logprob": lp, "bytes": list(t.encode())}
+                             for i, lp in e.top[:top]]})
+    return {"content": content}
+
+
+def completion_logprobs(entries: list[SampledToken], tokenizer: Tokenizer, offset: int) -> dict[str, Any]:
+    """Completions' `logprobs`: tokens, token_logprobs, top_logprobs ({token: logprob} per
+    position) and text_offset (each token's start in the choice's text, from `offset`)."""
+    tokens, offsets, at = [], [], offset
+    for e in entries:
+        text = _token(tokenizer, e.token_id)
+        tokens.append(text)
+        offsets.append(at)
+        at += len(text)
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{_token(tokenizer, i): lp for i, lp in e.top} for e in entries],
+            "text_offset": offsets}
+
+
+def completion_body(answer: Answer, tokenizer: Tokenizer, logprobs: bool, echo: list[str] | None,
+                    n: int) -> dict[str, Any]:
+    """The whole answer of /v1/completions (`echo`: each prompt's text, put before its n choices')."""
+    choices = []
+    for index, c in sorted(answer.choices.items()):
+        prefix = echo[index // n] if echo else ""
+        choices.append({"index": index, "text": prefix + c.text, "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason,
+                        "logprobs": completion_logprobs(c.logprobs, tokenizer, len(prefix)) if logprobs else None})
+    return {"id": answer.id, "object": "text_completion", "created": answer.created, "model": answer.model,
+            "choices": choices, "usage": answer.usage()}
+
+
+def chat_body(answer: Answer, tokenizer: Tokenizer, top_logprobs: int | None) -> dict[str, Any]:
+    """The whole answer of /v1/chat/completions (`top_logprobs` None: no logprobs asked)."""
+    choices = []
+    for index, c in sorted(answer.choices.items()):
+        choices.append({
+            "index": index, "message": {"role": "assistant", "content": c.text},
+            "logprobs": chat_logprobs(c.logprobs, tokenizer, top_logprobs) if top_logprobs is not None else None,
+            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+    return {"id": answer.id, "object": "chat.completion", "created": answer.created, "model": answer.model,
+            "choices": choices, "usage": answer.usage()}
+
+
+def completion_chunk(answer: Answer, index: int, outs: list[RequestOutput], tokenizer: Tokenizer,
+                     logprobs: bool, offset: int, prefix: str = "") -> dict[str, Any]:
+    """One /v1/completions stream chunk: choice `index`'s new text, at `offset` in its text after
+    `prefix` (the echoed prompt, on its first chunk)."""
+    last = outs[-1]
+    entries = [e for o in outs for e in o.new_logprobs]
+    choice = {"index": index, "text": prefix + "".join(o.new_text for o in outs),
+              "logprobs": completion_logprobs(entries, tokenizer, offset + len(prefix)) if logprobs else None,
+              "finish_reason": FINISH_REASONS.get(last.status) if last.finished else None,
+              "stop_reason": last.stop_reason if last.finished else None}
+    return {"id": answer.id, "object": "text_completion", "created": answer.created, "model": answer.model,
+            "choices": [choice]}
+
+
+def chat_chunk(answer: Answer, index: int, outs: list[RequestOutput] | None, tokenizer: Tokenizer,
+               top_logprobs: int | None, *, first: bool = False) -> dict[str, Any]:
+    """One /v1/chat/completions stream chunk for choice `index`: the assistant's role first
+    (`first`, no outputs), then content deltas, the last with its finish reason."""
+    delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
+    choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+    if outs:
+        delta["content"] = "".join(o.new_text for o in outs)
+        if top_logprobs is not None:
+            choice["logprobs"] = chat_logprobs([e for o in outs for e in o.new_logprobs], tokenizer, top_logprobs)
+        last = outs[-1]
+        if last.finished:
+            choice["finish_reason"] = FINISH_REASONS.get(last.status)
+            choice["stop_reason"] = last.stop_reason
+    return {"id": answer.id, "object": "chat.completion.chunk", "created": answer.created, "model": answer.model,
+            "choices": [choice]}
+
+
+def usage_chunk(answer: Answer, chat: bool) -> dict[str, Any]:
+    """`stream_options.include_usage`: the last chunk, with no choices."""
+    return {"id": answer.id, "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": answer.created, "model": answer.model, "choices": [], "usage": answer.usage()}

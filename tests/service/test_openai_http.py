@@ -1,0 +1,190 @@
+"""The HTTP door (`pie serve --http-port`) through the real `openai` Python client, against a live
+server on the bundled model: every endpoint streaming and not, structured output parsed by the
+client, errors raised as the SDK's own exception classes, the same tokens as the gRPC door for the
+same seeded request, and a storm of disconnecting streams leaving no KV block behind."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import urllib.request
+from typing import Literal
+
+import openai
+import pytest
+from pydantic import BaseModel
+
+from pie.engine.config import EngineConfig
+from pie.service.server import BackgroundServer, ServerConfig
+from pie_client import Client
+
+# slow: starts servers on the bundled model
+pytestmark = pytest.mark.slow
+
+PROMPT = "Once upon a time, there was a little girl named Lily."
+KEY = "sk-test-key"
+
+
+@pytest.fixture(scope="module")
+def server():
+    with BackgroundServer(ServerConfig(port=0, http_port=0, grace_s=2, auth_tokens=(KEY,)),
+                          EngineConfig(device="cpu", num_kv_blocks=128, max_num_seqs=32)) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def api(server):
+    return openai.OpenAI(base_url=f"{server.http_url}/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def _free(server) -> bool:
+    bm = server.core.block_manager
+    return bm.num_free_blocks == bm.num_total_blocks
+
+
+def _settle(server, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not _free(server) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _free(server), "KV blocks leaked"
+
+
+def test_models_names_the_served_model(api):
+    models = api.models.list().data
+    assert [m.id for m in models] == ["stories-7m"]
+
+
+def test_completions_whole_and_streamed_agree_and_match_grpc(server, api):
+    whole = api.completions.create(model="stories-7m", prompt=PROMPT, max_tokens=24, temperature=0.8, seed=7)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "length" and whole.usage.completion_tokens == 24
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + 24
+    chunks = list(api.completions.create(model="stories-7m", prompt=PROMPT, max_tokens=24, temperature=0.8, seed=7,
+                                         stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    with Client(server.address, timeout=60, token=KEY) as grpc_client:  # the other door, same request
+        assert grpc_client.generate(PROMPT, max_tokens=24, temperature=0.8, seed=7).text == choice.text
+
+
+def test_chat_whole_and_streamed_agree(api):
+    messages = [{"role": "user", "content": "Tell me a story about a cat."}]
+    whole = api.chat.completions.create(model="stories-7m", messages=messages, max_completion_tokens=16,
+                                        temperature=0)
+    msg = whole.choices[0].message
+    assert msg.role == "assistant" and msg.content and whole.choices[0].finish_reason == "length"
+    chunks = list(api.chat.completions.create(model="stories-7m", messages=messages, max_tokens=16, temperature=0,
+                                              stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == msg.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_n_seed_stop_and_logprobs(api):
+    kw = dict(model="stories-7m", prompt=PROMPT, max_tokens=12, temperature=1.0, seed=11)
+    two = api.completions.create(n=2, **kw)
+    assert sorted(c.index for c in two.choices) == [0, 1] and two.usage.completion_tokens == 24
+    assert api.completions.create(n=2, **kw).choices[1].text == next(c for c in two.choices if c.index == 1).text
+    first = two.choices[0].text.split()[1]
+    stopped = api.completions.create(stop=[first], n=1, **kw).choices[0]
+    assert stopped.finish_reason == "stop" and first not in stopped.text
+    lp = api.completions.create(logprobs=3, **kw).choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 12
+    assert all(len(t) <= 3 and v <= 0 for t, v in zip(lp.top_logprobs, lp.token_logprobs))
+    chat = api.chat.completions.create(model="stories-7m", messages=[{"role": "user", "content": "Hi"}],
+                                       max_tokens=6, temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 6 and all(len(c.top_logprobs) == 2 for c in content)
+    assert "".join(c.token for c in content).strip() == chat.choices[0].message.content.strip()
+
+
+class Pet(BaseModel):  # finite: a tiny model's greedy text would fill any free-form string to max_tokens
+    kind: Literal["cat", "dog", "bird"]
+    legs: Literal[2, 4]
+
+
+def test_structured_output_parsed_by_the_client(api):
+    parsed = api.chat.completions.parse(model="stories-7m", messages=[{"role": "user", "content": "A pet as JSON."}],
+                                        response_format=Pet, max_tokens=64, temperature=0)
+    pet = parsed.choices[0].message.parsed
+    assert isinstance(pet, Pet)
+    obj = api.chat.completions.create(model="stories-7m", messages=[{"role": "user", "content": "JSON please"}],
+                                      response_format={"type": "json_object"}, max_tokens=16, temperature=0)
+    assert obj.choices[0].message.content.startswith("{")  # an object from its first token (may run to the length)
+    regex = api.completions.create(model="stories-7m", prompt=PROMPT, max_tokens=8, temperature=1.0, seed=3,
+                                   extra_body={"guided_regex": "(yes|no)!"})
+    assert regex.choices[0].text in ("yes!", "no!")
+    choice = api.completions.create(model="stories-7m", prompt=PROMPT, max_tokens=8,
+                                    extra_body={"guided_choice": ["cat", "dog"]})
+    assert choice.choices[0].text in ("cat", "dog")
+
+
+def test_errors_are_the_sdks_exception_classes(server, api):
+    with pytest.raises(openai.BadRequestError) as bad:
+        api.completions.create(model="stories-7m", prompt=PROMPT, temperature=-1)
+    assert bad.value.body["param"] == "temperature" and "must be >= 0" in bad.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as too_long:
+        api.completions.create(model="stories-7m", prompt=[1] * 5000, max_tokens=4)
+    assert too_long.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as schema:
+        api.chat.completions.create(model="stories-7m", messages=[{"role": "user", "content": "x"}],
+                                    extra_body={"guided_regex": "(unclosed"})
+    assert schema.value.body["param"] == "response_format"
+    with pytest.raises(openai.NotFoundError):
+        api.completions.create(model="gpt-4", prompt=PROMPT)
+    stranger = openai.OpenAI(base_url=f"{server.http_url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        stranger.models.list()
+    with urllib.request.urlopen(f"{server.http_url}/health") as health:  # open without a key, as gRPC health is
+        assert health.status == 200
+    with urllib.request.urlopen(f"{server.http_url}/metrics") as metrics:
+        assert "vllm:num_requests_running" in metrics.read().decode()
+
+
+def test_a_full_queue_is_429_with_retry_after():
+    """The engine held (its steps wait on a gate): requests pile up in its queue until the bound
+    refuses one, as the gRPC door's QUEUE_FULL does."""
+    cfg = EngineConfig(device="cpu", num_kv_blocks=64, max_num_seqs=1, max_waiting=2)
+    with BackgroundServer(ServerConfig(port=0, http_port=0, grace_s=2), cfg) as s:
+        api = openai.OpenAI(base_url=f"{s.http_url}/v1", api_key="none", max_retries=0, timeout=60)
+        gate = threading.Event()
+        original = s.core.step
+        s.core.step = lambda: (gate.wait(30), original())[1]
+        streams = []
+        try:
+            with pytest.raises(openai.RateLimitError) as full:
+                for _ in range(16):
+                    streams.append(api.completions.create(model="stories-7m", prompt=PROMPT, max_tokens=2, stream=True))
+            assert full.value.response.headers["retry-after"] == "1" and len(streams) >= 2
+            assert full.value.body["code"] == "rate_limit_exceeded"
+        finally:
+            gate.set()
+            s.core.step = original
+        for stream in streams:
+            assert "".join(c.choices[0].text for c in stream if c.choices)  # the queued ones are served
+        _settle(s)
+
+
+def test_a_disconnect_storm_leaves_no_block_behind(server):
+    async def storm() -> None:
+        async with openai.AsyncOpenAI(base_url=f"{server.http_url}/v1", api_key=KEY, max_retries=0) as api:
+            async def one(i: int) -> None:
+                stream = await api.chat.completions.create(
+                    model="stories-7m", messages=[{"role": "user", "content": f"Story {i}"}], max_tokens=200,
+                    temperature=1.0, seed=i, stream=True, extra_body={"ignore_eos": True})
+                async for _ in stream:
+                    if i % 3 == 0:
+                        break  # the caller goes away mid-stream
+                await stream.close()
+
+            async def impatient(i: int) -> None:  # a whole answer whose caller gives up
+                with pytest.raises(openai.APITimeoutError):
+                    await api.with_options(timeout=0.3).completions.create(
+                        model="stories-7m", prompt=PROMPT, max_tokens=300, extra_body={"ignore_eos": True})
+
+            await asyncio.gather(*[one(i) for i in range(24)], *[impatient(i) for i in range(4)])
+
+    asyncio.run(storm())
+    _settle(server)
