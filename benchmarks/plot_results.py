@@ -1,4 +1,4 @@
-"""Draws the README's benchmark figure from the numbers in benchmarks/RESULTS.md (never retyped).
+"""Draws the benchmark figure of docs/performance.md from the numbers in benchmarks/RESULTS.md (never retyped).
 
     python benchmarks/plot_results.py [--out benchmarks/decode_bandwidth.png]
 
@@ -52,7 +52,7 @@ def decode_bandwidth(text: str, batch: int = BATCH) -> tuple[list[tuple[int, flo
 def main(argv: list[str] | None = None) -> int:
     ap = make_parser(__doc__)
     ap.add_argument("--out", default=None,
-                    help="PNG to write (default: benchmarks/decode_bandwidth.png, the README's figure)")
+                    help="PNG to write (default: benchmarks/decode_bandwidth.png, docs/performance.md's figure)")
     args = ap.parse_args(argv)
     args.out = args.out or str(ROOT / "benchmarks" / "decode_bandwidth.png")
     rows, copy = decode_bandwidth(RESULTS.read_text())

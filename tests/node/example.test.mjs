@@ -3,7 +3,7 @@
 
 import assert from 'node:assert/strict';
 import { execFile } from 'node:child_process';
-import { cp, mkdtemp, readFile, rm, symlink, writeFile } from 'node:fs/promises';
+import { cp, mkdtemp, readdir, readFile, rm, symlink, writeFile } from 'node:fs/promises';
 import { tmpdir } from 'node:os';
 import path from 'node:path';
 import { fileURLToPath } from 'node:url';
@@ -45,11 +45,14 @@ test('example.mjs reports a bad request on stderr in one line and exits 1', asyn
   assert.match(out.stderr, /^pie: INVALID_ARGUMENT INVALID_FIELD: sampling\.temperature: .* \[request_id=\S+\]\n$/);
 });
 
-test('the README\'s Node snippet runs as written, from a folder of its own with the files it says to copy', async () => {
+test('the docs\' Node snippet runs as written, from a folder of its own with the files it says to copy', async () => {
   const root = fileURLToPath(new URL('../../', import.meta.url));
-  const readme = await readFile(path.join(root, 'README.md'), 'utf8');
-  const snippets = [...readme.matchAll(/^```js\n(.*?)^```/gms)].map((m) => m[1]);
-  assert.equal(snippets.length, 1, 'one js block in the README');
+  // README.md and docs/*.md, as tests/doc_files.py reads them: the snippet may sit in any of them
+  const docs = ['README.md', ...(await readdir(path.join(root, 'docs'))).filter((f) => f.endsWith('.md')).sort()
+    .map((f) => path.join('docs', f))];
+  const texts = await Promise.all(docs.map((doc) => readFile(path.join(root, doc), 'utf8')));
+  const snippets = texts.flatMap((text) => [...text.matchAll(/^```js\n(.*?)^```/gms)].map((m) => m[1]));
+  assert.equal(snippets.length, 1, `one js block in ${docs.join(', ')}`);
   assert.ok(snippets[0].includes("'pie.internal:50051'"), snippets[0]);
 
   const folder = await mkdtemp(path.join(tmpdir(), 'pie-node-'));

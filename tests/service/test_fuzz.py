@@ -146,7 +146,7 @@ def test_hostile_request(channel, case, message, code, field):
         if field is not None:
             violations = [f for f, _ in error.field_violations]
             assert field in violations, (violations, e.details())
-        if e.code() == grpc.StatusCode.INVALID_ARGUMENT:  # every one of ours says why (README "Errors")
+        if e.code() == grpc.StatusCode.INVALID_ARGUMENT:  # every one of ours says why (docs/api.md "Errors")
             want = ("MALFORMED_MESSAGE" if field is None else
                     {"INVALID_FIELD", "PROMPT_TOO_LONG"} if field == "prompt" else "INVALID_FIELD")
             assert error.reason in (want if isinstance(want, set) else {want}), (error.reason, e.details())

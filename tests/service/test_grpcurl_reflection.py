@@ -1,14 +1,13 @@
-"""The README's grpcurl commands, run through a Python reflection client (grpcurl does not install
-here): the same server reflection API grpcurl uses, dynamic message classes built from what the
-server describes, and generic unary / server-streaming calls. The commands are parsed out of
-README.md, so the docs cannot drift from the server."""
+"""The grpcurl commands of README.md and docs/*.md, run through a Python reflection client (grpcurl
+does not install here): the same server reflection API grpcurl uses, dynamic message classes built
+from what the server describes, and generic unary / server-streaming calls. The commands are
+parsed out of the docs, so they cannot drift from the server."""
 
 from __future__ import annotations
 
 import json
 import re
 import shlex
-from pathlib import Path
 
 import grpc
 import jsonschema
@@ -21,15 +20,18 @@ from pie.engine.config import EngineConfig
 from pie.service.server import BackgroundServer, ServerConfig
 from pie.v1 import generate_pb2
 from tests.chat_templates import make_chat_model_dir
+from tests.doc_files import doc_texts, shell_lines
 
 # slow: every test calls a BackgroundServer
 pytestmark = pytest.mark.slow
 
-README = Path(__file__).resolve().parents[2] / "README.md"
 
 
-def readme_grpcurl_commands() -> list[list[str]]:
-    return [shlex.split(line) for line in README.read_text().splitlines() if line.startswith("grpcurl ")]
+def documented_grpcurl_commands() -> list[list[str]]:
+    """Every line of the docs that starts with grpcurl; each is a command of a code block."""
+    lines = [line for text in doc_texts().values() for line in text.splitlines() if line.startswith("grpcurl ")]
+    assert lines and set(lines) <= set(shell_lines()), "a grpcurl line outside a code block"
+    return [shlex.split(line) for line in lines]
 
 
 @pytest.fixture(scope="module")
@@ -105,8 +107,8 @@ def run_grpcurl(client: ReflectionClient, argv: list[str], address: str):
             key, value = args.pop(0).split(":", 1)
             headers.append((key.strip().lower(), value.strip()))
         else:
-            raise AssertionError(f"grpcurl flag {flag} in README.md is not handled by this test")
-    assert re.fullmatch(r"127\.0\.0\.1:50051", args.pop(0)), "README commands target the default address"
+            raise AssertionError(f"grpcurl flag {flag} in the docs is not handled by this test")
+    assert re.fullmatch(r"127\.0\.0\.1:50051", args.pop(0)), "documented commands target the default address"
     verb = args[0]
     if verb == "list":
         return "list", client.list()
@@ -115,8 +117,8 @@ def run_grpcurl(client: ReflectionClient, argv: list[str], address: str):
     return "call", client.call(verb, body, headers)
 
 
-def test_readme_grpcurl_commands_through_reflection(server):
-    commands = readme_grpcurl_commands()
+def test_documented_grpcurl_commands_through_reflection(server):
+    commands = documented_grpcurl_commands()
     verbs = set()
     with grpc.insecure_channel(server.address) as channel:
         client = ReflectionClient(channel)
@@ -178,8 +180,8 @@ def test_readme_grpcurl_commands_through_reflection(server):
             elif target.endswith("Health/Check"):
                 assert result == {"status": "SERVING"}
             else:
-                raise AssertionError(f"README grpcurl target {target} is not checked by this test")
-    # The README shows each of these at least once.
+                raise AssertionError(f"documented grpcurl target {target} is not checked by this test")
+    # The docs show each of these at least once.
     assert {"list", "describe", "pie.v1.GenerateService/Generate", "pie.v1.GenerateService/GenerateStream",
             "pie.v1.GenerateService/Detokenize", "pie.v1.GenerateService/Abort",
             "grpc.health.v1.Health/Check", "pie.v1.GenerateService/Generate chat",
