@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import urllib.error
 import urllib.request
 from typing import Literal
 
@@ -188,3 +189,27 @@ def test_a_disconnect_storm_leaves_no_block_behind(server):
 
     asyncio.run(storm())
     _settle(server)
+
+
+def test_503_while_loading_and_while_draining():
+    """The door opens before the model is loaded and stays open while the server drains: both
+    times it answers 503 (openai's InternalServerError), and /health says so to balancers."""
+    s = BackgroundServer(ServerConfig(port=0, http_port=0, grace_s=2), EngineConfig(device="cpu", num_kv_blocks=64))
+    s._thread.start()
+    try:
+        s._call(s.pie.start(), 60)  # bound and serving, the engine not loaded yet
+        url = f"http://127.0.0.1:{s.pie.http.port}"
+        api = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=30)
+        with pytest.raises(openai.InternalServerError) as loading:
+            api.completions.create(model="stories-7m", prompt=PROMPT, max_tokens=2)
+        assert loading.value.status_code == 503 and loading.value.response.headers["retry-after"] == "1"
+        with pytest.raises(urllib.error.HTTPError) as health:
+            urllib.request.urlopen(f"{url}/health")
+        assert health.value.code == 503
+        s._call(s.pie.load(), 600)
+        assert api.completions.create(model="stories-7m", prompt=PROMPT, max_tokens=2).choices[0].text
+        s.pie.servicer.draining = True  # what stop() sets first
+        with pytest.raises(openai.InternalServerError):
+            api.completions.create(model="stories-7m", prompt=PROMPT, max_tokens=2)
+    finally:
+        s.stop()
