@@ -46,6 +46,7 @@ from pie.service.http.responses import (
     usage_chunk,
 )
 from pie.service.metrics import ServiceMetrics
+from pie.service.validation import FieldError
 
 PLAYGROUND = Path(__file__).with_name("playground.html")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffers the events
@@ -125,8 +126,8 @@ def build_app(door: Door) -> FastAPI:
         check_ready(body.model)
         try:
             requests = completion_requests(body)
-        except ValueError as e:  # FieldError
-            raise HttpError.of(e, chat=False) from None  # type: ignore[arg-type]
+        except FieldError as e:
+            raise HttpError.of(e, chat=False) from None
         rid = _request_id(request, body.request_id, "cmpl")
         call = await Call.admit(door, requests, rid, "http/completions", _peer(request), chat=False)
         answer = Answer(rid, door.model_name)
@@ -156,8 +157,8 @@ def build_app(door: Door) -> FastAPI:
         check_ready(body.model)
         try:
             requests = [chat_request(body)]
-        except ValueError as e:  # FieldError
-            raise HttpError.of(e, chat=True) from None  # type: ignore[arg-type]
+        except FieldError as e:
+            raise HttpError.of(e, chat=True) from None
         rid = _request_id(request, body.request_id, "chatcmpl")
         call = await Call.admit(door, requests, rid, "http/chat", _peer(request), chat=True)
         answer = Answer(rid, door.model_name)

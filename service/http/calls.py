@@ -112,20 +112,26 @@ class Call:
         """(prompt index, the outputs that arrived together) until every request finished. An engine
         failure raises HttpError; cancelling the iteration (the caller went away) aborts the rest
         once the iteration is closed (`close`)."""
-        queue: asyncio.Queue[tuple[int, list[RequestOutput]]] = asyncio.Queue()
+        queue: asyncio.Queue[tuple[int, list[RequestOutput] | Exception]] = asyncio.Queue()
 
         async def read(i: int) -> None:
             stream = self.admitted[i].stream
-            while True:
-                batch = await stream.next_batch()
-                await queue.put((i, batch))
-                if batch[-1].all_finished:
-                    return
+            try:
+                while True:
+                    batch = await stream.next_batch()
+                    await queue.put((i, batch))
+                    if batch[-1].all_finished:
+                        return
+            except Exception as e:  # the stream was cancelled: its reader says so, not the queue's silence
+                await queue.put((i, e))
 
         readers = [asyncio.ensure_future(read(i)) for i in range(len(self.admitted))]
         try:
             while not all(self.finished):
                 i, batch = await queue.get()
+                if isinstance(batch, Exception):
+                    end_summary(self.metrics, self.summaries[i], grpc.StatusCode.CANCELLED, str(batch))
+                    raise HttpError(499, f"the request was aborted: {batch}", code="aborted")
                 failed = next((o for o in batch if o.status == RequestStatus.FINISHED_ERROR), None)
                 a, s = self.admitted[i], self.summaries[i]
                 if failed is not None:
