@@ -91,11 +91,13 @@ def fresh(tmp_path_factory) -> FreshInstall:
 
 @pytest.fixture(scope="module")
 def servers(fresh: FreshInstall):
-    """`pie serve` as written (port 50051), and a second replica on 50052 for the scaling example."""
-    for port in (50051, 50052):
+    """`pie serve` with the HTTP door as docs/http.md starts it (gRPC on 50051, HTTP on 8000), and a
+    second replica on 50052 for the scaling example."""
+    for port in (50051, 50052, 8000):
         if not _port_free(port):
             pytest.skip(f"port {port} is taken on this machine; the documented commands use it")
-    procs = [fresh.start("pie serve"), fresh.start("pie serve --port 50052")]
+    (http,) = [line for line in shell_lines() if line.startswith("pie serve --http-port ")]
+    procs = [fresh.start(http), fresh.start("pie serve --port 50052")]
     try:
         deadline = time.monotonic() + 180
         for proc, port in zip(procs, (50051, 50052)):
@@ -119,7 +121,8 @@ def servers(fresh: FreshInstall):
 
 
 def test_every_readme_command_is_run_here_or_named(fresh: FreshInstall) -> None:
-    run_here = ("pie serve --help", "pie-client ", "pie train ", "pie bench ", "npm ci", "node ")
+    run_here = ("pie serve --help", "pie-client ", "pie train ", "pie bench ", "npm ci", "node ",
+                "pie serve --http-port ", "curl ", "pip install openai")
     for line in shell_lines():
         assert line.startswith(run_here) or line.startswith(tuple(NOT_HERE)), f"documented command not run: {line}"
 
@@ -130,8 +133,12 @@ def test_client_commands_and_python_examples(fresh: FreshInstall, servers) -> No
     for line in lines:
         out = fresh.bash(line, timeout=120)
         assert out.returncode == 0 and out.stdout.strip(), (line, out.stderr)
+    for line in shell_lines():  # the HTTP door's: curl, then the openai package for its Python example
+        if line.startswith(("curl ", "pip install openai")):
+            out = fresh.bash(line, timeout=300)
+            assert out.returncode == 0 and '"error"' not in out.stdout, (line, out.stdout[-2000:], out.stderr[-2000:])
     python = [body for _, tag, body in fenced() if tag == "python"]
-    assert len(python) >= 2
+    assert len(python) >= 3
     for code in python:
         out = fresh.bash(f"python -c {shlex.quote(code)}", timeout=120)
         assert out.returncode == 0 and out.stdout.strip(), (code, out.stderr)
