@@ -8,7 +8,9 @@ functions), so a lazy import cannot slip past:
     model/     torch alone: attention (AttentionBackend) and fused ops (FusedOps) come from its owner
     kernels/   torch and triton; nothing else of ours
 
-and checked once more by importing `pie.model` and `pie.kernels` in a fresh interpreter. Every
+and checked once more by importing `pie.model` and `pie.kernels` in a fresh interpreter. Inside
+engine/, its rooms (sub-packages) import downward only, in ENGINE_ROOMS' order; no engine/ or
+service/ file is longer than MAX_LINES, and none carries a date or a GPU's name. Every
 import of ours goes through its `pie.` name (README "Import names"): a bare `import kernels` would
 be Hugging Face's package, or the checkout's folder imported a second time under another name."""
 
