@@ -190,7 +190,7 @@ async def _choices(call: Call, answer: Answer) -> AsyncIterator[tuple[int, list]
         for o in batch:
             by_index.setdefault(prompt * call.n + o.index, []).append(o)
             answer.completion_tokens += len(o.new_token_ids)
-            answer.cached_tokens = max(answer.cached_tokens, o.num_cached_tokens)
+            answer.cached_tokens[prompt] = max(answer.cached_tokens.get(prompt, 0), o.num_cached_tokens)
         for index, outs in sorted(by_index.items()):
             yield index, outs
 

@@ -45,12 +45,12 @@ class Answer:
     choices: dict[int, Choice] = field(default_factory=dict)
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    cached_tokens: int = 0
+    cached_tokens: dict[int, int] = field(default_factory=dict)  # per prompt: its tokens read from the prefix cache
 
     def usage(self) -> dict[str, Any]:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+                "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens.values())}}
 
 
 def _token(tokenizer: Tokenizer, token_id: int) -> str:

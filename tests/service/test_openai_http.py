@@ -213,3 +213,21 @@ def test_503_while_loading_and_while_draining():
             api.completions.create(model="stories-7m", prompt=PROMPT, max_tokens=2)
     finally:
         s.stop()
+
+
+def test_a_list_of_prompts_with_echo(api):
+    """Prompt i's samples are choices i x n .. i x n + n - 1; echo puts each prompt before its text."""
+    out = api.completions.create(model="stories-7m", prompt=["Once upon a time", "One day"], n=2, max_tokens=4,
+                                 temperature=0, echo=True)
+    texts = {c.index: c.text for c in out.choices}
+    assert sorted(texts) == [0, 1, 2, 3] and out.usage.completion_tokens == 16
+    assert texts[0] == texts[1] and texts[0].startswith("Once upon a time") and len(texts[0]) > len("Once upon a time")
+    assert texts[2].startswith("One day")
+    alone = api.completions.create(model="stories-7m", prompt="One day", max_tokens=4, temperature=0)
+    assert texts[2] == "One day" + alone.choices[0].text
+    streamed: dict[int, str] = {}
+    for chunk in api.completions.create(model="stories-7m", prompt=["Once upon a time", "One day"], max_tokens=4,
+                                        temperature=0, echo=True, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert streamed == {0: texts[0], 1: texts[2]}
