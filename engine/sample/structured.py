@@ -165,9 +165,9 @@ class GrammarCompiler:
                 future.set_exception(StructuredOutputError(params.field, matcher.get_error().strip()))
             else:
                 compiled = Compiled(matcher)
-                future.set_result(compiled)
-                if self.replicas > 1:
+                if self.replicas > 1:  # queued first: work submitted once the result is out runs after it
                     self._worker().submit(self._replicate, grammar, compiled)
+                future.set_result(compiled)
 
     def _replicate(self, grammar: str, compiled: Compiled) -> None:
         for _ in range(self.replicas - 1):
