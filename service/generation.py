@@ -73,10 +73,11 @@ class Host(Protocol):
 
 
 async def generation(host: Host, request, context: grpc.aio.ServicerContext, s: RequestSummary, *,
-                     interval: int | None = None) -> AsyncGenerator[Handoff, None]:
+                     interval: int | None = None, headers_early: bool = True) -> AsyncGenerator[Handoff, None]:
     """The request's outputs, from admission to its end. With `interval`, a hand-off after the
     first token waits for `interval` new tokens per sample (or the end): fewer, larger stream
-    messages. A refusal ends the iteration with the RPC's status set (`send_error`); a cancel or
+    messages. `headers_early`: the x-request-id header goes out at admission (a stream's); else the
+    RPC sends it with its answer. A refusal ends the iteration with the RPC's status set (`send_error`); a cancel or
     deadline raises out of it, as gRPC delivers them. Close it when done (contextlib.aclosing):
     closing it early counts as the caller going away."""
     try:
@@ -90,7 +91,8 @@ async def generation(host: Host, request, context: grpc.aio.ServicerContext, s: 
         cached = 0
         try:  # from here on the engine holds the request: every way out must abort it
             host.in_flight.add(caller, client, stream)
-            await context.send_initial_metadata((("x-request-id", rid),))
+            if headers_early:  # else the RPC sends them with its answer (Generate: see there)
+                await context.send_initial_metadata((("x-request-id", rid),))
             while not finished:
                 batch = await stream.next_batch()
                 if interval is not None and s.ttft_s is not None:  # the first token goes out at once

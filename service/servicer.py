@@ -129,11 +129,15 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         s = RequestSummary("Generate", context.peer())
         outputs: list[RequestOutput] = []
         response: pb.GenerateResponse | None = None
-        async with contextlib.aclosing(generation(self, request, context, s)) as handoffs:
+        # The response headers (x-request-id) go out with the answer, not at admission: until then a
+        # call cut by its replica's end (UNAVAILABLE, or a reset connection) has had no answer begun,
+        # which lets a client's retry policy or a balancer send it to another replica.
+        async with contextlib.aclosing(generation(self, request, context, s, headers_early=False)) as handoffs:
             async for handoff in handoffs:
                 outputs += handoff.outputs
                 if handoff.last:  # assembled before the lifecycle ends: the summary's time includes it
                     response = await unary_response(handoff, outputs, s, self.workers)
+                    await context.send_initial_metadata((("x-request-id", handoff.admitted.request_id),))
         return response  # type: ignore[return-value]  # None when refused: the status set is the answer
 
     async def GenerateStream(self, request: pb.GenerateStreamRequest, context: grpc.aio.ServicerContext):

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import ipaddress
+import json
 from collections.abc import Sequence
 from typing import Any
 
 import grpc
+
+from pie.v1 import generate_pb2 as pb
 
 from .errors import REQUEST_ID_KEY
 
@@ -57,12 +60,44 @@ def resolve_target(target: str | Sequence[str]) -> tuple[str, bool]:
     return f"{scheme}:{','.join(parts)}", True
 
 
-def channel_options(several: bool, lb_policy: str | None, options: ChannelOptions) -> list[tuple[str, Any]]:
-    """The caller's options plus the lb policy: round_robin by default over several servers."""
+# gRPC's retry policy (gRFC A6) for every method of the service: a call that ends UNAVAILABLE
+# before the server sent anything back (a replica that is down, loading or draining; a balancer with
+# no replica to give it) is sent again, up to 4 attempts in all, after random pauses of up to 0.1 s,
+# 0.2 s and 0.4 s (doubling, at most 1 s). The call's deadline covers every attempt. gRPC never
+# replays a call whose response headers arrived: pie sends a stream's once it admits it (a stream
+# that began is never replayed) and a unary Generate's with its answer, so a Generate cut by its
+# replica's end before answering runs again on another (what it generated there is lost with it).
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerateService"].full_name
+RETRY_POLICY = {
+    "maxAttempts": 4,
+    "initialBackoff": "0.1s",
+    "maxBackoff": "1s",
+    "backoffMultiplier": 2,
+    "retryableStatusCodes": ["UNAVAILABLE"],
+}
+
+
+def service_config(retry: bool) -> str | None:
+    """The channel's service config (JSON): RETRY_POLICY on the service's methods, or None for none."""
+    if not retry:
+        return None
+    return json.dumps({"methodConfig": [{"name": [{"service": SERVICE_NAME}], "retryPolicy": RETRY_POLICY}]})
+
+
+def channel_options(
+    several: bool, lb_policy: str | None, options: ChannelOptions, retry: bool = True
+) -> list[tuple[str, Any]]:
+    """The caller's options plus the lb policy (round_robin by default over several servers) and the
+    retry policy's service config; an option the caller gives (grpc.lb_policy_name,
+    grpc.service_config) is kept as it is."""
     merged = list(options)
+    given = {key for key, _ in merged}
     policy = lb_policy or ("round_robin" if several else None)
-    if policy and not any(key == "grpc.lb_policy_name" for key, _ in merged):
+    if policy and "grpc.lb_policy_name" not in given:
         merged.append(("grpc.lb_policy_name", policy))
+    config = service_config(retry)
+    if config is not None and "grpc.service_config" not in given:
+        merged.append(("grpc.service_config", config))
     return merged
 
 

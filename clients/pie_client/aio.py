@@ -51,9 +51,10 @@ class AsyncClient:
         options: ChannelOptions = (),
         lb_policy: str | None = None,
         compression: str | None = None,
+        retry: bool = True,
     ) -> None:
         channel_target, several = resolve_target(target)
-        opts = channel_options(several, lb_policy, options)
+        opts = channel_options(several, lb_policy, options, retry)
         algorithm = compression_algorithm(compression)
         if credentials is None and tls:
             credentials = grpc.ssl_channel_credentials()

@@ -48,6 +48,13 @@ class Client:
         lb_policy: load-balancing policy; defaults to round_robin when several addresses are given.
         compression: "gzip" (or "deflate") compresses every request; the server accepts either,
             and answers compressed when started with --compression. None sends them plain.
+        retry: True (the default) retries a call that fails UNAVAILABLE before the server answered
+            anything (a replica down, loading or draining; a balancer that had no replica for it):
+            at most 4 attempts in all, a random pause of up to 0.1 s doubling to at most 1 s between
+            them, all within the call's deadline (gRPC's retryPolicy in the channel's service config,
+            `pie_client._channel.RETRY_POLICY`; a `grpc.service_config` in `options` replaces it).
+            A stream that has begun (the server admitted it) is never replayed; a unary call is,
+            until its answer arrives. False sends every call once.
 
     Every method raises a `PieError` subclass when the RPC fails.
     """
@@ -64,9 +71,10 @@ class Client:
         options: ChannelOptions = (),
         lb_policy: str | None = None,
         compression: str | None = None,
+        retry: bool = True,
     ) -> None:
         channel_target, several = resolve_target(target)
-        opts = channel_options(several, lb_policy, options)
+        opts = channel_options(several, lb_policy, options, retry)
         algorithm = compression_algorithm(compression)
         if credentials is None and tls:
             credentials = grpc.ssl_channel_credentials()
