@@ -139,13 +139,14 @@ def build_app(door: Door) -> FastAPI:
             await _collect(call, answer, request)
             return JSONResponse(completion_body(answer, tokenizer, logprobs, echo, call.n), headers=_rid(rid))
         include_usage = body.stream_options is not None and body.stream_options.include_usage
+        usage = {"usage": None} if include_usage else {}  # as OpenAI: null on every chunk but the last
 
         async def events() -> AsyncIterator[dict]:
             offsets: dict[int, int] = {}  # each choice's text so far, the echoed prompt included
             async for index, outs in _choices(call, answer):
                 prefix = echo[index // call.n] if echo and index not in offsets else ""
                 offset = offsets.get(index, 0)
-                yield completion_chunk(answer, index, outs, tokenizer, logprobs, offset, prefix)
+                yield completion_chunk(answer, index, outs, tokenizer, logprobs, offset, prefix) | usage
                 offsets[index] = offset + len(prefix) + sum(len(o.new_text) for o in outs)
             if include_usage:
                 yield usage_chunk(answer, chat=False)
@@ -169,12 +170,13 @@ def build_app(door: Door) -> FastAPI:
             await _collect(call, answer, request)
             return JSONResponse(chat_body(answer, tokenizer, top), headers=_rid(rid))
         include_usage = body.stream_options is not None and body.stream_options.include_usage
+        usage = {"usage": None} if include_usage else {}  # as OpenAI: null on every chunk but the last
 
         async def events() -> AsyncIterator[dict]:
             for index in range(call.n):  # the assistant's role opens each choice
-                yield chat_chunk(answer, index, None, tokenizer, top, first=True)
+                yield chat_chunk(answer, index, None, tokenizer, top, first=True) | usage
             async for index, outs in _choices(call, answer):
-                yield chat_chunk(answer, index, outs, tokenizer, top)
+                yield chat_chunk(answer, index, outs, tokenizer, top) | usage
             if include_usage:
                 yield usage_chunk(answer, chat=True)
 
