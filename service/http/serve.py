@@ -34,7 +34,9 @@ class HttpServer:
     def bind(self, host: str, port: int) -> int:
         """Binds the port now (OSError when it cannot); serving starts with `start`."""
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        # IPPROTO_TCP named: asyncio turns Nagle off (TCP_NODELAY) only on sockets that say they are
+        # TCP, and with it on, a stream's first event waits for the client's delayed ACK (~40 ms).
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
