@@ -93,9 +93,12 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     async def _render(self, chat: ChatPrompt, field: str = "chat") -> str:
         return await render(self.workers, self.chat_templates, self.chat_template_problem, chat, field)
 
-    async def admit(self, request: pb.GenerateRequest | pb.GenerateStreamRequest, request_id: str) -> Admitted:
+    async def admit(self, request: pb.GenerateRequest | pb.GenerateStreamRequest, request_id: str, *,
+                    to_context: bool = False) -> Admitted:
         """A generation request validated, its prompt made token ids, and submitted to the engine
-        (the lifecycle's first step, service/generation.py); raises ServiceError or FieldError."""
+        (the lifecycle's first step, service/generation.py); raises ServiceError or FieldError.
+        `to_context`: the request may generate until the context is full (OpenAI's chat without
+        max_tokens), not the contract's default of 16 tokens."""
         client = self._ready_client()
         prompt = prompt_from_proto(request, self.limits)
         sampling = sampling_from_proto(request.sampling, max_model_len=client.info.max_model_len)
@@ -105,6 +108,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                                       add_special_tokens=False)
         elif isinstance(prompt, str):
             prompt = await prompt_ids(self.workers, client, prompt, "prompt", add_special_tokens=True)
+        if to_context:
+            sampling.max_tokens = max(1, client.info.max_model_len - len(prompt))
         if sampling.structured is not None:
             await check_structured(self.workers, client, sampling.structured)
         client = self._ready_client()  # it may have stopped while the prompt was prepared

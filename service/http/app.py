@@ -61,8 +61,8 @@ class Door(Admitter):
         self.model_name = model_name
         self.api_keys = api_keys
 
-    async def admit(self, request, request_id):
-        return await self.servicer.admit(request, request_id)
+    async def admit(self, request, request_id, *, to_context=False):
+        return await self.servicer.admit(request, request_id, to_context=to_context)
 
     @property
     def ready(self) -> bool:
@@ -134,7 +134,7 @@ def build_app(door: Door) -> FastAPI:
         answer.prompt_tokens = sum(len(a.prompt) for a in call.admitted)
         tokenizer = call.admitted[0].client.tokenizer
         echo = [_prompt_text(tokenizer, a.prompt, r) for a, r in zip(call.admitted, requests)] if body.echo else None
-        logprobs = body.logprobs is not None
+        logprobs = body.logprobs  # alternatives per token; None: no logprobs
         if not body.stream:
             await _collect(call, answer, request)
             return JSONResponse(completion_body(answer, tokenizer, logprobs, echo, call.n), headers=_rid(rid))
@@ -161,7 +161,8 @@ def build_app(door: Door) -> FastAPI:
         except FieldError as e:
             raise HttpError.of(e, chat=True) from None
         rid = _request_id(request, body.request_id, "chatcmpl")
-        call = await Call.admit(door, requests, rid, "http/chat", _peer(request), chat=True)
+        call = await Call.admit(door, requests, rid, "http/chat", _peer(request), chat=True,
+                                to_context=body.max_tokens is None and body.max_completion_tokens is None)
         answer = Answer(rid, door.model_name)
         answer.prompt_tokens = len(call.admitted[0].prompt)
         tokenizer = call.admitted[0].client.tokenizer

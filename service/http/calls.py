@@ -69,7 +69,7 @@ class Admitter(Protocol):
 
     metrics: ServiceMetrics
 
-    async def admit(self, request: pb.GenerateStreamRequest, request_id: str) -> Admitted: ...
+    async def admit(self, request: pb.GenerateStreamRequest, request_id: str, *, to_context: bool = False) -> Admitted: ...
 
 
 @dataclass(slots=True)
@@ -84,7 +84,7 @@ class Call:
 
     @classmethod
     async def admit(cls, host: Admitter, requests: list[pb.GenerateStreamRequest], request_id: str, rpc: str,
-                    peer: str, *, chat: bool) -> Call:
+                    peer: str, *, chat: bool, to_context: bool = False) -> Call:
         """Admits every prompt's request or none: a refusal aborts those admitted before it."""
         call = cls([], [], host.metrics, chat, [])
         try:
@@ -92,7 +92,7 @@ class Call:
                 s = RequestSummary(rpc, peer)
                 s.request_id = request_id if len(requests) == 1 else f"{request_id}-{i}"
                 call.summaries.append(s)
-                a = await host.admit(request, s.request_id)
+                a = await host.admit(request, s.request_id, to_context=to_context)
                 s.prompt_tokens, s.engine_request_id = len(a.prompt), a.stream.engine_id
                 call.admitted.append(a)
                 call.finished.append(False)

@@ -185,6 +185,8 @@ def completion_requests(body: CompletionRequest) -> list[pb.GenerateStreamReques
     if not prompts:
         raise FieldError("prompt", "must not be empty")
     sampling = _sampling(body, body.max_tokens, _uint("logprobs", body.logprobs or 0))
+    if body.logprobs == 0:
+        sampling.logprobs = 1  # OpenAI's logprobs: 0 still reports each token's own logprob
     requests = []
     for p in prompts:
         r = pb.GenerateStreamRequest(sampling=sampling, priority=body.priority)

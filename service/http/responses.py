@@ -69,9 +69,10 @@ def chat_logprobs(entries: list[SampledToken], tokenizer: Tokenizer, top: int) -
     return {"content": content}
 
 
-def completion_logprobs(entries: list[SampledToken], tokenizer: Tokenizer, offset: int) -> dict[str, Any]:
-    """Completions' `logprobs`: tokens, token_logprobs, top_logprobs ({token: logprob} per
-    position) and text_offset (each token's start in the choice's text, from `offset`)."""
+def completion_logprobs(entries: list[SampledToken], tokenizer: Tokenizer, offset: int, top: int) -> dict[str, Any]:
+    """Completions' `logprobs`: tokens, token_logprobs, top_logprobs (the `top` most likely
+    {token: logprob} per position) and text_offset (each token's start in the choice's text, from
+    `offset`)."""
     tokens, offsets, at = [], [], offset
     for e in entries:
         text = _token(tokenizer, e.token_id)
@@ -79,19 +80,21 @@ def completion_logprobs(entries: list[SampledToken], tokenizer: Tokenizer, offse
         offsets.append(at)
         at += len(text)
     return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{_token(tokenizer, i): lp for i, lp in e.top} for e in entries],
+            "top_logprobs": [{_token(tokenizer, i): lp for i, lp in e.top[:top]} for e in entries],
             "text_offset": offsets}
 
 
-def completion_body(answer: Answer, tokenizer: Tokenizer, logprobs: bool, echo: list[str] | None,
+def completion_body(answer: Answer, tokenizer: Tokenizer, logprobs: int | None, echo: list[str] | None,
                     n: int) -> dict[str, Any]:
-    """The whole answer of /v1/completions (`echo`: each prompt's text, put before its n choices')."""
+    """The whole answer of /v1/completions (`logprobs`: the alternatives per token asked for,
+    None: no logprobs; `echo`: each prompt's text, put before its n choices')."""
     choices = []
     for index, c in sorted(answer.choices.items()):
         prefix = echo[index // n] if echo else ""
         choices.append({"index": index, "text": prefix + c.text, "finish_reason": c.finish_reason,
                         "stop_reason": c.stop_reason,
-                        "logprobs": completion_logprobs(c.logprobs, tokenizer, len(prefix)) if logprobs else None})
+                        "logprobs": None if logprobs is None else completion_logprobs(c.logprobs, tokenizer,
+                                                                                      len(prefix), logprobs)})
     return {"id": answer.id, "object": "text_completion", "created": answer.created, "model": answer.model,
             "choices": choices, "usage": answer.usage()}
 
@@ -109,13 +112,14 @@ def chat_body(answer: Answer, tokenizer: Tokenizer, top_logprobs: int | None) ->
 
 
 def completion_chunk(answer: Answer, index: int, outs: list[RequestOutput], tokenizer: Tokenizer,
-                     logprobs: bool, offset: int, prefix: str = "") -> dict[str, Any]:
+                     logprobs: int | None, offset: int, prefix: str = "") -> dict[str, Any]:
     """One /v1/completions stream chunk: choice `index`'s new text, at `offset` in its text after
     `prefix` (the echoed prompt, on its first chunk)."""
     last = outs[-1]
     entries = [e for o in outs for e in o.new_logprobs]
     choice = {"index": index, "text": prefix + "".join(o.new_text for o in outs),
-              "logprobs": completion_logprobs(entries, tokenizer, offset + len(prefix)) if logprobs else None,
+              "logprobs": None if logprobs is None else completion_logprobs(entries, tokenizer, offset + len(prefix),
+                                                                            logprobs),
               "finish_reason": FINISH_REASONS.get(last.status) if last.finished else None,
               "stop_reason": last.stop_reason if last.finished else None}
     return {"id": answer.id, "object": "text_completion", "created": answer.created, "model": answer.model,

@@ -231,3 +231,17 @@ def test_a_list_of_prompts_with_echo(api):
         for c in chunk.choices:
             streamed[c.index] = streamed.get(c.index, "") + c.text
     assert streamed == {0: texts[0], 1: texts[2]}
+
+
+def test_openai_defaults_for_length_and_logprobs_zero(api):
+    """A chat without max_tokens may run until the context is full (a completion's default stays
+    16, as OpenAI's); logprobs: 0 still reports each token's own logprob."""
+    models = api.models.list().data
+    chat = api.chat.completions.create(model="stories-7m", messages=[{"role": "user", "content": "Hi"}],
+                                       temperature=0, extra_body={"ignore_eos": True})
+    assert chat.choices[0].finish_reason == "length"
+    assert chat.usage.prompt_tokens + chat.usage.completion_tokens == models[0].model_extra["max_model_len"]
+    assert api.completions.create(model="stories-7m", prompt=PROMPT, temperature=0,
+                                  extra_body={"ignore_eos": True}).usage.completion_tokens == 16
+    lp = api.completions.create(model="stories-7m", prompt=PROMPT, max_tokens=5, logprobs=0).choices[0].logprobs
+    assert len(lp.token_logprobs) == 5 and all(v <= 0 for v in lp.token_logprobs) and lp.top_logprobs == [{}] * 5
