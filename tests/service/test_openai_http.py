@@ -6,6 +6,7 @@ same seeded request, and a storm of disconnecting streams leaving no KV block be
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 import urllib.error
@@ -142,6 +143,8 @@ def test_errors_are_the_sdks_exception_classes(server, api):
         assert health.status == 200
     with urllib.request.urlopen(f"{server.http_url}/metrics") as metrics:
         assert "vllm:num_requests_running" in metrics.read().decode()
+    with urllib.request.urlopen(f"{server.http_url}/openapi.json") as schema:  # what /docs draws
+        assert {"/v1/completions", "/v1/chat/completions", "/v1/models"} <= set(json.load(schema)["paths"])
 
 
 def test_a_full_queue_is_429_with_retry_after():
