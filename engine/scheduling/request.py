@@ -180,15 +180,15 @@ class Request:
     def finished(self) -> bool:
         return self.status.finished
 
-    def append_tokens(self, tokens: list[SampledToken]) -> tuple[int, str, RequestStatus | None]:
+    def append_tokens(self, tokens: list[SampledToken]) -> tuple[list[SampledToken], str, RequestStatus | None]:
         """The one way sampled tokens join the request: one, or a verify step's accepted proposals
         and the token after them. Each in turn is appended, taken by the structured output's
         matcher (all but the first: the step's first tokens go to the matchers together,
         StructuredOutputs.consume), detokenized, and checked for a stop string, a stop id or EOS,
         the length, and a complete constraint; the first that ends the request drops the rest.
-        Returns how many joined, their text, and the end found (None: the request goes on). A
-        matcher that refuses a token sets `grammar.error` and takes nothing more: the caller
-        fails the request. (Runs for every running request each step: plain attribute reads.)"""
+        Returns the tokens that joined, their text, and the end found (None: the request goes on);
+        FINISHED_ERROR when the matcher refused a token (`grammar.error` says why: the caller
+        fails the request). (Runs for every running request each step: plain attribute reads.)"""
         detok, grammar = self.detokenizer, self.grammar
         text = ""
         n = 0
@@ -202,17 +202,17 @@ class Request:
                     grammar.error = (f"the structured output's matcher refused token {token_id}: "
                                      f"{matcher.get_error() or 'not allowed here'}")
                 if grammar.error is not None:
-                    return n, text, None
+                    return tokens[:n], text, RequestStatus.FINISHED_ERROR
             if detok is not None:
                 text += detok.step((token_id,))
                 if detok.stopped:
-                    return n, text, RequestStatus.FINISHED_STOPPED
+                    return tokens[:n] if n < len(tokens) else tokens, text, RequestStatus.FINISHED_STOPPED
             status = self.check_token_stop()
             if grammar is not None and grammar.finished:
                 status = RequestStatus.FINISHED_STOPPED  # the constraint is complete: nothing may follow
             if status is not None:
-                return n, text, status
-        return n, text, None
+                return tokens[:n] if n < len(tokens) else tokens, text, status
+        return tokens, text, None
 
     def check_token_stop(self) -> RequestStatus | None:
         """Finish status implied by the last generated token, if any (stop strings are the

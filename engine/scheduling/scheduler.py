@@ -67,6 +67,8 @@ from pie.engine.scheduling.step import ScheduledRequest, SchedulerOutput, StepOu
 
 log = structlog.get_logger(__name__)
 
+_FAILED = RequestStatus.FINISHED_ERROR  # what Request.append_tokens returns for a refused token (a per-row test)
+
 
 class Speculation(Protocol):
     """What the scheduler asks of speculative decoding (engine.spec_decode.speculator.Speculator, which
@@ -294,13 +296,13 @@ class Scheduler(RequestTable):
             request.num_output_placeholders -= 1
             if k:
                 self._settle_proposals(request, k, len(tokens) - 1)
-            n, text, status = request.append_tokens(tokens)
-            grammar = request.grammar
-            if grammar is not None and grammar.error is not None:  # a refused token, or a constraint that never compiled
-                log.error("structured_output_failed", request_id=request.request_id, error=grammar.error)
-                outputs += self.fail([request], grammar.error)
+            emitted, text, status = request.append_tokens(tokens)
+            if status is _FAILED:  # a refused token, or a constraint that never compiled
+                error = request.grammar.error if request.grammar is not None else None
+                log.error("structured_output_failed", request_id=request.request_id, error=error)
+                outputs += self.fail([request], error or "the structured output failed")
                 continue
-            outputs.append(self._output(request, tokens if n == len(tokens) else tokens[:n], text, status))
+            outputs.append(self._output(request, emitted, text, status))
             if k and not request.finished:
                 self.block_manager.trim(request)  # blocks only rejected proposals filled go back
                 self.block_manager.cache_full_blocks(request)
