@@ -20,7 +20,7 @@ Examples:
     pie-client detokenize 1 9038 2501
     pie-client --token-file token.txt abort job-17 job-18
 
-Global options (--address, --timeout, --request-id, --token-file, --tls, --tls-ca, --gzip) go
+Global options (--address, --timeout, --request-id, --token-file, --tls, --tls-ca, --gzip, --no-retry) go
 before or after the subcommand. Given after it, --timeout and --request-id replace a value given
 before; --address adds to the list.
 
@@ -190,12 +190,15 @@ def _add_global_flags(parser: argparse.ArgumentParser, *, after_command: bool) -
                        help="connect with TLS, checking the server against this PEM CA bundle (default: none)")
     group.add_argument("--gzip", action="store_true", default=argparse.SUPPRESS if after_command else False,
                        help="compress requests with gzip (default: off)")
+    group.add_argument("--no-retry", action="store_true", default=argparse.SUPPRESS if after_command else False,
+                       help="send the call once, even when it fails UNAVAILABLE before its answer began (default: "
+                            "retried up to 4 attempts, as pie_client.Client does)")
 
 
 def _connection(args: argparse.Namespace) -> dict[str, Any]:
-    """Client keyword arguments of --token-file, --tls, --tls-ca and --gzip (files read here, so a
-    missing one is an OSError reported like any other)."""
-    kwargs: dict[str, Any] = {"compression": "gzip" if args.gzip else None}
+    """Client keyword arguments of --token-file, --tls, --tls-ca, --gzip and --no-retry (files read
+    here, so a missing one is an OSError reported like any other)."""
+    kwargs: dict[str, Any] = {"compression": "gzip" if args.gzip else None, "retry": not args.no_retry}
     if args.token_file:
         with open(args.token_file) as f:
             kwargs["token"] = f.read().strip()

@@ -175,3 +175,16 @@ def test_a_call_that_began_to_answer_is_never_replayed(flaky: tuple[Flaky, str],
         else:
             list(client.stream("x"))
     assert servicer.calls == 1
+
+
+def test_the_cli_retries_unless_told_not_to(flaky: tuple[Flaky, str], capsys: pytest.CaptureFixture[str]) -> None:
+    """`pie-client` builds its Client with the retry policy; `--no-retry` sends each call once."""
+    from pie_client.cli import main
+
+    servicer, address = flaky
+    _arm(servicer, "refuse", 1)
+    assert main(["--address", address, "generate", "--no-stream", "x"]) == 0
+    assert servicer.calls == 2 and capsys.readouterr().out.startswith("done")
+    _arm(servicer, "refuse", 1)
+    assert main(["--address", address, "--no-retry", "generate", "--no-stream", "x"]) != 0
+    assert servicer.calls == 1 and "replica going away" in capsys.readouterr().err
