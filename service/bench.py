@@ -38,19 +38,23 @@ def run_bench(argv: list[str]) -> int:
     """`pie bench NAME [ARGS...]` runs benchmarks/NAME.py with ARGS, as `python benchmarks/NAME.py`
     would (the scripts live in the source checkout, next to their RESULTS.md)."""
     found = {b.name: b for b in benchmarks()}
+
+    def out(line: str) -> None:  # the listing is the command's answer, on stdout (not a log line)
+        sys.stdout.write(line + "\n")
+
     if not argv or argv[0] in ("-h", "--help", "--list"):
-        print("usage: pie bench NAME [ARGS...]   (pie bench NAME --help: that benchmark's own flags)")
+        out("usage: pie bench NAME [ARGS...]   (pie bench NAME --help: that benchmark's own flags)")
         if not found:
-            print(f"no benchmarks: {BENCHMARKS} is not there (they run from a source checkout)")
+            out(f"no benchmarks: {BENCHMARKS} is not there (they run from a source checkout)")
             return 0 if argv[:1] == ["--list"] else 2
-        print("benchmarks (GPU: needs a CUDA GPU):")
+        out("benchmarks (GPU: needs a CUDA GPU):")
         width = max(map(len, found))
         for b in found.values():
-            print(f"  {b.name:<{width}}  {'GPU' if b.needs_gpu else '   '}  {b.summary}")
+            out(f"  {b.name:<{width}}  {'GPU' if b.needs_gpu else '   '}  {b.summary}")
         return 0
     name, rest = argv[0], argv[1:]
     if name not in found:
-        print(f"pie bench: unknown benchmark {name!r}; one of: {', '.join(found) or 'none'}", file=sys.stderr)
+        sys.stderr.write(f"pie bench: unknown benchmark {name!r}; one of: {', '.join(found) or 'none'}\n")
         return 2
     saved = sys.argv
     sys.argv = [str(BENCHMARKS / f"{name}.py"), *rest]
@@ -58,7 +62,7 @@ def run_bench(argv: list[str]) -> int:
         runpy.run_path(sys.argv[0], run_name="__main__")
     except SystemExit as e:
         if isinstance(e.code, str):  # sys.exit("message"): Python prints it and exits 1
-            print(e.code, file=sys.stderr)
+            sys.stderr.write(f"{e.code}\n")
             return 1
         return 0 if e.code is None else e.code if isinstance(e.code, int) else 1
     finally:
