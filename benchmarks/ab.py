@@ -333,6 +333,12 @@ def served_round(address: str, work, rate: float | None, requests: int) -> dict:
     return row
 
 
+def _progress(name: str, r: int, label: str, figures: dict) -> None:
+    """One round's figures as they come (a call cut short by its time limit still shows them)."""
+    shown = ", ".join(f"{k} {v:,.4g}" for k, v in figures.items() if isinstance(v, (int, float)))
+    print(f"  {name} round {r + 1} {label}: {shown}", flush=True)
+
+
 def run_workload(name: str, trees: dict[str, Path], args, work, logs: Path) -> dict[str, list[dict]]:
     """`args.rounds` rounds of one workload on every tree, alternating (the order reversed every
     other round, so neither tree always goes first); figures per tree, per round."""
@@ -356,6 +362,7 @@ def run_workload(name: str, trees: dict[str, Path], args, work, logs: Path) -> d
             for r in range(args.rounds):
                 for label in labels if r % 2 == 0 else labels[::-1]:
                     results[label].append(units[label].run())
+                    _progress(name, r, label, results[label][-1])
         finally:
             for unit in units.values():
                 unit.close()
@@ -373,6 +380,7 @@ def run_workload(name: str, trees: dict[str, Path], args, work, logs: Path) -> d
                     # a fresh draw of ids per round: the server's prefix cache holds the last round's prompts
                     level = for_level(work, 1 + r, args.vocab)
                     results[label].append(served_round(servers[label].address, level, SERVED[name], args.requests))
+                    _progress(name, r, label, results[label][-1])
         finally:
             for server in servers.values():
                 server.close()

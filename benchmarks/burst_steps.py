@@ -10,7 +10,8 @@ measured for it.
     python benchmarks/burst_steps.py --tiny            # CPU smoke run (tiny model, small work)
 
 The served burst (serving.py --burst) is the same work through gRPC; this shows why it behaves as
-it does, one step at a time.
+it does, one step at a time. Its requests are streamed, as the served burst's: the stall bound
+protects only decodes whose caller reads them as they come.
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ def run_burst(eng: EngineCore, prompts: list[list[int]], outs: list[int], tag: s
     try:
         t0 = time.perf_counter()
         for i, (prompt, n) in enumerate(zip(prompts, outs)):
-            eng.add_request(f"{tag}-{i}", prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+            eng.add_request(f"{tag}-{i}", prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True),
+                            streamed=True)  # as the served burst's streams
         generated = 0
         while eng.has_unfinished():
             outputs = eng.step()

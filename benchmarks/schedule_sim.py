@@ -76,7 +76,7 @@ def simulate(work: Work, arrivals: list[float], cost: CostModel, *, factor: floa
     sched.stall.prior = {b: cost.decode(b, 0) for b in BUCKETS if b <= max_num_seqs}
     sched.stall.kv_token_s = cost.kv
     requests = [Request(f"r{i}", prompt, SamplingParams(max_tokens=n, ignore_eos=True), max_model_len=max_len,
-                        arrival_time=t)
+                        arrival_time=t, streamed=True)  # served streams: the stall bound protects them
                 for i, (prompt, n, t) in enumerate(zip(work.prompts, work.max_tokens, arrivals, strict=True))]
     token_times: dict[str, list[float]] = {r.request_id: [] for r in requests}
     now, arrived, prompt_steps, prompt_tokens = 0.0, 0, 0, 0

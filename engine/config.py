@@ -48,11 +48,12 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # exact pool size; overrides the byte budget (tests)
     max_num_seqs: int = 64  # running sequences per step at most (the batch cap)
     max_num_batched_tokens: int = 2048  # tokens per step (prefill chunks + decodes)
-    # A step that carries prompt tokens beside running decodes may take at most this many times
-    # the decode step of the batch it heads to (engine/scheduling/stall.py, learnt from step
-    # times); it bounds the inter-token stalls a long prompt causes. 0 = only
-    # max_num_batched_tokens bounds a step. 3 kept a served burst's inter-token p99 under 3x its
-    # median for the fewest tokens/s lost among the factors tried (RESULTS.md, "Serving").
+    # A step that carries prompt tokens beside a streamed decode (one whose caller reads tokens as
+    # they come) may take at most this many times the decode step of the batch it heads to
+    # (engine/scheduling/stall.py, learnt from step times); it bounds the inter-token stalls a long
+    # prompt causes the streams. Requests read whole (unary calls, offline work) are not bounded.
+    # 0 = only max_num_batched_tokens bounds a step. 3 kept a served burst's inter-token p99 under
+    # 3x its median for the fewest tokens/s lost among the factors tried (RESULTS.md, "Serving").
     decode_stall_factor: float = 3.0
     max_model_len: int | None = None  # context served; default and cap: the model's
     max_waiting: int = 256  # waiting queue bound; beyond it the service answers RESOURCE_EXHAUSTED

@@ -154,6 +154,7 @@ class AddRequest(msgspec.Struct, tag=True, array_like=True):
     prompt_token_ids: list[int]
     sampling: SamplingParams
     priority: int = 0  # lower is scheduled first
+    streamed: bool = False  # its caller reads tokens as they come (the stall bound protects its decodes)
 
 
 class AbortRequest(msgspec.Struct, tag=True, array_like=True):

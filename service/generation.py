@@ -67,22 +67,24 @@ class Host(Protocol):
     auth: bool  # callers are told apart by bearer token (else by connection: service/aborts.py)
     shutting_down: bool  # the shutdown's grace is over: what gRPC cancels now, the shutdown cut
 
-    async def admit(self, request, request_id: str) -> Admitted:
-        """Validates the request and submits it to the engine; raises ServiceError or FieldError."""
+    async def admit(self, request, request_id: str, *, streamed: bool) -> Admitted:
+        """Validates the request and submits it to the engine (`streamed`: its tokens are read as
+        they come); raises ServiceError or FieldError."""
         ...
 
 
 async def generation(host: Host, request, context: grpc.aio.ServicerContext, s: RequestSummary, *,
-                     interval: int | None = None, headers_early: bool = True) -> AsyncGenerator[Handoff, None]:
+                     interval: int | None = None, streamed: bool = True) -> AsyncGenerator[Handoff, None]:
     """The request's outputs, from admission to its end. With `interval`, a hand-off after the
     first token waits for `interval` new tokens per sample (or the end): fewer, larger stream
-    messages. `headers_early`: the x-request-id header goes out at admission (a stream's); else the
-    RPC sends it with its answer. A refusal ends the iteration with the RPC's status set (`send_error`); a cancel or
+    messages. `streamed`: the caller reads the hand-offs as they come (a stream): the engine bounds
+    its decodes' stalls and the x-request-id header goes out at admission; else (a unary call) the
+    RPC sends the header with its answer. A refusal ends the iteration with the RPC's status set (`send_error`); a cancel or
     deadline raises out of it, as gRPC delivers them. Close it when done (contextlib.aclosing):
     closing it early counts as the caller going away."""
     try:
         s.request_id = rid = _request_id(request, context)
-        admitted = await host.admit(request, rid)
+        admitted = await host.admit(request, rid, streamed=streamed)
         s.prompt_tokens = len(admitted.prompt)
         s.engine_request_id = admitted.stream.engine_id
         client, stream, n = admitted.client, admitted.stream, admitted.sampling.n
@@ -91,7 +93,7 @@ async def generation(host: Host, request, context: grpc.aio.ServicerContext, s: 
         cached = 0
         try:  # from here on the engine holds the request: every way out must abort it
             host.in_flight.add(caller, client, stream)
-            if headers_early:  # else the RPC sends them with its answer (Generate: see there)
+            if streamed:  # else the RPC sends them with its answer (Generate: see there)
                 await context.send_initial_metadata((("x-request-id", rid),))
             while not finished:
                 batch = await stream.next_batch()

@@ -87,9 +87,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
                    help="tokens per step at most (prefill chunks + decodes)")
     p.add_argument("--decode-stall-factor", type=float, default=d.decode_stall_factor,
-                   help="a step carrying prompt tokens beside running decodes may take at most this many times "
+                   help="a step carrying prompt tokens beside a streamed decode may take at most this many times "
                         "the decode step of the batch being built (learnt from step times): long prompts are cut into chunks that keep "
-                        "inter-token stalls bounded; 0 = only --max-num-batched-tokens bounds a step")
+                        "the streams' inter-token stalls bounded (requests answered whole are not bounded); "
+                        "0 = only --max-num-batched-tokens bounds a step")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--max-waiting", type=int, default=d.max_waiting,
                    help="waiting-queue bound; beyond it requests get RESOURCE_EXHAUSTED")

@@ -94,10 +94,11 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         return await render(self.workers, self.chat_templates, self.chat_template_problem, chat, field)
 
     async def admit(self, request: pb.GenerateRequest | pb.GenerateStreamRequest, request_id: str, *,
-                    to_context: bool = False) -> Admitted:
+                    streamed: bool, to_context: bool = False) -> Admitted:
         """A generation request validated, its prompt made token ids, and submitted to the engine
         (the lifecycle's first step, service/generation.py); raises ServiceError or FieldError.
-        `to_context`: the request may generate until the context is full (OpenAI's chat without
+        `streamed`: its tokens are read as they come (the engine bounds the stalls of such decodes
+        only). `to_context`: the request may generate until the context is full (OpenAI's chat without
         max_tokens), not the contract's default of 16 tokens."""
         client = self._ready_client()
         prompt = prompt_from_proto(request, self.limits)
@@ -114,7 +115,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             await check_structured(self.workers, client, sampling.structured)
         client = self._ready_client()  # it may have stopped while the prompt was prepared
         try:
-            stream = client.submit(prompt, sampling, caller_id=request_id, priority=request.priority)
+            stream = client.submit(prompt, sampling, caller_id=request_id, priority=request.priority,
+                                   streamed=streamed)
         except PromptError as e:
             raise invalid_argument(qualify(e.field), e.message, e.reason) from e
         except SamplingParamsError as e:
@@ -137,7 +139,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         # The response headers (x-request-id) go out with the answer, not at admission: until then a
         # call cut by its replica's end (UNAVAILABLE, or a reset connection) has had no answer begun,
         # which lets a client's retry policy or a balancer send it to another replica.
-        async with contextlib.aclosing(generation(self, request, context, s, headers_early=False)) as handoffs:
+        async with contextlib.aclosing(generation(self, request, context, s, streamed=False)) as handoffs:
             async for handoff in handoffs:
                 outputs += handoff.outputs
                 if handoff.last:  # assembled before the lifecycle ends: the summary's time includes it

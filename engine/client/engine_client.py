@@ -118,7 +118,7 @@ class EngineClient(Protocol):
     def structured_known(self, params: StructuredOutputParams) -> bool: ...
     def check_structured(self, params: StructuredOutputParams) -> None: ...
     def submit(self, prompt_token_ids: list[int], sampling: SamplingParams, *, caller_id: str,
-               priority: int = 0) -> RequestStream: ...
+               priority: int = 0, streamed: bool = False) -> RequestStream: ...
     def abort(self, stream: RequestStream) -> None: ...
     async def wait_idle(self) -> None: ...
 
@@ -224,8 +224,9 @@ class EngineClientBase:
 
     # ---- requests in and out ----------------------------------------------------------------
     def submit(self, prompt_token_ids: list[int], sampling: SamplingParams, *, caller_id: str,
-               priority: int = 0) -> RequestStream:
-        """Queues a request under an id of the engine's own, at `priority` (lower first). Raises PromptError /
+               priority: int = 0, streamed: bool = False) -> RequestStream:
+        """Queues a request under an id of the engine's own, at `priority` (lower first); `streamed`
+        when its caller reads tokens as they come (EngineCore.add_request). Raises PromptError /
         SamplingParamsError for a request that can never be served, QueueFullError when the
         waiting queue is full, EngineDeadError when the engine is not running."""
         if self.dead is not None or self._stopping or self._loop is None:
@@ -247,7 +248,7 @@ class EngineClientBase:
         self._idle.clear()
         self._sent += sampling.n
         self._in_transit.append((sampling.n, priority))
-        self._send(AddRequest(engine_id, prompt_token_ids, sampling, priority))
+        self._send(AddRequest(engine_id, prompt_token_ids, sampling, priority, streamed))
         return stream
 
     def abort(self, stream: RequestStream) -> None:

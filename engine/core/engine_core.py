@@ -175,16 +175,16 @@ class EngineCore:
                 raise SamplingParamsError(e.field, e.message) from None
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, *,
-                    priority: int = 0) -> SampleGroup:
+                    priority: int = 0, streamed: bool = False) -> SampleGroup:
         """Queues a request its client has validated (`check_request`, where requests enter the
         engine: EngineClient.submit, or `generate` here). With sampling.n > 1, n samples
         (ids f"{request_id}#{i}") whose outputs carry `request_id` and `index` = i; sample i draws
         from seed + i when a seed is given (so one seed reproduces all n), else from a random seed
-        of its own. `priority`: lower is scheduled first (engine/scheduling/scheduler.py). A structured
+        of its own. `priority`: lower is scheduled first (engine/scheduling/scheduler.py); `streamed`:
+        its caller reads tokens as they come (the stall bound protects its decodes). A structured
         output's constraint starts compiling now (on a thread; the samples are admitted once it is
         done). Raises ValueError for an id in use."""
-        n = sampling.n
-        group = SampleGroup(request_id)
+        n, group = sampling.n, SampleGroup(request_id)
         for i in range(n):
             grammar = self.structured.grammar_for(sampling.structured) if sampling.structured is not None else None
             seed = (sampling.seed + i) % 2**63 if sampling.seed is not None else self._seed_source.getrandbits(63)
@@ -193,9 +193,9 @@ class EngineCore:
                                                  min_tokens=sampling.min_tokens)
             Request(request_id if n == 1 else f"{request_id}#{i}", prompt_token_ids, sampling,
                     eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len, parent_id=request_id,
-                    index=i, wait_for=group.samples[0] if i else None,
+                    index=i, wait_for=group.samples[0] if i else None, grammar=grammar,
                     arrival_time=group.samples[0].arrival_time if i else None,
-                    seed=seed, detokenizer=detokenizer, group=group, priority=priority, grammar=grammar)
+                    seed=seed, detokenizer=detokenizer, group=group, priority=priority, streamed=streamed)
         self.scheduler.add_request(group)
         return group
 

@@ -139,7 +139,8 @@ def apply_commands(engine: EngineCore, commands: list[Command]) -> int:
     for cmd in commands:
         if isinstance(cmd, AddRequest):
             taken += cmd.sampling.n
-            engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.sampling, priority=cmd.priority)
+            engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.sampling, priority=cmd.priority,
+                               streamed=cmd.streamed)
         elif isinstance(cmd, AbortRequest):
             engine.abort(cmd.request_id)
         else:

@@ -46,7 +46,8 @@ class Request:
         "num_computed_tokens",
         "status", "arrival_time", "max_model_len", "eos_token_ids", "num_preemptions",
         "first_scheduled_time", "stop_reason", "parent_id", "index", "wait_for", "num_cached_tokens",
-        "seed", "detokenizer", "block_ids", "block_hashes", "group", "priority", "prompt_logprobs", "grammar",
+        "seed", "detokenizer", "block_ids", "block_hashes", "group", "priority", "streamed", "prompt_logprobs",
+        "grammar",
         "spec_token_ids", "ngram", "draft_computed", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
     )
 
@@ -66,6 +67,7 @@ class Request:
         detokenizer: IncrementalDetokenizer | None = None,
         group: SampleGroup | None = None,
         priority: int = 0,
+        streamed: bool = False,
         grammar: GrammarState | None = None,
     ) -> None:
         if not prompt_token_ids:
@@ -94,6 +96,10 @@ class Request:
         self.wait_for = wait_for
         self.num_cached_tokens = 0  # prompt tokens taken from the prefix cache on first admission
         self.priority = priority  # lower is scheduled first (admission, and the last to be preempted)
+        # Its caller reads the tokens as they are made (a stream), so a step that stalls its decode
+        # is a gap someone sees: the stall bound protects these decodes alone. A request read whole
+        # (a unary call, offline work) waits for its last token, which whole budgets bring soonest.
+        self.streamed = streamed
         self.seed = seed  # of this sample's random stream (engine.sample.sampler: the same tokens in any batch)
         self.detokenizer = detokenizer  # its text deltas and stop strings (None: ids only, in tests)
         # Block table: logical block i -> physical block id, owned by the block manager (which

@@ -42,10 +42,12 @@ cache where the blocks survived) and then samples the next token. Choosing by ar
 admission, means an old request that was re-admitted is never the victim of newer ones of its
 priority, so nothing starves within a priority.
 
-Bounded stalls: with `stall_factor` > 0, the prompt tokens of a step with running decodes are cut
-so that it is expected to take at most `stall_factor` times the decode-only step of the batch it
-heads to (`_heading`; engine/scheduling/stall.py), never below one block; a step without decodes
-takes the whole budget.
+Bounded stalls: with `stall_factor` > 0, the prompt tokens of a step with a streamed decode (one
+whose caller reads tokens as they come, `Request.streamed`) are cut so that it is expected to take
+at most `stall_factor` times the decode-only step of the batch it heads to (`_heading`;
+engine/scheduling/stall.py), never below one block. A step whose decodes are all read whole (unary
+calls, offline work) stalls nobody who watches: it takes the whole budget, as a step without
+decodes does, so that throughput work pays nothing for the bound.
 """
 
 from __future__ import annotations
@@ -120,6 +122,7 @@ class Scheduler(RequestTable):
         # (This loop runs for every running request each step: counts are read inline.)
         decodes, prefills = [], []
         context = 0  # the decodes' tokens of context (what their attention reads)
+        streamed = False  # some decode is read as it comes: a stall is a gap someone sees
         for r in self.running:
             remaining = (len(r.prompt_token_ids) + len(r.output_token_ids) + r.num_output_placeholders
                          - r.num_computed_tokens)
@@ -128,10 +131,11 @@ class Scheduler(RequestTable):
             elif remaining == 1 and not r.length_capped:
                 decodes.append((r, 1))
                 context += r.num_computed_tokens + 1
+                streamed = streamed or r.streamed
         allocate = self.block_manager.allocate_slots
         # Prompt tokens (running prefills and admissions) beside this step's decodes, bounded by
-        # the decode step of the batch the step heads to.
-        bound = self.stall.prompt_tokens(*self._heading(len(decodes), context, prefills)) if decodes else None
+        # the decode step of the batch the step heads to when a stream decodes in it.
+        bound = self.stall.prompt_tokens(*self._heading(len(decodes), context, prefills)) if streamed else None
         prompt_budget = budget if bound is None else bound
         speculator = self.speculator
         if speculator is not None and not speculator.active(len(decodes)):

@@ -61,8 +61,8 @@ class Door(Admitter):
         self.model_name = model_name
         self.api_keys = api_keys
 
-    async def admit(self, request, request_id, *, to_context=False):
-        return await self.servicer.admit(request, request_id, to_context=to_context)
+    async def admit(self, request, request_id, *, streamed, to_context=False):
+        return await self.servicer.admit(request, request_id, streamed=streamed, to_context=to_context)
 
     @property
     def ready(self) -> bool:
@@ -129,7 +129,8 @@ def build_app(door: Door) -> FastAPI:
         except FieldError as e:
             raise HttpError.of(e, chat=False) from None
         rid = _request_id(request, body.request_id, "cmpl")
-        call = await Call.admit(door, requests, rid, "http/completions", _peer(request), chat=False)
+        call = await Call.admit(door, requests, rid, "http/completions", _peer(request), chat=False,
+                                streamed=body.stream)
         answer = Answer(rid, door.model_name)
         answer.prompt_tokens = sum(len(a.prompt) for a in call.admitted)
         tokenizer = call.admitted[0].client.tokenizer
@@ -161,7 +162,7 @@ def build_app(door: Door) -> FastAPI:
         except FieldError as e:
             raise HttpError.of(e, chat=True) from None
         rid = _request_id(request, body.request_id, "chatcmpl")
-        call = await Call.admit(door, requests, rid, "http/chat", _peer(request), chat=True,
+        call = await Call.admit(door, requests, rid, "http/chat", _peer(request), chat=True, streamed=body.stream,
                                 to_context=body.max_tokens is None and body.max_completion_tokens is None)
         answer = Answer(rid, door.model_name)
         answer.prompt_tokens = len(call.admitted[0].prompt)

@@ -69,7 +69,8 @@ class Admitter(Protocol):
 
     metrics: ServiceMetrics
 
-    async def admit(self, request: pb.GenerateStreamRequest, request_id: str, *, to_context: bool = False) -> Admitted: ...
+    async def admit(self, request: pb.GenerateStreamRequest, request_id: str, *, streamed: bool,
+                    to_context: bool = False) -> Admitted: ...
 
 
 @dataclass(slots=True)
@@ -84,15 +85,16 @@ class Call:
 
     @classmethod
     async def admit(cls, host: Admitter, requests: list[pb.GenerateStreamRequest], request_id: str, rpc: str,
-                    peer: str, *, chat: bool, to_context: bool = False) -> Call:
-        """Admits every prompt's request or none: a refusal aborts those admitted before it."""
+                    peer: str, *, chat: bool, streamed: bool, to_context: bool = False) -> Call:
+        """Admits every prompt's request or none: a refusal aborts those admitted before it.
+        `streamed`: the answer goes out as server-sent events (the engine bounds those decodes' stalls)."""
         call = cls([], [], host.metrics, chat, [])
         try:
             for i, request in enumerate(requests):
                 s = RequestSummary(rpc, peer)
                 s.request_id = request_id if len(requests) == 1 else f"{request_id}-{i}"
                 call.summaries.append(s)
-                a = await host.admit(request, s.request_id, to_context=to_context)
+                a = await host.admit(request, s.request_id, streamed=streamed, to_context=to_context)
                 s.prompt_tokens, s.engine_request_id = len(a.prompt), a.stream.engine_id
                 call.admitted.append(a)
                 call.finished.append(False)

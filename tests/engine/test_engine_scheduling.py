@@ -169,7 +169,7 @@ def test_the_engine_teaches_the_stall_bound_and_it_cuts_prompts(model_dir) -> No
     engine = make_engine(model_dir, max_num_batched_tokens=256, decode_stall_factor=1.5, num_kv_blocks=160)
     stall = engine.scheduler.stall
     for i in range(3):
-        engine.add_request(f"s{i}", [30 + i, 40 + i, 50 + i] * 6, greedy)  # 18-token prompts
+        engine.add_request(f"s{i}", [30 + i, 40 + i, 50 + i] * 6, greedy, streamed=True)  # 18-token prompts
     for _ in range(3):
         engine.step()
     engine.add_request("warm", [60, 61, 62] * 8, greedy)  # a prompt beside decodes: its cost is measured

@@ -44,9 +44,9 @@ def make(num_blocks: int, block_size: int, *, max_num_seqs: int = 8, budget: int
                          max_model_len=max_model_len), bm
 
 
-def req(rid: str, num_prompt: int, max_tokens: int = 4, max_model_len: int = 256) -> Request:
+def req(rid: str, num_prompt: int, max_tokens: int = 4, max_model_len: int = 256, streamed: bool = False) -> Request:
     return Request(rid, [100 + i for i in range(num_prompt)], SamplingParams(max_tokens=max_tokens),
-                   max_model_len=max_model_len)
+                   max_model_len=max_model_len, streamed=streamed)
 
 
 def add(sched: Scheduler, *requests: Request) -> None:
@@ -488,7 +488,7 @@ def test_stall_bound_holds_through_a_burst() -> None:
 def test_prompt_tokens_beside_decodes_follow_the_stall_bound() -> None:
     sched = StepScheduler(BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256,
                           stall_factor=2.0)
-    a, b = req("a", 2, max_tokens=20), req("b", 2, max_tokens=20)
+    a, b = req("a", 2, max_tokens=20, streamed=True), req("b", 2, max_tokens=20, streamed=True)
     add(sched, a, b)
     step(sched)
     for _ in range(10):  # teach it: decode steps 10 ms, a prompt token 1 ms on top
@@ -506,6 +506,24 @@ def test_prompt_tokens_beside_decodes_follow_the_stall_bound() -> None:
     assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [("long", 20)]
 
 
+@pytest.mark.parametrize("streamed", [(False, False), (True, False), (False, True)])
+def test_the_stall_bound_protects_streamed_decodes_only(streamed: tuple[bool, bool]) -> None:
+    """Decodes read whole (unary calls, offline work) are stalled by nobody who watches: beside
+    them a prompt takes the whole budget. One streamed decode in the step brings the bound back."""
+    sched = StepScheduler(BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256,
+                          stall_factor=2.0)
+    add(sched, req("a", 2, max_tokens=20, streamed=streamed[0]), req("b", 2, max_tokens=20, streamed=streamed[1]))
+    step(sched)
+    for _ in range(10):  # taught as above: the bound would be 10 tokens
+        sched.stall.observe(2, 0, 0.010)
+        sched.stall.observe(2, 16, 0.010 + 16e-3)
+    add(sched, req("long", 80, max_tokens=2))
+    out = step(sched)
+    chunk = {s.request.request_id: s.num_new_tokens for s in out.scheduled}
+    assert chunk == {"a": 1, "b": 1, "long": 10 if any(streamed) else 62}
+    assert sched.stall.prompt_tokens(2) == 10  # the bound is learnt either way, from every step
+
+
 def test_stall_bound_measures_a_step_against_the_batch_it_heads_to() -> None:
     """The bound's decode step is that of the batch being built: the running decodes and prefills
     and the waiting requests that rows and free blocks admit next, not only the rows decoding now."""
@@ -514,7 +532,7 @@ def test_stall_bound_measures_a_step_against_the_batch_it_heads_to() -> None:
         sched = StepScheduler(BlockManager(num_blocks, 4), max_num_seqs=max_num_seqs, max_num_batched_tokens=64,
                               max_model_len=256, stall_factor=2.0)
         sched.stall.prior = {2: 0.010, 4: 0.020, 8: 0.040}  # decode steps by rows (kv_token_s 0)
-        running = [req("a", 2, max_tokens=20), req("b", 2, max_tokens=20)]
+        running = [req("a", 2, max_tokens=20, streamed=True), req("b", 2, max_tokens=20, streamed=True)]
         add(sched, *running)
         step(sched)
         for _ in range(10):  # measured decode steps as the prior says; a prompt token 1 ms

@@ -71,6 +71,29 @@ def test_completions_whole_and_streamed_agree_and_match_grpc(server, api):
         assert grpc_client.generate(PROMPT, max_tokens=24, temperature=0.8, seed=7).text == choice.text
 
 
+def test_only_streamed_answers_are_marked_streamed(server, api, monkeypatch):
+    """The engine learns which requests are read as they come (the stall bound protects those
+    decodes alone): gRPC's GenerateStream and HTTP's stream=true are, unary Generate and HTTP's whole
+    answers are not."""
+    seen: list[bool] = []
+    add_request = server.core.add_request
+
+    def recording(*args, streamed: bool = False, **kw):
+        seen.append(streamed)
+        return add_request(*args, streamed=streamed, **kw)
+
+    monkeypatch.setattr(server.core, "add_request", recording)
+    with Client(server.address, timeout=60, token=KEY) as grpc_client:
+        grpc_client.generate(PROMPT, max_tokens=2)
+        list(grpc_client.stream(PROMPT, max_tokens=2))
+    api.completions.create(model="stories-7m", prompt=PROMPT, max_tokens=2)
+    list(api.completions.create(model="stories-7m", prompt=PROMPT, max_tokens=2, stream=True))
+    messages = [{"role": "user", "content": "Hi."}]
+    api.chat.completions.create(model="stories-7m", messages=messages, max_tokens=2)
+    list(api.chat.completions.create(model="stories-7m", messages=messages, max_tokens=2, stream=True))
+    assert seen == [False, True, False, True, False, True]
+
+
 def test_chat_whole_and_streamed_agree(api):
     messages = [{"role": "user", "content": "Tell me a story about a cat."}]
     whole = api.chat.completions.create(model="stories-7m", messages=messages, max_completion_tokens=16,
