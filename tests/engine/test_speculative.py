@@ -269,10 +269,20 @@ def test_structured_output_masks_every_proposed_position(models):
 
 def test_budget_counts_proposals_and_large_batches_do_not_speculate(models, rng):
     """A row with k proposals takes 1 + k tokens of the step's budget; a request that turns
-    speculation off gets none; above speculative_max_batch running decodes nobody speculates."""
+    speculation off gets none; above speculative_max_batch running decodes nobody speculates.
+
+    Whether a random model's greedy output repeats an n-gram while few rows decode is luck (one
+    model and prompt draw in CI never did, and nothing speculated), so a copying row (`_copying`:
+    it says COPY_TOKEN over and over) after a prompt that ends in COPY_TOKEN twice has a proposal
+    at every decode, whatever the model: the suffix (COPY_TOKEN, COPY_TOKEN) occurred before. It is
+    admitted first with a prompt of at most one step's budget, so its first decode comes while
+    only its twin may decode too, and must speculate (one proposal: the latest earlier occurrence
+    ends one token back); it says more tokens than the others, so it is still decoding once more
+    than speculative_max_batch rows do, and then must not. Its twin, speculation off, would have
+    the same proposals and must get none."""
     model_dir = models("llama")
     engine = _engine(model_dir, max_num_batched_tokens=12, speculative_max_batch=3)
-    seen = []
+    seen = []  # per step: (running decodes, proposals, {decoding request id: its proposals})
     schedule = engine.scheduler.schedule
 
     def watched():
@@ -280,20 +290,29 @@ def test_budget_counts_proposals_and_large_batches_do_not_speculate(models, rng)
         assert out.num_batched_tokens <= 12
         assert out.num_spec_tokens == sum(s.num_spec for s in out.scheduled)
         assert out.num_batched_tokens == sum(s.num_new_tokens for s in out.scheduled)
-        decodes = [s for s in out.scheduled if s.num_new_tokens - s.num_spec == 1 and s.sample]
-        seen.append((len(decodes), out.num_spec_tokens, [s.request.request_id for s in out.scheduled if s.num_spec]))
+        assert all(s.num_new_tokens == 1 + s.num_spec for s in out.scheduled if s.num_spec)
+        decodes = {s.request.request_id: s.num_spec for s in out.scheduled
+                   if s.num_new_tokens - s.num_spec == 1 and s.sample}
+        seen.append((len(decodes), out.num_spec_tokens, decodes))
         return out
 
     engine.scheduler.schedule = watched
+    sp = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    copy_prompt = [rng.randrange(3, VOCAB) for _ in range(rng.randint(0, 6))] + [COPY_TOKEN] * 2
+    copy_sp = _copying(replace(sp, max_tokens=40))
     prompts = _prompts(rng, 5)
-    reqs = [(f"b{i}", p, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)) for i, p in enumerate(prompts)]
-    reqs.append(("off", prompts[0], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True,
-                                                   disable_speculation=True)))
+    reqs = [("copy", copy_prompt, copy_sp), ("copy-off", copy_prompt, replace(copy_sp, disable_speculation=True))]
+    reqs += [(f"b{i}", p, sp) for i, p in enumerate(prompts)]
+    reqs.append(("off", prompts[0], replace(sp, disable_speculation=True)))
     res = _run(engine, reqs)
+    assert res[("copy", 0)]["ids"] == res[("copy-off", 0)]["ids"] == [COPY_TOKEN] * 40
     assert res[("off", 0)]["ids"] == res[("b0", 0)]["ids"]
-    assert all("off" not in ids for _, _, ids in seen)
-    assert all(spec == 0 for decodes, spec, _ in seen if decodes > 3), "speculated above the batch bound"
-    assert any(spec > 0 for _, spec, _ in seen)
+    assert all(rows.get(rid, 0) == 0 for _, _, rows in seen for rid in ("off", "copy-off"))
+    assert any(n <= 3 and "copy-off" in rows for n, _, rows in seen), "copy-off never decoded where others speculate"
+    assert all(spec == 0 for n, spec, _ in seen if n > 3), "speculated above the batch bound"
+    first = next(step for step in seen if "copy" in step[2])
+    assert first[0] <= 3 and first[2]["copy"] == 1, f"the copying row did not speculate: {first}"
+    assert any(n > 3 and "copy" in rows for n, _, rows in seen), "the copying row never decoded in a large batch"
     assert engine.stats().spec_num_draft_tokens > 0
 
 
