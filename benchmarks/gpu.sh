@@ -43,7 +43,8 @@
 #   burst       benchmarks/burst_steps.py (the long work queued at once, step by step, per stall
 #               factor: tok/s, TTFT, ITL, what the stall bound learnt); BURST_ARGS adds flags
 #   fidelity    benchmarks/kv_fidelity.py --device cuda (greedy agreement, teacher-forced, KL)
-#   seeds       benchmarks/seed_consistency.py (cold / cached / chunked / batch sizes on the GPU)
+#   seeds       benchmarks/seed_consistency.py (cold / cached / chunked / batch sizes on the GPU);
+#               SEEDS_ARGS adds flags (e.g. "--batch-invariant", "--shape qwen2-7b")
 #   structured  tests/kernels/test_triton_bitmask.py and tests/engine/test_structured.py on the GPU,
 #               then benchmarks/structured.py (compile and mask-fill time, decode steps with token
 #               masks against free ones: 64 and 256 rows, Qwen3-4B shape, 152k vocabulary)
@@ -189,7 +190,9 @@ suite_structured() {
     | tee -a "$D/structured.md"
 }
 suite_seeds() {
-  timeout "$(t seeds)" python3 benchmarks/seed_consistency.py 2>&1 | quiet | grep "^|" | tee -a "$D/seeds.md"
+  # shellcheck disable=SC2086
+  timeout "$(t seeds)" python3 benchmarks/seed_consistency.py ${SEEDS_ARGS:-} 2>&1 | quiet | grep "^|\|^#" \
+    | tee -a "$D/seeds.md"
 }
 suite_tp() {
   local gpus

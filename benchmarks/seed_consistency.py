@@ -8,7 +8,7 @@ On a GPU the matrix products pick kernels by the number of rows in a step, and d
 attention are different kernels: a step of another shape rounds differently, and a token whose two
 best choices are that close may go either way. This says how often, on a random model.
 
-    python benchmarks/seed_consistency.py [--shape llama-1b] [--requests 32] [--tokens 64]
+    python benchmarks/seed_consistency.py [--shape llama-1b] [--requests 32] [--tokens 64] [--batch-invariant]
     python benchmarks/seed_consistency.py --tiny
 """
 
@@ -57,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-sizes", default="1,8,64", help="batch sizes a request runs in (others fill the batch)")
     ap.add_argument("--kv", default="int8,bf16", help="KV cache dtypes, comma-separated")
     ap.add_argument("--greedy", action="store_true", help="greedy instead of temperature 1")
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="the engine's batch-invariant mode (EngineConfig.batch_invariant; CUDA)")
     args = ap.parse_args(argv)
     sized.fill(args, args.tiny)
     args.device = args.device or default_device()
@@ -68,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
                                ignore_eos=True) for i, rid in enumerate(prompts)}
     requests = {rid: (prompts[rid], sps[rid]) for rid in prompts}
     sizes = [int(x) for x in args.batch_sizes.split(",") if x]
+    print(f"# {args.shape}, {args.device}, batch-invariant mode {'on' if args.batch_invariant else 'off'}")
     print("| KV cache | compared with cold | requests with the same tokens | first parting (token index) |")
     print("|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
@@ -76,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         for kv in args.kv.split(","):
             def engine(**kw) -> EngineCore:
                 cfg = dict(model=tmp, device=args.device, kv_cache_dtype=kv, max_num_seqs=max(64, max(sizes)),
-                           max_num_batched_tokens=8192, kv_cache_memory_bytes=2 << 30)
+                           max_num_batched_tokens=8192, kv_cache_memory_bytes=2 << 30,
+                           batch_invariant=args.batch_invariant)
                 return EngineCore(EngineConfig(**{**cfg, **kw}))
 
             eng = engine(enable_prefix_caching=True)

@@ -74,6 +74,12 @@ class EngineConfig:
     # worker processes, one per further GPU (or CPU process, gloo).
     tensor_parallel_size: int = 1
     logprobs_mode: str = "raw"  # raw | processed: which logits generated tokens' logprobs come from
+    # One answer per seed: every kernel on a request's path reduces in an order set by the request's
+    # own tokens, never by the other rows of its step (projections through kernels/triton_matmul.py,
+    # decode splits at fixed key positions, prompt tiles never shrunk for short chunks), so a seeded
+    # request gives the same tokens alone, in any batch, cold, cached or chunked. The Triton path
+    # (CUDA, or Triton's interpreter); not with tensor parallelism or speculative decoding.
+    batch_invariant: bool = False
     # Speculative decoding (engine/spec_decode/speculator.py): None = off (the default: decoding as without it);
     # "ngram" proposes from earlier text, "draft" from `draft_model`. One forward pass verifies
     # `num_speculative_tokens` proposals per request (fewer where fewer are found or fit).
@@ -123,6 +129,15 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
         self._check_speculative()
+        if self.batch_invariant:
+            if self.attention_backend == "torch":
+                raise ValueError("batch_invariant runs the Triton kernels: not with attention_backend='torch'")
+            if self.tensor_parallel_size > 1:
+                raise ValueError("batch_invariant is not for tensor parallelism (its all-reduce sums in an "
+                                 "order set by the step's size)")
+            if self.speculative is not None:
+                raise ValueError("batch_invariant is not for speculative decoding (a verify step computes a "
+                                 "token with the prompt kernel, a decode step with the decode kernel)")
 
     def _check_speculative(self) -> None:
         if self.speculative is None:

@@ -319,6 +319,12 @@ SPLIT_TOKENS = 1024  # the engine's fixed split (fixed_split_tokens), measured i
 MAX_FIXED_SPLITS = 16  # the most fixed splits the engine's grid holds (fixed_split_tokens)
 
 
+def invariant_split_tokens(max_len: int) -> int:
+    """Keys per split in the batch-invariant mode, for contexts up to `max_len`: SPLIT_TOKENS
+    whatever the batch, or a multiple of it where that would need more than MAX_SPLITS splits."""
+    return SPLIT_TOKENS * cdiv(cdiv(max_len, SPLIT_TOKENS), MAX_SPLITS)
+
+
 def fixed_split_tokens(max_len: int, batch: int, num_kv_heads: int, sm_count: int) -> int | None:
     """Keys per split for the engine's `paged_decode(split_tokens=...)` of `batch` sequences over
     contexts up to `max_len` (what its CUDA graphs are captured for), or None for the
@@ -407,6 +413,7 @@ def paged_decode(
     programs: int | None = None,
     out: torch.Tensor | None = None,
     config: DecodeConfig | None = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """Decode attention of one query per sequence over the paged cache; the Triton twin of
     `kernels.reference.paged_attention_decode`.
@@ -428,7 +435,9 @@ def paged_decode(
     is spent on a split past a sequence's end, and the bits are those of the one-program-per-split
     grid. (Measured against it in benchmarks/decode_variants.py --ragged; not yet the engine's.)
     out: (B, Hq, D) q.dtype, written in full. config: overrides the launch table (benchmarks).
-    Returns out.
+    batch_invariant: the launch table chosen without the batch size (head dim 64 otherwise takes a
+    one-warp table in large batches), so that with split_tokens a sequence's output is the same bits
+    in every batch. Returns out.
     """
     assert q.dim() == 3, f"q must be (B, Hq, D), got {tuple(q.shape)}"
     assert q.dtype in _Q_DTYPES, f"unsupported q dtype {q.dtype}"
@@ -476,7 +485,8 @@ def paged_decode(
     d_pad = pad_head_dim(d)
     # The one-warp table (head dim 64) needs many programs, so the table depends on the batch size:
     # split_tokens gives the same bits in any batch that picks the same table.
-    programs_per_sm = b * hkv / _sm_count(q.device.index or 0) if on_gpu else 0.0
+    programs_per_sm = b * hkv / _sm_count(q.device.index or 0) if on_gpu and not batch_invariant else 0.0
+    assert not batch_invariant or split_tokens is not None, "batch_invariant needs split_tokens"
     cfg = config or _config(d_pad, page, k_cache.dtype, on_gpu, programs_per_sm)
     assert cfg.k_mode in K_MODES and cfg.v_mode in V_MODES, f"unknown int8 modes {cfg.k_mode}, {cfg.v_mode}"
     assert not (is_int8 and cfg.k_mode.startswith("imma") and d_pad < 32), "int8 tensor-core scores need D >= 32"

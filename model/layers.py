@@ -36,6 +36,28 @@ class FusedOps(Protocol):
         ...
 
 
+class Matmul(Protocol):
+    """F.linear's product by another kernel (`LlamaForCausalLM.use_matmul`; the engine's
+    batch-invariant mode passes kernels.triton_matmul.linear)."""
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x (T, K), weight (N, K), bias (N,) or None -> (T, N) in x's dtype."""
+        ...
+
+
+class Linear(nn.Linear):
+    """nn.Linear (the same parameters and names) whose product the model's owner may supply:
+    `matmul`, whose rows must not depend on how many rows a step carries in the batch-invariant
+    mode. Without one, and whenever autograd records, F.linear."""
+
+    matmul: Matmul | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.matmul is None or torch.is_grad_enabled():
+            return F.linear(x, self.weight, self.bias)
+        return self.matmul(x.reshape(-1, x.shape[-1]), self.weight, self.bias).view(*x.shape[:-1], -1)
+
+
 def _fused(module: RMSNorm | SwiGLUMLP | SelfAttention) -> FusedOps | None:
     """The module's fused ops when it should use them: given, and no autograd recording."""
     ops = module.fused
@@ -49,6 +71,10 @@ class RMSNorm(nn.Module):
     returns (norm(s), s). On the fused path s is written into `residual` in place."""
 
     fused: FusedOps | None = None
+    # Every row through the fused kernel (one program a row), copied contiguous where it is not (the
+    # q/k norms' heads): the batch-invariant mode, where torch's reduction may round a row by the
+    # number of rows beside it.
+    per_row = False
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -60,6 +86,8 @@ class RMSNorm(nn.Module):
         if ops is not None and x.dim() == 2 and x.is_contiguous():
             out, s = ops.rms_norm(x, self.weight, self.eps, residual)
             return out if residual is None else (out, s)
+        if ops is not None and self.per_row and residual is None:
+            return ops.rms_norm(x.reshape(-1, x.shape[-1]).contiguous(), self.weight, self.eps, None)[0].view(x.shape)
         if residual is None:
             return self._norm(x)
         s = x + residual
@@ -82,8 +110,8 @@ class SwiGLUMLP(nn.Module):
         super().__init__()
         self.tp = tp  # down_proj is row-parallel: its partial outputs are summed over the ranks
         self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -112,8 +140,8 @@ class SelfAttention(nn.Module):
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)

@@ -15,7 +15,7 @@ from torch import nn
 
 from pie.model.attention import AttentionBackend, BatchedCausalAttention
 from pie.model.config import ModelConfig
-from pie.model.layers import FusedOps, RMSNorm, SelfAttention, SwiGLUMLP
+from pie.model.layers import FusedOps, Linear, Matmul, RMSNorm, SelfAttention, SwiGLUMLP
 from pie.model.parallel import TensorParallel, local_config, vocab, vocab_per_rank
 from pie.model.rope import RotaryEmbedding
 
@@ -61,7 +61,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(rows, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, rows, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, rows, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg)
@@ -81,6 +81,17 @@ class LlamaForCausalLM(nn.Module):
         for m in self.modules():
             if isinstance(m, (RMSNorm, SwiGLUMLP, SelfAttention)):
                 m.fused = ops
+
+    def use_batch_invariant(self, matmul: Matmul | None) -> None:
+        """Run every projection, the lm_head's included, through `matmul`, and every norm row by row
+        through the fused ops (`use_fused_ops` first), so that no token's result depends on the rows
+        beside it (None: F.linear and the usual norms again). Only for inference: while autograd
+        records, the torch ops run regardless."""
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.matmul = matmul
+            elif isinstance(m, RMSNorm):
+                m.per_row = matmul is not None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids (T,) -> (T, hidden). With tp, each rank embeds the ids in its vocabulary rows,

@@ -37,7 +37,8 @@ def engine_config_from(args: argparse.Namespace) -> EngineConfig:
         max_waiting=args.max_waiting, seed=args.seed,
         attention_backend=args.attention_backend, cpu_threads=args.cpu_threads,
         tensor_parallel_size=args.tensor_parallel_size, enable_prefix_caching=args.enable_prefix_caching,
-        logprobs_mode=args.logprobs_mode, speculative=args.speculative, draft_model=args.draft_model,
+        logprobs_mode=args.logprobs_mode, batch_invariant=args.batch_invariant, speculative=args.speculative,
+        draft_model=args.draft_model,
         **given)
 
 

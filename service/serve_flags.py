@@ -107,6 +107,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="what generated tokens' logprobs are: raw = log-softmax of the model's logits (as vLLM v1); "
                         "processed = of the logits the token was chosen from, after logit_bias, min_tokens, "
                         "penalties, temperature and the top-k/top-p/min-p filters")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="one answer per seed: every kernel reduces in an order set by the request's own tokens, "
+                        "so a seeded request gives the same tokens alone or in any batch, cold, cached or chunked "
+                        "(the Triton path on CUDA; slower: docs/serving.md says how much)")
     p.add_argument("--speculative", default=None, choices=SPECULATIVE_METHODS,
                    help="speculative decoding: propose tokens from the request's earlier text (ngram: prompt "
                         "lookup) or with a small model (draft: --draft-model), and verify them in one forward pass; "

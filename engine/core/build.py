@@ -1,6 +1,6 @@
-"""What EngineCore builds beside the model and its pool: the K/V smoothing folded into the weights
-before int8 pages quantize anything, and speculative decoding's `Speculator` (with the draft
-model's runner over a pool of its own)."""
+"""What EngineCore builds beside the model and its pool: the kernels the model runs on, the K/V
+smoothing folded into the weights before int8 pages quantize anything, and speculative decoding's
+`Speculator` (with the draft model's runner over a pool of its own)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,21 @@ from pie.model.llama import LlamaForCausalLM
 from pie.model.tokenizer import Tokenizer
 
 log = structlog.get_logger(__name__)
+
+
+def use_kernels(model: LlamaForCausalLM, config: EngineConfig, device: torch.device) -> None:
+    """On CUDA, one Triton kernel per norm / SwiGLU / RoPE (kernels/triton_fused.py). In the
+    batch-invariant mode (which runs the Triton path, on CUDA or under Triton's interpreter) those
+    too, and every projection through kernels/triton_matmul.py, whose rows do not depend on the
+    step's other rows (cuBLAS picks its kernel by the row count)."""
+    if device.type == "cuda" or config.batch_invariant:
+        from pie.kernels import triton_fused
+
+        model.use_fused_ops(triton_fused)
+    if config.batch_invariant:
+        from pie.kernels import triton_matmul
+
+        model.use_batch_invariant(triton_matmul.linear)
 
 
 def smooth_kv(model: LlamaForCausalLM, mc: ModelConfig, tokenizer: Tokenizer, tp: Leader | None, mode: str) -> None:

@@ -16,7 +16,7 @@ import structlog
 import torch
 
 from pie.engine.config import EngineConfig, usable_cores
-from pie.engine.core.build import make_speculator, smooth_kv
+from pie.engine.core.build import make_speculator, smooth_kv, use_kernels
 from pie.engine.core.step_timer import StepTimer
 from pie.engine.device import TORCH_DTYPES, auto_dtype, resolve_device
 from pie.engine.errors import EngineDeadError
@@ -77,10 +77,7 @@ class EngineCore:
         self.model, self.model_config = load_model(config.model, device=self.device, dtype=TORCH_DTYPES[dtype_name],
                                                    tp=tp)
         self.model.eval()
-        if self.device.type == "cuda":
-            from pie.kernels import triton_fused
-
-            self.model.use_fused_ops(triton_fused)  # one Triton kernel per norm / SwiGLU / RoPE
+        use_kernels(self.model, config, self.device)
         self.tokenizer = read_tokenizer(config.model, self.model_config)
         mc: ModelConfig = self.model_config
         check_vocab(config.model, mc, self.tokenizer)

@@ -34,6 +34,11 @@ from pie.engine.config import ATTENTION_BACKENDS
 from pie.engine.runner.kv_cache import KVCache
 from pie.kernels import reference
 
+# The extend kernel sizes its query tiles by the step's longest chunk (short chunks, fewer padded
+# rows); the batch-invariant mode gives it this bound instead, above any chunk, so the tiles are the
+# launch table's whatever the step holds.
+INVARIANT_QUERY_LEN = 1 << 20
+
 
 @dataclass(slots=True)
 class AttentionMetadata:
@@ -96,7 +101,7 @@ class TorchOps:
 class TritonOps:
     """The Triton kernels (imported only when chosen, so the CPU path never needs triton)."""
 
-    def __init__(self, head_dim: int, max_model_len: int | None) -> None:
+    def __init__(self, head_dim: int, max_model_len: int | None, batch_invariant: bool = False) -> None:
         from pie.kernels import flash_prefill, triton_cache_write, triton_decode, triton_extend
 
         if head_dim > triton_decode.MAX_HEAD_DIM or head_dim % 2:
@@ -110,6 +115,11 @@ class TritonOps:
         self._fixed_split_tokens = triton_decode.fixed_split_tokens
         self._sm_count = triton_decode.sm_count
         self.max_model_len = max_model_len
+        # The batch-invariant mode (EngineConfig.batch_invariant): decode splits at fixed key
+        # positions in every batch, and prompt work through the extend kernel alone, its tiles the
+        # launch table's (never shrunk for a step of short chunks) and every key read from the pages.
+        self.batch_invariant = batch_invariant
+        self._invariant_split = triton_decode.invariant_split_tokens(max_model_len or 1)
 
     def decode(self, q, cache: _Cache, block_tables, seq_lens, scale: float, *, max_seq_len: int,
                window: int | None, out: torch.Tensor | None) -> torch.Tensor:
@@ -117,18 +127,23 @@ class TritonOps:
         # batch keeps the SMs busy, and a sequence's decode is the same bits in a graph, an eager
         # mixed step or any batch of that kind (None: the split count set by the batch).
         split = None
-        if self.max_model_len is not None:
+        if self.batch_invariant:
+            split = self._invariant_split
+        elif self.max_model_len is not None:
             sms = self._sm_count(q.device) if q.is_cuda else 1
             split = self._fixed_split_tokens(self.max_model_len, q.shape[0], cache[0].shape[2], sms)
         return self._decode(q, *cache, block_tables, seq_lens, scale, max_seq_len=max_seq_len, window=window, out=out,
-                            split_tokens=split)
+                            split_tokens=split, batch_invariant=self.batch_invariant)
 
     def extend(self, q, k_new, v_new, cache: _Cache, block_tables, seq_lens, query_start_loc, scale: float, *,
                max_query_len: int, max_seq_len: int, kv_tokens: int, key_start_loc: torch.Tensor | None,
                window: int | None, out: torch.Tensor | None) -> torch.Tensor:
         # FlashAttention over the keys gathered from the pages where it applies and the copy is not
         # too large (kernels/flash_prefill.py), else the Triton extend kernel.
-        if (kv_tokens and self._flash.fits(kv_tokens, cache[0].shape[2], cache[0].shape[3], q.dtype)
+        if self.batch_invariant:  # tiles at fixed key positions, of one shape: a query's bits are its own
+            k_new = v_new = None
+            max_query_len = INVARIANT_QUERY_LEN
+        elif (kv_tokens and self._flash.fits(kv_tokens, cache[0].shape[2], cache[0].shape[3], q.dtype)
                 and self._flash.supported(q)):
             return self._flash.paged_prefill(q, *cache, block_tables, seq_lens, query_start_loc, scale,
                                              max_query_len=max_query_len, max_seq_len=max_seq_len,
@@ -155,11 +170,15 @@ class PagedAttention:
     """
 
     def __init__(self, kv_cache: KVCache, softmax_scale: float, impl: str = "auto",
-                 windows: list[int | None] | None = None, max_model_len: int | None = None) -> None:
+                 windows: list[int | None] | None = None, max_model_len: int | None = None,
+                 batch_invariant: bool = False) -> None:
         if impl not in ATTENTION_BACKENDS:
             raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {impl!r}")
         if impl == "auto":
             impl = "triton" if kv_cache.k.is_cuda else "torch"
+        if batch_invariant and impl != "triton":
+            raise ValueError("batch_invariant runs the Triton kernels: it needs CUDA (on the CPU, "
+                             "attention_backend='triton' under Triton's interpreter, as the tests run it)")
         self.impl = impl
         self.kv_cache = kv_cache
         self.softmax_scale = softmax_scale
@@ -168,8 +187,8 @@ class PagedAttention:
             raise ValueError(f"{len(self.windows)} windows for {kv_cache.num_layers} layers")
         self._metadata: AttentionMetadata | None = None
         self._parts: _Parts | None = None
-        self.ops: TorchOps | TritonOps = (TritonOps(kv_cache.k.shape[-1], max_model_len) if impl == "triton"
-                                          else TorchOps())
+        self.ops: TorchOps | TritonOps = (TritonOps(kv_cache.k.shape[-1], max_model_len, batch_invariant)
+                                          if impl == "triton" else TorchOps())
 
     @property
     def metadata(self) -> AttentionMetadata | None:

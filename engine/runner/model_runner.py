@@ -70,7 +70,7 @@ class ModelRunner:
                  max_num_batched_tokens: int = 2048, max_model_len: int = 2048,
                  windows: list[int | None] | None = None, tp_leader: StepBroadcast | None = None,
                  processed_logprobs: bool = False, max_spec_tokens: int = 0, spec_tokens_per_row: int = 0,
-                 mixed_graph_max_tokens: int = 0) -> None:
+                 mixed_graph_max_tokens: int = 0, batch_invariant: bool = False) -> None:
         self.model = model
         # Speculative decoding: proposals one step verifies at most (their rows come back too), and
         # per row (K): verify graphs hold max_spec_tokens // K rows of 1 + K tokens at most.
@@ -87,7 +87,8 @@ class ModelRunner:
         self.vocab_size = vocab_size
         self.device = device
         self.max_model_len = max_model_len
-        self.attention = PagedAttention(kv_cache, softmax_scale, attention_backend, windows, max_model_len)
+        self.attention = PagedAttention(kv_cache, softmax_scale, attention_backend, windows, max_model_len,
+                                        batch_invariant)
         self.max_num_seqs = max_num_seqs
         self.max_tokens = max(max_num_batched_tokens, max_num_seqs)
         self.max_blocks = -(-max_model_len // self.block_size)
@@ -141,7 +142,7 @@ class ModelRunner:
                    windows=[mc.layer_window(i) for i in range(mc.num_hidden_layers)], tp_leader=tp_leader,
                    processed_logprobs=config.logprobs_mode == "processed",
                    max_spec_tokens=k * min(config.speculative_max_batch, config.max_num_seqs), spec_tokens_per_row=k,
-                   mixed_graph_max_tokens=config.mixed_graph_max_tokens)
+                   mixed_graph_max_tokens=config.mixed_graph_max_tokens, batch_invariant=config.batch_invariant)
 
     # ---- forward --------------------------------------------------------------------------------
     def forward_logits(self, out: SchedulerOutput, *, eager: bool = False,
