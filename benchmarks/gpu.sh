@@ -102,7 +102,10 @@ suite_tests() {
     | tail -15 | tee -a "$D/tests.log"
 }
 suite_alltests() {
-  timeout "$(t alltests)" python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests 2>&1 | tail -40 | tee -a "$D/alltests.log"
+  # The modules left out hold no GPU test and import, to be collected, packages the GPU machine
+  # lacks (openai, kubernetes_validate).
+  timeout "$(t alltests)" python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests --ignore=tests/deploy \
+    --ignore=tests/service/test_openai_http.py 2>&1 | tail -40 | tee -a "$D/alltests.log"
 }
 suite_kernels() {
   # shellcheck disable=SC2086
