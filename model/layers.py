@@ -37,7 +37,7 @@ class FusedOps(Protocol):
 
 
 class Matmul(Protocol):
-    """F.linear's product by another kernel (`LlamaForCausalLM.use_matmul`; the engine's
+    """F.linear's product by another kernel (`LlamaForCausalLM.use_batch_invariant`; the engine's
     batch-invariant mode passes kernels.triton_matmul.linear)."""
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

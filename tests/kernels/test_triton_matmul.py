@@ -274,9 +274,9 @@ def test_gpu_one_compile_for_every_m_and_cuda_graphs(gen) -> None:
     for m in (1, 2, 3, 17, 64, 100, 255, 256, 1000, 4095):
         assert_rows_equal(linear(x[:m], w, b), full[:m], f"x[:{m}]")
     after = (_compiled(tm._linear_kernel), _compiled(tm._sum_chunks_kernel))
-    if None in before:
-        pytest.skip("this Triton keeps no device_caches: compile count not checked (the graph part neither)")
-    assert (after[0] - before[0], after[1] - before[1]) == (1, 1), (before, after)
+    counted = None not in before  # Triton's device_caches, where this Triton keeps them
+    if counted:
+        assert (after[0] - before[0], after[1] - before[1]) == (1, 1), (before, after)
 
     for m in (8, 2048):  # chunks in programs of their own; one program per tile
         xs = x[:m].clone()
@@ -292,4 +292,7 @@ def test_gpu_one_compile_for_every_m_and_cuda_graphs(gen) -> None:
             graph.replay()
             torch.cuda.synchronize()
             assert_rows_equal(out, linear(xs, w, b), f"graph replay at M={m}")
+    if not counted:
+        pytest.skip("this Triton keeps no device_caches: the compile count was not checked (the rows and "
+                    "the graph replays were)")
     assert (_compiled(tm._linear_kernel), _compiled(tm._sum_chunks_kernel)) == after
