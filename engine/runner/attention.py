@@ -49,7 +49,7 @@ class AttentionMetadata:
     max_query_len: int  # longest query run in the batch (1 = pure decode)
     max_seq_len: int  # longest seq_lens entry (host copy, so kernels size their grids without a sync)
     # The first num_decodes sequences have one query each and attend like a pure decode step (the
-    # scheduler puts running decodes first); B in a pure decode step.
+    # scheduler puts running decodes first); B in a pure decode step. 0: none (every row extends).
     num_decodes: int = 0
     decode_max_seq_len: int = 0  # longest seq_lens entry among those (host copy)
     # (B - num_decodes + 1,) int32: query_start_loc of the other sequences, rebased to 0; set when
@@ -62,6 +62,11 @@ class AttentionMetadata:
     # (B - num_decodes + 1,) int32: where each of those sequences' keys start once gathered (the
     # cumulative sums of their seq_lens from 0), staged with the step; None: summed where needed.
     prefill_key_start_loc: torch.Tensor | None = None
+
+    @property
+    def decodes_only(self) -> bool:
+        """Every sequence attends as a decode (a pure decode step, or its graph)."""
+        return self.num_decodes == self.seq_lens.shape[0]
 
 
 # One layer's (k_cache, v_cache, k_scale, v_scale); the scales only for int8 caches.
@@ -202,7 +207,7 @@ class PagedAttention:
         # work per layer is time the GPU may wait).
         self._metadata = md
         self._parts = None
-        if md is not None and md.max_query_len > 1 and md.prefill_query_start_loc is not None:
+        if md is not None and md.prefill_query_start_loc is not None:
             nd = md.num_decodes
             self._parts = _Parts(md.block_tables[:nd], md.seq_lens[:nd], md.block_tables[nd:], md.seq_lens[nd:])
 
@@ -217,7 +222,7 @@ class PagedAttention:
         window = self.windows[layer_idx]
         ops.write(k, v, k_cache, v_cache, k_scale, v_scale, md.slot_mapping)
         cache = (k_cache, v_cache, k_scale, v_scale)
-        if md.max_query_len == 1:  # one query per sequence: everything from the cache
+        if md.decodes_only:  # one query per sequence: everything from the cache
             return ops.decode(q, cache, md.block_tables, md.seq_lens, scale, max_seq_len=md.max_seq_len,
                               window=window, out=out)
         k_new, v_new = (k, v) if self.holds_exactly(k.dtype) else (None, None)  # else the pages' copies

@@ -152,6 +152,9 @@ class CudaGraphs:
         # contexts): the scheduler's model of a decode step (StallBound.prior, .kv_token_s).
         self.replay_seconds: dict[int, float] = {}
         self.kv_token_seconds: float | None = None
+        # A prompt's last token alone in its row may run in a decode graph (off in the
+        # batch-invariant mode: StepStager.prompt_rows_decode).
+        self.prompt_rows_decode = True
 
     def __bool__(self) -> bool:
         return bool(self.graphs)
@@ -159,6 +162,8 @@ class CudaGraphs:
     def bucket_for(self, out: SchedulerOutput) -> int | None:
         """The bucket whose graph runs this step: a pure decode with a bucket large enough."""
         if not self.graphs or any(s.num_new_tokens != 1 for s in out.scheduled):
+            return None
+        if not self.prompt_rows_decode and any(s.start < s.request.num_prompt_tokens for s in out.scheduled):
             return None
         b = len(out.scheduled)
         return next((g for g in self.graphs if g >= b), None)

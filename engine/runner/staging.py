@@ -13,7 +13,11 @@ Packed int32 layout, for T tokens and B sequences (decode: T = B):
     | (token index, row of the last sample) of up to B placeholder inputs (async scheduling)     |
 
 A mixed step's first nd sequences are running decodes (the scheduler orders them first): they
-attend through the decode kernel, the rest through the extend kernel. The key starts of those
+attend through the decode kernel, the rest through the extend kernel. A row of one token counts as
+a decode, a prompt's last token too (its chunk's remainder, or the token after a cached prefix),
+except in the batch-invariant mode (`prompt_rows_decode` off): there a prompt token is always
+attended by the extend kernel, as it is when its whole prompt runs in one step, since the two
+kernels round the same query differently. The key starts of those
 rest are where each one's keys begin once gathered from the pages (kernels/flash_prefill.py):
 summed here on the host, once per step, instead of on the device in every layer.
 
@@ -165,8 +169,10 @@ class StepStager:
     captured graphs read) and the step that fills them. On the CPU the host buffers serve directly."""
 
     def __init__(self, *, block_size: int, max_num_seqs: int, max_tokens: int, max_blocks: int,
-                 device: torch.device, verify_tokens: int = 0) -> None:
+                 device: torch.device, verify_tokens: int = 0, prompt_rows_decode: bool = True) -> None:
         self.block_size = block_size
+        # A one-token row at a prompt position attends as a decode (the module docstring).
+        self.prompt_rows_decode = prompt_rows_decode
         # + the query and key starts of a step's prefill part (2 (B + 1)) + (dst, src) of up to B
         # placeholder ids
         ints = 3 * max_tokens + 6 * max_num_seqs + 3
@@ -255,7 +261,11 @@ class StepStager:
         n_ints = layout.end
         # A mixed step's running decodes (the scheduler puts them first) attend through the decode
         # kernel; the rest, from `nd` on, through the extend kernel with its own query starts.
-        nd = b if max_query_len == 1 else int(np.argmax(q_lens != 1))
+        if self.prompt_rows_decode:
+            nd = b if max_query_len == 1 else int(np.argmax(q_lens != 1))
+        else:
+            decodes = [s.num_new_tokens == 1 and s.start >= s.request.num_prompt_tokens for s in scheduled]
+            nd = decodes.index(False) if False in decodes else b
         if 0 < nd < b:
             ints[n_ints:n_ints + b - nd + 1] = qsl[nd:b + 1] - qsl[nd]
             n_prefill_ints = b - nd + 1

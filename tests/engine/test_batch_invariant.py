@@ -38,10 +38,12 @@ def _engine(model_dir, kv: str, device: str, **kw) -> EngineCore:
     return EngineCore(EngineConfig(**{**cfg, **kw}))
 
 
-def _requests(rng, n: int, vocab: int, sampled: bool, max_tokens: int, tag: str = "p"):
+def _requests(rng, n: int, vocab: int, sampled: bool, max_tokens: int, tag: str = "p", first_len: int | None = None):
+    """n seeded (or greedy) requests of 33 to 47 prompt tokens (`first_len`: the first one's)."""
     out = {}
     for i in range(n):
-        prompt = [rng.randrange(3, vocab) for _ in range(2 * BLOCK + rng.randrange(1, BLOCK))]
+        length = first_len if i == 0 and first_len is not None else 2 * BLOCK + rng.randrange(1, BLOCK)
+        prompt = [rng.randrange(3, vocab) for _ in range(length)]
         sp = (SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=rng.randrange(2**32), ignore_eos=True)
               if sampled else SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
         out[f"{tag}{i}"] = (prompt, sp)
@@ -59,8 +61,10 @@ def assert_identical(first: Run, rid: str, other: Run, other_rid: str, what: str
 def check_one_answer_per_seed(model_dir, kv: str, device: str, sampled: bool, rng, *, batches: tuple[int, ...],
                               max_tokens: int, vocab: int) -> None:
     """Two requests cold (together), again (their full prompt blocks cached), chunked (16 prompt
-    tokens a step), alone (caching off), and beside b - 1 other requests for each b in `batches`."""
-    requests = _requests(rng, 2, vocab, sampled, max_tokens)
+    tokens a step), alone (caching off), and beside b - 1 other requests for each b in `batches`.
+    The first prompt is two blocks and one token: cached, or in chunks, its last token runs alone in
+    its row, where a running decode's token would take the decode kernel."""
+    requests = _requests(rng, 2, vocab, sampled, max_tokens, first_len=2 * BLOCK + 1)
     engine = _engine(model_dir, kv, device)
     cold = Run(engine, requests)
     hits = engine.block_manager.prefix_cache_hits
@@ -112,14 +116,71 @@ def test_the_mode_on_the_interpreter(tmp_path, rng):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv", ["int8", "bf16"])
 @pytest.mark.parametrize("sampled", [True, False], ids=["sampled", "greedy"])
-@pytest.mark.parametrize("arch", ["llama", pytest.param("qwen3", marks=pytest.mark.xfail(
-    strict=False, reason="issue 49, open: on the H200 a Qwen3 prompt read over its cached prefix parted from "
-                         "cold at its first logits in 2 of 8 draws (3e-2); cause not found yet"))])
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_one_answer_per_seed_on_gpu(tmp_path, arch, kv, sampled, rng):
     """bf16 weights, CUDA graphs on: alone, in batches of 8 and 64, cold, cached and chunked."""
     model_dir = make_hf_model_dir(tmp_path, arch, weight_scale=3.0, hidden_size=512, intermediate_size=1024,
                                   num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=4)
     check_one_answer_per_seed(model_dir, kv, "cuda", sampled, rng, batches=(8, 64), max_tokens=24, vocab=512)
+
+
+def _routed_engine(model_dir, invariant: bool) -> tuple[EngineCore, list, list]:
+    """A CPU engine whose runner routes one-token prompt rows as the batch-invariant mode does
+    (`invariant`) or as by default, recording each step's (decode rows, rows) as staged and each
+    attention call's (kernel, query rows)."""
+    engine = EngineCore(EngineConfig(model=str(model_dir), device="cpu", dtype="fp32", block_size=BLOCK,
+                                     num_kv_blocks=64, max_num_batched_tokens=64))
+    runner = engine.runner
+    runner.stager.prompt_rows_decode = runner.graphs.prompt_rows_decode = not invariant
+    ops, stager = runner.attention.ops, runner.stager
+    calls: list[tuple[str, int]] = []
+    staged: list[tuple[int, int]] = []
+    decode, extend, stage = ops.decode, ops.extend, stager.stage
+
+    def decode_spy(q, *a, **kw):
+        calls.append(("decode", q.shape[0]))
+        return decode(q, *a, **kw)
+
+    def extend_spy(q, *a, **kw):
+        calls.append(("extend", q.shape[0]))
+        return extend(q, *a, **kw)
+
+    def stage_spy(out, *a, **kw):
+        step = stage(out, *a, **kw)
+        staged.append((step.facts.num_decodes, len(out.scheduled)))
+        return step
+
+    ops.decode, ops.extend, stager.stage = decode_spy, extend_spy, stage_spy
+    return engine, calls, staged
+
+
+@pytest.mark.parametrize("invariant", [False, True], ids=["default", "invariant"])
+def test_a_prompt_token_alone_in_its_row_is_attended_as_a_prompt(tmp_path, rng, invariant):
+    """The decode and extend kernels round one query differently, so in the batch-invariant mode
+    a prompt's tokens take the extend kernel however its chunks fall: its last token alone after a
+    cached prefix, or beside running decodes, is not a decode row (on the GPU it was, and a prompt
+    over its cached prefix parted from cold at its first logits). By default such a row attends as
+    a decode, in the decode step's graph where there is one. Checked on the routing (the staged
+    decode rows and the attention calls) on the CPU's torch path."""
+    model_dir = make_hf_model_dir(tmp_path, "llama")  # 2 layers
+    prompt = [rng.randrange(3, 512) for _ in range(2 * BLOCK + 1)]
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    engine, calls, staged = _routed_engine(model_dir, invariant)
+    Run(engine, {"cold": (prompt, greedy)})
+    # the prompt again over its two cached blocks: one row of one prompt token
+    calls.clear(), staged.clear()
+    engine.add_request("again", prompt, greedy)
+    engine.step()
+    assert engine.block_manager.prefix_cache_hits == 2 * BLOCK
+    assert staged == [(0, 1) if invariant else (1, 1)]
+    assert calls == ([("extend", 1)] if invariant else [("decode", 1)]) * 2
+    # the same beside a running decode (which comes first in the step)
+    engine.add_request("third", prompt, greedy)
+    calls.clear(), staged.clear()
+    engine.step()
+    assert staged == [(1, 2) if invariant else (2, 2)]
+    assert calls == ([("decode", 1), ("extend", 1)] if invariant else [("decode", 2)]) * 2
+    engine.abort_all()
 
 
 def test_the_mode_refuses_what_it_cannot_hold(tmp_path):
