@@ -198,7 +198,8 @@ class ModelRunner:
             return rows, self.model.compute_logits(hidden[torch.from_numpy(index).to(self.device)])
         qsl = step.metadata.query_start_loc
         if step.metadata.max_query_len == 1 and len(rows) == step.num_seqs:
-            last = hidden  # pure decode: every token is its sequence's last
+            # one token a sequence, each its last (a piecewise replay's rows past them are padding)
+            last = hidden[:step.num_seqs]
         else:
             last = hidden[(qsl[1:].to(torch.int64) - 1)[torch.tensor(rows, device=self.device)]]
         return rows, self.model.compute_logits(last)

@@ -124,6 +124,28 @@ def test_one_answer_per_seed_on_gpu(tmp_path, arch, kv, sampled, rng):
     check_one_answer_per_seed(model_dir, kv, "cuda", sampled, rng, batches=(8, 64), max_tokens=24, vocab=512)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv", ["int8", "bf16"])
+def test_a_prompt_token_alone_in_its_step_on_gpu(tmp_path, kv, rng):
+    """A prompt one token past its cached blocks, alone (every row of the step one token: the
+    piecewise graphs, not the decode graph) and beside a running decode, gives cold's logits to the
+    bit; CUDA graphs on."""
+    model_dir = make_hf_model_dir(tmp_path, "qwen3", weight_scale=3.0, hidden_size=512, intermediate_size=1024,
+                                  num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=4)
+    engine = _engine(model_dir, kv, "cuda")
+    assert engine.runner.pieces.pieces, "the piecewise graphs are captured"
+    prompt = [rng.randrange(3, 512) for _ in range(2 * BLOCK + 1)]
+    sp = SamplingParams(max_tokens=16, temperature=1.0, seed=rng.randrange(2**32), ignore_eos=True)
+    cold = Run(engine, {"cold": (prompt, sp)})
+    assert_identical(cold, "cold", Run(engine, {"again": (prompt, sp)}), "again", f"{kv} alone over its cached prefix")
+    other = [rng.randrange(3, 512) for _ in range(BLOCK + 3)]
+    engine.add_request("other", other, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    engine.step()
+    engine.step()  # "other" decodes from here on
+    beside = Run(engine, {"third": (prompt, sp)})
+    assert_identical(cold, "cold", beside, "third", f"{kv} beside a running decode")
+
+
 def _routed_engine(model_dir, invariant: bool) -> tuple[EngineCore, list, list]:
     """A CPU engine whose runner routes one-token prompt rows as the batch-invariant mode does
     (`invariant`) or as by default, recording each step's (decode rows, rows) as staged and each

@@ -78,7 +78,8 @@ class Run:
                 engine.add_request(rid, prompt, sp)
             while engine.has_unfinished():
                 for o in engine.step():
-                    self.tokens[o.request_id].extend(o.new_token_ids)
+                    if o.request_id in self.tokens:  # (not a request running since before this run)
+                        self.tokens[o.request_id].extend(o.new_token_ids)
         finally:
             engine.runner.forward_logits = forward
 
