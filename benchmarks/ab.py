@@ -3,6 +3,8 @@
     git archive <commit> | tar -x -C .ab/<commit>        # here: each base tree (gpu.sh ab's help says how to carry it)
     python benchmarks/ab.py --base .ab/65bef9d [--base .ab/8945f39] [--mode full] [--rounds 3]
     python benchmarks/ab.py --base DIR --tiny             # CPU-sized smoke run of the same code path
+    python benchmarks/ab.py --variant batch_invariant=true --workloads offline-int8,burst,stream-int8
+                                                          # this tree with a setting on against itself
 
 Every tree runs the same work (the long-context work: 256 requests queued at once, log-normal
 prompts of median 800 tokens, a third after one shared 1,500-token prefix, 128-1,024 tokens out,
@@ -20,6 +22,11 @@ that tree alone (its `pie.*`, or the top-level packages of a tree from before th
 two trees' engines (or servers) of one workload are up together, each with --memory-fraction of
 the GPU, and take turns, so one round of every tree is measured under the same conditions. The
 served load comes from this tree's client for every server (the contract is the same).
+
+`--variant FIELD=VALUE[,FIELD=VALUE]` (repeatable) adds the working tree once more with those
+EngineConfig fields set (the servers get them as flags: `batch_invariant=true` is
+`--batch-invariant`), labelled by them: what a setting costs, measured the same way. It takes the
+place of --base or goes beside it.
 
 It prints one table: per workload and figure, each tree's median and spread (min-max) over the
 rounds, the ratio to the working tree, and a verdict: REGRESSION where the working tree is worse
@@ -40,6 +47,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -188,6 +196,38 @@ def _run_ttft(eng, SamplingParams, vocab: int, tag: str, length: int = 4096) -> 
     return dict(ttft_ms=1e3 * statistics.median(times))
 
 
+def parse_variant(text: str) -> dict:
+    """"a=true,b=4" -> {"a": True, "b": 4}: EngineConfig fields (bools, ints, floats, else strings)."""
+    fields = {}
+    for item in text.split(","):
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--variant {text!r}: FIELD=VALUE[,FIELD=VALUE] expected, got {item!r}")
+        value: object = raw.strip()
+        if raw.strip().lower() in ("true", "false"):
+            value = raw.strip().lower() == "true"
+        else:
+            for kind in (int, float):
+                try:
+                    value = kind(raw)
+                    break
+                except ValueError:
+                    pass
+        fields[key.strip()] = value
+    return fields
+
+
+def server_flags(fields: dict) -> list[str]:
+    """EngineConfig fields as `pie serve` flags: True is the flag alone; False has none to give."""
+    flags = []
+    for key, value in fields.items():
+        flag = "--" + key.replace("_", "-")
+        if value is False:
+            raise ValueError(f"{key}=false: a server flag turns a setting on; compare without it instead")
+        flags += [flag] if value is True else [flag, str(value)]
+    return flags
+
+
 def worker(spec: dict) -> int:
     """Builds the engine of `spec`, warms it up, answers every "run" line with one JSON line."""
     answers = os.fdopen(os.dup(1), "w")  # the protocol's own channel; whatever else writes to stdout
@@ -202,6 +242,7 @@ def worker(spec: dict) -> int:
         cfg["dtype"] = "fp32"
     if spec["kv_gib"] is not None:
         cfg["kv_cache_memory_bytes"] = int(spec["kv_gib"] * 2**30)
+    cfg.update(spec.get("fields", {}))  # a --variant's settings
     eng = EngineCore(EngineConfig(**cfg))
     vocab = spec["vocab"]
     prompts, outs = spec["prompts"], spec["outs"]
@@ -250,6 +291,13 @@ def build_model(folder: Path, shape: str, max_len: int) -> None:
         torch.cuda.empty_cache()  # the engines size their KV pools from what the device has free
 
 
+class Arm(NamedTuple):
+    """What one column of the table runs: a tree, and the EngineConfig fields set on it (a --variant)."""
+
+    tree: Path
+    fields: dict
+
+
 class Worker:
     """One tree's offline engine in its own process (`ab.py --worker`)."""
 
@@ -282,7 +330,8 @@ class Worker:
 class Server:
     """One tree's `pie serve` (int8 pages, its defaults but the batch), ready to take load."""
 
-    def __init__(self, tree: Path, args, site: str | None, log: Path, memory_fraction: float) -> None:
+    def __init__(self, tree: Path, args, site: str | None, log: Path, memory_fraction: float,
+                 fields: dict | None = None) -> None:
         from benchmarks.serving import free_port
 
         self.log = log.open("a")
@@ -294,6 +343,7 @@ class Server:
             cmd += ["--gpu-memory-fraction", str(memory_fraction)]
         else:
             cmd += ["--dtype", "fp32"]
+        cmd += server_flags(fields or {})
         self.proc = subprocess.Popen(cmd, cwd=tree, env=tree_env(tree, site), stdout=self.log, stderr=self.log)
         self.address = f"127.0.0.1:{port}"
 
@@ -339,9 +389,9 @@ def _progress(name: str, r: int, label: str, figures: dict) -> None:
     print(f"  {name} round {r + 1} {label}: {shown}", flush=True)
 
 
-def run_workload(name: str, trees: dict[str, Path], args, work, logs: Path) -> dict[str, list[dict]]:
-    """`args.rounds` rounds of one workload on every tree, alternating (the order reversed every
-    other round, so neither tree always goes first); figures per tree, per round."""
+def run_workload(name: str, trees: dict[str, Arm], args, work, logs: Path) -> dict[str, list[dict]]:
+    """`args.rounds` rounds of one workload on every arm, alternating (the order reversed every
+    other round, so neither arm always goes first); figures per arm, per round."""
     labels = list(trees)
     results: dict[str, list[dict]] = {label: [] for label in labels}
     if name in OFFLINE:
@@ -356,8 +406,9 @@ def run_workload(name: str, trees: dict[str, Path], args, work, logs: Path) -> d
         units = {}
         try:
             for k, label in enumerate(labels, 1):
-                units[label] = Worker(trees[label], {**spec, "memory_fraction": k * args.memory_fraction}, args.site,
-                                      logs / f"{name}-{label}.log")
+                arm = trees[label]
+                units[label] = Worker(arm.tree, {**spec, "memory_fraction": k * args.memory_fraction,
+                                                 "fields": arm.fields}, args.site, logs / f"{name}-{k}.log")
                 units[label].read()  # ready
             for r in range(args.rounds):
                 for label in labels if r % 2 == 0 else labels[::-1]:
@@ -372,8 +423,8 @@ def run_workload(name: str, trees: dict[str, Path], args, work, logs: Path) -> d
         servers = {}
         try:
             for k, label in enumerate(labels, 1):  # one after another, as the workers above
-                servers[label] = Server(trees[label], args, args.site, logs / f"{name}-{label}.log",
-                                        memory_fraction=k * args.memory_fraction)
+                servers[label] = Server(trees[label].tree, args, args.site, logs / f"{name}-{k}.log",
+                                        memory_fraction=k * args.memory_fraction, fields=trees[label].fields)
                 servers[label].wait_ready()
             for r in range(args.rounds):
                 for label in labels if r % 2 == 0 else labels[::-1]:
@@ -434,8 +485,10 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.serving import workload
 
     ap = make_parser(__doc__)
-    ap.add_argument("--base", action="append", required=True,
-                    help="a base tree to compare with, a folder; repeat for several (default: none, one must be given)")
+    ap.add_argument("--base", action="append", default=[],
+                    help="a base tree to compare with, a folder; repeat for several (a --base or a --variant is needed)")
+    ap.add_argument("--variant", action="append", default=[], metavar="FIELD=VALUE[,FIELD=VALUE]",
+                    help="this tree again with these EngineConfig fields set (module docstring); repeatable")
     ap.add_argument("--new", default=str(ROOT), help="the tree under test (default: this checkout)")
     ap.add_argument("--mode", choices=sorted(MODES), default="quick", help="which workloads (module docstring)")
     ap.add_argument("--workloads", default="", help="these workloads instead of --mode's, comma-separated")
@@ -461,12 +514,22 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [w for w in names if w not in OFFLINE and w not in SERVED]
     if unknown:
         ap.error(f"unknown workloads {unknown}; known: {sorted(OFFLINE) + sorted(SERVED)}")
-    trees = {"new": Path(args.new).resolve()}
+    if not args.base and not args.variant:
+        ap.error("give a --base tree or a --variant to compare with")
+    new_tree = Path(args.new).resolve()
+    trees = {"new": Arm(new_tree, {})}
+    for text in args.variant:
+        try:
+            fields = parse_variant(text)
+            server_flags(fields)
+        except ValueError as e:
+            ap.error(str(e))
+        trees["new+" + "+".join(f"{k}={v}" for k, v in fields.items())] = Arm(new_tree, fields)
     for base in args.base:
         path = Path(base).resolve()
         if not (path / "engine").is_dir():
             ap.error(f"--base {base}: no engine/ there (a tree of this project, e.g. git archive <commit>)")
-        trees[path.name] = path
+        trees[path.name] = Arm(path, {})
     _, fields = SHAPES[args.shape]
     args.vocab = min(fields["vocab_size"], 32000)  # prompt ids drawn from [3, vocab)
     with tempfile.TemporaryDirectory(prefix="pie-ab-") as tmp:
@@ -477,7 +540,7 @@ def main(argv: list[str] | None = None) -> int:
             build_model(Path(args.model_dir), args.shape, max_len=2048 if args.shape == "tiny" else 16384)
             print(f"model {args.shape} built in {time.perf_counter() - t0:.0f} s", flush=True)
         work = workload("long", args.requests, args.vocab, prompt_len=0, max_tokens=0, scale=args.scale)
-        print("trees: " + ", ".join(f"{label} = {path}" for label, path in trees.items()), flush=True)
+        print("trees: " + ", ".join(f"{label} = {arm.tree}" for label, arm in trees.items()), flush=True)
         all_results = {}
         for name in names:
             t0 = time.perf_counter()
@@ -493,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     print("\n" + ("\n".join(regressions) if regressions else "verdict: no regression beyond the spreads"))
     if args.out:
-        Path(args.out).write_text(json.dumps(dict(trees={k: str(v) for k, v in trees.items()},
+        Path(args.out).write_text(json.dumps(dict(trees={k: [str(arm.tree), arm.fields] for k, arm in trees.items()},
                                                   results=all_results, args={k: v for k, v in vars(args).items()
                                                                              if isinstance(v, (int, float, str))}),
                                              indent=1))

@@ -211,6 +211,34 @@ def test_ab_verdict_needs_the_spreads_apart(monkeypatch: pytest.MonkeyPatch) -> 
     assert regressions == ["REGRESSION: offline-int8 tok_per_s: new 92.5 against old 102"]
 
 
+def test_ab_variants_are_engine_fields_and_server_flags(monkeypatch) -> None:
+    ab = _load(SCRIPTS["ab"], monkeypatch)
+    fields = ab.parse_variant("batch_invariant=true,decode_stall_factor=0,kv_smoothing=off,x=2.5")
+    assert fields == {"batch_invariant": True, "decode_stall_factor": 0, "kv_smoothing": "off", "x": 2.5}
+    assert ab.server_flags(fields) == ["--batch-invariant", "--decode-stall-factor", "0", "--kv-smoothing", "off",
+                                       "--x", "2.5"]
+    with pytest.raises(ValueError, match="FIELD=VALUE"):
+        ab.parse_variant("batch_invariant")
+    with pytest.raises(ValueError, match="compare without it"):
+        ab.server_flags({"enable_prefix_caching": False})
+
+
+@pytest.mark.slow
+def test_tiny_ab_gate_of_a_setting_against_the_defaults(tmp_path: Path) -> None:
+    """ab.py --variant on the CPU: this tree at its defaults against itself with the stall bound
+    off, offline (an engine field) and served (a server flag)."""
+    out = tmp_path / "ab.json"
+    run = _run(["benchmarks/ab.py", "--tiny", "--rounds", "1", "--workloads", "offline-int8,burst", "--variant",
+                "decode_stall_factor=0", "--out", str(out)], {**os.environ, "CUDA_VISIBLE_DEVICES": ""}, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "new / new+decode_stall_factor=0" in run.stdout, run.stdout
+    data = json.loads(out.read_text())
+    assert data["trees"]["new+decode_stall_factor=0"][1] == {"decode_stall_factor": 0}
+    for name in ("offline-int8", "burst"):
+        assert {label: len(rounds) for label, rounds in data["results"][name].items()} == {
+            "new": 1, "new+decode_stall_factor=0": 1}
+
+
 @pytest.mark.slow
 def test_tiny_ab_gate_against_a_tree_from_before_the_pie_names(tmp_path: Path) -> None:
     """ab.py on the CPU: this tree against 65bef9d (its packages still top-level), offline and
