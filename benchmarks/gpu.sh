@@ -15,6 +15,10 @@
 #               VARIANTS_ARGS adds flags (e.g. "--only old,bias-w4 --repeats 3", "--engine")
 #   ncu         benchmarks/ncu_decode.py --profile (Nsight Compute on _decode_stage1); NCU_CASES
 #               overrides its cases
+#   roofline    benchmarks/int8_roofline.py --stream --buildup (issue 46: the streaming kernels, the
+#               decode build-up step by step beside the shipped kernel; ~5-8 minutes, its own budget
+#               ends the sweeps in time, so give it a call of its own); ROOFLINE_ARGS replaces those
+#               flags (e.g. "--ncu --best PATH/roofline.json", "--buildup --steps step5-imma")
 #   extend      benchmarks/extend_check.py (extend and cache-write kernels vs SDPA)
 #   engine      pytest -m gpu tests/engine tests/model (graphs, parity through the Triton path), then
 #               the profile suite
@@ -118,6 +122,12 @@ suite_variants() {
 }
 suite_ncu() {
   timeout "$(t ncu)" python3 benchmarks/ncu_decode.py --profile --out "$D" ${NCU_CASES:+--cases "$NCU_CASES"} 2>&1 | tee -a "$D/ncu.log"
+}
+suite_roofline() {
+  # writes roofline.md and roofline.json (roofline_ncu.* with --ncu) into $D, rewritten row by row
+  # shellcheck disable=SC2086
+  timeout "${TIMEOUT_roofline:-${SUITE_TIMEOUT:-570}}" python3 benchmarks/int8_roofline.py --out "$D" \
+    ${ROOFLINE_ARGS:---stream --buildup} 2>&1 | grep -v "^check .* ok$"
 }
 suite_extend() { timeout "$(t extend)" python3 benchmarks/extend_check.py --out "$D" 2>&1 | tee -a "$D/extend.log" | tail -30; }
 suite_engine() {
@@ -230,7 +240,7 @@ suite_ab() {
       --out "$D/ab-$base.json" 2>&1 | quiet | tee -a "$D/ab.md"
   done
 }
-SUITES=" tests alltests kernels variants ncu extend engine profile host offline hf capacity serving scheduling mixed long stepcost burst fidelity seeds structured tp spec ab "
+SUITES=" tests alltests kernels variants ncu roofline extend engine profile host offline hf capacity serving scheduling mixed long stepcost burst fidelity seeds structured tp spec ab "
 
 g() { git -c safe.directory="$ROOT" -C "$ROOT" "$@"; }  # files copied to a machine may belong to another user
 baseline_tree() {  # check BASELINE out outside the repo (or take a carried .baseline); prints its folder
