@@ -1,7 +1,7 @@
 """The INT8 decode roofline (issue 46): what a decode step must read, streamed by kernels that do
 nothing else, then the attention's pieces added to that stream one at a time.
 
-    python3 benchmarks/int8_roofline.py --stream --buildup [--out DIR]    # one GPU call (~5-7 min)
+    python3 benchmarks/int8_roofline.py --stream --buildup [--out DIR]    # one GPU call (~5-8 min)
     python3 benchmarks/int8_roofline.py --ncu [--best DIR/roofline.json]  # Nsight Compute, GPU
     TRITON_INTERPRET=0 python benchmarks/int8_roofline.py --asm           # sm_90 registers, no GPU
     python benchmarks/int8_roofline.py --stream --buildup --tiny          # CPU interpreter
@@ -28,9 +28,14 @@ tiles of TILE tokens span TILE / PAGE pages. Its constexpr STEP adds the pieces 
 
 Each step writes a small result that depends on every byte it read (a per-program xor or sum, the
 lse, the outputs), and each is checked against a torch computation of the same thing on fresh
-random ragged inputs with its outputs poisoned first (step 6 against
-kernels/reference.py's attention). A step's time minus the previous one's is what that piece
-costs; the step that costs most is the one to redesign.
+random ragged inputs with its outputs poisoned first (step 6 against kernels/reference.py's
+attention). A step's time minus the previous one's is what that piece costs; the step that costs
+most is the one to redesign. Two readings to keep in mind: steps 2-4 hold V's converted tile in a
+(TILE, D) fp32 register accumulator, which step 5's dot replaces (step 5's difference is the dot
+net of that accumulator: compare registers with --asm or --ncu); and Triton software-pipelines only
+loads that feed a dot, so num_stages changes nothing in steps 0-2 (the same PTX at 1-4 stages,
+triton 3.6 and 3.7) and is swept only from step 3 on: the stream kernels keep bytes in flight by
+their tile, warps and programs per SM alone.
 
 `--stream` times the stream kinds (bf16 pages; int8 raw words; int8 converted each way) at B64
 ctx4096 Hq32 Hkv8 D128, and a contiguous read-only reduction over 2 GiB (the read bandwidth every
@@ -800,9 +805,9 @@ def bandwidths(setup: Setup, clock: Clock, rep: Report) -> tuple[float, float]:
     bytes/s)."""
     dev, words = setup.device, setup.contig_words
     buf = torch.randint(-2**31, 2**31 - 1, (words,), dtype=torch.int32, device=dev)
-    on_gpu = dev == "cuda"
-    points = [(chunk, block, w) for chunk in ((1 << 14, 1 << 16, 1 << 18) if on_gpu else (1 << 12,))
-              for block in ((1024, 4096) if on_gpu else (256,)) for w in ((4, 8) if on_gpu else (4,))]
+    full = words >= 1 << 24  # not --tiny
+    points = [(chunk, block, w) for chunk in ((1 << 14, 1 << 16, 1 << 18) if full else (1 << 12,))
+              for block in ((1024, 4096) if full else (256,)) for w in ((4, 8) if full else (4,))]
     best = float("inf")
     for n, (chunk, block, w) in enumerate(points):
         out = torch.zeros(words // chunk, dtype=torch.int32, device=dev)

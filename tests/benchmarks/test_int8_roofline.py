@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
 
 import pytest
 import torch
@@ -117,6 +118,34 @@ def test_modes_refused_without_what_they_need(monkeypatch: pytest.MonkeyPatch) -
     with pytest.raises(SystemExit) as asm:
         rl.main(["--asm"])
     assert asm.value.code == 2
+
+
+def test_ncu_mode_reads_the_profile_into_a_table(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--ncu (GPU only) with ncu stood in for: the command profiles each case once after its
+    compile launch, and the raw CSV becomes the table, a row per case named with its launch."""
+    best = tmp_path / "best.json"
+    best.write_text(json.dumps({"best": {"B64 ctx4096": {"step5-imma": vars(rl.Launch(16, 2, 3, 64, 4))}}}))
+    header = ('"ID","Kernel Name","gpu__time_duration.sum","dram__throughput.avg.pct_of_peak_sustained_elapsed",'
+              '"launch__registers_per_thread","smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio"')
+    rows = ['"","","nsecond","%","register/thread","ratio"', '"0","_roofline_kernel","150000","85.1","64","4.2"',
+            '"1","_roofline_kernel","170000","75","128","3.5"', '"2","_decode_stage1","210000","62.5","128","2.5"']
+    ran = []
+
+    def fake_ncu(cmd, **kw):
+        ran.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, "==PROF== profiling\n" + "\n".join([header, *rows]) + "\n", "")
+
+    monkeypatch.setattr(rl.subprocess, "run", fake_ncu)
+    parser_args = ["--ncu", "--ncu-cases", "int8-raw,step5-imma,shipped-int8", "--best", str(best), "--out", str(tmp_path)]
+    monkeypatch.setattr(rl, "require_cuda", lambda ap: None)
+    assert rl.main(parser_args) == 0
+    (cmd,) = ran
+    assert cmd[cmd.index("--launch-skip") + 1] == "3" and cmd[cmd.index("--launch-count") + 1] == "3"
+    assert "--ncu-launch" in cmd and cmd[cmd.index("--best") + 1] == str(best)
+    table = (tmp_path / "roofline_ncu.md").read_text()
+    assert "| int8-raw @32 / 4 / 3 / 32 / 16 | 150 | 85.1 |" in table, table
+    assert "| step5-imma @16 / 2 / 3 / 64 / 4 | 170 | 75 |" in table and "| shipped-int8 | 210 | 62.5 |" in table
+    assert "long_scoreboard 4.20" in table
 
 
 @pytest.mark.slow
