@@ -91,7 +91,6 @@ NEEDS_GPU = False  # read by `pie bench`: --tiny and --asm run on the CPU; the G
 LOG2E = 1.4426950408889634
 CONV = {"cvt16": 0, "cvt32": 1, "bias-int": 2, "bias-asm": 3}  # int8 -> float per element (step 2)
 KMODE = {"cast": 0, "bias": 1, "imma": 2}  # triton_tile.int8_scores' K_MODE (steps 3-6)
-V_BIAS = 2  # triton_tile.int8_pv's V_MODE: V read as 1152 + V
 
 
 # ---------------------------------------------------------------------------------------- kernels
@@ -167,7 +166,7 @@ def _tile(a, b2, sk, sv, m_i, l_i, q, q2, qa, qa2, k_ptr, v_ptr, ks_ptr, vs_ptr,
             b2 += _convert(v, VCONV, ASM) * vs[:, None]
             sv += vs
         else:
-            a = a * alpha[:, None] + int8_pv(p, v, vs, 2, PV_DTYPE, PRECISION, ASM, False)
+            a = a * alpha[:, None] + int8_pv(p, v, vs, 2, PV_DTYPE, PRECISION, ASM, False)  # V_MODE 2: 1152 + V
     return a, b2, sk, sv, m_i, l_i
 
 
