@@ -47,6 +47,11 @@
 #   burst       benchmarks/burst_steps.py (the long work queued at once, step by step, per stall
 #               factor: tok/s, TTFT, ITL, what the stall bound learnt); BURST_ARGS adds flags
 #   fidelity    benchmarks/kv_fidelity.py --device cuda (greedy agreement, teacher-forced, KL)
+#   smolpart    copies the carried .smol/part-N (benchmarks/smollm2.py --split .smol) aside into
+#               .smol_keep/, where it stays while the machine is held: one part a call, carry
+#               [".smol/part-N"] (benchmarks/README.md, the real checkpoint on the GPU)
+#   realfidelity  benchmarks/kv_fidelity.py --real --device cuda on SmolLM2-135M-Instruct, built from
+#               the parts in .smol_keep/ (the GGUF's SHA-256 checked; the gguf wheel in .whl)
 #   seeds       benchmarks/seed_consistency.py (cold / cached / chunked / batch sizes on the GPU);
 #               SEEDS_ARGS adds flags (e.g. "--batch-invariant", "--shape qwen2-7b")
 #   structured  tests/kernels/test_triton_bitmask.py and tests/engine/test_structured.py on the GPU,
@@ -64,7 +69,8 @@
 #               (`git archive <commit> | tar -x -C .ab/<commit>` here, then carry [".whl", ".ab"]) on
 #               the 7B-class long work at the defaults, alternating rounds; AB_ARGS adds flags
 #               (default "--mode quick --rounds 3"; "--mode full" for every row); AB_BASES names the
-#               folders under .ab/ to compare with, one at a time (default: all of them)
+#               folders under .ab/ to compare with, one at a time (default: all of them; "-": none,
+#               for AB_ARGS="--variant batch_invariant=true ...", a setting against the defaults)
 #
 # BASELINE=<commit> runs every suite a second time on that commit, checked out with `git worktree
 # add` (else `git archive`) outside the repo, and writes its files under $OUT/baseline/. The device
@@ -196,6 +202,15 @@ suite_fidelity() {
   timeout "$(t fidelity)" python3 benchmarks/kv_fidelity.py --device cuda --seeds 1 --exact-prefill 2>&1 | quiet | grep "^|" \
     | tee -a "$D/fidelity.md"
 }
+suite_smolpart() {
+  mkdir -p "$ROOT/.smol_keep" && cp "$ROOT"/.smol/part-* "$ROOT/.smol_keep/" && ls -l "$ROOT/.smol_keep" | tee -a "$D/smolpart.log"
+}
+suite_realfidelity() {
+  timeout "$(t realfidelity)" python3 benchmarks/smollm2.py --gguf "$ROOT/.smol_keep" --check 2>&1 | quiet \
+    | tee -a "$D/realfidelity.log" | tail -3
+  timeout "$(t realfidelity)" python3 benchmarks/kv_fidelity.py --real --device cuda 2>&1 | quiet | grep "^|" \
+    | tee -a "$D/realfidelity.md"
+}
 suite_structured() {
   timeout "$(t structured)" python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_bitmask.py \
     tests/engine/test_structured.py 2>&1 | tail -8 | tee -a "$D/structured.log"
@@ -234,13 +249,15 @@ suite_spec() {
 suite_ab() {
   local base
   for base in ${AB_BASES:-$(ls "$ROOT/.ab" 2>/dev/null)}; do
-    echo "## this tree against $base" | tee -a "$D/ab.md"
+    echo "## this tree against ${base/#-/its defaults}" | tee -a "$D/ab.md"
+    local against=(--base "$ROOT/.ab/$base")
+    [ "$base" = "-" ] && against=()
     # shellcheck disable=SC2086
-    timeout "$(t ab)" python3 benchmarks/ab.py --base "$ROOT/.ab/$base" ${AB_ARGS:---mode quick --rounds 3} \
-      --out "$D/ab-$base.json" 2>&1 | quiet | tee -a "$D/ab.md"
+    timeout "$(t ab)" python3 benchmarks/ab.py "${against[@]}" ${AB_ARGS:---mode quick --rounds 3} \
+      --out "$D/ab-${base/#-/variant}.json" 2>&1 | quiet | tee -a "$D/ab.md"
   done
 }
-SUITES=" tests alltests kernels variants ncu roofline extend engine profile host offline hf capacity serving scheduling mixed long stepcost burst fidelity seeds structured tp spec ab "
+SUITES=" tests alltests kernels variants ncu roofline extend engine profile host offline hf capacity serving scheduling mixed long stepcost burst fidelity smolpart realfidelity seeds structured tp spec ab "
 
 g() { git -c safe.directory="$ROOT" -C "$ROOT" "$@"; }  # files copied to a machine may belong to another user
 baseline_tree() {  # check BASELINE out outside the repo (or take a carried .baseline); prints its folder
