@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -51,13 +52,29 @@ VARIANTS = {
     "old-w4": C(64, 4, 2, k_mode="cast", v_mode="asm"),
     "imma-w4-r96": C(64, 4, 2, maxnreg=96, k_mode="imma", v_mode="bias", tight_m=True, k_t=False, per_sm=5),
     "imma-w4-r72": C(64, 4, 2, maxnreg=72, k_mode="imma", v_mode="bias", tight_m=True, k_t=False, per_sm=7),
+    # Issue 46's roofline: int8 tiles carry half a bf16 tile's bytes, so small tiles and many splits
+    # (the bare stream's best: 16-32-token tiles, 32-64 splits at ctx 4096) keep more bytes in flight.
+    "default-split256": None,
+    "imma-n32-w2-split128": C(32, 2, 3, k_mode="imma", v_mode="bias", tight_m=True, k_t=False),
+    "imma-n32-w4-split128": C(32, 4, 3, k_mode="imma", v_mode="bias", tight_m=True, k_t=False),
+    "imma-n16-w2-split64": C(16, 2, 3, k_mode="imma", v_mode="bias", tight_m=True, k_t=False),
+    "imma-n16-w1-split64": C(16, 1, 3, k_mode="imma", v_mode="bias", tight_m=True, k_t=False),
+    "bias-n32-w2-split128": C(32, 2, 3, k_mode="bias", v_mode="bias", tight_m=True, k_t=False),
 }
 BF16 = {"bf16": None, "bf16-s512": None}
 
 
-def split_kw(name: str) -> dict:
-    """paged_decode's split arguments of a variant name ("-s512": split_tokens=512)."""
-    return {"split_tokens": 512} if name.endswith("-s512") else {}
+def split_kw(name: str, max_len: int = 0) -> dict:
+    """paged_decode's split arguments of a variant name ("-s512" or "-split128": split_tokens of
+    that many keys), the split doubled for contexts up to `max_len` that would need more than
+    MAX_SPLITS of them."""
+    match = re.search(r"-s(?:plit)?(\d+)$", name)
+    if match is None or (not name.endswith("-s512") and "-split" not in name):  # "-s3": 3 stages
+        return {}
+    split = int(match.group(1))
+    while td.cdiv(max_len, split) > td.MAX_SPLITS:
+        split *= 2
+    return {"split_tokens": split}
 # (name, batch, ctx, head dim): the issue's rows (Hq 32, Hkv 8, page 16)
 SHAPES = [("B64 ctx4096 D128", 64, 4096, 128), ("B256 ctx4096 D128", 256, 4096, 128),
           ("B8 ctx32k D128", 8, 32768, 128), ("B256 ctx512 D128", 256, 512, 128),
@@ -233,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
             for splits in (None, 64, 128) if not split_kw(name) else (64,):
                 n = splits or td.default_num_splits(1, HKV, 32768, td._sm_count(0), per_sm)
                 fn = lambda: td.paged_decode(*kargs, 128 ** -0.5, num_splits=n, out=out, config=cfg,  # noqa: E731
-                                             max_seq_len=32768, **split_kw(name))
+                                             max_seq_len=32768, **split_kw(name, 32768))
                 try:
                     g = statistics.median(bench_graph(fn) for _ in range(args.repeats))
                 except Exception as exc:  # noqa: BLE001
