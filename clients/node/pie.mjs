@@ -48,6 +48,25 @@ const rpcTypes = (() => {
 
 const COMPRESSION = { none: grpc.compressionAlgorithms.identity, gzip: grpc.compressionAlgorithms.gzip };
 
+// gRPC's retry policy (gRFC A6), the Python client's (pie_client/_channel.py): a call that ends
+// UNAVAILABLE before the server sent anything back (a replica down, loading or draining; a
+// balancer with no replica to give it) is sent again, up to 4 attempts in all, after random pauses
+// of up to 0.1, 0.2 and 0.4 s. The call's deadline covers every attempt. gRPC never replays a call
+// whose response headers arrived: pie sends a stream's once it admits it, and a unary call's with
+// its answer.
+export const RETRY_POLICY = Object.freeze({
+  maxAttempts: 4,
+  initialBackoff: '0.1s',
+  maxBackoff: '1s',
+  backoffMultiplier: 2,
+  retryableStatusCodes: ['UNAVAILABLE'],
+});
+
+/** The channel's service config (JSON) holding RETRY_POLICY for every method of the service. */
+export function serviceConfig() {
+  return JSON.stringify({ methodConfig: [{ name: [{ service: 'pie.v1.GenerateService' }], retryPolicy: RETRY_POLICY }] });
+}
+
 const services = new Map(); // protoPath -> { GenerateService, Health } client constructors
 
 function loadServices(protoPath) {
@@ -155,15 +174,20 @@ export class PieClient {
    * @param {string} [options.protoPath] generate.proto to load (default: this repository's)
    * @param {'none'|'gzip'} [options.compression] compress requests (the server accepts gzip)
    * @param {grpc.ChannelCredentials} [options.credentials] default: plaintext
-   * @param {object} [options.channelOptions] more grpc-js channel options
+   * @param {object} [options.channelOptions] more grpc-js channel options (a 'grpc.service_config'
+   *   of the caller's takes the place of the retry policy's)
+   * @param {boolean} [options.retry] retry a call that fails UNAVAILABLE before the server answered
+   *   (RETRY_POLICY; default: true)
    */
-  constructor(address, { protoPath = DEFAULT_PROTO, compression = 'none', credentials, channelOptions = {} } = {}) {
+  constructor(address, { protoPath = DEFAULT_PROTO, compression = 'none', credentials, channelOptions = {},
+    retry = true } = {}) {
     const { GenerateService, Health } = loadServices(protoPath);
     if (!Object.hasOwn(COMPRESSION, compression)) {
       throw new TypeError(`compression must be 'none' or 'gzip', got ${compression}`);
     }
     const creds = credentials ?? grpc.credentials.createInsecure();
-    const options = { ...channelOptions, 'grpc.default_compression_algorithm': COMPRESSION[compression] };
+    const options = { ...(retry ? { 'grpc.service_config': serviceConfig() } : {}), ...channelOptions,
+      'grpc.default_compression_algorithm': COMPRESSION[compression] };
     this.service = new GenerateService(address, creds, options);
     this.health = new Health(address, creds, { channelOverride: this.service.getChannel() });
   }
