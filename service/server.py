@@ -9,6 +9,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 import structlog
@@ -23,14 +24,15 @@ from pie.engine.core.engine_core import EngineCore
 from pie.engine.errors import StartupError, StepTimeoutError
 from pie.model.chat_template import ChatTemplates, NoChatTemplate
 from pie.service.auth import BearerTokenInterceptor
-from pie.service.http.app import Door
-from pie.service.http.serve import HttpServer
 from pie.service.interceptors import UndecodableRequestInterceptor
 from pie.service.metrics import ServiceMetrics
 from pie.service.servicer import SERVICE_NAME, GenerateServicer
 from pie.service.startup import bind_error, check_startup
 from pie.service.validation import Limits
 from pie.v1 import generate_pb2_grpc
+
+if TYPE_CHECKING:
+    from pie.service.http.serve import HttpServer
 
 log = structlog.get_logger(__name__)
 
@@ -132,7 +134,12 @@ class PieServer:
         self.servicer = GenerateServicer(model_name=name, limits=server_config.limits, metrics=self.metrics,
                                          stream_interval=server_config.stream_interval,
                                          auth=bool(server_config.auth_tokens))
-        self.http = HttpServer(Door(self.servicer, self.metrics, name, server_config.auth_tokens))
+        self.http: HttpServer | None = None  # the OpenAI-compatible door, with --http-port only
+        if server_config.http_port is not None:  # (FastAPI and uvicorn load only then)
+            from pie.service.http.app import Door
+            from pie.service.http.serve import HttpServer
+
+            self.http = HttpServer(Door(self.servicer, self.metrics, name, server_config.auth_tokens))
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.port: int | None = None
@@ -175,7 +182,7 @@ class PieServer:
                 self.metrics_port = self.metrics.serve_http(host, self.config.metrics_port)
             except OSError as e:
                 raise bind_error(e, host, self.config.metrics_port, "--metrics-port") from e
-        if self.config.http_port is not None:
+        if self.http is not None and self.config.http_port is not None:
             try:
                 self.http.bind(host, self.config.http_port)
             except OSError as e:
@@ -189,14 +196,15 @@ class PieServer:
             self.port = 0
         if self.port == 0:
             self.metrics.stop_http()
-            await self.http.stop()
+            if self.http is not None:
+                await self.http.stop()
             raise StartupError(f"--port {self.config.port}: gRPC could not bind {address}"
                                f"{' with --tls-cert and --tls-key' if tls is not None else ''} (the port is "
                                "in use, or --host is not an address of this machine); pick another port or host")
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)  # liveness
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)  # readiness
         await self.server.start()
-        if self.config.http_port is not None:
+        if self.http is not None:
             await self.http.start()
         if self.metrics_port is not None:
             log.info("metrics_listening", host=host, port=self.metrics_port, path="/metrics")
@@ -266,7 +274,8 @@ class PieServer:
         if self.server is not None:
             self.servicer.shutting_down = True  # what gRPC cancels from here on, the shutdown cut
             await self.server.stop(max(0.0, deadline - loop.time()))
-        await self.http.stop()
+        if self.http is not None:
+            await self.http.stop()
         if self.engine_client is not None:
             await asyncio.to_thread(self.engine_client.stop)
         self.servicer.close()
@@ -350,7 +359,7 @@ class BackgroundServer:
         self._thread.start()
         port = self._call(self.pie.start(), 60)
         self.address = f"{self.pie.config.host}:{port}"
-        if self.pie.http.port is not None:
+        if self.pie.http is not None and self.pie.http.port is not None:
             self.http_url = f"http://{self.pie.config.host}:{self.pie.http.port}"  # the HTTP door's
         self._call(self.pie.load(), 600)
         return self

@@ -319,3 +319,19 @@ def test_stream_interval_sends_fewer_larger_messages(model_dir):
             assert texts == ({0: unary.text} if n == 1 else {ch.index: ch.text for ch in unary.choices})
     with pytest.raises(ValueError, match="stream_interval"):
         BackgroundServer(ServerConfig(port=0, stream_interval=0), cfg)
+
+
+def test_the_http_door_loads_only_with_its_port(tmp_path):
+    """A gRPC-only server imports neither FastAPI nor uvicorn (a fresh interpreter: what `pie serve`
+    without --http-port loads); with --http-port it has its door."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from pie.engine.config import EngineConfig; "
+            "from pie.service.server import PieServer, ServerConfig; "
+            f"s = PieServer(ServerConfig(), EngineConfig(model={str(tmp_path)!r})); "
+            "assert s.http is None; assert not {'fastapi', 'uvicorn'} & set(sys.modules), sorted(sys.modules); "
+            f"s = PieServer(ServerConfig(http_port=0), EngineConfig(model={str(tmp_path)!r})); "
+            "assert s.http is not None and 'fastapi' in sys.modules")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
