@@ -77,7 +77,11 @@ def grammar_of(params: StructuredOutputParams) -> str:
             raise StructuredOutputError(params.field, f"is not JSON: {e}") from None
         if not isinstance(schema, (dict, bool)):
             raise StructuredOutputError(params.field, f"must be a JSON object (a schema), got {type(schema).__name__}")
-        return llguidance.LLMatcher.grammar_from_json_schema(params.text, defaults=JSON_LAYOUT)
+        if schema is False:
+            raise StructuredOutputError(params.field, "the schema false admits no value")
+        # The schema true is {} (any JSON value): the compiler takes its layout options from an object.
+        return llguidance.LLMatcher.grammar_from_json_schema("{}" if schema is True else params.text,
+                                                             defaults=JSON_LAYOUT)
     if params.kind == "json_object":
         return llguidance.LLMatcher.grammar_from_json_schema(_ANY_OBJECT, defaults=JSON_LAYOUT)
     if params.kind == "regex":

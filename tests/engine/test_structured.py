@@ -206,6 +206,19 @@ def test_a_constraint_is_compiled_into_replicas_taken_in_turn(model_dir, rng):
         assert want is not None and got[i].tolist() == want.bitmask[0].tolist()
 
 
+def test_the_boolean_schemas(model_dir, rng):
+    """JSON Schema's `true` admits any JSON value (it compiles as {}); `false` admits none and is
+    refused naming the field."""
+    engine = _engine(model_dir)
+    sp = SamplingParams(max_tokens=120, temperature=1.0, seed=rng.randrange(2**32), n=3,
+                        structured=StructuredOutputParams("json_schema", "true"))
+    for r in _run(engine, [("any", _prompt(rng), sp)]).values():
+        if r["status"] != RequestStatus.FINISHED_LENGTH:
+            json.loads(r["text"])
+    with pytest.raises(SamplingParamsError, match="structured.json_schema: the schema false admits no value"):
+        engine.check_request(_prompt(rng), SamplingParams(structured=StructuredOutputParams("json_schema", "false")))
+
+
 def test_json_object(model_dir, rng):
     """Any JSON object: its strings are unbounded, so a random model may run into max_tokens (then
     LENGTH, cut at exactly max_tokens); whatever ends on its own parses as an object."""
