@@ -40,7 +40,10 @@ the waiting queue in its (priority, arrival) place with `num_computed_tokens = 0
 output tokens; when it is admitted again its "prefill" recomputes prompt + outputs (hitting the
 cache where the blocks survived) and then samples the next token. Choosing by arrival, not
 admission, means an old request that was re-admitted is never the victim of newer ones of its
-priority, so nothing starves within a priority.
+priority, so nothing starves within a priority. In the batch-invariant mode the recompute runs the
+prompt in chunks and then the outputs one a step, each as the decode it first was (the decode
+kernel), and a step's rows of a generated token come first, with the decodes: the same bits as
+before the preemption.
 
 Bounded stalls: with `stall_factor` > 0, the prompt tokens of a step with a streamed decode (one
 whose caller reads tokens as they come, `Request.streamed`) are cut so that it is expected to take
@@ -83,6 +86,15 @@ class Speculation(Protocol):
     def record(self, k: int, accepted: int) -> None: ...  # a verified row: k proposed, `accepted` taken
 
 
+def _invariant_rows(request: Request, computed: int) -> int:
+    """The most tokens a row of `request` from position `computed` may take in the batch-invariant
+    mode: the rest of its prompt (the extend kernel, whatever the chunk), else one. A generated
+    token's K/V came from a decode step (the decode kernel, one query), so a request recomputed
+    after preemption runs them again one a step, as decodes, and gets the same bits."""
+    prompt = len(request.prompt_token_ids)
+    return prompt - computed if computed < prompt else 1
+
+
 class Scheduler(RequestTable):
     """Plans each step (`schedule`) and closes it (`step_launched`, `update_from_output`) over the
     engine's requests (RequestTable: where each one is, and how it leaves)."""
@@ -99,6 +111,9 @@ class Scheduler(RequestTable):
         stall_factor: float = 0.0,
         structured: StructuredOutputs | None = None,  # advances the matchers of structured outputs
         speculator: Speculation | None = None,  # speculative decoding's proposals (None: off)
+        # The batch-invariant mode (EngineConfig.batch_invariant): a request recomputed after
+        # preemption runs its generated tokens one a step, each as the decode it first was.
+        batch_invariant: bool = False,
     ) -> None:
         if min(max_num_seqs, max_num_batched_tokens, max_model_len) < 1:
             raise ValueError("max_num_seqs, max_num_batched_tokens and max_model_len must be >= 1")
@@ -109,6 +124,7 @@ class Scheduler(RequestTable):
         self.structured = structured
         self.speculator = speculator
         self.stall = StallBound(stall_factor, min_tokens=block_manager.block_size)
+        self.batch_invariant = batch_invariant
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -146,6 +162,8 @@ class Scheduler(RequestTable):
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
             num_new = min(remaining, budget) if remaining == 1 else min(remaining, budget, prompt_budget)
+            if self.batch_invariant:
+                num_new = min(num_new, _invariant_rows(request, request.num_computed_tokens))
             if num_new <= 0:
                 break
             num_spec = 0
@@ -194,6 +212,8 @@ class Scheduler(RequestTable):
                 cached = self.block_manager.find_cached_prefix(request)
             num_cached = 0 if cached is None else cached.num_blocks * self.block_manager.block_size
             num_new = min(request.num_remaining_tokens - num_cached, budget)
+            if self.batch_invariant:
+                num_new = min(num_new, _invariant_rows(request, request.num_computed_tokens + num_cached))
             new_blocks = self.block_manager.allocate_slots(request, num_new, cached)
             if new_blocks is None:
                 break
@@ -206,6 +226,8 @@ class Scheduler(RequestTable):
             self.running.append(request)
             self._schedule(out, request, num_new)
             budget -= num_new
+        if self.batch_invariant:  # rows of a generated token first, with the decodes (StepStager)
+            out.scheduled.sort(key=lambda s: s.start < s.request.num_prompt_tokens)
         return out
 
     def _heading(self, num_decodes: int, context: int, prefills: list[tuple[Request, int]]) -> tuple[int, int]:

@@ -146,12 +146,28 @@ def test_a_prompt_token_alone_in_its_step_on_gpu(tmp_path, kv, rng):
     assert_identical(cold, "cold", beside, "third", f"{kv} beside a running decode")
 
 
-def _routed_engine(model_dir, invariant: bool) -> tuple[EngineCore, list, list]:
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv", ["int8", "bf16"])
+def test_a_preempted_request_keeps_its_bits_on_gpu(tmp_path, kv, rng):
+    """Eight seeded requests in a pool too small for them (recomputed after preemption, outputs one
+    a step) give the logits of a pool that holds them all, to the bit; CUDA graphs on."""
+    model_dir = make_hf_model_dir(tmp_path, "llama", weight_scale=3.0, hidden_size=512, intermediate_size=1024,
+                                  num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=4)
+    requests = _requests(rng, 8, 512, True, 48)
+    ample = Run(_engine(model_dir, kv, "cuda"), requests)
+    tight_engine = _engine(model_dir, kv, "cuda", num_kv_blocks=24)
+    tight = Run(tight_engine, requests)
+    assert tight_engine.stats().num_preemptions > 0
+    for rid in requests:
+        assert_identical(ample, rid, tight, rid, f"{kv} recomputed after preemption")
+
+
+def _routed_engine(model_dir, invariant: bool, **kw) -> tuple[EngineCore, list, list]:
     """A CPU engine whose runner routes one-token prompt rows as the batch-invariant mode does
     (`invariant`) or as by default, recording each step's (decode rows, rows) as staged and each
     attention call's (kernel, query rows)."""
-    engine = EngineCore(EngineConfig(model=str(model_dir), device="cpu", dtype="fp32", block_size=BLOCK,
-                                     num_kv_blocks=64, max_num_batched_tokens=64))
+    engine = EngineCore(EngineConfig(**{**dict(model=str(model_dir), device="cpu", dtype="fp32", block_size=BLOCK,
+                                               num_kv_blocks=64, max_num_batched_tokens=64), **kw}))
     runner = engine.runner
     runner.stager.prompt_rows_decode = runner.graphs.prompt_rows_decode = not invariant
     ops, stager = runner.attention.ops, runner.stager
@@ -203,6 +219,41 @@ def test_a_prompt_token_alone_in_its_row_is_attended_as_a_prompt(tmp_path, rng, 
     assert staged == [(1, 2) if invariant else (2, 2)]
     assert calls == ([("decode", 1), ("extend", 1)] if invariant else [("decode", 2)]) * 2
     engine.abort_all()
+
+
+def test_a_preempted_request_recomputes_its_outputs_as_decodes(tmp_path, rng):
+    """In the batch-invariant mode a request recomputed after preemption runs its prompt in chunks
+    (never past it) and then each output token alone, staged among the step's leading decode rows,
+    as when it was first decoded; the tokens are those of a run without preemption. Checked on the
+    routing, on the CPU's torch path, with a pool too small for every request at once."""
+    model_dir = make_hf_model_dir(tmp_path, "llama")
+    requests = [(f"q{i}", [rng.randrange(3, 512) for _ in range(rng.randrange(5, 30))],
+                 SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)) for i in range(6)]
+    engine, calls, staged = _routed_engine(model_dir, True, num_kv_blocks=24, block_size=4)
+    engine.scheduler.batch_invariant = True
+    rows = []
+    schedule = engine.scheduler.schedule
+
+    def recording():
+        out = schedule()
+        rows.append([(s.start, s.num_new_tokens, s.request.num_prompt_tokens) for s in out.scheduled])
+        return out
+
+    engine.scheduler.schedule = recording
+    tokens = Run(engine, {rid: (prompt, sp) for rid, prompt, sp in requests}).tokens
+    assert engine.stats().num_preemptions > 0
+    recomputed = 0
+    for step, (nd, b) in zip(rows, staged, strict=True):
+        assert len(step) == b
+        for i, (start, n, prompt_len) in enumerate(step):
+            if start >= prompt_len:  # a generated token's row: one token, a decode row
+                assert n == 1 and i < nd, step
+                recomputed += 1
+            else:
+                assert start + n <= prompt_len and i >= nd, step  # a prompt chunk, never past it
+    assert recomputed > 0
+    plain = EngineCore(EngineConfig(model=str(model_dir), device="cpu", dtype="fp32", block_size=4, num_kv_blocks=256))
+    assert Run(plain, {rid: (prompt, sp) for rid, prompt, sp in requests}).tokens == tokens
 
 
 def test_the_mode_refuses_what_it_cannot_hold(tmp_path):
