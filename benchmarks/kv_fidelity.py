@@ -13,13 +13,16 @@ over that text in 512-token prompts (tests/fidelity.py: text_fidelity).
     python benchmarks/kv_fidelity.py [--device cpu|cuda] [--seeds 4] [--prompts 16] [--tokens 32]
     python benchmarks/kv_fidelity.py --real [--device cpu|cuda]
 
-Figures of the random models are means over the four families and the seeds; tests/fidelity.py
-defines them.
+Figures of the random models are means over the four families and the seeds (one model each), with
+the standard error of the mean over those models (± SE): greedy agreement, a common prefix, moves by
+whole runs of tokens with one near-tie, so compare modes by the SE, or with more seeds. tests/fidelity.py
+defines the figures.
 """
 
 from __future__ import annotations
 
 import logging
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -31,7 +34,7 @@ sys.path[:0] = [str(_ROOT), str(_ROOT / "clients")]  # benchmarks.*, and this ch
 from benchmarks.common import DEVICE_HELP, default_device, make_parser  # noqa: E402
 from pie.engine.config import KV_SMOOTHING  # noqa: E402
 from pie.engine.runner.attention import PagedAttention  # noqa: E402
-from tests.fidelity import MASSIVE_K, docs_text, family_fidelity, mean, measure, text_fidelity, text_prompts  # noqa: E402
+from tests.fidelity import MASSIVE_K, docs_text, family_fidelity, measure, text_fidelity, text_prompts  # noqa: E402
 from tests.helpers import ARCHS  # noqa: E402
 
 HEADER = "| models | cache | smoothing | prefill reads | greedy agreement | teacher-forced top-1 | first token | KL to fp32 |"
@@ -50,7 +53,7 @@ def random_models(args) -> None:
         for kvs, mode, exact_prefill in runs:
             if exact_prefill:  # the old rule: every cache "holds" what the prefill computed
                 PagedAttention.holds_exactly = lambda self, dtype: True  # type: ignore[method-assign]
-            sums: dict[str, list[float]] = {}
+            per_model: dict[str, list[list[float]]] = {}  # kv -> field -> one value per model
             try:
                 for seed in range(1, args.seeds + 1):
                     with tempfile.TemporaryDirectory() as tmp:
@@ -58,17 +61,23 @@ def random_models(args) -> None:
                                               seed=seed, weight_scale=args.weight_scale, massive_k=massive,
                                               device=args.device, kv_smoothing=mode)
                     for kv in kvs:
-                        acc = sums.setdefault(kv, [0.0] * len(fields))
+                        values = per_model.setdefault(kv, [[] for _ in fields])
                         for i, f in enumerate(fields):
-                            acc[i] += mean(res, kv, f) / args.seeds
+                            values[i] += [getattr(r[kv], f) for r in res.values()]
             finally:
                 PagedAttention.holds_exactly = holds_exactly  # type: ignore[method-assign]
-            for kv, (agree, forced, first, kl) in sums.items():
+            for kv, (agree, forced, first, kl) in per_model.items():
                 models = "massive K x16" if massive else "plain"
                 sm = mode if kv == "int8" else "-"
                 reads = "own K/V as computed" if exact_prefill else "as stored"
-                print(f"| {models} | {kv} | {sm} | {reads} | {agree:.3f} | {forced:.4f} | {first:.3f} | {kl:.2e} |",
-                      flush=True)
+                print(f"| {models} | {kv} | {sm} | {reads} | {_mean_se(agree, '.3f')} | {_mean_se(forced, '.4f')} | "
+                      f"{_mean_se(first, '.3f')} | {statistics.mean(kl):.2e} |", flush=True)
+
+
+def _mean_se(values: list[float], fmt: str) -> str:
+    """The mean over the models, and its standard error where there are several."""
+    m = format(statistics.mean(values), fmt)
+    return m if len(values) < 2 else f"{m} ± {format(statistics.stdev(values) / len(values) ** 0.5, fmt)}"
 
 
 def real_checkpoint(args) -> None:
