@@ -143,7 +143,7 @@ class CudaGraphs:
     """The captured graphs of one runner: decode graphs by bucket, verify graphs by bucket (rows);
     empty: every step runs eagerly."""
 
-    def __init__(self) -> None:
+    def __init__(self, prompt_rows_decode: bool = True) -> None:
         self.graphs: dict[int, Graph] = {}  # decode steps, by rows
         self.verify: dict[int, Graph] = {}  # verify steps, by rows of verify_width tokens
         self.verify_width = 0  # tokens per verify row: 1 + K (0: no verify graphs)
@@ -154,7 +154,7 @@ class CudaGraphs:
         self.kv_token_seconds: float | None = None
         # A prompt's last token alone in its row may run in a decode graph (off in the
         # batch-invariant mode: StepStager.prompt_rows_decode).
-        self.prompt_rows_decode = True
+        self.prompt_rows_decode = prompt_rows_decode
 
     def __bool__(self) -> bool:
         return bool(self.graphs)
@@ -163,7 +163,7 @@ class CudaGraphs:
         """The bucket whose graph runs this step: a pure decode with a bucket large enough."""
         if not self.graphs or any(s.num_new_tokens != 1 for s in out.scheduled):
             return None
-        if not self.prompt_rows_decode and any(s.start < s.request.num_prompt_tokens for s in out.scheduled):
+        if not self.prompt_rows_decode and any(s.at_prompt for s in out.scheduled):
             return None
         b = len(out.scheduled)
         return next((g for g in self.graphs if g >= b), None)

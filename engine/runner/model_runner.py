@@ -101,8 +101,7 @@ class ModelRunner:
                                  max_blocks=-(-(max_model_len + k) // self.block_size), device=device,
                                  verify_tokens=self.verify_rows * (1 + k) if k else 0,
                                  prompt_rows_decode=not batch_invariant)
-        self.graphs = CudaGraphs()
-        self.graphs.prompt_rows_decode = not batch_invariant
+        self.graphs = CudaGraphs(prompt_rows_decode=not batch_invariant)
         # Steps with prompt tokens: piecewise graphs up to this many tokens (0: none; cuda_graphs.py).
         # (not under tensor parallelism: neither rank 0 nor the workers, whose model has `tp` too)
         self._sharded = getattr(model, "tp", None) is not None

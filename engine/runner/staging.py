@@ -264,7 +264,7 @@ class StepStager:
         if self.prompt_rows_decode:
             nd = b if max_query_len == 1 else int(np.argmax(q_lens != 1))
         else:
-            decodes = [s.num_new_tokens == 1 and s.start >= s.request.num_prompt_tokens for s in scheduled]
+            decodes = [s.num_new_tokens == 1 and not s.at_prompt for s in scheduled]
             nd = decodes.index(False) if False in decodes else b
         if 0 < nd < b:
             ints[n_ints:n_ints + b - nd + 1] = qsl[nd:b + 1] - qsl[nd]

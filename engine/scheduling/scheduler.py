@@ -227,7 +227,7 @@ class Scheduler(RequestTable):
             self._schedule(out, request, num_new)
             budget -= num_new
         if self.batch_invariant:  # rows of a generated token first, with the decodes (StepStager)
-            out.scheduled.sort(key=lambda s: s.start < s.request.num_prompt_tokens)
+            out.scheduled.sort(key=lambda s: s.at_prompt)
         return out
 
     def _heading(self, num_decodes: int, context: int, prefills: list[tuple[Request, int]]) -> tuple[int, int]:

@@ -26,6 +26,12 @@ class ScheduledRequest:
     # this step; engine/spec_decode/speculator.py); 0 without speculative decoding.
     num_spec: int = 0
 
+    @property
+    def at_prompt(self) -> bool:
+        """Its first token is a prompt token (else one the request sampled: a decode, or its
+        recompute after preemption)."""
+        return self.start < len(self.request.prompt_token_ids)
+
 
 @dataclass(slots=True)
 class SchedulerOutput:
