@@ -85,7 +85,15 @@ sys.path[:0] = [str(_ROOT), str(_ROOT / "clients")]  # benchmarks.*, and this ch
 import pie.kernels.triton_decode as td  # noqa: E402
 from benchmarks.common import make_parser, require_cuda  # noqa: E402
 from pie.kernels.reference import paged_attention_decode  # noqa: E402
-from pie.kernels.triton_tile import INT8_BIAS, int8_biased, int8_pv, int8_scores, load, online_softmax  # noqa: E402
+from pie.kernels.triton_tile import (  # noqa: E402
+    INT8_BIAS,
+    int8_biased,
+    int8_pv,
+    int8_query,
+    int8_scores,
+    load,
+    online_softmax,
+)
 
 NEEDS_GPU = False  # read by `pie bench`: --tiny and --asm run on the CPU; the GPU modes check for one
 LOG2E = 1.4426950408889634
@@ -205,11 +213,7 @@ def _roofline_kernel(
         qf = tl.load(q_ptr + b.to(tl.int64) * (HQ * D) + heads[:, None] * D + offs_d[None, :],
                      mask=(offs_m < G)[:, None], other=0.0).to(tl.float32) * qk_scale
         if KMODE == 2:  # int8 tensor cores: q = qa * q1 + qa2 * q2, two int8 terms per head
-            qa = tl.maximum(tl.max(tl.abs(qf), axis=1), 1e-30) / 127.0
-            q1f = tl.floor(qf / qa[:, None] + 0.5)
-            qa2 = qa / 254.0
-            q2 = tl.floor((qf - q1f * qa[:, None]) / qa2[:, None] + 0.5).to(tl.int8)
-            q = q1f.to(tl.int8)
+            q, q2, qa, qa2 = int8_query(qf)
         else:
             q = qf.to(QK_DTYPE)
             q2 = q

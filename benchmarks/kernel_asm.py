@@ -2,6 +2,7 @@
 the GPU would run: registers, spilled stack, shared memory, and the SASS of the main loop.
 
     python benchmarks/kernel_asm.py [--head-dim 128] [--kv int8] [--variants default,old,...] [--split-tokens 1024]
+    python benchmarks/kernel_asm.py --digest    # one digest of the PTX per shipped attention launch
 
 Uses Triton's own compiler and the ptxas / cuobjdump its wheel ships, with a stand-in driver that
 only names the target, so no CUDA device or driver is needed (`TRITON_INTERPRET` must be unset).
@@ -9,10 +10,16 @@ Match the GPU machine's Triton version for exact figures (it runs 3.6: `pip inst
 triton==3.6.0`, then PYTHONPATH=DIR). Per variant: `regs`, `stack` (bytes of spilled registers;
 0 is what you want), `smem` (bytes per program), and the instructions of the largest loop
 (per thread per tile, and warp instructions per key).
+
+`--digest` proves a refactor of the attention kernels on the CPU: it compiles every decode variant
+(int8 and bf16 pages, one split and fixed splits) and the extend kernel in every page dtype and int8
+mode (with and without the new keys), and prints a digest of each PTX without its line information.
+Equal digests before and after a change mean the GPU runs the same instructions.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import subprocess
@@ -108,6 +115,68 @@ def compile_decode(cfg, d: int, group: int, int8: bool, page: int = 16, hkv: int
     return kernel, cfg
 
 
+def compile_extend(quant: bool, new_kv: bool, k_mode: str = "cast", v_mode: str = "cast", d: int = 128,
+                   group: int = 4, page: int = 16, hkv: int = 8):
+    """The extend kernel as paged_extend launches it on the GPU (its default tiles), compiled only."""
+    import pie.kernels.triton_extend as te
+
+    d_pad = te.pad_head_dim(d)
+    block_m, block_n, warps, stages = te._default_config(d_pad, quant, new_kv, interpret=False)
+    g_pad = triton.next_power_of_2(group)
+    q = torch.empty(64, hkv * group, d, dtype=torch.bfloat16)
+    kn = torch.empty(64, hkv, d, dtype=torch.bfloat16)
+    cache = torch.empty(64, page, hkv, d, dtype=torch.int8 if quant else torch.bfloat16)
+    scale = torch.empty(64, hkv, page, dtype=torch.float16) if quant else cache
+    table = torch.empty(4, 16, dtype=torch.int32)
+    lens = torch.empty(5, dtype=torch.int32)
+    half = tl.float16
+    return te._extend_kernel.warmup(
+        q, kn, kn, cache, cache, scale, scale, table, lens, lens, q, 0.1, 4, 20,
+        q.stride(0), q.stride(1), kn.stride(0), kn.stride(1), kn.stride(0), kn.stride(1), q.stride(0), q.stride(1),
+        table.stride(0), cache.stride(0), cache.stride(1),
+        HKV=hkv, G=group, G_PAD=g_pad, D=d, D_PAD=d_pad, BLOCK_SIZE=page, BLOCK_Q=block_m // g_pad,
+        BLOCK_M=block_m, BLOCK_N=block_n, QUANT=quant, NEW_KV=new_kv, WINDOW=0, DOT_DTYPE=tl.bfloat16,
+        PRECISION=None, K_MODE={"cast": 0, "bias": 1, "imma": 2}[k_mode] if quant else 0,
+        V_MODE=2 if quant and v_mode == "bias" else 0, QK_DTYPE=half, PV_DTYPE=half, ASM=True,
+        num_warps=warps, num_stages=stages, enable_fp_fusion=False, grid=(1,))
+
+
+_DEBUG_LABEL = re.compile(r"\$L__(tmp|func_begin|func_end)\d+:")
+
+
+def ptx_digest(kernel) -> str:
+    """sha256 of the kernel's PTX without its line information (.loc and .file lines, the labels
+    the line table points at, the debug sections), which moves with edits that change no instruction."""
+    ptx = kernel.asm["ptx"].split(".section\t.debug", 1)[0].split(".section .debug", 1)[0]
+    lines = [line for line in ptx.splitlines()
+             if line.strip() and not line.lstrip().startswith((".loc", ".file", "//"))
+             and not _DEBUG_LABEL.fullmatch(line.strip())]
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
+
+
+def digests(head_dims: tuple[int, ...] = (64, 128)) -> list[tuple[str, str]]:
+    """(launch, PTX digest) of every shipped attention launch at `head_dims`."""
+    from benchmarks.decode_variants import VARIANTS
+
+    rows = []
+    for d in head_dims:
+        for name, cfg in VARIANTS.items():
+            for split in (0, 1024):
+                kernel, _ = compile_decode(cfg, d, 4, True, split_tokens=split)
+                rows.append((f"decode int8 {name} d{d} split{split}", ptx_digest(kernel)))
+        for split in (0, 1024):
+            kernel, _ = compile_decode(None, d, 4, False, split_tokens=split)
+            rows.append((f"decode bf16 d{d} split{split}", ptx_digest(kernel)))
+        for quant, new_kv, k_mode, v_mode in ((False, False, "cast", "cast"), (False, True, "cast", "cast"),
+                                              (True, True, "cast", "cast"), (True, False, "cast", "cast"),
+                                              (True, False, "bias", "bias"), (True, False, "imma", "bias"),
+                                              (True, False, "imma", "cast")):
+            kernel = compile_extend(quant, new_kv, k_mode, v_mode, d=d)
+            rows.append((f"extend {'int8' if quant else 'bf16'} new_kv={new_kv} {k_mode}/{v_mode} d{d}",
+                         ptx_digest(kernel)))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     from benchmarks.decode_variants import VARIANTS
 
@@ -120,10 +189,17 @@ def main(argv: list[str] | None = None) -> int:
                     help="compile the fixed-split launch of that many keys per split (the engine's: 1024); 0 = one split")
     ap.add_argument("--worklist", action="store_true",
                     help="with --split-tokens: the persistent launch that takes splits from a work list")
+    ap.add_argument("--digest", action="store_true",
+                    help="print a PTX digest of every shipped attention launch (compare two trees' outputs)")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         ap.exit(2, "kernel_asm.py compiles for the GPU: unset TRITON_INTERPRET\n")
     driver.set_active(_Sm90())
+    if args.digest:
+        print(f"# triton {triton.__version__}, sm_90")
+        for name, digest in digests():
+            print(f"{digest}  {name}")
+        return 0
     print(f"triton {triton.__version__}, sm_90, head dim {args.head_dim}, group {args.group}, {args.kv} pages")
     for name in args.variants.split(","):
         cfg = VARIANTS[name] if args.kv == "int8" else None

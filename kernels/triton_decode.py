@@ -45,6 +45,7 @@ from pie.kernels.triton_tile import (
     cdiv,
     dot_types,
     int8_pv,
+    int8_query,
     int8_scores,
     load,
     next_pow2,
@@ -154,11 +155,7 @@ def _decode_split(
             q2 = q
             qa = INT8_BIAS * tl.sum(q.to(tl.float32), axis=1)
         elif IS_INT8 and K_MODE >= 2:
-            qa = tl.maximum(tl.max(tl.abs(qf), axis=1), 1e-30) / 127.0  # per query head
-            q1f = tl.floor(qf / qa[:, None] + 0.5)  # |q1| <= 127
-            qa2 = qa / 254.0
-            q2 = tl.floor((qf - q1f * qa[:, None]) / qa2[:, None] + 0.5).to(tl.int8)  # remainder <= qa / 2
-            q = q1f.to(tl.int8)
+            q, q2, qa, qa2 = int8_query(qf)  # per query head
         else:
             q = qf.to(QK_DTYPE)
             q2 = q

@@ -45,6 +45,7 @@ from pie.kernels.triton_tile import (
     accumulate_pv,
     dot_types,
     int8_pv,
+    int8_query,
     int8_scores,
     load,
     next_pow2,
@@ -186,11 +187,7 @@ def _extend_kernel(q_ptr, kn_ptr, vn_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr,
         q2 = q
         qa = INT8_BIAS * tl.sum(q.to(tl.float32), axis=1)
     elif K_MODE >= 2:
-        qa = tl.maximum(tl.max(tl.abs(qf), axis=1), 1e-30) / 127.0
-        q1f = tl.floor(qf / qa[:, None] + 0.5)
-        qa2 = qa / 254.0
-        q2 = tl.floor((qf - q1f * qa[:, None]) / qa2[:, None] + 0.5).to(tl.int8)
-        q = q1f.to(tl.int8)
+        q, q2, qa, qa2 = int8_query(qf)
     else:
         q = qf.to(DOT_DTYPE)
         q2 = q

@@ -106,6 +106,18 @@ def tile_scores(q, k, ks_ptrs, key_ok, visible, K_TRANSPOSED: tl.constexpr, QUAN
 
 
 @triton.jit
+def int8_query(qf):
+    """q (BLOCK_M, D_PAD) fp32, pre-scaled, in the two int8 terms int8_scores' tensor-core modes read:
+    (q1, q2, qa, qa2) with q ~ qa * q1 + qa2 * q2 per row; qa = rowmax|q| / 127 puts q1 in [-127, 127],
+    the remainder is at most qa / 2, so its step qa2 = qa / 254 puts q2 there too."""
+    qa = tl.maximum(tl.max(tl.abs(qf), axis=1), 1e-30) / 127.0
+    q1f = tl.floor(qf / qa[:, None] + 0.5)
+    qa2 = qa / 254.0
+    q2 = tl.floor((qf - q1f * qa[:, None]) / qa2[:, None] + 0.5).to(tl.int8)
+    return q1f.to(tl.int8), q2, qa, qa2
+
+
+@triton.jit
 def int8_scores(q, q2, qa, qa2, kt, K_MODE: tl.constexpr, QK_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
                  ASM: tl.constexpr):
     """q K^T of one tile over int8 keys kt (D_PAD, BLOCK_N) (a view), before the keys' scales (K_MODE):
