@@ -48,3 +48,15 @@ def resolve_device(name: str) -> torch.device:
                            f"cuda:0..cuda:{torch.cuda.device_count() - 1}; pick one of them (CUDA_VISIBLE_DEVICES "
                            "decides which are seen)")
     return device
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CPU tensor's copy on `device`, queued on the current stream without the host waiting for
+    it: pinned first on CUDA, then copied asynchronously (the caching host allocator keeps the
+    pinned block until the copy is done). A copy from pageable memory (`torch.tensor(..., device=
+    "cuda")`, `.to("cuda")` or indexing a CUDA tensor with a list) synchronizes the stream: under
+    async scheduling it waits for the step queued before it, and the GPU idles while the host
+    prepares the next one. On the CPU: `host` itself."""
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)

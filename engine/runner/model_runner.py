@@ -29,6 +29,7 @@ import structlog
 import torch
 
 from pie.engine.config import EngineConfig
+from pie.engine.device import to_device
 from pie.engine.runner.attention import AttentionMetadata, PagedAttention
 from pie.engine.runner.cuda_graphs import CudaGraphs, PiecewiseGraphs
 from pie.engine.runner.kv_cache import KVCache
@@ -170,8 +171,7 @@ class ModelRunner:
                              None if prompt is None else prompt.index)
         rows = [i for i, s in enumerate(out.scheduled) if s.sample]
         if step.graph_batch is not None:
-            logits = self.graphs.replay(step.graph_batch)
-            return rows, (logits[rows] if len(rows) < step.num_seqs else logits[:step.num_seqs])
+            return rows, self._rows_of(self.graphs.replay(step.graph_batch), rows, step.num_seqs)
         # (no pieces are captured under tensor parallelism: bucket_for finds none there)
         piece_bucket = None if eager or prompt is not None else self.pieces.bucket_for(step.input_ids.shape[0])
         self.attention.metadata = step.metadata
@@ -186,22 +186,35 @@ class ModelRunner:
             logits = self.model.compute_logits(last_tokens(hidden, step.metadata))
             if prompt is not None:  # then the prompt positions, as the workers do
                 prompt.compute(hidden, self.model.compute_logits, self.vocab_size)
-            return rows, (logits[rows] if len(rows) < step.num_seqs else logits) if rows else None
+            return rows, self._rows_of(logits, rows, step.num_seqs) if rows else None
         if prompt is not None:
             prompt.compute(hidden, self.model.compute_logits, self.vocab_size)
         if not rows:
             return rows, None
-        if out.num_spec_tokens:  # every position of a row with proposals: the newest token's, then each proposal's
-            ends = np.cumsum([s.num_new_tokens for s in out.scheduled])
-            index = np.concatenate([np.arange(ends[i] - 1 - out.scheduled[i].num_spec, ends[i]) for i in rows])
-            return rows, self.model.compute_logits(hidden[torch.from_numpy(index).to(self.device)])
-        qsl = step.metadata.query_start_loc
         if step.metadata.max_query_len == 1 and len(rows) == step.num_seqs:
             # one token a sequence, each its last (a piecewise replay's rows past them are padding)
-            last = hidden[:step.num_seqs]
+            return rows, self.model.compute_logits(hidden[:step.num_seqs])
+        return rows, self.model.compute_logits(hidden.index_select(0, self._logits_positions(out, rows)))
+
+    def _logits_positions(self, out: SchedulerOutput, rows: list[int]) -> torch.Tensor:
+        """The step's token positions whose logits the sampling `rows` read, on the device: each
+        row's last token, and in a step that verifies proposals every position of a row with
+        some (its newest token's, then each proposal's). Found on the host from the scheduled
+        lengths and copied without a host sync (`to_device`)."""
+        ends = np.cumsum(np.fromiter((s.num_new_tokens for s in out.scheduled), dtype=np.int64,
+                                     count=len(out.scheduled)))
+        if out.num_spec_tokens:
+            index = np.concatenate([np.arange(ends[i] - 1 - out.scheduled[i].num_spec, ends[i]) for i in rows])
         else:
-            last = hidden[(qsl[1:].to(torch.int64) - 1)[torch.tensor(rows, device=self.device)]]
-        return rows, self.model.compute_logits(last)
+            index = ends[rows] - 1
+        return to_device(torch.from_numpy(index), self.device)
+
+    def _rows_of(self, logits: torch.Tensor, rows: list[int], num_seqs: int) -> torch.Tensor:
+        """The sampling rows' logits among a step's `num_seqs` rows (indexing with the list would
+        copy it from pageable memory: a host sync)."""
+        if len(rows) == num_seqs:
+            return logits[:num_seqs]
+        return logits.index_select(0, to_device(torch.tensor(rows, dtype=torch.int64), self.device))
 
     @torch.inference_mode()
     def launch(self, out: SchedulerOutput, masks: Callable[[], TokenMasks | None] | None = None,
@@ -309,10 +322,8 @@ class ModelRunner:
         tensors = SamplingTensors.build(params=params, seeds=seeds, steps=steps, prompt_ids=prompt_ids,
                                         output_ids=output_ids, vocab_size=logits.shape[-1], device=logits.device,
                                         eos_token_ids=eos)
-        ints = torch.tensor([next_ids, draft_rows + [0] * (len(next_ids) - len(draft_rows))], dtype=torch.int64)
-        if self.device.type == "cuda":
-            ints = ints.pin_memory()
-        ints = ints.to(self.device, non_blocking=True)
+        ints = to_device(torch.tensor([next_ids, draft_rows + [0] * (len(next_ids) - len(draft_rows))],
+                                      dtype=torch.int64), self.device)
         result, accepted = verify(logits, tensors, ints[0], ints[1, :len(draft_rows)] if draft is not None else None,
                                   draft, processed_logprobs=self.processed_logprobs)
         # The next step starts from what comes back, not from ids left on the device.

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pie.engine.device import to_device
 from pie.engine.messages import SampledToken
 from pie.engine.scheduling.request import Request
 from pie.engine.scheduling.step import SchedulerOutput
@@ -76,10 +77,7 @@ class PromptLogprobRows:
                 index.append(np.arange(offset, offset + count, dtype=np.int64))
                 targets.append(np.asarray(prompt[s.start + 1:end + 1], dtype=np.int64))
             offset += s.num_new_tokens
-        host = torch.from_numpy(np.stack([np.concatenate(index), np.concatenate(targets)]))  # (2, M)
-        if device.type == "cuda":
-            host = host.pin_memory()
-        rows = host.to(device, non_blocking=True)
+        rows = to_device(torch.from_numpy(np.stack([np.concatenate(index), np.concatenate(targets)])), device)  # (2, M)
         return cls(spans, rows[0], rows[1], max(span[3] for span in spans))
 
     @property

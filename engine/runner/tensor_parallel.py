@@ -51,6 +51,7 @@ import structlog
 import torch
 import torch.distributed as dist
 
+from pie.engine.device import to_device
 from pie.model.parallel import TensorParallel
 
 if TYPE_CHECKING:
@@ -104,7 +105,7 @@ class _Link:
 
     def send_header(self, op: int, *numbers: int) -> None:
         values = [op, *numbers] + [0] * (HEADER - 1 - len(numbers))
-        self.header.copy_(torch.tensor(values, dtype=torch.int64))
+        self.header.copy_(to_device(torch.tensor(values, dtype=torch.int64), self.device))
         dist.broadcast(self.header, src=0)
 
     def recv_header(self) -> list[int]:
@@ -178,7 +179,7 @@ class Leader:
 
     def calibrate(self, token_ids: list[int]) -> None:
         self._link.send_header(OP_CALIBRATE, len(token_ids))
-        self._link.send(torch.tensor(token_ids, dtype=torch.int64, device=self.device))
+        self._link.send(to_device(torch.tensor(token_ids, dtype=torch.int64), self.device))
 
     # ---- health and shutdown ---------------------------------------------------------------
     def lost(self) -> str | None:

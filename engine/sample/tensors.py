@@ -13,6 +13,7 @@ from itertools import chain
 import numpy as np
 import torch
 
+from pie.engine.device import to_device
 from pie.engine.sampling_params import SamplingParams
 
 
@@ -82,7 +83,6 @@ class SamplingTensors:
         if not (len(seeds) == len(steps) == len(prompt_ids) == len(output_ids) == n):
             raise ValueError("params, seeds, steps, prompt_ids and output_ids differ in length")
         device = torch.device(device)
-        pin = device.type == "cuda"
         floats = torch.tensor(
             [[p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty,
               p.frequency_penalty] for p in params],
@@ -91,10 +91,7 @@ class SamplingTensors:
             [[s, st, p.top_k if p.top_k > 0 else vocab_size, p.logprobs]
              for p, s, st in zip(params, seeds, steps)],
             dtype=torch.int64).reshape(n, 4)
-        if pin:
-            floats, ints = floats.pin_memory(), ints.pin_memory()
-        floats = floats.to(device, non_blocking=True)
-        ints = ints.to(device, non_blocking=True)
+        floats, ints = to_device(floats, device), to_device(ints, device)
         temperature, top_p, min_p, rep, pres, freq = floats.unbind(1)
         seed, step, top_k, num_logprobs = ints.unbind(1)
         greedy = temperature == 0.0
@@ -107,14 +104,14 @@ class SamplingTensors:
         output_counts = None
         if any(rows_freq):
             flat = _flat_index([[o] if use else [] for o, use in zip(output_ids, rows_freq)],
-                               vocab_size, device, pin, _pending_for(pending_ids, rows_freq, vocab_size))
+                               vocab_size, device, _pending_for(pending_ids, rows_freq, vocab_size))
             counts = torch.zeros(n * vocab_size, dtype=torch.float32, device=device)
             counts.index_add_(0, flat, torch.ones(flat.shape, dtype=torch.float32, device=device))
             output_counts = counts.view(n, vocab_size)
         seen_mask = None
         if any(rows_rep):
             flat = _flat_index([[pr, o] if use else [] for pr, o, use in zip(prompt_ids, output_ids, rows_rep)],
-                               vocab_size, device, pin, _pending_for(pending_ids, rows_rep, vocab_size))
+                               vocab_size, device, _pending_for(pending_ids, rows_rep, vocab_size))
             seen = torch.zeros(n * vocab_size, dtype=torch.bool, device=device)
             seen[flat] = True
             seen_mask = seen.view(n, vocab_size)
@@ -125,7 +122,7 @@ class SamplingTensors:
             repetition_penalty=rep, presence_penalty=pres, frequency_penalty=freq,
             seed=seed, step=step, num_logprobs=num_logprobs,
             output_counts=output_counts, seen_mask=seen_mask,
-            logit_adds=LogitAdds.build(params, steps, eos_token_ids, vocab_size, device, pin),
+            logit_adds=LogitAdds.build(params, steps, eos_token_ids, vocab_size, device),
             all_greedy=all(greedy_host), any_greedy=any(greedy_host),
             any_top_k=any(0 < p.top_k < vocab_size and p.temperature != 0.0 for p in params),
             any_top_p=any(p.top_p < 1.0 and p.temperature != 0.0 for p in params),
@@ -152,8 +149,8 @@ class LogitAdds:
 
     @classmethod
     def build(cls, params: Sequence[SamplingParams], steps: Sequence[int],
-              eos_token_ids: Sequence[Sequence[int]] | None, vocab_size: int, device: torch.device,
-              pin: bool) -> LogitAdds | None:
+              eos_token_ids: Sequence[Sequence[int]] | None, vocab_size: int,
+              device: torch.device) -> LogitAdds | None:
         """The entries of the rows with a logit_bias, or a min_tokens they have not reached (their
         EOS ids unless they ignore EOS, and their stop_token_ids); None when there is none."""
         index: list[int] = []
@@ -177,12 +174,8 @@ class LogitAdds:
                     until.append(p.min_tokens)
         if not index:
             return None
-        ints = torch.tensor([index, until], dtype=torch.int64)  # (2, N)
-        floats = torch.tensor(bias, dtype=torch.float32)
-        if pin:
-            ints, floats = ints.pin_memory(), floats.pin_memory()
-        ints = ints.to(device, non_blocking=True)
-        floats = floats.to(device, non_blocking=True)
+        ints = to_device(torch.tensor([index, until], dtype=torch.int64), device)  # (2, N)
+        floats = to_device(torch.tensor(bias, dtype=torch.float32), device)
         idx, min_tokens = ints.unbind(0)
         if not any(until):
             return cls(idx, floats, None, None)
@@ -208,20 +201,17 @@ def _pending_for(pending_ids: tuple[list[int], list[int], torch.Tensor] | None, 
     keep = [(r, src) for r, src in zip(rows, sources) if use[r]]
     if not keep:
         return None
-    rows_t, src_t = torch.tensor(keep, dtype=torch.int64, device=ids.device).unbind(1)
+    rows_t, src_t = to_device(torch.tensor(keep, dtype=torch.int64), ids.device).unbind(1)
     return ids.index_select(0, src_t).to(torch.int64) + rows_t * vocab_size
 
 
 def _flat_index(rows: list[list[list[int]]], vocab_size: int, device: torch.device,
-                pin: bool, extra: torch.Tensor | None = None) -> torch.Tensor:
+                extra: torch.Tensor | None = None) -> torch.Tensor:
     """row * vocab_size + token id for every id of every row (each row given as a few id lists),
     as one int64 tensor on `device`; `extra` (flat indices already on the device) is appended."""
     lengths = [sum(len(part) for part in parts) for parts in rows]
     # np.fromiter over a chain is ~6x faster than torch.tensor on a Python list of ints.
     ids = np.fromiter(chain.from_iterable(chain.from_iterable(rows)), dtype=np.int64, count=sum(lengths))
     row = np.repeat(np.arange(len(rows), dtype=np.int64), lengths)
-    flat = torch.from_numpy(ids + row * vocab_size)
-    if pin:
-        flat = flat.pin_memory()
-    flat = flat.to(device, non_blocking=True)
+    flat = to_device(torch.from_numpy(ids + row * vocab_size), device)
     return flat if extra is None else torch.cat((flat, extra))

@@ -29,6 +29,7 @@ import structlog
 import torch
 
 from pie.engine.config import EngineConfig
+from pie.engine.device import to_device
 from pie.engine.errors import StartupError
 from pie.engine.runner.kv_cache import KVCache
 from pie.engine.runner.model_runner import ModelRunner
@@ -135,7 +136,7 @@ class DraftProposer:
         for j, k in enumerate(ks):
             order += [offsets[i] + sum(1 for jj in range(j) if ks[jj] > i) for i in range(k)]
         q_all = torch.cat(steps_q) if len(steps_q) > 1 else steps_q[0]
-        return DraftProbs(q_all.index_select(0, torch.tensor(order, device=q_all.device)))
+        return DraftProbs(q_all.index_select(0, to_device(torch.tensor(order, dtype=torch.int64), q_all.device)))
 
     def _catch_up(self, reqs: list[Request]) -> torch.Tensor:
         """Runs each request's tokens the draft has not seen, the newest included, in steps of the
