@@ -24,7 +24,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
-import numpy as np
 import structlog
 import torch
 
@@ -194,20 +193,9 @@ class ModelRunner:
         if step.metadata.max_query_len == 1 and len(rows) == step.num_seqs:
             # one token a sequence, each its last (a piecewise replay's rows past them are padding)
             return rows, self.model.compute_logits(hidden[:step.num_seqs])
-        return rows, self.model.compute_logits(hidden.index_select(0, self._logits_positions(out, rows)))
-
-    def _logits_positions(self, out: SchedulerOutput, rows: list[int]) -> torch.Tensor:
-        """The step's token positions whose logits the sampling `rows` read, on the device: each
-        row's last token, and in a step that verifies proposals every position of a row with
-        some (its newest token's, then each proposal's). Found on the host from the scheduled
-        lengths and copied without a host sync (`to_device`)."""
-        ends = np.cumsum(np.fromiter((s.num_new_tokens for s in out.scheduled), dtype=np.int64,
-                                     count=len(out.scheduled)))
-        if out.num_spec_tokens:
-            index = np.concatenate([np.arange(ends[i] - 1 - out.scheduled[i].num_spec, ends[i]) for i in rows])
-        else:
-            index = ends[rows] - 1
-        return to_device(torch.from_numpy(index), self.device)
+        # each sampling row's last token (and its proposals'), found on the host: to_device, no sync
+        index = to_device(torch.from_numpy(out.logits_positions(rows)), self.device)
+        return rows, self.model.compute_logits(hidden.index_select(0, index))
 
     def _rows_of(self, logits: torch.Tensor, rows: list[int], num_seqs: int) -> torch.Tensor:
         """The sampling rows' logits among a step's `num_seqs` rows (indexing with the list would

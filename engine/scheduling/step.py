@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from pie.engine.messages import SampledToken
 from pie.engine.scheduling.request import Request
 
@@ -56,6 +58,16 @@ class SchedulerOutput:
     def sampling_requests(self) -> list[Request]:
         """The requests whose next token this step samples, in row order (the runner's rows)."""
         return [s.request for s in self.scheduled if s.sample]
+
+    def logits_positions(self, rows: list[int]) -> np.ndarray:
+        """The step's token positions (in `scheduled` order) whose logits the sampling `rows`
+        (indices into `scheduled`) read, int64: each row's last token; in a step that verifies
+        proposals, every position of such a row (its newest token's, then each proposal's)."""
+        ends = np.cumsum(np.fromiter((s.num_new_tokens for s in self.scheduled), dtype=np.int64,
+                                     count=len(self.scheduled)))
+        if not self.num_spec_tokens:
+            return ends[rows] - 1
+        return np.concatenate([np.arange(ends[i] - 1 - self.scheduled[i].num_spec, ends[i]) for i in rows])
 
 
 @dataclass(slots=True)
