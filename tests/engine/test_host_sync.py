@@ -112,7 +112,7 @@ def _workload(rng: random.Random, tag: str, vocab: int) -> tuple[list[tuple[int,
 
 def _serve(engine: EngineCore, work, abort: str) -> dict[str, RequestStatus]:
     """Steps the engine through `work` (adding each request at its step, aborting `abort` a few
-    steps after it came); returns each finished request's status."""
+    steps after it came); returns the status of each sample that finished with an output."""
     status: dict[str, RequestStatus] = {}
     pending = sorted(work, key=lambda w: w[0])
     step = 0
@@ -153,6 +153,5 @@ def test_steps_queue_without_host_syncs_on_gpu(tmp_path, rng, kv, speculative):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert engine.stats().step_prompt_tokens > prompt_tokens
-    expected = {f"{rid}/{i}" for _, rid, _, sp in work for i in range(sp.n)}
-    assert set(status) == expected
-    assert status[f"{abort}/0"] == RequestStatus.FINISHED_ABORTED
+    # every request ended with an answer, but the aborted one (an abort makes no output)
+    assert set(status) == {f"{rid}/{i}" for _, rid, _, sp in work for i in range(sp.n) if rid != abort}
