@@ -23,7 +23,9 @@
 #   engine      pytest -m gpu tests/engine tests/model (graphs, parity through the Triton path), then
 #               the profile suite
 #   profile     benchmarks/profile_step.py --steps 30 (one decode step of the Llama-1B shape, 256 rows,
-#               int8 pages; the phases synchronized); the figure a before/after comparison reads
+#               int8 pages; the phases synchronized); the figure a before/after comparison reads.
+#               PROFILE_ARGS adds flags: "--prompt-tokens 512" makes each step a mixed one, and its
+#               last line says how much of the step the host left the GPU idle
 #   host        benchmarks/profile_step.py --micro --stub-forward --batch 256 (the engine's host work
 #               per step alone: the forward returns zeros at once)
 #   offline     benchmarks/throughput.py --skip-hf (256 requests x 256 tokens, int8 and bf16 pages);
@@ -141,8 +143,9 @@ suite_engine() {
   suite_profile
 }
 suite_profile() {
-  timeout "$(t profile)" python3 benchmarks/profile_step.py --steps 30 2>&1 | quiet \
-    | grep -v "^void\|nvjet\|^---\|Self CUDA" | tee -a "$D/profile.md" | grep -i "wall per\|forward\|median"
+  # shellcheck disable=SC2086
+  timeout "$(t profile)" python3 benchmarks/profile_step.py --steps 30 ${PROFILE_ARGS:-} 2>&1 | quiet \
+    | grep -v "^void\|nvjet\|^---\|Self CUDA" | tee -a "$D/profile.md" | grep -i "wall per\|forward\|median\|busy"
 }
 suite_host() {
   timeout "$(t host)" python3 benchmarks/profile_step.py --micro --stub-forward --batch 256 --ctx 400 --steps 50 \

@@ -4,12 +4,19 @@
     python benchmarks/profile_step.py --tiny         # CPU smoke run
     python benchmarks/profile_step.py --micro --stub-forward --batch 256 --extra async_scheduling=true
         # CPU: the forward pass returns a constant, so a step is the engine's host work alone
+    python benchmarks/profile_step.py --prompt-tokens 512
+        # GPU: every measured step also carries a new 512-token prompt (a mixed step, as served)
 
 All requests are admitted and prefilled first; then --steps pure decode steps are measured:
 1. wall time per step (the engine as it runs);
 2. host time per phase (schedule / stage inputs / forward / sample+sync / bookkeeping), with
    the device synchronized at each boundary so GPU time lands in the phase that queued it;
-3. torch.profiler's top kernels by device time over a few steps.
+3. torch.profiler's top kernels by device time over a few steps, and the device's busy time per
+   step against the wall time: what the host left the GPU idle (async scheduling hides the host's
+   work behind the device's; a host sync in the step shows here).
+
+With --prompt-tokens N, a request of N prompt tokens (one output token) arrives before every step,
+so each measured step is a mixed one: the decodes beside a whole new prompt.
 """
 
 from __future__ import annotations
@@ -54,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="prompt length of every sequence (default: 400; 32 with --tiny or --micro)")
     ap.add_argument("--steps", type=int, default=30, help="decode steps per measured window")
     ap.add_argument("--kv", default="int8", help="KV cache dtype")
+    ap.add_argument("--prompt-tokens", type=int, default=0,
+                    help="a new prompt of this many tokens beside the decodes in every measured step (default: 0, "
+                         "pure decode steps)")
     ap.add_argument("--cprofile", type=int, default=0,
                     help="print the N functions with most Python time in step() (default: 0, no profile)")
     ap.add_argument("--extra", default="",
@@ -72,8 +82,10 @@ def main(argv: list[str] | None = None) -> int:
             extra[k] = float(v) if "." in v else int(v)
     with tempfile.TemporaryDirectory() as tmp:
         build_model(Path(tmp), shape, torch.bfloat16 if args.device == "cuda" else torch.float32, made_by="pie")
+        # a mixed step's new prompt (and, under async scheduling, the one before it, ending) ride beside the batch
         cfg = dict(model=tmp, device=args.device, dtype="bf16" if args.device == "cuda" else "fp32",
-                   kv_cache_dtype=args.kv, max_num_seqs=batch, max_num_batched_tokens=8192,
+                   kv_cache_dtype=args.kv, max_num_seqs=batch + (2 if args.prompt_tokens else 0),
+                   max_num_batched_tokens=max(8192, batch + args.prompt_tokens + 2),
                    kv_cache_memory_bytes=None if big else (128 << 20))
         cfg.update(extra)
         eng = EngineCore(EngineConfig(**cfg))
@@ -91,8 +103,18 @@ def main(argv: list[str] | None = None) -> int:
                     for i in range(batch)]
         while eng.scheduler.num_waiting or any(r.num_output_tokens == 0 for r in requests):
             eng.step()
+        arrivals = iter(range(10**9))
+        one_token = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+
+        def step():
+            """One engine step; with --prompt-tokens, a new prompt arrives before it."""
+            if args.prompt_tokens:
+                eng.add_request(f"p{next(arrivals)}", [rng.randrange(3, shape["vocab_size"])
+                                                       for _ in range(args.prompt_tokens)], one_token)
+            return eng.step()
+
         for _ in range(5):
-            eng.step()
+            step()
         # Three windows of --steps steps: the first ones after prefill have been slower (up to 2x on
         # the H200, not explained yet), so each window is printed and the last one counts.
         windows = []
@@ -100,12 +122,13 @@ def main(argv: list[str] | None = None) -> int:
             sync(args.device)
             t0 = time.perf_counter()
             for _ in range(args.steps):
-                eng.step()
+                step()
             sync(args.device)
             windows.append(1e3 * (time.perf_counter() - t0) / args.steps)
         step_ms = windows[-1]
-        print(f"# {args.device}: batch {batch}, context ~{ctx}, kv {args.kv}, {extra or ''}")
-        print(f"wall per decode step: {step_ms:.3f} ms  ({batch / step_ms * 1e3:,.0f} tok/s); "
+        mixed = f", a new {args.prompt_tokens}-token prompt each step" if args.prompt_tokens else ""
+        print(f"# {args.device}: batch {batch}, context ~{ctx}, kv {args.kv}{mixed}, {extra or ''}")
+        print(f"wall per {'mixed' if args.prompt_tokens else 'decode'} step: {step_ms:.3f} ms  ({batch / step_ms * 1e3:,.0f} decode tok/s); "
               f"windows of {args.steps} steps: {', '.join(f'{w:.2f}' for w in windows)} ms")
         if args.cprofile:  # Python time of the engine's own step, by function
             import cProfile
@@ -114,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             prof = cProfile.Profile()
             prof.enable()
             for _ in range(args.steps):
-                eng.step()
+                step()
             sync(args.device)
             prof.disable()
             pstats.Stats(prof).sort_stats("tottime").print_stats(args.cprofile)
@@ -135,7 +158,10 @@ def main(argv: list[str] | None = None) -> int:
 
         runner.stager.stage = timed_stage
         graph_steps = 0
-        for _ in range(args.steps):
+        for i in range(args.steps):
+            if args.prompt_tokens:
+                eng.add_request(f"phase{i}", [rng.randrange(3, shape["vocab_size"]) for _ in range(args.prompt_tokens)],
+                                one_token)
             t = time.perf_counter()
             out = eng.scheduler.schedule()
             phases["schedule"] += time.perf_counter() - t
@@ -168,11 +194,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.device == "cuda":
             from torch.profiler import ProfilerActivity, profile
 
+            for _ in range(3):  # out of the phases' synchronous steps, back to the engine's pace
+                step()
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 for _ in range(5):
-                    eng.step()
+                    step()
                 sync(args.device)
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+            busy_ms = sum(e.self_device_time_total for e in prof.key_averages()
+                          if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3 / 5
+            print(f"device busy per step: {busy_ms:.3f} ms (kernel time under the profiler) of {step_ms:.3f} ms "
+                  f"wall (unprofiled): the GPU idle {max(0.0, 1 - busy_ms / step_ms):.0%} of the step")
     return 0
 
 
