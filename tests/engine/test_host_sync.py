@@ -22,6 +22,7 @@ import ast
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -81,6 +82,30 @@ def test_engine_copies_host_data_only_through_to_device():
         if found:
             offenders[str(path.relative_to(ENGINE.parent))] = found
     assert not offenders, f"synchronous host-to-device copies (use engine.device.to_device): {offenders}"
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_logits_positions_are_each_sampling_rows_last_tokens(rng, speculative):
+    """The positions the runner reads logits at, found on the host (they replaced a device index
+    built with a synchronous copy): each sampling row's last token in the step's packed tokens,
+    and with proposals its newest token's and each proposal's. Rows that do not sample (a prompt
+    chunk short of the prompt's end) read none."""
+    from pie.engine.scheduling.step import ScheduledRequest, SchedulerOutput
+
+    for _ in range(50):
+        scheduled, flat = [], []  # flat: (row, index of the token in its row) per packed token
+        for i in range(rng.randint(1, 12)):
+            k = rng.randint(0, 4) if speculative and rng.random() < 0.5 else 0
+            n = 1 + k if k else rng.choice([1, rng.randint(2, 40)])  # a decode (and its proposals), or a chunk
+            sample = k > 0 or rng.random() < 0.7
+            scheduled.append(ScheduledRequest(None, n, 0, sample, k))  # type: ignore[arg-type]
+            flat += [(i, j) for j in range(n)]
+        out = SchedulerOutput(scheduled=scheduled, num_spec_tokens=sum(s.num_spec for s in scheduled))
+        rows = [i for i, s in enumerate(scheduled) if s.sample]
+        want = [t for t, (i, j) in enumerate(flat)
+                if scheduled[i].sample and j >= scheduled[i].num_new_tokens - 1 - scheduled[i].num_spec]
+        got = out.logits_positions(rows)
+        assert got.dtype == np.int64 and got.tolist() == want
 
 
 def _workload(rng: random.Random, tag: str, vocab: int) -> tuple[list[tuple[int, str, list[int], SamplingParams]], str]:
