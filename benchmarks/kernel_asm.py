@@ -118,6 +118,7 @@ def compile_decode(cfg, d: int, group: int, int8: bool, page: int = 16, hkv: int
 def compile_extend(quant: bool, new_kv: bool, k_mode: str = "cast", v_mode: str = "cast", d: int = 128,
                    group: int = 4, page: int = 16, hkv: int = 8):
     """The extend kernel as paged_extend launches it on the GPU (its default tiles), compiled only."""
+    import pie.kernels.triton_decode as td
     import pie.kernels.triton_extend as te
 
     d_pad = te.pad_head_dim(d)
@@ -136,7 +137,7 @@ def compile_extend(quant: bool, new_kv: bool, k_mode: str = "cast", v_mode: str 
         table.stride(0), cache.stride(0), cache.stride(1),
         HKV=hkv, G=group, G_PAD=g_pad, D=d, D_PAD=d_pad, BLOCK_SIZE=page, BLOCK_Q=block_m // g_pad,
         BLOCK_M=block_m, BLOCK_N=block_n, QUANT=quant, NEW_KV=new_kv, WINDOW=0, DOT_DTYPE=tl.bfloat16,
-        PRECISION=None, K_MODE={"cast": 0, "bias": 1, "imma": 2}[k_mode] if quant else 0,
+        PRECISION=None, K_MODE=td.K_MODES[k_mode] if quant else 0,
         V_MODE=2 if quant and v_mode == "bias" else 0, QK_DTYPE=half, PV_DTYPE=half, ASM=True,
         num_warps=warps, num_stages=stages, enable_fp_fusion=False, grid=(1,))
 

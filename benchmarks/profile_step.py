@@ -106,11 +106,15 @@ def main(argv: list[str] | None = None) -> int:
         arrivals = iter(range(10**9))
         one_token = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
 
-        def step():
-            """One engine step; with --prompt-tokens, a new prompt arrives before it."""
+        def arrive() -> None:
+            """With --prompt-tokens, a new prompt of that many tokens (one output token) arrives."""
             if args.prompt_tokens:
                 eng.add_request(f"p{next(arrivals)}", [rng.randrange(3, shape["vocab_size"])
                                                        for _ in range(args.prompt_tokens)], one_token)
+
+        def step():
+            """One engine step, after an arrival (arrive)."""
+            arrive()
             return eng.step()
 
         for _ in range(5):
@@ -158,10 +162,8 @@ def main(argv: list[str] | None = None) -> int:
 
         runner.stager.stage = timed_stage
         graph_steps = 0
-        for i in range(args.steps):
-            if args.prompt_tokens:
-                eng.add_request(f"phase{i}", [rng.randrange(3, shape["vocab_size"]) for _ in range(args.prompt_tokens)],
-                                one_token)
+        for _ in range(args.steps):
+            arrive()
             t = time.perf_counter()
             out = eng.scheduler.schedule()
             phases["schedule"] += time.perf_counter() - t
