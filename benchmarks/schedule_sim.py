@@ -36,7 +36,7 @@ from pathlib import Path
 _ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(_ROOT), str(_ROOT / "clients")]  # benchmarks.*, and this checkout's pie
 from benchmarks.common import SizedFlags, make_parser  # noqa: E402
-from benchmarks.serving import Work, workload  # noqa: E402
+from benchmarks.serving import Work, for_level, workload  # noqa: E402
 from pie.engine.messages import SampledToken  # noqa: E402
 from pie.engine.sampling_params import SamplingParams  # noqa: E402
 from pie.engine.scheduling.block_manager import BlockManager  # noqa: E402
@@ -64,18 +64,25 @@ def percentile(values: list[float], p: float) -> float:
     return ordered[min(len(ordered) - 1, int(p * len(ordered)))] if ordered else float("nan")
 
 
-def simulate(work: Work, arrivals: list[float], cost: CostModel, *, factor: float, max_num_seqs: int,
-             max_batched_tokens: int, num_blocks: int, jitter: float = 0.0, seed: int = 0) -> dict:
-    """The work arriving at `arrivals` (seconds), scheduled step by step until every request ends;
-    its figures. Raises if a request never finishes or a block is not given back."""
-    rng = random.Random(seed)
+def scheduler(work: Work, cost: CostModel, *, factor: float, share: float, max_num_seqs: int,
+              max_batched_tokens: int, num_blocks: int) -> Scheduler:
+    """A scheduler for `work`, its stall bound primed as CUDA graphs prime the engine's."""
     max_len = max(len(p) + n for p, n in zip(work.prompts, work.max_tokens, strict=True))
     bm = BlockManager(num_blocks, 16, enable_caching=True)
     sched = Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched_tokens,
-                      max_model_len=max_len, stall_factor=factor)
+                      max_model_len=max_len, stall_factor=factor, stall_share=share)
     sched.stall.prior = {b: cost.decode(b, 0) for b in BUCKETS if b <= max_num_seqs}
     sched.stall.kv_token_s = cost.kv
-    requests = [Request(f"r{i}", prompt, SamplingParams(max_tokens=n, ignore_eos=True), max_model_len=max_len,
+    return sched
+
+
+def simulate(sched: Scheduler, work: Work, arrivals: list[float], cost: CostModel, *, jitter: float = 0.0,
+             seed: int = 0, tag: str = "r") -> dict:
+    """The work arriving at `arrivals` (seconds), scheduled step by step until every request ends;
+    its figures. Raises if a request never finishes or a block is not given back."""
+    rng = random.Random(seed)
+    bm, max_len = sched.block_manager, sched.max_model_len
+    requests = [Request(f"{tag}{i}", prompt, SamplingParams(max_tokens=n, ignore_eos=True), max_model_len=max_len,
                         arrival_time=t, streamed=True)  # served streams: the stall bound protects them
                 for i, (prompt, n, t) in enumerate(zip(work.prompts, work.max_tokens, arrivals, strict=True))]
     token_times: dict[str, list[float]] = {r.request_id: [] for r in requests}
@@ -132,6 +139,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="serving.py's workloads (chat: prompts median 256, outputs up to 512)")
     ap.add_argument("--rates", default="burst,4,8", help="levels: burst and/or Poisson rates in requests/s")
     ap.add_argument("--factors", default="0,3", help="--decode-stall-factor values, one fresh scheduler each")
+    ap.add_argument("--shares", default="0", help="--decode-stall-share values, one fresh scheduler each")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="the work run this many times on one scheduler, its prompts drawn anew each round "
+                         "(the stall budget learns the streams' output lengths from a round); a row per round")
     sized.add("--max-num-seqs", 256, 16, "running sequences at most")
     sized.add("--max-batched-tokens", 8192, 256, "tokens per step at most")
     ap.add_argument("--blocks", type=int, default=200_000, help="KV blocks of 16 tokens in the pool")
@@ -148,17 +159,24 @@ def main(argv: list[str] | None = None) -> int:
     work = workload(args.workload, args.requests, 32000, prompt_len=256, max_tokens=512, scale=args.scale)
     print(f"# simulated: {args.workload} work x {args.scale:g}, {args.requests} requests, "
           f"{sum(map(len, work.prompts)):,} prompt tokens, {sum(work.max_tokens):,} out")
-    print("| factor | level | tok/s | TTFT p50 / p99 s | ITL p50 / p99 ms (p99/p50) | prompt steps (tokens each) |")
-    print("|---|---|---|---|---|---|")
+    print("| factor | share | level | round | tok/s | TTFT p50 / p99 s | ITL p50 / p99 ms (p99/p50) | "
+          "prompt steps (tokens each) | stall steps |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for factor in [float(f) for f in args.factors.split(",") if f]:
-        for level in [x for x in args.rates.split(",") if x]:
-            r = simulate(work, arrival_times(level, args.requests, seed=5), cost, factor=factor,
-                         max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens,
-                         num_blocks=args.blocks, jitter=args.jitter)
-            ratio = r["itl_p99_ms"] / r["itl_p50_ms"] if r["itl_p50_ms"] else float("nan")
-            print(f"| {factor:g} | {level} | {r['tok_per_s']:,.0f} | {r['ttft_p50_s']:.2f} / {r['ttft_p99_s']:.2f} | "
-                  f"{r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f} ({ratio:.1f}) | "
-                  f"{r['prompt_steps']} ({r['prompt_tokens_per_step']:,.0f}) |", flush=True)
+        for share in [float(f) for f in args.shares.split(",") if f]:
+            for level in [x for x in args.rates.split(",") if x]:
+                sched = scheduler(work, cost, factor=factor, share=share, max_num_seqs=args.max_num_seqs,
+                                  max_batched_tokens=args.max_batched_tokens, num_blocks=args.blocks)
+                for n in range(args.rounds):
+                    stalls = sched.stall_budget.stall_steps
+                    r = simulate(sched, for_level(work, n, 32000), arrival_times(level, args.requests, seed=5), cost, jitter=args.jitter,
+                                 seed=n, tag=f"round{n}-")
+                    ratio = r["itl_p99_ms"] / r["itl_p50_ms"] if r["itl_p50_ms"] else float("nan")
+                    print(f"| {factor:g} | {share:g} | {level} | {n + 1} | {r['tok_per_s']:,.0f} | "
+                          f"{r['ttft_p50_s']:.2f} / {r['ttft_p99_s']:.2f} | "
+                          f"{r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f} ({ratio:.1f}) | "
+                          f"{r['prompt_steps']} ({r['prompt_tokens_per_step']:,.0f}) | "
+                          f"{sched.stall_budget.stall_steps - stalls} |", flush=True)
     return 0
 
 

@@ -55,6 +55,12 @@ class EngineConfig:
     # 0 = only max_num_batched_tokens bounds a step. 3 kept a served burst's inter-token p99 under
     # 3x its median for the fewest tokens/s lost among the factors tried (RESULTS.md, "Serving").
     decode_stall_factor: float = 3.0
+    # Share of the streams' inter-token gaps that steps past that bound may stall while a backlog of
+    # prompts waits (a burst): a few whole-budget steps early in the ramp, where they stall few
+    # streams, buy back most of the bound's cost in tokens/s (engine/scheduling/stall.py,
+    # StallBudget). It stays under 1% so that inter-token p99 remains a bounded gap. 0 = every step
+    # with a streamed decode bounded.
+    decode_stall_share: float = 0.005
     max_model_len: int | None = None  # context served; default and cap: the model's
     max_waiting: int = 256  # waiting queue bound; beyond it the service answers RESOURCE_EXHAUSTED
     seed: int = 0  # seeds the stream that draws seeds for requests that bring none
@@ -122,6 +128,9 @@ class EngineConfig:
             raise ValueError("tensor_parallel_size must be >= 1")
         if self.decode_stall_factor and self.decode_stall_factor <= 1.0:
             raise ValueError(f"decode_stall_factor must be 0 (off) or > 1, got {self.decode_stall_factor}")
+        if not 0.0 <= self.decode_stall_share < 0.01:
+            raise ValueError(f"decode_stall_share must be in [0, 0.01) (0 = off; at 1% a stall is the p99 inter-token "
+                             f"gap), got {self.decode_stall_share}")
         if self.kv_smoothing not in KV_SMOOTHING:
             raise ValueError(f"kv_smoothing must be one of {KV_SMOOTHING}, got {self.kv_smoothing!r}")
         if self.logprobs_mode not in LOGPROBS_MODES:

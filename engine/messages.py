@@ -138,6 +138,8 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False):
     # Steps scheduled with running decodes but no stall bound (StallBound had no decode-step time
     # or no per-token cost yet): their prompt tokens were bounded by the token budget alone.
     steps_unbounded: int = 0
+    # Steps the stall budget let past the bound (StallBudget, --decode-stall-share), cumulative.
+    steps_stalled: int = 0
     # What the stall bound has learnt (StallBound; 0 until measured): what carrying any prompt
     # tokens adds to a step and what one prompt token adds, seconds; measured decode-only steps
     # over its model of them.

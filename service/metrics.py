@@ -112,6 +112,8 @@ class _EngineCollector(Collector):
                       stats.step_prompt_tokens)
         yield counter("pie_steps_unbounded", "Steps with running decodes whose prompt tokens no stall bound limited "
                       "(--decode-stall-factor had no step times to go on yet).", stats.steps_unbounded)
+        yield counter("pie_steps_stalled", "Steps with streamed decodes let past the stall bound to work off a backlog "
+                      "of prompts (--decode-stall-share).", stats.steps_stalled)
         yield gauge("pie_stall_bound_fixed_seconds", "What the stall bound learnt carrying any prompt tokens adds "
                     "to a step (0 until measured).", stats.stall_fixed_s)
         yield gauge("pie_stall_bound_prompt_token_seconds", "What the stall bound learnt one prompt token adds to a "

@@ -33,7 +33,7 @@ def engine_config_from(args: argparse.Namespace) -> EngineConfig:
         mixed_graph_max_tokens=args.mixed_graph_max_tokens,
         num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        decode_stall_factor=args.decode_stall_factor,
+        decode_stall_factor=args.decode_stall_factor, decode_stall_share=args.decode_stall_share,
         max_waiting=args.max_waiting, seed=args.seed,
         attention_backend=args.attention_backend, cpu_threads=args.cpu_threads,
         tensor_parallel_size=args.tensor_parallel_size, enable_prefix_caching=args.enable_prefix_caching,

@@ -91,6 +91,11 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                         "the decode step of the batch being built (learnt from step times): long prompts are cut into chunks that keep "
                         "the streams' inter-token stalls bounded (requests answered whole are not bounded); "
                         "0 = only --max-num-batched-tokens bounds a step")
+    p.add_argument("--decode-stall-share", type=float, default=d.decode_stall_share,
+                   help="share of the streams' inter-token gaps (below 0.01) that steps past --decode-stall-factor's "
+                        "bound may stall while a backlog of prompts waits: a burst's first steps take the whole "
+                        "budget while few streams decode, buying back most of what the bound costs in tokens/s; "
+                        "0 = every step with a streamed decode bounded")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--max-waiting", type=int, default=d.max_waiting,
                    help="waiting-queue bound; beyond it requests get RESOURCE_EXHAUSTED")

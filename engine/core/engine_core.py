@@ -111,7 +111,7 @@ class EngineCore:
         self.scheduler = Scheduler(
             self.block_manager, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=self.max_model_len,
-            stall_factor=config.decode_stall_factor, structured=self.structured, speculator=self.speculator,
+            stall_factor=config.decode_stall_factor, stall_share=config.decode_stall_share, structured=self.structured, speculator=self.speculator,
             batch_invariant=config.batch_invariant)
         self.runner = self._make_runner(self.kv_cache)
         if self.device.type == "cuda":
@@ -232,6 +232,7 @@ class EngineCore:
             step_seconds=dict(self.step_times.sums),
             step_prompt_tokens=self.step_times.prompt_tokens,
             steps_unbounded=self.scheduler.stall.unbounded_steps,
+            steps_stalled=self.scheduler.stall_budget.stall_steps,
             stall_fixed_s=self.scheduler.stall.fixed_s,
             stall_prompt_token_s=self.scheduler.stall.per_prompt_token_s or 0.0,
             stall_decode_ratio=self.scheduler.stall.decode_ratio,

@@ -46,7 +46,7 @@ class Request:
         "num_computed_tokens",
         "status", "arrival_time", "max_model_len", "eos_token_ids", "num_preemptions",
         "first_scheduled_time", "stop_reason", "parent_id", "index", "wait_for", "num_cached_tokens",
-        "seed", "detokenizer", "block_ids", "block_hashes", "group", "priority", "streamed", "prompt_logprobs",
+        "seed", "detokenizer", "block_ids", "block_hashes", "group", "priority", "streamed", "num_stalls", "prompt_logprobs",
         "grammar",
         "spec_token_ids", "ngram", "draft_computed", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
     )
@@ -100,6 +100,7 @@ class Request:
         # is a gap someone sees: the stall bound protects these decodes alone. A request read whole
         # (a unary call, offline work) waits for its last token, which whole budgets bring soonest.
         self.streamed = streamed
+        self.num_stalls = 0  # its gaps in steps let past the stall bound (StallBudget)
         self.seed = seed  # of this sample's random stream (engine.sample.sampler: the same tokens in any batch)
         self.detokenizer = detokenizer  # its text deltas and stop strings (None: ids only, in tests)
         # Block table: logical block i -> physical block id, owned by the block manager (which

@@ -50,7 +50,10 @@ whose caller reads tokens as they come, `Request.streamed`) are cut so that it i
 at most `stall_factor` times the decode-only step of the batch it heads to (`_heading`;
 engine/scheduling/stall.py), never below one block. A step whose decodes are all read whole (unary
 calls, offline work) stalls nobody who watches: it takes the whole budget, as a step without
-decodes does, so that throughput work pays nothing for the bound.
+decodes does, so that throughput work pays nothing for the bound. With `stall_share` > 0 a step
+the bound would cut may take the whole budget anyway while the streamed gaps it stalls stay within
+that share of the streams' gaps (StallBudget): the few whole steps that admit most of a burst's
+prompts while few streams decode buy back most of what the bound costs it.
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ from pie.engine.sample.structured import StructuredOutputs
 from pie.engine.scheduling.block_manager import BlockManager
 from pie.engine.scheduling.request import Request
 from pie.engine.scheduling.requests import RequestTable
-from pie.engine.scheduling.stall import StallBound
+from pie.engine.scheduling.stall import StallBound, StallBudget
 from pie.engine.scheduling.step import ScheduledRequest, SchedulerOutput, StepOutput
 
 log = structlog.get_logger(__name__)
@@ -109,6 +112,9 @@ class Scheduler(RequestTable):
         # A step with running decodes and prompt tokens: at most this many times a decode-only
         # step (StallBound; 0 = only max_num_batched_tokens bounds it).
         stall_factor: float = 0.0,
+        # Share of the streams' inter-token gaps that steps past the bound may stall (StallBudget;
+        # 0 = every step with a streamed decode is bounded).
+        stall_share: float = 0.0,
         structured: StructuredOutputs | None = None,  # advances the matchers of structured outputs
         speculator: Speculation | None = None,  # speculative decoding's proposals (None: off)
         # The batch-invariant mode (EngineConfig.batch_invariant): a request recomputed after
@@ -124,6 +130,7 @@ class Scheduler(RequestTable):
         self.structured = structured
         self.speculator = speculator
         self.stall = StallBound(stall_factor, min_tokens=block_manager.block_size)
+        self.stall_budget = StallBudget(stall_share)
         self.batch_invariant = batch_invariant
 
     def schedule(self) -> SchedulerOutput:
@@ -138,7 +145,7 @@ class Scheduler(RequestTable):
         # (This loop runs for every running request each step: counts are read inline.)
         decodes, prefills = [], []
         context = 0  # the decodes' tokens of context (what their attention reads)
-        streamed = False  # some decode is read as it comes: a stall is a gap someone sees
+        streamed = 0  # decodes read as they come: a stall is a gap someone sees
         for r in self.running:
             remaining = (len(r.prompt_token_ids) + len(r.output_token_ids) + r.num_output_placeholders
                          - r.num_computed_tokens)
@@ -147,11 +154,15 @@ class Scheduler(RequestTable):
             elif remaining == 1 and not r.length_capped:
                 decodes.append((r, 1))
                 context += r.num_computed_tokens + 1
-                streamed = streamed or r.streamed
+                streamed += r.streamed
         allocate = self.block_manager.allocate_slots
         # Prompt tokens (running prefills and admissions) beside this step's decodes, bounded by
         # the decode step of the batch the step heads to when a stream decodes in it.
         bound = self.stall.prompt_tokens(*self._heading(len(decodes), context, prefills)) if streamed else None
+        cut = bound  # what the bound allows, kept when the stall budget lifts it
+        if bound is not None and self.stall_budget.lifts(streamed, prefills, self.running, self.waiting,
+                                                         self.max_num_batched_tokens):
+            bound = None
         prompt_budget = budget if bound is None else bound
         speculator = self.speculator
         if speculator is not None and not speculator.active(len(decodes)):
@@ -228,6 +239,8 @@ class Scheduler(RequestTable):
             budget -= num_new
         if self.batch_invariant:  # rows of a generated token first, with the decodes (StepStager)
             out.scheduled.sort(key=lambda s: s.at_prompt)
+        if cut is not None and bound is None:  # let past the bound: its streamed decodes may stall
+            self.stall_budget.charge(out, [r for r, _ in decodes], cut)
         return out
 
     def _heading(self, num_decodes: int, context: int, prefills: list[tuple[Request, int]]) -> tuple[int, int]:
@@ -375,6 +388,8 @@ class Scheduler(RequestTable):
                 request.stop_reason = detok.stop_string
         o = request.output(emitted, text)
         if status is not None:
+            if request.streamed:
+                self.stall_budget.finished(request.num_output_tokens)
             o.all_finished = self.finish(request, status)
             o.finished, o.status, o.stop_reason = True, status, request.stop_reason
             if request.num_drafts:

@@ -1,11 +1,16 @@
 """The stall bound: how many prompt tokens a step may carry beside its running decodes, so that
 a long prompt chunk does not stall every decode it runs with (DESIGN: latency under load). The
 scheduler asks it for each step's prompt budget; the engine core reports every step's shape and
-measured time to it."""
+measured time to it. The stall budget: which steps may go past the bound anyway, to work off a
+backlog of prompts at the price of a small share of the streams' gaps."""
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
+
+from pie.engine.scheduling.request import Request
+from pie.engine.scheduling.step import SchedulerOutput
 
 
 class StallBound:
@@ -114,3 +119,68 @@ class StallBound:
             return None
         within = ((self.factor - 1.0) * decode_s - self.fixed_s) / c
         return max(self.min_tokens, int(self.fixed_s / c + 1e-6), int(within + 1e-6))  # 1e-6: float noise of the means
+
+
+class StallBudget:
+    """Which steps may stall the streams anyway: the few that buy the most throughput.
+
+    A burst of streams, bounded chunk by chunk, is admitted over ~6x the steps whole budgets take;
+    its last arrivals start later and decode in a tail of small batches, and that costs the burst
+    5-8% of its tokens/s (benchmarks/HISTORY.md, "the stall bound's price"). But an inter-token
+    quantile tolerates a share of long gaps: p99 stays a bounded gap while fewer than 1% of the
+    gaps are stalls. So a step the bound would cut may take the whole budget instead when the
+    stalls of the streams in the engine, this step's included, stay within `share` of their gaps:
+    those made so far and those expected, each stream's min(tokens left to its max_tokens, the
+    mean output of the last HISTORY streams that finished). Early in a burst few streams decode,
+    so a whole-budget step stalls few gaps: the budget goes where it stalls least. Until a stream
+    has finished there is no estimate and no stall: a cold server keeps the plain bound."""
+
+    HISTORY = 256  # finished streams whose mean output length estimates what a stream will make
+
+    def __init__(self, share: float) -> None:
+        if not 0.0 <= share < 1.0:
+            raise ValueError(f"stall share must be in [0, 1), got {share}")
+        self.share = share
+        self._lengths: deque[int] = deque(maxlen=self.HISTORY)
+        self.stall_steps = 0  # steps let past the bound (metrics)
+
+    @property
+    def mean_output(self) -> float | None:
+        return sum(self._lengths) / len(self._lengths) if self._lengths else None
+
+    def finished(self, num_output_tokens: int) -> None:
+        """A stream ended after `num_output_tokens` tokens."""
+        self._lengths.append(num_output_tokens)
+
+    def lifts(self, rows: int, prefills: list[tuple[Request, int]], running: Iterable[Request],
+              waiting: Iterable[Request], step_tokens: int) -> bool:
+        """Whether a step with `rows` streamed decodes may take the whole budget: more prompt tokens
+        wait than a whole step (`step_tokens`) holds (the running `prefills`, as (request, tokens
+        left), and the `waiting` prompts), and the stalls fit the share."""
+        mean = self.mean_output
+        if not self.share or mean is None:
+            return False
+        pending = sum(left for _, left in prefills)
+        for request in waiting:  # a backlog, not a prompt or two arriving (Poisson): no stall buys much there
+            if pending > step_tokens:
+                break
+            pending += request.num_remaining_tokens
+        if pending <= step_tokens:
+            return False
+        stalls, gaps = 0, 0.0
+        for queue in (running, waiting):
+            for r in queue:
+                if r.streamed:
+                    stalls += r.num_stalls
+                    gaps += r.num_output_tokens + min(r.sampling.max_tokens - r.num_output_tokens,
+                                                      r.max_model_len - r.num_tokens, mean)
+        return stalls + rows <= self.share * gaps
+
+    def charge(self, out: SchedulerOutput, decodes: list[Request], cut: int) -> None:
+        """A step was let past the bound, which allowed `cut` prompt tokens: when it carries more,
+        each streamed decode in it counts a stall."""
+        rows = {id(r) for r in decodes}
+        if sum(s.num_new_tokens for s in out.scheduled if id(s.request) not in rows) > cut:
+            self.stall_steps += 1
+            for r in decodes:
+                r.num_stalls += r.streamed

@@ -559,3 +559,103 @@ def test_stall_bound_measures_a_step_against_the_batch_it_heads_to() -> None:
     sched, _ = taught(64, max_num_seqs=3)
     add(sched, req("long", 40, max_tokens=2), req("next", 8, max_tokens=2))
     assert chunk(sched) == 20
+
+
+# ---- the stall budget --------------------------------------------------------------------------------
+def budgeted(share: float) -> tuple[StepScheduler, list[Request]]:
+    """Two streams decoding (20 tokens each at most) beside a stall bound taught to allow 10 prompt
+    tokens a step, and a budget of 64 tokens a step."""
+    sched = StepScheduler(BlockManager(128, 4), max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256,
+                          stall_factor=2.0, stall_share=share)
+    streams = [req("a", 2, max_tokens=20, streamed=True), req("b", 2, max_tokens=20, streamed=True)]
+    add(sched, *streams)
+    step(sched)
+    for _ in range(10):  # decode steps 10 ms, a prompt token 1 ms on top: 10 tokens beside them
+        sched.stall.observe(2, 0, 0.010)
+        sched.stall.observe(2, 16, 0.010 + 16e-3)
+    return sched, streams
+
+
+def prompt_chunks(out: SchedulerOutput) -> dict[str, int]:
+    return {s.request.request_id: s.num_new_tokens for s in out.scheduled if s.request.request_id not in ("a", "b", "u")}
+
+
+def test_the_stall_budget_waits_for_a_finished_stream() -> None:
+    """With no stream finished there is no estimate of the gaps to come, and so no stall."""
+    sched, streams = budgeted(0.25)
+    add(sched, req("long", 100, max_tokens=2))
+    assert prompt_chunks(step(sched)) == {"long": 10}
+    assert sched.stall_budget.stall_steps == 0 and [r.num_stalls for r in streams] == [0, 0]
+
+
+def test_the_stall_budget_lets_a_backlog_through_within_its_share() -> None:
+    """Once a stream has finished, a step with more prompt tokens waiting than a whole budget takes
+    the whole budget, while the streams' stalls, this one's included, stay within the share of
+    their gaps: made so far plus expected (each min(tokens left, the mean finished stream))."""
+    sched, streams = budgeted(0.05)
+    sched.stall_budget.finished(20)  # a stream that made 20 tokens: the mean
+    # a and b: 1 token each so far, 19 left: 40 gaps; 0.05 x 40 = 2 stalled gaps, one step of two.
+    add(sched, req("long", 100, max_tokens=2))
+    assert prompt_chunks(step(sched)) == {"long": 62}  # the whole budget, beside the two decodes
+    assert sched.stall_budget.stall_steps == 1 and [r.num_stalls for r in streams] == [1, 1]
+    add(sched, req("more", 100, max_tokens=2))
+    assert prompt_chunks(step(sched)) == {"long": 10}  # the budget is spent: the bound again
+    assert [r.num_stalls for r in streams] == [1, 1]
+
+
+def test_the_stall_budget_needs_a_backlog() -> None:
+    """A prompt that fits a whole step is not a backlog: a bounded step or two work it off, and a
+    stall would buy nothing but its own time to first token (Poisson arrivals)."""
+    sched, streams = budgeted(0.25)
+    sched.stall_budget.finished(20)
+    add(sched, req("short", 60, max_tokens=2))
+    assert prompt_chunks(step(sched)) == {"short": 10}
+    assert sched.stall_budget.stall_steps == 0
+
+
+def test_the_stall_budget_counts_only_streams() -> None:
+    """Unary decodes neither bound a step nor count as gaps: with streams gone the budget has
+    nothing to spend, and steps beside unary decodes take the whole budget without a stall."""
+    sched, streams = budgeted(0.25)
+    sched.stall_budget.finished(20)
+    for r in streams:
+        sched.abort(r.request_id)
+    unary = req("u", 2, max_tokens=20)
+    add(sched, unary)
+    step(sched)
+    add(sched, req("long", 100, max_tokens=2))
+    assert prompt_chunks(step(sched)) == {"long": 63}
+    assert sched.stall_budget.stall_steps == 0 and unary.num_stalls == 0
+
+
+def test_the_stall_budget_fits_its_share_of_the_gaps() -> None:
+    """The share of every stream's gaps, made and expected (tokens left, at most the mean of the
+    last HISTORY finished streams), bounds the stalls, those made and this step's."""
+    from pie.engine.scheduling.stall import StallBudget
+
+    budget = StallBudget(0.005)
+    streams = [req(f"s{i}", 8, max_tokens=500, streamed=True) for i in range(4)]
+    backlog = [req("long", 100)]  # more than a whole step (64) waits
+    assert budget.mean_output is None and not budget.lifts(1, [], streams, backlog, 64)  # nothing learnt yet
+    for n in range(1, StallBudget.HISTORY + 101):
+        budget.finished(n)
+    assert budget.mean_output == 100 + (StallBudget.HISTORY + 1) / 2  # the last HISTORY: 101..356
+    # 4 streams x 228.5 expected gaps = 914; 0.005 x 914 = 4.57 stalled gaps.
+    assert budget.lifts(4, [], streams, backlog, 64) and not budget.lifts(5, [], streams, backlog, 64)
+    streams[0].num_stalls = 3
+    assert budget.lifts(1, [], streams, backlog, 64) and not budget.lifts(2, [], streams, backlog, 64)
+    assert not budget.lifts(1, [], streams, [req("short", 60)], 64)  # a step's worth waiting: no backlog
+    assert budget.lifts(1, [(backlog[0], 100)], streams, [], 64)  # a running prefill's tokens count too
+    streams[1].sampling.max_tokens = 10  # 10 left, not the mean: 3 x 228.5 + 10 = 695.5, 3.48 stalled gaps
+    assert not budget.lifts(1, [], streams, backlog, 64)
+    assert not StallBudget(0.0).lifts(1, [], streams, backlog, 64)
+    with pytest.raises(ValueError, match="stall share"):
+        StallBudget(1.0)
+
+
+def test_finished_streams_teach_the_stall_budget() -> None:
+    sched, streams = budgeted(0.25)
+    for _ in range(25):
+        step(sched)
+    assert all(r.finished for r in streams)
+    assert sched.stall_budget.mean_output == 20
