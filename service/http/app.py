@@ -158,27 +158,33 @@ def build_app(door: Door) -> FastAPI:
     async def chat_completions(body: ChatRequest, request: Request) -> Response:
         check_ready(body.model)
         try:
-            requests = [chat_request(body)]
+            chat, forced = chat_request(body)
         except FieldError as e:
             raise HttpError.of(e, chat=True) from None
         rid = _request_id(request, body.request_id, "chatcmpl")
-        call = await Call.admit(door, requests, rid, "http/chat", _peer(request), chat=True, streamed=body.stream,
-                                to_context=body.max_tokens is None and body.max_completion_tokens is None)
+        try:
+            call = await Call.admit(door, [chat], rid, "http/chat", _peer(request), chat=True, streamed=body.stream,
+                                    to_context=body.max_tokens is None and body.max_completion_tokens is None)
+        except HttpError as e:
+            if forced is not None and e.param == "response_format":  # the tools' schema, refused by the matcher
+                e.param, e.message = "tools", "tools" + e.message.removeprefix("response_format")
+            raise
         answer = Answer(rid, door.model_name)
         answer.prompt_tokens = len(call.admitted[0].prompt)
         tokenizer = call.admitted[0].client.tokenizer
         top = (body.top_logprobs or 0) if body.logprobs else None
         if not body.stream:
             await _collect(call, answer, request)
-            return JSONResponse(chat_body(answer, tokenizer, top), headers=_rid(rid))
+            return JSONResponse(chat_body(answer, tokenizer, top, forced), headers=_rid(rid))
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         usage = {"usage": None} if include_usage else {}  # as OpenAI: null on every chunk but the last
 
         async def events() -> AsyncIterator[dict]:
+            held: dict[int, str] = {}  # a forced "required" call's output, until its choice finishes
             for index in range(call.n):  # the assistant's role opens each choice
-                yield chat_chunk(answer, index, None, tokenizer, top, first=True) | usage
+                yield chat_chunk(answer, index, None, tokenizer, top, first=True, forced=forced) | usage
             async for index, outs in _choices(call, answer):
-                yield chat_chunk(answer, index, outs, tokenizer, top) | usage
+                yield chat_chunk(answer, index, outs, tokenizer, top, forced=forced, held=held) | usage
             if include_usage:
                 yield usage_chunk(answer, chat=True)
 

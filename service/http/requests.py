@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pie.service.http.tools import ForcedCall, forced_call
 from pie.service.validation import FieldError
 from pie.v1 import generate_pb2 as pb
 
@@ -97,6 +98,7 @@ class ChatRequest(Sampling):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool | None = None
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
@@ -198,7 +200,8 @@ def completion_requests(body: CompletionRequest) -> list[pb.GenerateStreamReques
     return requests
 
 
-def chat_request(body: ChatRequest) -> pb.GenerateStreamRequest:
+def chat_request(body: ChatRequest) -> tuple[pb.GenerateStreamRequest, ForcedCall | None]:
+    """The contract's request of a chat, and the tool call its tool_choice forces (service/http/tools.py)."""
     if body.max_tokens is not None and body.max_completion_tokens is not None:
         raise FieldError("max_completion_tokens", "cannot be given with max_tokens")
     if body.top_logprobs is not None and not body.logprobs:
@@ -223,6 +226,12 @@ def chat_request(body: ChatRequest) -> pb.GenerateStreamRequest:
         if m.tool_calls is not None:
             msg.tool_calls_json = json.dumps(m.tool_calls)
         chat.messages.append(msg)
+    forced = forced_call(body.tools, body.tool_choice, body.parallel_tool_calls)
+    if forced is not None:
+        if sampling.HasField("structured"):
+            raise FieldError("tool_choice", "forces a tool call, which cannot be given with response_format or "
+                                            "guided_* (one structured output per request)")
+        sampling.structured.json_schema = json.dumps(forced[1])
     tools = body.tools
     if body.tool_choice == "none":
         tools = None  # the model is told of no tools
@@ -230,7 +239,8 @@ def chat_request(body: ChatRequest) -> pb.GenerateStreamRequest:
         chat.tools_json = json.dumps(tools)
     if body.chat_template_kwargs:
         chat.template_kwargs_json = json.dumps(body.chat_template_kwargs)
-    return pb.GenerateStreamRequest(chat=chat, sampling=sampling, priority=body.priority)
+    return (pb.GenerateStreamRequest(chat=chat, sampling=sampling, priority=body.priority),
+            None if forced is None else forced[0])
 
 
 def _text_parts(param: str, parts: list[dict[str, Any]]) -> str:

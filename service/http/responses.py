@@ -11,6 +11,7 @@ from typing import Any
 
 from pie.engine.messages import RequestOutput, RequestStatus, SampledToken
 from pie.model.tokenizer import Tokenizer
+from pie.service.http.tools import ForcedCall
 
 FINISH_REASONS = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
                   RequestStatus.FINISHED_ABORTED: "abort"}
@@ -99,14 +100,21 @@ def completion_body(answer: Answer, tokenizer: Tokenizer, logprobs: int | None, 
             "choices": choices, "usage": answer.usage()}
 
 
-def chat_body(answer: Answer, tokenizer: Tokenizer, top_logprobs: int | None) -> dict[str, Any]:
-    """The whole answer of /v1/chat/completions (`top_logprobs` None: no logprobs asked)."""
+def chat_body(answer: Answer, tokenizer: Tokenizer, top_logprobs: int | None,
+              forced: ForcedCall | None = None) -> dict[str, Any]:
+    """The whole answer of /v1/chat/completions (`top_logprobs` None: no logprobs asked; `forced`:
+    the tool call the request's tool_choice forced, its output the message's `tool_calls`)."""
     choices = []
     for index, c in sorted(answer.choices.items()):
+        message: dict[str, Any] = {"role": "assistant", "content": c.text}
+        finish = c.finish_reason
+        if forced is not None and (calls := forced.calls(c.text)) is not None:
+            message = {"role": "assistant", "content": None, "tool_calls": calls}
+            finish = forced.finish_reason(finish, calls)
         choices.append({
-            "index": index, "message": {"role": "assistant", "content": c.text},
+            "index": index, "message": message,
             "logprobs": chat_logprobs(c.logprobs, tokenizer, top_logprobs) if top_logprobs is not None else None,
-            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            "finish_reason": finish, "stop_reason": c.stop_reason})
     return {"id": answer.id, "object": "chat.completion", "created": answer.created, "model": answer.model,
             "choices": choices, "usage": answer.usage()}
 
@@ -127,18 +135,29 @@ def completion_chunk(answer: Answer, index: int, outs: list[RequestOutput], toke
 
 
 def chat_chunk(answer: Answer, index: int, outs: list[RequestOutput] | None, tokenizer: Tokenizer,
-               top_logprobs: int | None, *, first: bool = False) -> dict[str, Any]:
+               top_logprobs: int | None, *, first: bool = False, forced: ForcedCall | None = None,
+               held: dict[int, str] | None = None) -> dict[str, Any]:
     """One /v1/chat/completions stream chunk for choice `index`: the assistant's role first
-    (`first`, no outputs), then content deltas, the last with its finish reason."""
+    (`first`, no outputs), then content deltas, the last with its finish reason. With `forced` (the
+    tool call tool_choice forced; `held` its outputs held back, by choice) the deltas are tool calls."""
     delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
+    if first and forced is not None:
+        delta = forced.opening()
     choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
     if outs:
-        delta["content"] = "".join(o.new_text for o in outs)
+        text = "".join(o.new_text for o in outs)
+        last = outs[-1]
+        calls = False
+        if forced is None:
+            delta["content"] = text
+        else:
+            update, calls = forced.delta(held if held is not None else {}, index, text, last.finished)
+            delta.update(update)
         if top_logprobs is not None:
             choice["logprobs"] = chat_logprobs([e for o in outs for e in o.new_logprobs], tokenizer, top_logprobs)
-        last = outs[-1]
         if last.finished:
-            choice["finish_reason"] = FINISH_REASONS.get(last.status)
+            reason = FINISH_REASONS.get(last.status)
+            choice["finish_reason"] = forced.finish_reason(reason, [] if calls else None) if forced else reason
             choice["stop_reason"] = last.stop_reason
     return {"id": answer.id, "object": "chat.completion.chunk", "created": answer.created, "model": answer.model,
             "choices": [choice]}

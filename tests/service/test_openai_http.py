@@ -271,3 +271,91 @@ def test_openai_defaults_for_length_and_logprobs_zero(api):
                                   extra_body={"ignore_eos": True}).usage.completion_tokens == 16
     lp = api.completions.create(model="stories-7m", prompt=PROMPT, max_tokens=5, logprobs=0).choices[0].logprobs
     assert len(lp.token_logprobs) == 5 and all(v <= 0 for v in lp.token_logprobs) and lp.top_logprobs == [{}] * 5
+
+
+PICK = {"type": "function", "function": {"name": "pick", "description": "Pick a colour", "parameters": {
+    "type": "object", "properties": {"colour": {"enum": ["red", "blue"]}, "shade": {"type": "integer", "minimum": 0,
+                                                                                    "maximum": 9}},
+    "required": ["colour", "shade"], "additionalProperties": False}}}
+SIZE = {"type": "function", "function": {"name": "size", "parameters": {
+    "type": "object", "properties": {"big": {"type": "boolean"}}, "required": ["big"], "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "Pick a colour."}]
+
+
+def _streamed_calls(api, **kw) -> tuple[dict[int, dict], str | None]:
+    """The tool calls of a streamed chat, put together from their deltas as a client does."""
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in api.chat.completions.create(model="stories-7m", messages=ASK, stream=True, **kw):
+        choice = chunk.choices[0]
+        assert not choice.delta.content  # a forced call streams no text
+        for d in choice.delta.tool_calls or []:
+            call = calls.setdefault(d.index, {"id": None, "name": None, "arguments": ""})
+            call["id"] = d.id or call["id"]
+            if d.function is not None:
+                call["name"] = d.function.name or call["name"]
+                call["arguments"] += d.function.arguments or ""
+        finish = choice.finish_reason or finish
+    return calls, finish
+
+
+def test_a_named_tool_choice_calls_it(api):
+    """A function named by tool_choice: the output is its arguments, held to its parameters'
+    schema, and the answer is a tool call with finish_reason "stop" (as OpenAI's); streamed, the
+    call opens the choice and its arguments follow as deltas, to the same text."""
+    choice = {"type": "function", "function": {"name": "pick"}}
+    whole = api.chat.completions.create(model="stories-7m", messages=ASK, tools=[PICK, SIZE], tool_choice=choice,
+                                        max_tokens=32, temperature=0).choices[0]
+    assert whole.finish_reason == "stop" and whole.message.content is None
+    [call] = whole.message.tool_calls
+    assert call.type == "function" and call.function.name == "pick" and call.id.startswith("call_")
+    arguments = json.loads(call.function.arguments)
+    assert arguments["colour"] in ("red", "blue") and 0 <= arguments["shade"] <= 9
+    calls, finish = _streamed_calls(api, tools=[PICK, SIZE], tool_choice=choice, max_tokens=32, temperature=0)
+    assert finish == "stop" and list(calls) == [0]
+    assert calls[0]["name"] == "pick" and calls[0]["arguments"] == call.function.arguments
+
+
+def test_tool_choice_required_calls_one_of_the_tools(api):
+    """"required": calls of any of the tools (one with parallel_tool_calls false), finish_reason
+    "tool_calls"; the client's pydantic helper parses the arguments; streamed, the calls come
+    whole at the end. Cut by max_tokens, the unfinished JSON stays the content."""
+    for seed in range(3):
+        whole = api.chat.completions.create(model="stories-7m", messages=ASK, tools=[PICK, SIZE], tool_choice="required",
+                                            parallel_tool_calls=False, max_tokens=64, seed=seed).choices[0]
+        assert whole.finish_reason == "tool_calls" and whole.message.content is None
+        [call] = whole.message.tool_calls
+        arguments = json.loads(call.function.arguments)
+        assert (call.function.name, set(arguments)) in (("pick", {"colour", "shade"}), ("size", {"big"}))
+    calls, finish = _streamed_calls(api, tools=[PICK, SIZE], tool_choice="required", parallel_tool_calls=False,
+                                    max_tokens=64, temperature=0)
+    assert finish == "tool_calls" and list(calls) == [0] and calls[0]["id"] and calls[0]["name"] in ("pick", "size")
+    cut = api.chat.completions.create(model="stories-7m", messages=ASK, tools=[PICK, SIZE], tool_choice="required",
+                                      max_tokens=3, temperature=0).choices[0]
+    assert cut.finish_reason == "length" and cut.message.tool_calls is None and cut.message.content.startswith("[{")
+
+    class Pick(BaseModel):
+        colour: Literal["red", "blue"]
+        dark: bool
+
+    parsed = api.chat.completions.parse(model="stories-7m", messages=ASK, tools=[openai.pydantic_function_tool(Pick)],
+                                        tool_choice={"type": "function", "function": {"name": "Pick"}},
+                                        max_tokens=64, temperature=0).choices[0]
+    assert isinstance(parsed.message.tool_calls[0].function.parsed_arguments, Pick)
+
+
+def test_tool_choice_errors_name_the_field(api):
+    def refused(**kw) -> str:
+        with pytest.raises(openai.BadRequestError) as e:
+            api.chat.completions.create(model="stories-7m", messages=ASK, max_tokens=4, **kw)
+        return e.value.body["param"]
+
+    assert refused(tools=[PICK], tool_choice={"type": "function", "function": {"name": "paint"}}) \
+        == "tool_choice.function.name"
+    assert refused(tool_choice="required") == "tool_choice"  # no tools to call
+    assert refused(tools=[PICK], tool_choice="always") == "tool_choice"
+    assert refused(tools=[PICK], tool_choice="required", response_format={"type": "json_object"}) == "tool_choice"
+    assert refused(tools=[{"type": "function", "function": {"parameters": {}}}]) == "tools[0].function.name"
+    assert refused(tools=[PICK, PICK], tool_choice="required") == "tools[1].function.name"
+    unique = {"type": "function", "function": {"name": "f", "parameters": {"type": "array", "uniqueItems": True}}}
+    assert refused(tools=[unique], tool_choice="required") == "tools"  # a schema the matcher cannot hold to
