@@ -114,6 +114,6 @@ def server_config_from(args: argparse.Namespace) -> ServerConfig:
         max_concurrent_rpcs=args.max_concurrent_rpcs, step_timeout_s=args.step_timeout or None, tls=tls,
         auth_tokens=tokens, connection=connection,
         metrics_port=args.metrics_port, http_port=args.http_port, engine_process=args.engine_process, stream_interval=args.stream_interval,
-        chat_template=args.chat_template,
+        chat_template=args.chat_template, tool_call_parser=args.tool_call_parser,
         log_setup=functools.partial(configure_logging, json=None if args.log_format == "auto" else args.log_format == "json",
                                     level=args.log_level))

@@ -16,6 +16,7 @@ from pie.engine.config import (
     EngineConfig,
 )
 from pie.service.help_format import HelpFormatter
+from pie.service.http.tool_parsers import PARSERS
 from pie.service.server import ConnectionConfig
 from pie.service.validation import Limits
 
@@ -163,6 +164,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--http-port", type=_port, default=None,
                    help="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models; "
                         "docs at /docs, a playground at /) at http://HOST:PORT; 0 = any free port (default: off)")
+    p.add_argument("--tool-call-parser", choices=PARSERS, default=None,
+                   help="how the HTTP door reads tool calls out of the model's text when tool_choice is \"auto\": "
+                        "hermes (<tool_call> blocks: Qwen2.5, Qwen3, Hermes) or llama3_json (a JSON object: Llama "
+                        "3.1-3.3); \"required\" and named tool_choice need none (default: none, the text is the answer)")
     p.add_argument("--api-key", action="append", default=None,
                    help="an accepted API key, for both doors: HTTP callers send `Authorization: Bearer <key>`, gRPC "
                         "callers the same metadata; repeat for several; adds to --auth-token-file's (default: none)")

@@ -114,6 +114,9 @@ class ServerConfig:
     engine_process: bool = False
     stream_interval: int = 1  # after the first, a stream message carries at least this many tokens (or the end)
     chat_template: str | None = None  # a Jinja chat template file that replaces the model's own
+    # How the HTTP door reads tool calls out of a model's text for tool_choice "auto"
+    # (service/http/tool_parsers.py: hermes, llama3_json); None: the text is the answer.
+    tool_call_parser: str | None = None
     log_setup: Callable[[], None] | None = None  # configures logging in that child (picklable)
     # Called with the EngineCore once it is built (in the engine process when engine_process, so it
     # must be picklable there: a module-level function): tests and benchmarks swap parts of it.
@@ -139,7 +142,8 @@ class PieServer:
             from pie.service.http.app import Door
             from pie.service.http.serve import HttpServer
 
-            self.http = HttpServer(Door(self.servicer, self.metrics, name, server_config.auth_tokens))
+            self.http = HttpServer(Door(self.servicer, self.metrics, name, server_config.auth_tokens,
+                                        server_config.tool_call_parser))
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.port: int | None = None

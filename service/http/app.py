@@ -45,6 +45,7 @@ from pie.service.http.responses import (
     completion_chunk,
     usage_chunk,
 )
+from pie.service.http.tool_parsers import ToolParser
 from pie.service.metrics import ServiceMetrics
 from pie.service.validation import FieldError
 
@@ -55,11 +56,13 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no pro
 class Door(Admitter):
     """What the app reads of the server: the servicer's admission and state, and the API keys."""
 
-    def __init__(self, servicer: Any, metrics: ServiceMetrics, model_name: str, api_keys: tuple[str, ...]) -> None:
+    def __init__(self, servicer: Any, metrics: ServiceMetrics, model_name: str, api_keys: tuple[str, ...],
+                 tool_call_parser: str | None = None) -> None:
         self.servicer = servicer
         self.metrics = metrics
         self.model_name = model_name
         self.api_keys = api_keys
+        self.tool_call_parser = tool_call_parser  # reads "auto"'s tool calls out of the text (tool_parsers.py)
 
     async def admit(self, request, request_id, *, streamed, to_context=False):
         return await self.servicer.admit(request, request_id, streamed=streamed, to_context=to_context)
@@ -173,9 +176,12 @@ def build_app(door: Door) -> FastAPI:
         answer.prompt_tokens = len(call.admitted[0].prompt)
         tokenizer = call.admitted[0].client.tokenizer
         top = (body.top_logprobs or 0) if body.logprobs else None
+        parser = None
+        if door.tool_call_parser and body.tools and body.tool_choice in (None, "auto"):
+            parser = ToolParser(door.tool_call_parser)
         if not body.stream:
             await _collect(call, answer, request)
-            return JSONResponse(chat_body(answer, tokenizer, top, forced), headers=_rid(rid))
+            return JSONResponse(chat_body(answer, tokenizer, top, forced, parser), headers=_rid(rid))
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         usage = {"usage": None} if include_usage else {}  # as OpenAI: null on every chunk but the last
 
@@ -184,7 +190,7 @@ def build_app(door: Door) -> FastAPI:
             for index in range(call.n):  # the assistant's role opens each choice
                 yield chat_chunk(answer, index, None, tokenizer, top, first=True, forced=forced) | usage
             async for index, outs in _choices(call, answer):
-                yield chat_chunk(answer, index, outs, tokenizer, top, forced=forced, held=held) | usage
+                yield chat_chunk(answer, index, outs, tokenizer, top, forced=forced, held=held, parser=parser) | usage
             if include_usage:
                 yield usage_chunk(answer, chat=True)
 

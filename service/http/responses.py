@@ -11,6 +11,7 @@ from typing import Any
 
 from pie.engine.messages import RequestOutput, RequestStatus, SampledToken
 from pie.model.tokenizer import Tokenizer
+from pie.service.http.tool_parsers import ToolParser
 from pie.service.http.tools import ForcedCall
 
 FINISH_REASONS = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
@@ -101,9 +102,10 @@ def completion_body(answer: Answer, tokenizer: Tokenizer, logprobs: int | None, 
 
 
 def chat_body(answer: Answer, tokenizer: Tokenizer, top_logprobs: int | None,
-              forced: ForcedCall | None = None) -> dict[str, Any]:
+              forced: ForcedCall | None = None, parser: ToolParser | None = None) -> dict[str, Any]:
     """The whole answer of /v1/chat/completions (`top_logprobs` None: no logprobs asked; `forced`:
-    the tool call the request's tool_choice forced, its output the message's `tool_calls`)."""
+    the tool call the request's tool_choice forced, its output the message's `tool_calls`;
+    `parser`: reads "auto"'s calls out of the model's text)."""
     choices = []
     for index, c in sorted(answer.choices.items()):
         message: dict[str, Any] = {"role": "assistant", "content": c.text}
@@ -111,6 +113,11 @@ def chat_body(answer: Answer, tokenizer: Tokenizer, top_logprobs: int | None,
         if forced is not None and (calls := forced.calls(c.text)) is not None:
             message = {"role": "assistant", "content": None, "tool_calls": calls}
             finish = forced.finish_reason(finish, calls)
+        elif parser is not None:
+            content, calls = parser.parse(c.text)
+            if calls is not None:
+                message = {"role": "assistant", "content": content, "tool_calls": calls}
+                finish = "tool_calls" if finish == "stop" else finish
         choices.append({
             "index": index, "message": message,
             "logprobs": chat_logprobs(c.logprobs, tokenizer, top_logprobs) if top_logprobs is not None else None,
@@ -136,10 +143,11 @@ def completion_chunk(answer: Answer, index: int, outs: list[RequestOutput], toke
 
 def chat_chunk(answer: Answer, index: int, outs: list[RequestOutput] | None, tokenizer: Tokenizer,
                top_logprobs: int | None, *, first: bool = False, forced: ForcedCall | None = None,
-               held: dict[int, str] | None = None) -> dict[str, Any]:
+               held: dict[int, str] | None = None, parser: ToolParser | None = None) -> dict[str, Any]:
     """One /v1/chat/completions stream chunk for choice `index`: the assistant's role first
     (`first`, no outputs), then content deltas, the last with its finish reason. With `forced` (the
-    tool call tool_choice forced; `held` its outputs held back, by choice) the deltas are tool calls."""
+    tool call tool_choice forced; `held` its outputs held back, by choice) the deltas are tool calls;
+    with `parser`, content and the calls it reads out of the text."""
     delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
     if first and forced is not None:
         delta = forced.opening()
@@ -148,7 +156,10 @@ def chat_chunk(answer: Answer, index: int, outs: list[RequestOutput] | None, tok
         text = "".join(o.new_text for o in outs)
         last = outs[-1]
         calls = False
-        if forced is None:
+        if parser is not None:
+            update, calls = parser.feed(index, text, last.finished)
+            delta.update(update)
+        elif forced is None:
             delta["content"] = text
         else:
             update, calls = forced.delta(held if held is not None else {}, index, text, last.finished)
@@ -157,7 +168,11 @@ def chat_chunk(answer: Answer, index: int, outs: list[RequestOutput] | None, tok
             choice["logprobs"] = chat_logprobs([e for o in outs for e in o.new_logprobs], tokenizer, top_logprobs)
         if last.finished:
             reason = FINISH_REASONS.get(last.status)
-            choice["finish_reason"] = forced.finish_reason(reason, [] if calls else None) if forced else reason
+            if forced is not None:
+                reason = forced.finish_reason(reason, [] if calls else None)
+            elif calls and reason == "stop":  # the model called a tool ("auto", read by the parser)
+                reason = "tool_calls"
+            choice["finish_reason"] = reason
             choice["stop_reason"] = last.stop_reason
     return {"id": answer.id, "object": "chat.completion.chunk", "created": answer.created, "model": answer.model,
             "choices": [choice]}

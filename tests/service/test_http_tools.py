@@ -84,3 +84,55 @@ def test_bad_choices_name_the_field(tools, choice, field) -> None:
     with pytest.raises(FieldError) as e:
         forced_call(tools, choice)
     assert e.value.field == field
+
+
+# ---- "auto": calls read out of the model's text -------------------------------------------------------
+from pie.service.http.tool_parsers import ToolParser  # noqa: E402
+
+HERMES = ('I will look.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
+          '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>')
+
+
+def _stream(parser: ToolParser, text: str, cuts: list[int]) -> tuple[str, list[dict], bool]:
+    """`text` fed in pieces cut at `cuts`: the content and calls that come out, and the last flag."""
+    content, calls, made = "", [], False
+    pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)], strict=True)]
+    for i, piece in enumerate(pieces):
+        delta, made = parser.feed(0, piece, i == len(pieces) - 1)
+        content += delta.get("content", "")
+        calls += delta.get("tool_calls", [])
+    return content, calls, made
+
+
+def test_hermes_calls_whole_and_streamed() -> None:
+    parser = ToolParser("hermes")
+    content, calls = parser.parse(HERMES)
+    assert content == "I will look."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("weather", {"city": "Oslo"}), ("now", {})]
+    assert parser.parse("No tools today.") == ("No tools today.", None)
+    assert parser.parse('<tool_call>\n{"name": "weather", "argu') == ('<tool_call>\n{"name": "weather", "argu', None)
+    for cuts in ([], [1, 5, 13, 14, 20, 30, 60, 90], list(range(1, len(HERMES)))):  # every character alone, too
+        content, streamed, made = _stream(ToolParser("hermes"), HERMES, cuts)
+        assert content.strip() == "I will look." and made
+        assert [c["index"] for c in streamed] == [0, 1]
+        assert [c["function"] for c in streamed] == [c["function"] for c in calls]
+    # a block cut by max_tokens, and text that only looks like a tag's start, come out as text
+    cut = 'Sure <tool_call>\n{"name": "weath'
+    assert _stream(ToolParser("hermes"), cut, [3, 7, 12]) == (cut, [], False)
+    assert _stream(ToolParser("hermes"), "a <tool b", [3, 6]) == ("a <tool b", [], False)
+
+
+def test_llama3_json_calls_whole_and_streamed() -> None:
+    parser = ToolParser("llama3_json")
+    text = '{"name": "weather", "parameters": {"city": "Oslo"}}'
+    content, [call] = parser.parse(text)
+    assert content is None and call["function"] == {"name": "weather", "arguments": '{"city": "Oslo"}'}
+    assert parser.parse("<|python_tag|>" + text)[1][0]["function"]["name"] == "weather"
+    assert parser.parse("It is sunny.") == ("It is sunny.", None)
+    assert parser.parse('{"not": "a call"}') == ('{"not": "a call"}', None)
+    content, streamed, made = _stream(ToolParser("llama3_json"), text, [1, 10, 30])
+    assert content == "" and made and streamed[0]["function"] == call["function"] and streamed[0]["index"] == 0
+    assert _stream(ToolParser("llama3_json"), "It is sunny.", [2, 5]) == ("It is sunny.", [], False)
+    with pytest.raises(ValueError, match="tool call parser"):
+        ToolParser("xml")

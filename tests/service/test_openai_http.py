@@ -30,7 +30,7 @@ KEY = "sk-test-key"
 
 @pytest.fixture(scope="module")
 def server():
-    with BackgroundServer(ServerConfig(port=0, http_port=0, grace_s=2, auth_tokens=(KEY,)),
+    with BackgroundServer(ServerConfig(port=0, http_port=0, grace_s=2, auth_tokens=(KEY,), tool_call_parser="hermes"),
                           EngineConfig(device="cpu", num_kv_blocks=128, max_num_seqs=32)) as s:
         yield s
 
@@ -359,3 +359,25 @@ def test_tool_choice_errors_name_the_field(api):
     assert refused(tools=[PICK, PICK], tool_choice="required") == "tools[1].function.name"
     unique = {"type": "function", "function": {"name": "f", "parameters": {"type": "array", "uniqueItems": True}}}
     assert refused(tools=[unique], tool_choice="required") == "tools"  # a schema the matcher cannot hold to
+
+
+def test_auto_tool_calls_are_read_out_of_the_text(api):
+    """tool_choice "auto" with --tool-call-parser hermes: a <tool_call> block in the model's text
+    (here held to one by guided_regex: the bundled model knows no tools) comes back as tool_calls,
+    the text around it as content, whole and streamed alike; without tools the text stays text."""
+    block = r'<tool_call>\n\{"name": "pick", "arguments": \{"colour": "(red|blue)", "shade": [0-9]\}\}\n</tool_call>'
+    kw = dict(model="stories-7m", messages=ASK, max_tokens=64, temperature=0, extra_body={"guided_regex": "Ok\\. " + block})
+    whole = api.chat.completions.create(tools=[PICK, SIZE], **kw).choices[0]
+    assert whole.finish_reason == "tool_calls" and whole.message.content == "Ok."
+    [call] = whole.message.tool_calls
+    assert call.function.name == "pick" and json.loads(call.function.arguments)["colour"] in ("red", "blue")
+    content, calls, finish = "", [], None
+    for chunk in api.chat.completions.create(tools=[PICK, SIZE], stream=True, **kw):
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        calls += delta.tool_calls or []
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and content.strip() == "Ok."
+    assert [(c.index, c.function.name, c.function.arguments) for c in calls] == [(0, "pick", call.function.arguments)]
+    plain = api.chat.completions.create(**kw).choices[0]  # no tools: nothing is read as a call
+    assert plain.message.tool_calls is None and plain.message.content.startswith("Ok. <tool_call>")
