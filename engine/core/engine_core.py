@@ -111,8 +111,8 @@ class EngineCore:
         self.scheduler = Scheduler(
             self.block_manager, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=self.max_model_len,
-            stall_factor=config.decode_stall_factor, stall_share=config.decode_stall_share, structured=self.structured, speculator=self.speculator,
-            batch_invariant=config.batch_invariant)
+            stall_factor=config.decode_stall_factor, stall_share=config.decode_stall_share,
+            structured=self.structured, speculator=self.speculator, batch_invariant=config.batch_invariant)
         self.runner = self._make_runner(self.kv_cache)
         if self.device.type == "cuda":
             warm_up(self.runner)
