@@ -134,14 +134,15 @@ def build_app(door: Door) -> FastAPI:
         rid = _request_id(request, body.request_id, "cmpl")
         call = await Call.admit(door, requests, rid, "http/completions", _peer(request), chat=False,
                                 streamed=body.stream)
-        answer = Answer(rid, door.model_name)
+        answer = Answer(rid, door.model_name, score_only=body.max_tokens == 0)
         answer.prompt_tokens = sum(len(a.prompt) for a in call.admitted)
         tokenizer = call.admitted[0].client.tokenizer
         echo = [_prompt_text(tokenizer, a.prompt, r) for a, r in zip(call.admitted, requests)] if body.echo else None
         logprobs = body.logprobs  # alternatives per token; None: no logprobs
         if not body.stream:
             await _collect(call, answer, request)
-            return JSONResponse(completion_body(answer, tokenizer, logprobs, echo, call.n), headers=_rid(rid))
+            prompts = [a.prompt for a in call.admitted]
+            return JSONResponse(completion_body(answer, tokenizer, logprobs, echo, call.n, prompts), headers=_rid(rid))
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         usage = {"usage": None} if include_usage else {}  # as OpenAI: null on every chunk but the last
 

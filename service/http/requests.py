@@ -177,8 +177,11 @@ def completion_requests(body: CompletionRequest) -> list[pb.GenerateStreamReques
         raise FieldError("suffix", "is not supported")
     if body.best_of is not None and body.best_of != body.n:
         raise FieldError("best_of", "must equal n when given (pie returns every sample it draws)")
-    if body.echo and body.logprobs is not None:
-        raise FieldError("echo", "cannot be combined with logprobs")
+    if body.max_tokens == 0 and not body.echo:
+        raise FieldError("max_tokens", "must be >= 1 (0, scoring the prompt alone, needs echo)")
+    scored = body.echo and body.logprobs is not None  # the prompt's tokens get logprobs too
+    if body.stream and (scored or body.max_tokens == 0):
+        raise FieldError("stream", "echo with logprobs, and max_tokens 0, are answered whole (stream: false)")
     prompts: list[str | list[int]]
     if isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], int)):
         prompts = [body.prompt]
@@ -186,9 +189,12 @@ def completion_requests(body: CompletionRequest) -> list[pb.GenerateStreamReques
         prompts = list(body.prompt)  # type: ignore[arg-type]
     if not prompts:
         raise FieldError("prompt", "must not be empty")
-    sampling = _sampling(body, body.max_tokens, _uint("logprobs", body.logprobs or 0))
+    # max_tokens 0: one token is made (the engine makes at least one) and left out of the answer
+    sampling = _sampling(body, 1 if body.max_tokens == 0 else body.max_tokens, _uint("logprobs", body.logprobs or 0))
     if body.logprobs == 0:
         sampling.logprobs = 1  # OpenAI's logprobs: 0 still reports each token's own logprob
+    if scored:
+        sampling.prompt_logprobs = sampling.logprobs
     requests = []
     for p in prompts:
         r = pb.GenerateStreamRequest(sampling=sampling, priority=body.priority)

@@ -27,8 +27,11 @@ class Choice:
     logprobs: list[SampledToken] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[SampledToken] | None = None  # its prompt's tokens after the first (echo with logprobs)
 
     def add(self, out: RequestOutput) -> None:
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         self.text += out.new_text
         self.token_ids += out.new_token_ids
         self.logprobs += out.new_logprobs
@@ -48,10 +51,12 @@ class Answer:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: dict[int, int] = field(default_factory=dict)  # per prompt: its tokens read from the prefix cache
+    score_only: bool = False  # max_tokens 0: the prompt echoed (and scored), nothing generated shown
 
     def usage(self) -> dict[str, Any]:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens,
+        completion_tokens = 0 if self.score_only else self.completion_tokens
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": self.prompt_tokens + completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens.values())}}
 
 
@@ -87,18 +92,45 @@ def completion_logprobs(entries: list[SampledToken], tokenizer: Tokenizer, offse
 
 
 def completion_body(answer: Answer, tokenizer: Tokenizer, logprobs: int | None, echo: list[str] | None,
-                    n: int) -> dict[str, Any]:
+                    n: int, prompts: list[list[int]] | None = None) -> dict[str, Any]:
     """The whole answer of /v1/completions (`logprobs`: the alternatives per token asked for,
-    None: no logprobs; `echo`: each prompt's text, put before its n choices')."""
+    None: no logprobs; `echo`: each prompt's text, put before its n choices'). With echo and
+    logprobs (`prompts`: each prompt's ids), the logprobs cover the prompt's tokens first (the
+    first with none, as OpenAI's), as an evaluation harness scoring a continuation reads them; with
+    max_tokens 0 (`answer.score_only`) they are all there is."""
     choices = []
+    scored: dict[int, list[SampledToken]] = {}  # each prompt's logprobs, from whichever choice carried them
+    for index, c in answer.choices.items():
+        if c.prompt_logprobs is not None:
+            scored[index // n] = c.prompt_logprobs
     for index, c in sorted(answer.choices.items()):
         prefix = echo[index // n] if echo else ""
-        choices.append({"index": index, "text": prefix + c.text, "finish_reason": c.finish_reason,
-                        "stop_reason": c.stop_reason,
-                        "logprobs": None if logprobs is None else completion_logprobs(c.logprobs, tokenizer,
-                                                                                      len(prefix), logprobs)})
+        text, entries = ("", []) if answer.score_only else (c.text, c.logprobs)
+        body = None
+        if logprobs is not None and prompts is not None and echo:
+            body = _echoed_logprobs(prompts[index // n], scored.get(index // n, []), entries, tokenizer, prefix,
+                                    logprobs)
+        elif logprobs is not None:
+            body = completion_logprobs(entries, tokenizer, len(prefix), logprobs)
+        choices.append({"index": index, "text": prefix + text,
+                        "finish_reason": "length" if answer.score_only else c.finish_reason,
+                        "stop_reason": None if answer.score_only else c.stop_reason, "logprobs": body})
     return {"id": answer.id, "object": "text_completion", "created": answer.created, "model": answer.model,
             "choices": choices, "usage": answer.usage()}
+
+
+def _echoed_logprobs(prompt: list[int], scored: list[SampledToken], entries: list[SampledToken],
+                     tokenizer: Tokenizer, prefix: str, top: int) -> dict[str, Any]:
+    """Completions' logprobs over an echoed prompt's tokens (from 0; the first has no logprob, the
+    rest `scored`), then the generated `entries` (from the end of `prefix`, the echoed text)."""
+    head = completion_logprobs(scored, tokenizer, len(tokenizer.token_text(prompt[0])), top) if prompt else None
+    tail = completion_logprobs(entries, tokenizer, len(prefix), top)
+    if head is None:
+        return tail
+    return {"tokens": [tokenizer.token_text(prompt[0])] + head["tokens"] + tail["tokens"],
+            "token_logprobs": [None] + head["token_logprobs"] + tail["token_logprobs"],
+            "top_logprobs": [None] + head["top_logprobs"] + tail["top_logprobs"],
+            "text_offset": [0] + head["text_offset"] + tail["text_offset"]}
 
 
 def chat_body(answer: Answer, tokenizer: Tokenizer, top_logprobs: int | None,

@@ -381,3 +381,30 @@ def test_auto_tool_calls_are_read_out_of_the_text(api):
     assert [(c.index, c.function.name, c.function.arguments) for c in calls] == [(0, "pick", call.function.arguments)]
     plain = api.chat.completions.create(**kw).choices[0]  # no tools: nothing is read as a call
     assert plain.message.tool_calls is None and plain.message.content.startswith("Ok. <tool_call>")
+
+
+def test_echo_with_logprobs_scores_the_prompt(server, api):
+    """An evaluation harness's loglikelihood call: echo, logprobs and max_tokens 0 give each prompt
+    token's logprob (the first none), as the gRPC door's prompt_logprobs, and nothing generated;
+    with max_tokens > 0 the generated tokens' follow. Streamed, it is refused with the field named."""
+    scored = api.completions.create(model="stories-7m", prompt=PROMPT, max_tokens=0, echo=True, logprobs=2)
+    choice = scored.choices[0]
+    assert choice.text == PROMPT and choice.finish_reason == "length"
+    assert scored.usage.completion_tokens == 0 and scored.usage.total_tokens == scored.usage.prompt_tokens
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == scored.usage.prompt_tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and lp.text_offset[0] == 0
+    assert all(len(top) == 2 for top in lp.top_logprobs[1:]) and lp.text_offset == sorted(lp.text_offset)
+    with Client(server.address, timeout=60, token=KEY) as grpc_client:
+        reference = grpc_client.generate(PROMPT, max_tokens=1, prompt_logprobs=2).prompt_logprobs
+    assert lp.token_logprobs == [p.logprob for p in reference]
+    assert lp.tokens == [p.token for p in reference]
+    more = api.completions.create(model="stories-7m", prompt=PROMPT, max_tokens=3, echo=True, logprobs=1,
+                                  temperature=0).choices[0]
+    assert more.logprobs.token_logprobs[:len(reference)] == lp.token_logprobs and len(more.logprobs.tokens) == len(
+        reference) + 3
+    assert more.text.startswith(PROMPT) and more.logprobs.text_offset[len(reference)] == len(PROMPT)
+    for kw in (dict(max_tokens=0), dict(max_tokens=0, echo=True, stream=True), dict(echo=True, logprobs=1, stream=True)):
+        with pytest.raises(openai.BadRequestError) as e:
+            api.completions.create(model="stories-7m", prompt=PROMPT, **kw)
+        assert e.value.body["param"] in ("max_tokens", "stream")
