@@ -117,17 +117,18 @@ class ToolParser:
                     break
                 content, s.held, s.inside = content + s.held[:i], s.held[i + len(HERMES_OPEN):], True
             j = s.held.find(HERMES_CLOSE)
-            if j < 0:
-                if finished:  # cut inside a block: its text, as it came
-                    content, s.held, s.inside = content + HERMES_OPEN + s.held, "", False
+            if j < 0 and not finished:
                 break
-            call = _call(s.held[:j], "arguments")
+            # a block ends at its close, or at the answer's end (the model stopped before closing it:
+            # a call all the same if it parses, else its text, cut by max_tokens)
+            end = j + len(HERMES_CLOSE) if j >= 0 else len(s.held)
+            call = _call(s.held[:j] if j >= 0 else s.held, "arguments")
             if call is None:
-                content += HERMES_OPEN + s.held[:j + len(HERMES_CLOSE)]
+                content += HERMES_OPEN + s.held[:end]
             else:
                 calls.append(call | {"index": s.calls})
                 s.calls += 1
-            s.held, s.inside = s.held[j + len(HERMES_CLOSE):], False
+            s.held, s.inside = s.held[end:], False
         delta: dict[str, Any] = {}
         if content and (content.strip() or not s.calls):  # no blank lines between calls
             delta["content"] = content

@@ -120,6 +120,9 @@ def test_hermes_calls_whole_and_streamed() -> None:
     # a block cut by max_tokens, and text that only looks like a tag's start, come out as text
     cut = 'Sure <tool_call>\n{"name": "weath'
     assert _stream(ToolParser("hermes"), cut, [3, 7, 12]) == (cut, [], False)
+    unclosed = '<tool_call>\n{"name": "now", "arguments": {}}'  # the model stopped before closing the block
+    assert parser.parse(unclosed)[1][0]["function"]["name"] == "now"
+    assert _stream(ToolParser("hermes"), unclosed, [4, 20])[1][0]["function"]["name"] == "now"
     assert _stream(ToolParser("hermes"), "a <tool b", [3, 6]) == ("a <tool b", [], False)
 
 
