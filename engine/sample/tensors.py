@@ -113,7 +113,7 @@ class SamplingTensors:
             flat = _flat_index([[pr, o] if use else [] for pr, o, use in zip(prompt_ids, output_ids, rows_rep)],
                                vocab_size, device, _pending_for(pending_ids, rows_rep, vocab_size))
             seen = torch.zeros(n * vocab_size, dtype=torch.bool, device=device)
-            seen[flat] = True
+            seen.index_fill_(0, flat, True)  # not seen[flat] = True: that copies the True from the host, a sync
             seen_mask = seen.view(n, vocab_size)
 
         greedy_host = [p.temperature == 0.0 for p in params]

@@ -56,6 +56,21 @@ def synchronous_copies(source: str) -> list[str]:
     return found
 
 
+def scalar_index_writes(source: str) -> list[str]:
+    """Assignments `t[index] = <number or bool>` with an index that is neither a constant nor a
+    slice (advanced indexing): on a CUDA tensor PyTorch makes the value a host scalar and copies
+    it, synchronously (the H100's sync debug mode caught `seen[flat] = True` in the penalty table).
+    `t.index_fill_(0, index, value)` passes the value as a kernel argument instead."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Assign) or not isinstance(node.value, ast.Constant):
+            continue
+        for target in node.targets:
+            if isinstance(target, ast.Subscript) and not isinstance(target.slice, (ast.Constant, ast.Slice, ast.Tuple)):
+                found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
 def test_the_reading_finds_each_pattern():
     source = """
 a = torch.tensor(rows, device=self.device)
@@ -71,6 +86,15 @@ ok4 = torch.tensor(rows, dtype=torch.int64)
 """
     found = synchronous_copies(source)
     assert [f.split(":")[0] for f in found] == [f"line {n}" for n in range(2, 8)], found
+    writes = """
+seen[flat] = True
+mask[rows] = 0.0
+ok1 = x[0] = 0
+drop[:, 0] = False
+tables[:] = 0
+seen.index_fill_(0, flat, True)
+"""
+    assert [f.split(":")[0] for f in scalar_index_writes(writes)] == ["line 2", "line 3"]
 
 
 def test_engine_copies_host_data_only_through_to_device():
@@ -82,6 +106,13 @@ def test_engine_copies_host_data_only_through_to_device():
         if found:
             offenders[str(path.relative_to(ENGINE.parent))] = found
     assert not offenders, f"synchronous host-to-device copies (use engine.device.to_device): {offenders}"
+
+
+def test_engine_writes_no_host_scalar_through_an_index_tensor():
+    """engine/scheduling is left out: its bookkeeping (block lists, reference counts) is host-only."""
+    offenders = {str(p.relative_to(ENGINE.parent)): found for p in sorted(ENGINE.rglob("*.py"))
+                 if "scheduling" not in p.parts and (found := scalar_index_writes(p.read_text()))}
+    assert not offenders, f"scalars written through an index (use index_fill_): {offenders}"
 
 
 @pytest.mark.parametrize("speculative", [False, True])
