@@ -116,8 +116,10 @@ suite_tests() {
 suite_alltests() {
   # The modules left out hold no GPU test and import, to be collected, packages the GPU machine
   # lacks (openai, kubernetes_validate).
-  timeout "$(t alltests)" python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests --ignore=tests/deploy \
-    --ignore=tests/service/test_openai_http.py 2>&1 | tail -40 | tee -a "$D/alltests.log"
+  # -rfs: the summary names every failure (the tail alone showed only the last one's traceback);
+  # the whole output stays in alltests-full.log.
+  timeout "$(t alltests)" python3 -m pytest -q -m gpu -p no:cacheprovider -rfs tests --ignore=tests/deploy \
+    --ignore=tests/service/test_openai_http.py 2>&1 | tee "$D/alltests-full.log" | tail -40 | tee -a "$D/alltests.log"
 }
 suite_kernels() {
   # shellcheck disable=SC2086
