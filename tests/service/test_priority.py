@@ -43,9 +43,9 @@ def test_an_urgent_request_sent_last_starts_before_the_queue(server, gate):
     the first free slot, before every one of the 28 still waiting. (Their own order is the order
     they reached the server, which 30 concurrent calls do not fix: tests/engine/test_scheduler.py
     holds first come, first served within a priority.) The engine's steps wait for permits while
-    the queue is built, so two run and 28 wait when the urgent call arrives, however fast the
-    machine: polling for that queue while steps ran free once saw it never form (the first
-    requests had finished) and waited forever."""
+    the queue is built, so two run and 28 wait when the urgent call arrives and joins them, however
+    fast or loaded the machine: polling for that queue while steps ran free once saw it never form
+    (the first requests had finished) and waited forever."""
     firsts: dict[str, float] = {}
     in_flight = server.pie.servicer.in_flight
     scheduler = server.core.scheduler
@@ -68,7 +68,12 @@ def test_an_urgent_request_sent_last_starts_before_the_queue(server, gate):
                 gate.allow(1)  # n0's step runs; the next takes the 29 in: n1 admitted, 28 waiting
                 await _until(lambda: scheduler.num_waiting == 28, "28 requests waiting")
                 urgent = asyncio.create_task(one("urgent", -1))
-                await _until(lambda: len(in_flight) == 31, "the urgent request in the engine")
+                await _until(lambda: len(in_flight) == 31, "the urgent request in the service")
+                # One more step takes it into the engine's queue while the two running requests are
+                # still decoding: released before that, a loaded machine once let n0 finish its 32
+                # tokens before the call reached the engine, and n2 started ahead of it (CI, 2 cores).
+                gate.allow(1)
+                await _until(lambda: scheduler.num_waiting == 29, "the urgent request queued in the engine")
                 load = (await client.model_info()).load  # the queue by priority, the urgent one counted or not yet
                 assert sum(load.requests_waiting_by_priority.values()) == load.requests_waiting
                 assert load.requests_waiting_by_priority[0] >= 28
