@@ -187,11 +187,10 @@ def build_app(door: Door) -> FastAPI:
         usage = {"usage": None} if include_usage else {}  # as OpenAI: null on every chunk but the last
 
         async def events() -> AsyncIterator[dict]:
-            held: dict[int, str] = {}  # a forced "required" call's output, until its choice finishes
             for index in range(call.n):  # the assistant's role opens each choice
                 yield chat_chunk(answer, index, None, tokenizer, top, first=True, forced=forced) | usage
             async for index, outs in _choices(call, answer):
-                yield chat_chunk(answer, index, outs, tokenizer, top, forced=forced, held=held, parser=parser) | usage
+                yield chat_chunk(answer, index, outs, tokenizer, top, forced=forced, parser=parser) | usage
             if include_usage:
                 yield usage_chunk(answer, chat=True)
 

@@ -144,7 +144,7 @@ def chat_body(answer: Answer, tokenizer: Tokenizer, top_logprobs: int | None,
         finish = c.finish_reason
         if forced is not None and (calls := forced.calls(c.text)) is not None:
             message = {"role": "assistant", "content": None, "tool_calls": calls}
-            finish = forced.finish_reason(finish, calls)
+            finish = forced.finish_reason(finish, True)
         elif parser is not None:
             content, calls = parser.parse(c.text)
             if calls is not None:
@@ -175,10 +175,10 @@ def completion_chunk(answer: Answer, index: int, outs: list[RequestOutput], toke
 
 def chat_chunk(answer: Answer, index: int, outs: list[RequestOutput] | None, tokenizer: Tokenizer,
                top_logprobs: int | None, *, first: bool = False, forced: ForcedCall | None = None,
-               held: dict[int, str] | None = None, parser: ToolParser | None = None) -> dict[str, Any]:
+               parser: ToolParser | None = None) -> dict[str, Any]:
     """One /v1/chat/completions stream chunk for choice `index`: the assistant's role first
     (`first`, no outputs), then content deltas, the last with its finish reason. With `forced` (the
-    tool call tool_choice forced; `held` its outputs held back, by choice) the deltas are tool calls;
+    tool call tool_choice forced) the deltas are tool calls;
     with `parser`, content and the calls it reads out of the text."""
     delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
     if first and forced is not None:
@@ -194,14 +194,14 @@ def chat_chunk(answer: Answer, index: int, outs: list[RequestOutput] | None, tok
         elif forced is None:
             delta["content"] = text
         else:
-            update, calls = forced.delta(held if held is not None else {}, index, text, last.finished)
+            update, calls = forced.delta(index, text, last.finished)
             delta.update(update)
         if top_logprobs is not None:
             choice["logprobs"] = chat_logprobs([e for o in outs for e in o.new_logprobs], tokenizer, top_logprobs)
         if last.finished:
             reason = FINISH_REASONS.get(last.status)
             if forced is not None:
-                reason = forced.finish_reason(reason, [] if calls else None)
+                reason = forced.finish_reason(reason, calls)
             elif calls and reason == "stop":  # the model called a tool ("auto", read by the parser)
                 reason = "tool_calls"
             choice["finish_reason"] = reason

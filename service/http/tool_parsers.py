@@ -60,7 +60,8 @@ class ToolParser:
     def parse(self, text: str) -> tuple[str | None, list[dict[str, Any]] | None]:
         """(content, calls) of an answer; calls None when it holds none (content is then the text)."""
         if self.name == "llama3_json":
-            call = _call(_llama_body(text), "parameters") if _llama_body(text).startswith("{") else None
+            body = _llama_body(text)
+            call = _call(body, "parameters") if body.startswith("{") else None
             return (text, None) if call is None else (None, [call])
         calls, content, rest = [], [], text
         while (i := rest.find(HERMES_OPEN)) >= 0:

@@ -17,19 +17,21 @@ from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pie.service.validation import FieldError
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ForcedCall:
-    """A tool_choice that forces a call: of the function `name`, or ("required") of any tool."""
+    """A tool_choice that forces a call: of the function `name`, or ("required") of any tool. One
+    a request: a stream's "required" output is held here, by choice, until the choice finishes."""
 
     tools: tuple[str, ...]  # the functions' names, in the request's order
     name: str | None  # the named function; None: "required"
     parallel: bool = True  # "required" may call several tools (OpenAI's parallel_tool_calls)
+    _held: dict[int, str] = field(default_factory=dict)
 
     def schema(self, parameters: dict[str, dict]) -> dict[str, Any]:
         """The JSON schema the output is held to (`parameters`: each function's, by name)."""
@@ -51,10 +53,10 @@ class ForcedCall:
             return None
         return [tool_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in parsed]
 
-    def finish_reason(self, reason: str | None, calls: list[dict[str, Any]] | None) -> str | None:
-        """OpenAI's: "tool_calls" when the model chose to call ("required") and stopped; a named
-        function's call ends with "stop", as a forced function's does at OpenAI."""
-        return "tool_calls" if self.name is None and reason == "stop" and calls is not None else reason
+    def finish_reason(self, reason: str | None, called: bool) -> str | None:
+        """OpenAI's: "tool_calls" when the model chose to call ("required", `called`) and stopped; a
+        named function's call ends with "stop", as a forced function's does at OpenAI."""
+        return "tool_calls" if self.name is None and reason == "stop" and called else reason
 
     def opening(self) -> dict[str, Any]:
         """A stream's first delta of a choice: the role, and a named function's call (no arguments yet)."""
@@ -63,16 +65,16 @@ class ForcedCall:
             delta["tool_calls"] = [tool_call(self.name, "", index=0)]
         return delta
 
-    def delta(self, held: dict[int, str], index: int, text: str, finished: bool) -> tuple[dict[str, Any], bool]:
-        """Choice `index`'s delta for its new output `text` (`held`: "required"'s output so far, by
-        choice), and whether it holds calls: a named function's arguments as they come; "required"'s
-        calls when the choice finishes, or its text when that is not whole JSON."""
+    def delta(self, index: int, text: str, finished: bool) -> tuple[dict[str, Any], bool]:
+        """Choice `index`'s delta for its new output `text`, and whether it holds calls: a named
+        function's arguments as they come; "required"'s calls when the choice finishes, or its text
+        when that is not whole JSON."""
         if self.name is not None:
             return ({"tool_calls": [{"index": 0, "function": {"arguments": text}}]} if text else {}), True
-        held[index] = held.get(index, "") + text
+        self._held[index] = self._held.get(index, "") + text
         if not finished:
             return {}, False
-        whole = held.pop(index)
+        whole = self._held.pop(index)
         calls = self.calls(whole)
         if calls is None:
             return {"content": whole}, False

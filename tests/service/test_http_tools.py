@@ -29,7 +29,7 @@ def test_a_named_function_is_held_to_its_parameters() -> None:
     assert schema == WEATHER
     [call] = forced.calls('{"city": "Oslo"}')
     assert call["type"] == "function" and call["function"] == {"name": "weather", "arguments": '{"city": "Oslo"}'}
-    assert forced.finish_reason("stop", [call]) == "stop"  # a forced function ends as OpenAI's does
+    assert forced.finish_reason("stop", True) == "stop"  # a forced function ends as OpenAI's does
     assert forced_call(TOOLS, {"type": "function", "function": {"name": "now"}})[1] == {"type": "object"}
 
 
@@ -46,9 +46,9 @@ def test_required_is_an_array_of_calls_of_any_tool() -> None:
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
         ("weather", {"city": "Oslo"}), ("now", {})]
     assert len({c["id"] for c in calls}) == 2
-    assert forced.finish_reason("stop", calls) == "tool_calls"
+    assert forced.finish_reason("stop", True) == "tool_calls"
     assert forced.calls('[{"name": "weather", "param') is None  # cut by max_tokens: no calls
-    assert forced.finish_reason("length", None) == "length"
+    assert forced.finish_reason("length", False) == "length"
 
 
 def test_stream_deltas() -> None:
@@ -57,16 +57,14 @@ def test_stream_deltas() -> None:
     assert opening["role"] == "assistant" and opening["content"] is None
     [head] = opening["tool_calls"]
     assert head["index"] == 0 and head["function"] == {"name": "weather", "arguments": ""} and head["id"]
-    assert named.delta({}, 0, '{"ci', False) == ({"tool_calls": [{"index": 0, "function": {"arguments": '{"ci'}}]},
+    assert named.delta(0, '{"ci', False) == ({"tool_calls": [{"index": 0, "function": {"arguments": '{"ci'}}]},
                                                  True)
     required, _ = forced_call(TOOLS, "required")
     assert "tool_calls" not in required.opening()
-    held: dict[int, str] = {}
-    assert required.delta(held, 1, '[{"name": "now", ', False) == ({}, False)  # held until the choice ends
-    delta, calls = required.delta(held, 1, '"parameters": {}}]', True)
+    assert required.delta(1, '[{"name": "now", ', False) == ({}, False)  # held until the choice ends
+    delta, calls = required.delta(1, '"parameters": {}}]', True)
     assert calls and [(c["index"], c["function"]["name"]) for c in delta["tool_calls"]] == [(0, "now")]
-    assert held == {}
-    assert required.delta(held, 0, '[{"na', True) == ({"content": '[{"na'}, False)  # cut: its text
+    assert required.delta(1, '[{"na', True) == ({"content": '[{"na'}, False)  # nothing left held; cut: its text
 
 
 @pytest.mark.parametrize("tools, choice, field", [
