@@ -91,7 +91,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
-if [ -d .whl ]; then
+if [ -d .whl ] || [ -d .site ]; then
+  # .site alone: a later call on the same warm machine, whose first call installed the wheels, can
+  # leave .whl out of its carry and take a bigger part of the real checkpoint instead
   source benchmarks/gpu_env.sh
 else  # the kernel suites need no wheels when the machine has the service's packages
   OUT=${OUT:-$(mktemp -d /tmp/pie-gpu.XXXX)}; mkdir -p "$OUT"
