@@ -164,7 +164,7 @@ def build_app(door: Door) -> FastAPI:
         try:
             chat, forced = chat_request(body)
         except FieldError as e:
-            raise HttpError.of(e, chat=True) from None
+            raise _as_sent(HttpError.of(e, chat=True), body) from None
         rid = _request_id(request, body.request_id, "chatcmpl")
         try:
             call = await Call.admit(door, [chat], rid, "http/chat", _peer(request), chat=True, streamed=body.stream,
@@ -172,7 +172,7 @@ def build_app(door: Door) -> FastAPI:
         except HttpError as e:
             if forced is not None and e.param == "response_format":  # the tools' schema, refused by the matcher
                 e.param, e.message = "tools", "tools" + e.message.removeprefix("response_format")
-            raise
+            raise _as_sent(e, body) from None
         answer = Answer(rid, door.model_name)
         answer.prompt_tokens = len(call.admitted[0].prompt)
         tokenizer = call.admitted[0].client.tokenizer
@@ -197,6 +197,14 @@ def build_app(door: Door) -> FastAPI:
         return _sse(call, events(), rid)
 
     return app
+
+
+def _as_sent(e: HttpError, body: ChatRequest) -> HttpError:
+    """A chat's length limit named as the caller sent it: the contract's max_tokens is OpenAI's
+    max_completion_tokens, unless the request said max_tokens (the older name, still accepted)."""
+    if e.param == "max_completion_tokens" and body.max_completion_tokens is None:
+        e.param, e.message = "max_tokens", "max_tokens" + e.message.removeprefix("max_completion_tokens")
+    return e
 
 
 async def _choices(call: Call, answer: Answer) -> AsyncIterator[tuple[int, list]]:

@@ -157,6 +157,15 @@ def test_errors_are_the_sdks_exception_classes(server, api):
         api.chat.completions.create(model="stories-7m", messages=[{"role": "user", "content": "x"}],
                                     extra_body={"guided_regex": "(unclosed"})
     assert schema.value.body["param"] == "response_format"
+    # a chat's length limit is named as the request sent it (the contract's max_tokens is both)
+    for name in ("max_tokens", "max_completion_tokens"):
+        with pytest.raises(openai.BadRequestError) as zero:
+            api.chat.completions.create(model="stories-7m", messages=[{"role": "user", "content": "x"}], **{name: 0})
+        assert zero.value.body["param"] == name and zero.value.body["message"].startswith(f"{name}: must be >= 1")
+        with pytest.raises(openai.BadRequestError) as long:
+            api.chat.completions.create(model="stories-7m", messages=[{"role": "user", "content": "x"}],
+                                        **{name: 10**6})
+        assert long.value.body["param"] == name, long.value.body
     with pytest.raises(openai.NotFoundError):
         api.completions.create(model="gpt-4", prompt=PROMPT)
     stranger = openai.OpenAI(base_url=f"{server.http_url}/v1", api_key="wrong", max_retries=0)
