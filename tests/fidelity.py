@@ -181,9 +181,12 @@ def text_fidelity(model_dir: Path, kv_dtypes: tuple[str, ...], text: str, *, chu
     n = sum(len(c) - 1 for c in chunks)
     out = {}
     for kv in kv_dtypes:
+        # A pool sized to the chunks: on CUDA an unsized one takes most of the free memory, and the
+        # next dtype's engine is built while this one's pool is still held.
+        pool = {"num_kv_blocks": sum(len(c) // 16 + 2 for c in chunks)} | engine_kwargs
         engine = EngineCore(EngineConfig(model=str(model_dir), device=device, dtype="fp32", kv_cache_dtype=kv,
                                         max_num_seqs=len(chunks), max_num_batched_tokens=chunk * len(chunks),
-                                        **engine_kwargs))
+                                        **pool))
         entries: dict[str, list] = {}
         for i, c in enumerate(chunks):
             engine.add_request(f"ppl-{i}", c, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1))
@@ -248,9 +251,13 @@ def consistency(model_dir: Path, kv: str, prompts: list[list[int]], *, step: int
     cache holding every full block of the prompt); both also by their greedy continuations."""
     longest = max(map(len, prompts))
 
+    # Pools sized to the work (every prompt's blocks stay cached for the second run, beside 4 running
+    # sequences): on CUDA an unsized pool takes most of the free memory, and two engines are alive.
+    pool = {"num_kv_blocks": (len(prompts) + 4) * ((longest + tokens) // 16 + 2)} | engine_kwargs
+
     def engine(budget: int) -> EngineCore:
         return EngineCore(EngineConfig(model=str(model_dir), device=device, dtype="fp32", kv_cache_dtype=kv,
-                                       max_num_seqs=4, max_num_batched_tokens=budget, **engine_kwargs))
+                                       max_num_seqs=4, max_num_batched_tokens=budget, **pool))
 
     whole = engine(longest + tokens)
     pairs = {"chunked": (_prompt_runs(whole, prompts, tokens, prompt_logprobs=True),
