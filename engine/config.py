@@ -57,10 +57,11 @@ class EngineConfig:
     decode_stall_factor: float = 3.0
     # Share of the streams' inter-token gaps that steps past that bound may stall while a backlog of
     # prompts waits (a burst): a few whole-budget steps early in the ramp, where they stall few
-    # streams, buy back most of the bound's cost in tokens/s (engine/scheduling/stall.py,
-    # StallBudget). It stays under 1% so that inter-token p99 remains a bounded gap. 0 = every step
-    # with a streamed decode bounded.
-    decode_stall_share: float = 0.005
+    # streams, buy back the bound's cost in tokens/s (engine/scheduling/stall.py, StallBudget). Below
+    # 1%. Off by default: at 0.005 a served burst on an H100 made 12% more tokens/s but its
+    # inter-token p99 rose from 2.7x to 3.5x the median, which the A/B gate calls a regression
+    # (benchmarks/HISTORY.md, 2026-12-05 fourth session). 0 = every step with a streamed decode bounded.
+    decode_stall_share: float = 0.0
     max_model_len: int | None = None  # context served; default and cap: the model's
     max_waiting: int = 256  # waiting queue bound; beyond it the service answers RESOURCE_EXHAUSTED
     seed: int = 0  # seeds the stream that draws seeds for requests that bring none
