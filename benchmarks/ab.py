@@ -31,7 +31,9 @@ place of --base or goes beside it.
 It prints one table: per workload and figure, each tree's median and spread (min-max) over the
 rounds, the ratio to the working tree, and a verdict: REGRESSION where the working tree is worse
 than a base beyond both spreads (its best round worse than the base's worst), better where the
-reverse holds, else same. --out writes every round's figures as JSON.
+reverse holds, else same. --out writes every round's figures as JSON. Stopped by SIGTERM (a time
+limit's `timeout`), it still prints the table of the rounds that finished, every tree's, and says
+so; the exit status is then 1.
 
 Internal: `ab.py --worker SPEC.json` is one tree's offline engine (run by this script with that tree's
 import path); it reads "run" lines on stdin and answers each with one JSON line of figures.
@@ -41,6 +43,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -389,11 +392,21 @@ def _progress(name: str, r: int, label: str, figures: dict) -> None:
     print(f"  {name} round {r + 1} {label}: {shown}", flush=True)
 
 
-def run_workload(name: str, trees: dict[str, Arm], args, work, logs: Path) -> dict[str, list[dict]]:
+class Stopped(Exception):
+    """SIGTERM: the call's time limit; the rounds measured so far are still tabled."""
+
+
+def _stop(signum, frame) -> None:
+    raise Stopped
+
+
+def run_workload(name: str, trees: dict[str, Arm], args, work, logs: Path,
+                 results: dict[str, list[dict]]) -> None:
     """`args.rounds` rounds of one workload on every arm, alternating (the order reversed every
-    other round, so neither arm always goes first); figures per arm, per round."""
+    other round, so neither arm always goes first); each round's figures appended to
+    results[arm] as they come, so a stop keeps the rounds already run."""
     labels = list(trees)
-    results: dict[str, list[dict]] = {label: [] for label in labels}
+    results.update({label: [] for label in labels})
     if name in OFFLINE:
         kv, fixed_pool, what = OFFLINE[name]
         spec = dict(model=args.model_dir, device=args.device, kv=kv, kv_gib=args.kv_gib if fixed_pool else None,
@@ -435,7 +448,6 @@ def run_workload(name: str, trees: dict[str, Arm], args, work, logs: Path) -> di
         finally:
             for server in servers.values():
                 server.close()
-    return results
 
 
 def verdict(new: list[float], base: list[float], higher_better: bool) -> str:
@@ -541,26 +553,38 @@ def main(argv: list[str] | None = None) -> int:
             print(f"model {args.shape} built in {time.perf_counter() - t0:.0f} s", flush=True)
         work = workload("long", args.requests, args.vocab, prompt_len=0, max_tokens=0, scale=args.scale)
         print("trees: " + ", ".join(f"{label} = {arm.tree}" for label, arm in trees.items()), flush=True)
-        all_results = {}
-        for name in names:
-            t0 = time.perf_counter()
-            all_results[name] = run_workload(name, trees, args, work, logs)
-            key = FIGURES[OFFLINE[name][2] if name in OFFLINE else "served"][0][0]
-            medians = ", ".join(f"{label} {statistics.median(r[key] for r in rounds):,.4g}"
-                                for label, rounds in all_results[name].items())
-            print(f"{name}: {args.rounds} rounds x {len(trees)} trees in {time.perf_counter() - t0:.0f} s; "
-                  f"{key} medians: {medians}", flush=True)
-    text, regressions = table(all_results, list(trees))
+        all_results: dict[str, dict[str, list[dict]]] = {}
+        stopped = None
+        signal.signal(signal.SIGTERM, _stop)
+        try:
+            for name in names:
+                t0 = time.perf_counter()
+                run_workload(name, trees, args, work, logs, all_results.setdefault(name, {}))
+                key = FIGURES[OFFLINE[name][2] if name in OFFLINE else "served"][0][0]
+                medians = ", ".join(f"{label} {statistics.median(r[key] for r in rounds):,.4g}"
+                                    for label, rounds in all_results[name].items())
+                print(f"{name}: {args.rounds} rounds x {len(trees)} trees in {time.perf_counter() - t0:.0f} s; "
+                      f"{key} medians: {medians}", flush=True)
+        except Stopped:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second one ends it at once
+            stopped = [n for n in names  # not begun, or some tree short of its rounds
+                       if not all_results.get(n) or any(len(r) < args.rounds for r in all_results[n].values())]
+    # A workload is tabled where every tree has a round of it (a stop may leave them uneven).
+    done = {n: r for n, r in all_results.items() if r and all(r.values())}
+    text, regressions = table(done, list(trees))
     print(f"\nA/B at the defaults, {args.shape}, {args.device}, {args.rounds} rounds "
           f"(max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens})\n")
     print(text)
     print("\n" + ("\n".join(regressions) if regressions else "verdict: no regression beyond the spreads"))
+    if stopped is not None:
+        print(f"STOPPED by SIGTERM: not every round ran of {', '.join(stopped)} (the table holds the rounds that did, "
+              f"every tree's)")
     if args.out:
         Path(args.out).write_text(json.dumps(dict(trees={k: [str(arm.tree), arm.fields] for k, arm in trees.items()},
                                                   results=all_results, args={k: v for k, v in vars(args).items()
                                                                              if isinstance(v, (int, float, str))}),
                                              indent=1))
-    return 0
+    return 0 if stopped is None else 1
 
 
 if __name__ == "__main__":

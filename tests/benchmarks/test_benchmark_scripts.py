@@ -15,6 +15,7 @@ import ast
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -237,6 +238,30 @@ def test_tiny_ab_gate_of_a_setting_against_the_defaults(tmp_path: Path) -> None:
     for name in ("offline-int8", "burst"):
         assert {label: len(rounds) for label, rounds in data["results"][name].items()} == {
             "new": 1, "new+decode_stall_factor=0": 1}
+
+
+@pytest.mark.slow
+def test_ab_gate_stopped_by_a_time_limit_still_tables_what_ran() -> None:
+    """SIGTERM (gpu.sh's `timeout`) once the offline rows are in, while the burst's servers start:
+    the table holds the offline rows, no burst row, a line naming the burst, and the status is 1."""
+    proc = subprocess.Popen([sys.executable, "benchmarks/ab.py", "--tiny", "--rounds", "1", "--workloads",
+                             "offline-int8,burst", "--variant", "decode_stall_factor=0"], cwd=ROOT,
+                            env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("offline-int8: 1 rounds"):
+                proc.send_signal(signal.SIGTERM)
+                break
+        rest, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    out = "".join(lines) + rest
+    assert proc.returncode == 1, out[-3000:]
+    assert "| offline-int8 | tok_per_s" in out and "| burst |" not in out, out[-3000:]
+    assert "STOPPED by SIGTERM: not every round ran of burst" in out, out[-3000:]
 
 
 @pytest.mark.slow
