@@ -205,9 +205,11 @@ suite_burst() {
   # shellcheck disable=SC2086
   timeout "$(t burst)" python3 benchmarks/burst_steps.py --out "$D/burst.json" ${BURST_ARGS:-} 2>&1 | quiet | tee -a "$D/burst.md"
 }
+# The table scripts below keep their whole output in SUITE.log and show the table and any error's
+# last line (a table that stopped after its header once hid the traceback that stopped it).
 suite_fidelity() {
-  timeout "$(t fidelity)" python3 benchmarks/kv_fidelity.py --device cuda --seeds 1 --exact-prefill 2>&1 | quiet | grep "^|" \
-    | tee -a "$D/fidelity.md"
+  timeout "$(t fidelity)" python3 benchmarks/kv_fidelity.py --device cuda --seeds 1 --exact-prefill 2>&1 | quiet \
+    | tee -a "$D/fidelity.log" | grep "^|\|Error" | tee -a "$D/fidelity.md"
 }
 suite_smolpart() {
   mkdir -p "$ROOT/.smol_keep" && cp "$ROOT"/.smol/part-* "$ROOT/.smol_keep/" && ls -l "$ROOT/.smol_keep" | tee -a "$D/smolpart.log"
@@ -215,8 +217,8 @@ suite_smolpart() {
 suite_realfidelity() {
   timeout "$(t realfidelity)" python3 benchmarks/smollm2.py --gguf "$ROOT/.smol_keep" --check 2>&1 | quiet \
     | tee -a "$D/realfidelity.log" | tail -3
-  timeout "$(t realfidelity)" python3 benchmarks/kv_fidelity.py --real --device cuda 2>&1 | quiet | grep "^|" \
-    | tee -a "$D/realfidelity.md"
+  timeout "$(t realfidelity)" python3 benchmarks/kv_fidelity.py --real --device cuda 2>&1 | quiet \
+    | tee -a "$D/realfidelity.log" | grep "^|\|Error" | tee -a "$D/realfidelity.md"
 }
 suite_structured() {
   timeout "$(t structured)" python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_bitmask.py \
@@ -226,8 +228,8 @@ suite_structured() {
 }
 suite_seeds() {
   # shellcheck disable=SC2086
-  timeout "$(t seeds)" python3 benchmarks/seed_consistency.py ${SEEDS_ARGS:-} 2>&1 | quiet | grep "^|\|^#" \
-    | tee -a "$D/seeds.md"
+  timeout "$(t seeds)" python3 benchmarks/seed_consistency.py ${SEEDS_ARGS:-} 2>&1 | quiet \
+    | tee -a "$D/seeds.log" | grep "^|\|^#\|Error" | tee -a "$D/seeds.md"
 }
 suite_tp() {
   local gpus
