@@ -15,7 +15,7 @@ Two figures per (model, cache dtype), both against transformers in fp32 on the s
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -24,6 +24,8 @@ from pie.engine.config import EngineConfig
 from pie.engine.core.engine_core import EngineCore
 from pie.engine.sampling_params import SamplingParams
 from tests.helpers import make_hf_model_dir
+
+BLOCK = next(f.default for f in fields(EngineConfig) if f.name == "block_size")  # tokens a KV block holds
 
 # Head dim 64, GQA 2:1: the shape class of Llama-3.2-1B's attention, at toy width.
 HEAD_DIM_64 = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
@@ -183,7 +185,8 @@ def text_fidelity(model_dir: Path, kv_dtypes: tuple[str, ...], text: str, *, chu
     for kv in kv_dtypes:
         # A pool sized to the chunks: on CUDA an unsized one takes most of the free memory, and the
         # next dtype's engine is built while this one's pool is still held.
-        pool = {"num_kv_blocks": sum(len(c) // 16 + 2 for c in chunks)} | engine_kwargs
+        block = engine_kwargs.get("block_size", BLOCK)
+        pool = {"num_kv_blocks": sum(len(c) // block + 2 for c in chunks)} | engine_kwargs
         engine = EngineCore(EngineConfig(model=str(model_dir), device=device, dtype="fp32", kv_cache_dtype=kv,
                                         max_num_seqs=len(chunks), max_num_batched_tokens=chunk * len(chunks),
                                         **pool))
@@ -253,7 +256,8 @@ def consistency(model_dir: Path, kv: str, prompts: list[list[int]], *, step: int
 
     # Pools sized to the work (every prompt's blocks stay cached for the second run, beside 4 running
     # sequences): on CUDA an unsized pool takes most of the free memory, and two engines are alive.
-    pool = {"num_kv_blocks": (len(prompts) + 4) * ((longest + tokens) // 16 + 2)} | engine_kwargs
+    block = engine_kwargs.get("block_size", BLOCK)
+    pool = {"num_kv_blocks": (len(prompts) + 4) * ((longest + tokens) // block + 2)} | engine_kwargs
 
     def engine(budget: int) -> EngineCore:
         return EngineCore(EngineConfig(model=str(model_dir), device=device, dtype="fp32", kv_cache_dtype=kv,
