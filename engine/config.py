@@ -58,9 +58,10 @@ class EngineConfig:
     # Share of the streams' inter-token gaps that steps past that bound may stall while a backlog of
     # prompts waits (a burst): a few whole-budget steps early in the ramp, where they stall few
     # streams, buy back the bound's cost in tokens/s (engine/scheduling/stall.py, StallBudget). Below
-    # 1%. Off by default: at 0.005 a served burst on an H100 made 12% more tokens/s but its
-    # inter-token p99 rose from 2.7x to 3.5x the median, which the A/B gate calls a regression
-    # (benchmarks/HISTORY.md, 2026-12-05 fourth session). 0 = every step with a streamed decode bounded.
+    # 1%. Off by default: at 0.005 a served burst made 12% more tokens/s but its inter-token p99 rose
+    # from 2.7x to 3.5x the median, which the A/B gate calls a regression (benchmarks/RESULTS.md,
+    # "the A/B gate's served burst ... with --decode-stall-share"). 0 = every step with a streamed
+    # decode bounded.
     decode_stall_share: float = 0.0
     max_model_len: int | None = None  # context served; default and cap: the model's
     max_waiting: int = 256  # waiting queue bound; beyond it the service answers RESOURCE_EXHAUSTED
