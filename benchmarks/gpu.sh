@@ -91,6 +91,14 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
+# Which code a call ran: the device tool copies the working tree without .git, and the .git found on
+# the lent machine can be an older one, so its commit line is no proof. The fingerprint hashes the
+# code itself; `bash benchmarks/gpu.sh fingerprint` in a checkout prints the same hash for that tree.
+fingerprint() {
+  find engine kernels model service training protos benchmarks clients/pie_client -type f \
+    \( -name '*.py' -o -name '*.proto' -o -name '*.sh' \) | LC_ALL=C sort | xargs sha1sum | sha1sum | cut -c1-12
+}
+[ "${1:-}" = fingerprint ] && { fingerprint; exit 0; }
 if [ -d .whl ] || [ -d .site ]; then
   # .site alone: a later call on the same warm machine, whose first call installed the wheels, can
   # leave .whl out of its carry and take a bigger part of the real checkpoint instead
@@ -295,7 +303,7 @@ run_suite() {  # run_suite SUITE TREE LABEL: the suite in TREE, that tree's code
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv,noheader
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
-g log -1 --format='commit %h %s' 2>/dev/null | cut -c1-100
+echo "code $(fingerprint) (gpu.sh fingerprint); the .git here says $(g log -1 --format='%h %s' 2>/dev/null | cut -c1-70)"
 [ $# -eq 0 ] && { grep '^#   [a-z]' "$0"; exit 2; }
 for suite in "$@"; do
   [[ $SUITES == *" $suite "* ]] || { echo "unknown suite: $suite (one of:$SUITES)"; exit 2; }

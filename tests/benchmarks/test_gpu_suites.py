@@ -75,6 +75,28 @@ def _gpu_sh(*args: str, env: dict[str, str] | None = None, timeout: float = 300)
                           timeout=timeout, env={**os.environ, "PATH": PATH, **(env or {})})
 
 
+def test_the_fingerprint_names_the_code_not_the_git(tmp_path) -> None:
+    """`gpu.sh fingerprint` hashes the code's files (the lent machine's .git can be stale): the same
+    for the same files, different once one of them changes, blind to files that are not code."""
+    for folder in ("engine", "kernels", "model", "service", "training", "protos", "benchmarks", "clients/pie_client"):
+        (tmp_path / folder).mkdir(parents=True)
+        (tmp_path / folder / "a.py").write_text(folder)
+    (tmp_path / "benchmarks" / "gpu.sh").write_text(GPU_SH)
+
+    def fingerprint() -> str:
+        run = subprocess.run(["bash", "benchmarks/gpu.sh", "fingerprint"], cwd=tmp_path, capture_output=True, text=True)
+        assert run.returncode == 0 and re.fullmatch(r"[0-9a-f]{12}\n", run.stdout), run.stdout + run.stderr
+        return run.stdout
+
+    first = fingerprint()
+    assert fingerprint() == first
+    (tmp_path / "kernels" / "a.py").write_text("changed")
+    changed = fingerprint()
+    assert changed != first
+    (tmp_path / "kernels" / "notes.txt").write_text("not code")  # only code files count
+    assert fingerprint() == changed
+
+
 @pytest.mark.slow
 def test_no_suite_lists_them_and_an_unknown_one_is_refused(tmp_path) -> None:
     listing = _gpu_sh(env={"OUT": str(tmp_path)})
