@@ -27,6 +27,14 @@ from tests.helpers import make_hf_model_dir
 
 BLOCK = next(f.default for f in fields(EngineConfig) if f.name == "block_size")  # tokens a KV block holds
 
+
+def _sized_pool(lengths: list[int], engine_kwargs: dict) -> dict:
+    """`engine_kwargs` with a KV pool holding sequences of these lengths (unless they set one): on
+    CUDA an unsized pool takes most of the free memory, and these helpers build one engine while
+    another is still alive."""
+    block = engine_kwargs.get("block_size", BLOCK)
+    return {"num_kv_blocks": sum(n // block + 2 for n in lengths)} | engine_kwargs
+
 # Head dim 64, GQA 2:1: the shape class of Llama-3.2-1B's attention, at toy width.
 HEAD_DIM_64 = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
                    head_dim=64, num_hidden_layers=2, vocab_size=512, max_position_embeddings=512)
@@ -182,11 +190,8 @@ def text_fidelity(model_dir: Path, kv_dtypes: tuple[str, ...], text: str, *, chu
             best.append(logp.argmax(-1).tolist())
     n = sum(len(c) - 1 for c in chunks)
     out = {}
+    pool = _sized_pool([len(c) for c in chunks], engine_kwargs)
     for kv in kv_dtypes:
-        # A pool sized to the chunks: on CUDA an unsized one takes most of the free memory, and the
-        # next dtype's engine is built while this one's pool is still held.
-        block = engine_kwargs.get("block_size", BLOCK)
-        pool = {"num_kv_blocks": sum(len(c) // block + 2 for c in chunks)} | engine_kwargs
         engine = EngineCore(EngineConfig(model=str(model_dir), device=device, dtype="fp32", kv_cache_dtype=kv,
                                         max_num_seqs=len(chunks), max_num_batched_tokens=chunk * len(chunks),
                                         **pool))
@@ -254,10 +259,8 @@ def consistency(model_dir: Path, kv: str, prompts: list[list[int]], *, step: int
     cache holding every full block of the prompt); both also by their greedy continuations."""
     longest = max(map(len, prompts))
 
-    # Pools sized to the work (every prompt's blocks stay cached for the second run, beside 4 running
-    # sequences): on CUDA an unsized pool takes most of the free memory, and two engines are alive.
-    block = engine_kwargs.get("block_size", BLOCK)
-    pool = {"num_kv_blocks": (len(prompts) + 4) * ((longest + tokens) // block + 2)} | engine_kwargs
+    # Every prompt's blocks stay cached for the second run, beside 4 running sequences.
+    pool = _sized_pool([longest + tokens] * (len(prompts) + 4), engine_kwargs)
 
     def engine(budget: int) -> EngineCore:
         return EngineCore(EngineConfig(model=str(model_dir), device=device, dtype="fp32", kv_cache_dtype=kv,
