@@ -14,14 +14,21 @@ batch (--max-num-seqs, --max-num-batched-tokens, the same for all) and what a wo
 
     quick   offline-int8, offline-bf16 (memory ample), burst (256 streams at once, `pie serve`)
     full    quick's, offline-int8-8g, offline-bf16-8g (the KV pool fixed at --kv-gib, 8 GiB), poisson-4, poisson-8
-            (arrivals at 4 and 8 requests/s), stream-int8, stream-bf16 (one request decoding),
-            ttft-4k (one 4,096-token prompt, cold: the time to its first token)
+            (arrivals at 4 and 8 requests/s for --arrival-seconds, 30), stream-int8, stream-bf16 (one
+            request decoding), ttft-4k (one 4,096-token prompt, cold: the time to its first token)
 
 The trees run alternately, round after round, each in a process of its own whose import path holds
 that tree alone (its `pie.*`, or the top-level packages of a tree from before the pie.* names):
-two trees' engines (or servers) of one workload are up together, each with --memory-fraction of
-the GPU, and take turns, so one round of every tree is measured under the same conditions. The
-served load comes from this tree's client for every server (the contract is the same).
+two trees' engines (or servers) are up together, each with --memory-fraction of the GPU, and take
+turns, so one round of every tree is measured under the same conditions. Workloads that need the
+same engine share it (offline-int8, stream-int8 and ttft-4k one int8 engine with the default pool;
+offline-bf16 and stream-bf16 one bf16 engine; the -8g ones one engine each; burst and Poisson one
+server): each tree starts 5 engines or servers for the full table, not 10. The served load comes
+from this tree's client for every server (the contract is the same).
+
+The full table of two bases takes longer than one 10-minute GPU call: `--resume EARLIER.json` (a
+call's --out) takes the workloads that call completed and runs the rest, refusing where the trees'
+code (a fingerprint of it), the device or the work differ, so two calls make one table.
 
 `--variant FIELD=VALUE[,FIELD=VALUE]` (repeatable) adds the working tree once more with those
 EngineConfig fields set (the servers get them as flags: `batch_invariant=true` is
@@ -36,12 +43,14 @@ limit's `timeout`), it still prints the table of the rounds that finished, every
 so; the exit status is then 1.
 
 Internal: `ab.py --worker SPEC.json` is one tree's offline engine (run by this script with that tree's
-import path); it reads "run" lines on stdin and answers each with one JSON line of figures.
+import path); it reads "run WHAT" lines on stdin and answers each with one JSON line of figures.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import os
 import signal
 import statistics
@@ -232,7 +241,8 @@ def server_flags(fields: dict) -> list[str]:
 
 
 def worker(spec: dict) -> int:
-    """Builds the engine of `spec`, warms it up, answers every "run" line with one JSON line."""
+    """Builds the engine of `spec`, warms it up, answers every "run WHAT" line (WHAT: long, stream or
+    ttft, the work of the offline workloads this engine serves) with one JSON line of figures."""
     answers = os.fdopen(os.dup(1), "w")  # the protocol's own channel; whatever else writes to stdout
     os.dup2(2, 1)  # (logs, progress bars) goes to the log with stderr
     sys.stdout = sys.stderr
@@ -252,15 +262,18 @@ def worker(spec: dict) -> int:
     eng.generate([p[:32] for p in prompts[:4]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     print(json.dumps({"ready": True}), file=answers, flush=True)
     for n, line in enumerate(sys.stdin):
-        if line.strip() != "run":
+        command, _, what = line.strip().partition(" ")
+        if command != "run":
             break
         tag = f"r{n}"
-        if spec["what"] == "long":
+        if what == "long":
             result = _run_long(eng, SamplingParams, prompts, outs, tag)
-        elif spec["what"] == "stream":
+        elif what == "stream":
             result = _run_stream(eng, SamplingParams, vocab, tag)
-        else:
+        elif what == "ttft":
             result = _run_ttft(eng, SamplingParams, vocab, tag, spec["ttft_tokens"])
+        else:
+            raise ValueError(f"unknown work {what!r}")
         print(json.dumps(result), file=answers, flush=True)
     return 0
 
@@ -294,6 +307,10 @@ def build_model(folder: Path, shape: str, max_len: int) -> None:
         torch.cuda.empty_cache()  # the engines size their KV pools from what the device has free
 
 
+# Written into a --model-cache folder once its model is complete.
+BUILT = ".built"
+
+
 class Arm(NamedTuple):
     """What one column of the table runs: a tree, and the EngineConfig fields set on it (a --variant)."""
 
@@ -318,15 +335,16 @@ class Worker:
             raise RuntimeError(f"worker exited ({self.proc.wait()}); its log ends:\n{_tail(Path(self.log.name))}")
         return json.loads(line)
 
-    def run(self) -> dict:
-        self.proc.stdin.write("run\n")
+    def run(self, what: str) -> dict:
+        self.proc.stdin.write(f"run {what}\n")
         self.proc.stdin.flush()
         return self.read()
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
+        """Ends the worker: after its current run, or at once (`wait` False: the call is stopping)."""
         if self.proc.poll() is None:
             self.proc.stdin.close()  # the worker's loop ends with its input
-            _wait_or_kill(self.proc, 120)
+            _wait_or_kill(self.proc, 120 if wait else 0)
         self.log.close()
 
 
@@ -370,9 +388,10 @@ class Server:
                 time.sleep(0.5)
         raise RuntimeError(f"server not ready in {timeout:.0f} s; its log ends:\n{_tail(Path(self.log.name))}")
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
+        """Ends the server: gracefully, or at once (`wait` False: the call is stopping)."""
         self.proc.terminate()
-        _wait_or_kill(self.proc, 60)
+        _wait_or_kill(self.proc, 60 if wait else 0)
         self.log.close()
 
 
@@ -386,10 +405,14 @@ def served_round(address: str, work, rate: float | None, requests: int) -> dict:
     return row
 
 
+_T0 = time.perf_counter()
+
+
 def _progress(name: str, r: int, label: str, figures: dict) -> None:
-    """One round's figures as they come (a call cut short by its time limit still shows them)."""
+    """One round's figures as they come (a call cut short by its time limit still shows them), and
+    the seconds since the script started (where a call's time goes)."""
     shown = ", ".join(f"{k} {v:,.4g}" for k, v in figures.items() if isinstance(v, (int, float)))
-    print(f"  {name} round {r + 1} {label}: {shown}", flush=True)
+    print(f"  [{time.perf_counter() - _T0:.0f} s] {name} round {r + 1} {label}: {shown}", flush=True)
 
 
 class Stopped(Exception):
@@ -400,54 +423,131 @@ def _stop(signum, frame) -> None:
     raise Stopped
 
 
-def run_workload(name: str, trees: dict[str, Arm], args, work, logs: Path,
-                 results: dict[str, list[dict]]) -> None:
-    """`args.rounds` rounds of one workload on every arm, alternating (the order reversed every
-    other round, so neither arm always goes first); each round's figures appended to
-    results[arm] as they come, so a stop keeps the rounds already run."""
-    labels = list(trees)
-    results.update({label: [] for label in labels})
+def unit_of(name: str) -> tuple:
+    """What a workload runs on: an offline engine of one page dtype and pool sizing, or `pie serve`.
+    The workloads of one unit share each tree's engine or server (one start a tree, not one a
+    workload: on the GPU a start is a model load, compiles and graph captures, ~30 s)."""
     if name in OFFLINE:
-        kv, fixed_pool, what = OFFLINE[name]
-        spec = dict(model=args.model_dir, device=args.device, kv=kv, kv_gib=args.kv_gib if fixed_pool else None,
-                    what=what, vocab=args.vocab,
-                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                    memory_fraction=args.memory_fraction, prompts=work.prompts, outs=work.max_tokens,
-                    ttft_tokens=args.ttft_tokens)
-        # One after another: an engine sizes its pool from the device's free memory, so the k-th
-        # takes k shares of it (the others' use counts against its fraction).
-        units = {}
-        try:
-            for k, label in enumerate(labels, 1):
-                arm = trees[label]
-                units[label] = Worker(arm.tree, {**spec, "memory_fraction": k * args.memory_fraction,
-                                                 "fields": arm.fields}, args.site, logs / f"{name}-{k}.log")
-                units[label].read()  # ready
-            for r in range(args.rounds):
-                for label in labels if r % 2 == 0 else labels[::-1]:
-                    results[label].append(units[label].run())
-                    _progress(name, r, label, results[label][-1])
-        finally:
-            for unit in units.values():
-                unit.close()
-    else:
-        from benchmarks.serving import for_level
+        kv, fixed_pool, _ = OFFLINE[name]
+        return ("engine", kv, fixed_pool)
+    return ("server",)
 
-        servers = {}
-        try:
-            for k, label in enumerate(labels, 1):  # one after another, as the workers above
-                servers[label] = Server(trees[label].tree, args, args.site, logs / f"{name}-{k}.log",
-                                        memory_fraction=k * args.memory_fraction, fields=trees[label].fields)
-                servers[label].wait_ready()
-            for r in range(args.rounds):
+
+def groups(names: list[str]) -> list[list[str]]:
+    """`names` grouped by unit, in the order each unit first appears."""
+    by_unit: dict[tuple, list[str]] = {}
+    for name in names:
+        by_unit.setdefault(unit_of(name), []).append(name)
+    return list(by_unit.values())
+
+
+def served_requests(name: str, args) -> int:
+    """A burst's streams are the long work's requests; Poisson arrivals last about
+    --arrival-seconds (the rate times that many requests, at most the long work's)."""
+    rate = SERVED[name]
+    return args.requests if rate is None else min(args.requests, max(1, math.ceil(rate * args.arrival_seconds)))
+
+
+def run_group(names: list[str], trees: dict[str, Arm], args, work, logs: Path,
+              all_results: dict[str, dict[str, list[dict]]]) -> None:
+    """`args.rounds` rounds of the workloads `names` (one unit) on every arm: each arm's engine or
+    server starts once, then round after round every workload runs on every arm, the arms
+    alternating (the order reversed every other round, so neither always goes first). Each
+    round's figures are appended to all_results[name][arm] as they come, so a stop keeps the
+    rounds already run."""
+    from benchmarks.serving import for_level
+
+    labels = list(trees)
+    for name in names:
+        all_results[name] = {label: [] for label in labels}
+    units: dict[str, Worker | Server] = {}
+    stopping = False
+    try:
+        for k, label in enumerate(labels, 1):
+            # One after another: an engine sizes its pool from the device's free memory, so the
+            # k-th takes k shares of it (the others' use counts against its fraction).
+            t0 = time.perf_counter()
+            log = logs / f"{names[0]}-{k}.log"
+            if names[0] in OFFLINE:
+                kv, fixed_pool, _ = OFFLINE[names[0]]
+                spec = dict(model=args.model_dir, device=args.device, kv=kv,
+                            kv_gib=args.kv_gib if fixed_pool else None, vocab=args.vocab,
+                            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                            memory_fraction=k * args.memory_fraction, prompts=work.prompts, outs=work.max_tokens,
+                            ttft_tokens=args.ttft_tokens, fields=trees[label].fields)
+                worker = units[label] = Worker(trees[label].tree, spec, args.site, log)
+                worker.read()  # ready
+            else:
+                server = units[label] = Server(trees[label].tree, args, args.site, log,
+                                               memory_fraction=k * args.memory_fraction, fields=trees[label].fields)
+                server.wait_ready()
+            print(f"  {label}'s {'engine' if names[0] in OFFLINE else 'server'} for {', '.join(names)} "
+                  f"up in {time.perf_counter() - t0:.0f} s", flush=True)
+        for r in range(args.rounds):
+            for i, name in enumerate(names):
                 for label in labels if r % 2 == 0 else labels[::-1]:
-                    # a fresh draw of ids per round: the server's prefix cache holds the last round's prompts
-                    level = for_level(work, 1 + r, args.vocab)
-                    results[label].append(served_round(servers[label].address, level, SERVED[name], args.requests))
-                    _progress(name, r, label, results[label][-1])
-        finally:
-            for server in servers.values():
-                server.close()
+                    unit = units[label]
+                    if isinstance(unit, Worker):
+                        figures = unit.run(OFFLINE[name][2])
+                    else:
+                        # A fresh draw of ids per round and workload: the server's prefix cache
+                        # holds the prompts of the rounds before.
+                        level = for_level(work, 1 + r * len(names) + i, args.vocab)
+                        figures = served_round(unit.address, level, SERVED[name], served_requests(name, args))
+                    all_results[name][label].append(figures)
+                    _progress(name, r, label, figures)
+    except Stopped:
+        # The call's time limit: the engines and servers end at once, so that the table and --out
+        # are written before whatever follows the SIGTERM.
+        stopping = True
+        raise
+    finally:
+        for unit in units.values():
+            unit.close(wait=not stopping)
+
+
+# What must agree for the rounds of an earlier call to stand in a table beside this call's.
+RESUME_ARGS = ("shape", "device", "requests", "scale", "kv_gib", "ttft_tokens", "arrival_seconds", "rounds",
+               "max_num_seqs", "max_num_batched_tokens", "memory_fraction")
+
+
+def tree_fingerprint(tree: Path) -> str:
+    """A hash of a tree's code (what the engines and servers run), the same wherever the tree is."""
+    digest = hashlib.sha1()
+    for top in ("engine", "kernels", "model", "service", "training", "protos", "clients/pie_client"):
+        for path in sorted((tree / top).rglob("*")):
+            if path.suffix in (".py", ".proto") and path.is_file():
+                digest.update(str(path.relative_to(tree)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+def device_name(device: str) -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if device == "cuda" and torch.cuda.is_available() else device
+
+
+def resumed(path: Path, trees: dict[str, Arm], args, names: list[str]) -> dict[str, dict[str, list[dict]]]:
+    """The workloads of `names` that an earlier call's --out holds complete (every arm's rounds),
+    where that call ran the same trees (by their code's fingerprint), on the same kind of device,
+    with the same work: a full table can take two calls. ValueError says what differs."""
+    earlier = json.loads(path.read_text())
+    labels = list(earlier.get("trees", {}))
+    if labels != list(trees):
+        raise ValueError(f"its trees are {labels}, this call's {list(trees)}")
+    for label, arm in trees.items():
+        if earlier["trees"][label][1] != arm.fields:
+            raise ValueError(f"{label}: its settings {earlier['trees'][label][1]}, this call's {arm.fields}")
+        if earlier.get("fingerprints", {}).get(label) != tree_fingerprint(arm.tree):
+            raise ValueError(f"{label}: its code differs from this call's (fingerprint "
+                             f"{earlier.get('fingerprints', {}).get(label)} against {tree_fingerprint(arm.tree)})")
+    if earlier.get("device") != device_name(args.device):
+        raise ValueError(f"it ran on {earlier.get('device')}, this call on {device_name(args.device)}")
+    for key in RESUME_ARGS:
+        if earlier["args"].get(key) != getattr(args, key):
+            raise ValueError(f"its {key} is {earlier['args'].get(key)!r}, this call's {getattr(args, key)!r}")
+    return {name: rounds for name, rounds in earlier["results"].items()
+            if name in names and all(len(rounds.get(label, [])) >= args.rounds for label in trees)}
 
 
 def verdict(new: list[float], base: list[float], higher_better: bool) -> str:
@@ -513,12 +613,20 @@ def main(argv: list[str] | None = None) -> int:
     sized.add("--scale", 1.0, 0.05, "multiplies every length of the long work", type=float)
     sized.add("--kv-gib", 8.0, 0.0025, "the fixed KV pool of the -8g workloads, GiB", type=float)
     sized.add("--ttft-tokens", 4096, 256, "the prompt of ttft-4k, tokens")
+    sized.add("--arrival-seconds", 30.0, 3.0, "how long Poisson arrivals last (rate x this many requests, at most "
+              "--requests)", type=float)
     ap.add_argument("--max-num-seqs", type=int, default=256, help="the batch cap, the same for every tree")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192, help="tokens per step, the same for every tree")
     ap.add_argument("--memory-fraction", type=float, default=0.45,
                     help="GPU share of each tree's engine or server (all trees' are up at once)")
     ap.add_argument("--model-dir", default=None, help="the model folder (default: built into a temporary folder)")
+    ap.add_argument("--model-cache", default=None, metavar="DIR",
+                    help="build the model into DIR/<shape> and keep it there for later calls (gpu.sh: "
+                         "/tmp/pie-ab-models, so a held machine builds the 7B-class model once) (default: none)")
     ap.add_argument("--out", default=None, help="JSON file of every round's figures (default: none written)")
+    ap.add_argument("--resume", default=None, metavar="JSON",
+                    help="an earlier call's --out: its complete workloads are taken, the rest run (the same trees, "
+                         "device and work, else it refuses); a full table over two calls (default: none)")
     args = sized.fill(ap.parse_args(argv), "--tiny" in argv)
     args.device = args.device or default_device()
     args.site = str(ROOT / ".site") if (ROOT / ".site").is_dir() else None
@@ -544,33 +652,48 @@ def main(argv: list[str] | None = None) -> int:
         trees[path.name] = Arm(path, {})
     _, fields = SHAPES[args.shape]
     args.vocab = min(fields["vocab_size"], 32000)  # prompt ids drawn from [3, vocab)
+    all_results: dict[str, dict[str, list[dict]]] = {}
+    if args.resume:
+        try:
+            all_results = resumed(Path(args.resume), trees, args, names)
+        except (OSError, ValueError, KeyError) as e:
+            ap.error(f"--resume {args.resume}: {e}")
     with tempfile.TemporaryDirectory(prefix="pie-ab-") as tmp:
         logs = Path(tmp)  # each worker's and server's log; a failure prints the end of its own
         if args.model_dir is None:
-            args.model_dir = str(Path(tmp) / "model")
-            t0 = time.perf_counter()
-            build_model(Path(args.model_dir), args.shape, max_len=2048 if args.shape == "tiny" else 16384)
-            print(f"model {args.shape} built in {time.perf_counter() - t0:.0f} s", flush=True)
+            folder = Path(args.model_cache) / args.shape if args.model_cache else Path(tmp) / "model"
+            args.model_dir = str(folder)
+            if (folder / BUILT).exists():
+                print(f"model {args.shape} taken from {folder}", flush=True)
+            else:
+                t0 = time.perf_counter()
+                build_model(folder, args.shape, max_len=2048 if args.shape == "tiny" else 16384)
+                (folder / BUILT).touch()  # last: a build cut short is built again
+                print(f"model {args.shape} built in {time.perf_counter() - t0:.0f} s", flush=True)
         work = workload("long", args.requests, args.vocab, prompt_len=0, max_tokens=0, scale=args.scale)
         print("trees: " + ", ".join(f"{label} = {arm.tree}" for label, arm in trees.items()), flush=True)
-        all_results: dict[str, dict[str, list[dict]]] = {}
+        if args.resume:
+            print(f"taken from {args.resume}: {', '.join(all_results) or 'nothing (no workload complete there)'}",
+                  flush=True)
+        todo = [n for n in names if n not in all_results]
         stopped = None
         signal.signal(signal.SIGTERM, _stop)
         try:
-            for name in names:
+            for group in groups(todo):
                 t0 = time.perf_counter()
-                run_workload(name, trees, args, work, logs, all_results.setdefault(name, {}))
-                key = FIGURES[OFFLINE[name][2] if name in OFFLINE else "served"][0][0]
-                medians = ", ".join(f"{label} {statistics.median(r[key] for r in rounds):,.4g}"
-                                    for label, rounds in all_results[name].items())
-                print(f"{name}: {args.rounds} rounds x {len(trees)} trees in {time.perf_counter() - t0:.0f} s; "
-                      f"{key} medians: {medians}", flush=True)
+                run_group(group, trees, args, work, logs, all_results)
+                for name in group:
+                    key = FIGURES[OFFLINE[name][2] if name in OFFLINE else "served"][0][0]
+                    medians = ", ".join(f"{label} {statistics.median(r[key] for r in rounds):,.4g}"
+                                        for label, rounds in all_results[name].items())
+                    print(f"{name}: {args.rounds} rounds x {len(trees)} trees; {key} medians: {medians}", flush=True)
+                print(f"{', '.join(group)}: {time.perf_counter() - t0:.0f} s, starts included", flush=True)
         except Stopped:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second one ends it at once
-            stopped = [n for n in names  # not begun, or some tree short of its rounds
+            stopped = [n for n in todo  # not begun, or some tree short of its rounds
                        if not all_results.get(n) or any(len(r) < args.rounds for r in all_results[n].values())]
     # A workload is tabled where every tree has a round of it (a stop may leave them uneven).
-    done = {n: r for n, r in all_results.items() if r and all(r.values())}
+    done = {n: all_results[n] for n in names if all_results.get(n) and all(all_results[n].values())}
     text, regressions = table(done, list(trees))
     print(f"\nA/B at the defaults, {args.shape}, {args.device}, {args.rounds} rounds "
           f"(max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens})\n")
@@ -580,10 +703,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"STOPPED by SIGTERM: not every round ran of {', '.join(stopped)} (the table holds the rounds that did, "
               f"every tree's)")
     if args.out:
-        Path(args.out).write_text(json.dumps(dict(trees={k: [str(arm.tree), arm.fields] for k, arm in trees.items()},
-                                                  results=all_results, args={k: v for k, v in vars(args).items()
-                                                                             if isinstance(v, (int, float, str))}),
-                                             indent=1))
+        Path(args.out).write_text(json.dumps(dict(
+            trees={k: [str(arm.tree), arm.fields] for k, arm in trees.items()},
+            fingerprints={k: tree_fingerprint(arm.tree) for k, arm in trees.items()}, device=device_name(args.device),
+            results={n: all_results[n] for n in names if n in all_results},
+            args={k: v for k, v in vars(args).items() if isinstance(v, (int, float, str))}), indent=1))
     return 0 if stopped is None else 1
 
 

@@ -72,7 +72,8 @@
 #               the 7B-class long work at the defaults, alternating rounds; AB_ARGS adds flags
 #               (default "--mode quick --rounds 3"; "--mode full" for every row); AB_BASES names the
 #               folders under .ab/ to compare with, one at a time (default: all of them; "-": none,
-#               for AB_ARGS="--variant batch_invariant=true ...", a setting against the defaults)
+#               for AB_ARGS="--variant batch_invariant=true ...", a setting against the defaults);
+#               "--resume .ab/ab-BASE.json" (an earlier call's JSON, carried) runs only what it lacks
 #
 # BASELINE=<commit> runs every suite a second time on that commit, checked out with `git worktree
 # add` (else `git archive`) outside the repo, and writes its files under $OUT/baseline/. The device
@@ -265,13 +266,13 @@ suite_spec() {
 }
 suite_ab() {
   local base
-  for base in ${AB_BASES:-$(ls "$ROOT/.ab" 2>/dev/null)}; do
+  for base in ${AB_BASES:-$(cd "$ROOT/.ab" 2>/dev/null && ls -d -- */ | tr -d /)}; do  # its folders, not a JSON
     echo "## this tree against ${base/#-/its defaults}" | tee -a "$D/ab.md"
     local against=(--base "$ROOT/.ab/$base")
     [ "$base" = "-" ] && against=()
     # shellcheck disable=SC2086
     timeout "$(t ab)" python3 benchmarks/ab.py "${against[@]}" ${AB_ARGS:---mode quick --rounds 3} \
-      --out "$D/ab-${base/#-/variant}.json" 2>&1 | quiet | tee -a "$D/ab.md"
+      --model-cache /tmp/pie-ab-models --out "$D/ab-${base/#-/variant}.json" 2>&1 | quiet | tee -a "$D/ab.md"
   done
 }
 SUITES=" tests alltests kernels variants ncu roofline extend engine profile host offline hf capacity serving scheduling mixed long stepcost burst fidelity smolpart realfidelity seeds structured tp spec ab "

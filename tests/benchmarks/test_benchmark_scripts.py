@@ -15,6 +15,7 @@ import ast
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -222,6 +223,59 @@ def test_ab_variants_are_engine_fields_and_server_flags(monkeypatch) -> None:
         ab.parse_variant("batch_invariant")
     with pytest.raises(ValueError, match="compare without it"):
         ab.server_flags({"enable_prefix_caching": False})
+
+
+def test_ab_workloads_share_a_unit_and_poisson_lasts_the_arrival_seconds(monkeypatch) -> None:
+    ab = _load(SCRIPTS["ab"], monkeypatch)
+    assert ab.groups(ab.MODES["full"]) == [["offline-int8", "stream-int8", "ttft-4k"], ["offline-bf16", "stream-bf16"],
+                                           ["offline-int8-8g"], ["offline-bf16-8g"], ["burst", "poisson-4", "poisson-8"]]
+    assert ab.groups(["burst", "offline-int8"]) == [["burst"], ["offline-int8"]]  # in the order given
+    args = argparse.Namespace(requests=256, arrival_seconds=30.0)
+    assert [ab.served_requests(n, args) for n in ("burst", "poisson-4", "poisson-8")] == [256, 120, 240]
+    args.arrival_seconds = 100.0
+    assert ab.served_requests("poisson-4", args) == 256  # never more than the long work holds
+
+
+def test_ab_resumes_only_the_same_trees_device_and_work(monkeypatch, tmp_path: Path) -> None:
+    """--resume takes an earlier call's complete workloads, and refuses where the code, a tree's
+    settings, the device or the work differ."""
+    ab = _load(SCRIPTS["ab"], monkeypatch)
+    new, base = tmp_path / "new", tmp_path / "base"
+    for tree, text in ((new, "x = 1\n"), (base, "x = 0\n")):
+        (tree / "engine").mkdir(parents=True)
+        (tree / "engine" / "a.py").write_text(text)
+    trees = {"new": ab.Arm(new, {}), "base": ab.Arm(base, {})}
+    args = argparse.Namespace(shape="qwen2-7b", device="cpu", requests=256, scale=1.0, kv_gib=8.0, ttft_tokens=4096,
+                              arrival_seconds=30.0, rounds=2, max_num_seqs=256, max_num_batched_tokens=8192,
+                              memory_fraction=0.45)
+    two = [{"tok_per_s": 1.0}, {"tok_per_s": 2.0}]
+    earlier = dict(trees={"new": [str(new), {}], "base": [str(base), {}]},
+                   fingerprints={"new": ab.tree_fingerprint(new), "base": ab.tree_fingerprint(base)}, device="cpu",
+                   results={"offline-int8": {"new": two, "base": two},
+                            "burst": {"new": two, "base": two[:1]}},  # stopped in its second round
+                   args={k: v for k, v in vars(args).items()})
+    path = tmp_path / "earlier.json"
+    path.write_text(json.dumps(earlier))
+    assert ab.resumed(path, trees, args, ["offline-int8", "burst", "ttft-4k"]) == {"offline-int8": {"new": two,
+                                                                                                    "base": two}}
+    assert ab.resumed(path, trees, args, ["burst"]) == {}  # not asked for: not taken
+    copy = tmp_path / "elsewhere"  # the same code at another path (another machine's) is the same tree
+    shutil.copytree(new, copy)
+    moved = {"new": ab.Arm(copy, {}), "base": trees["base"]}
+    assert ab.resumed(path, moved, args, ["offline-int8"]) == {"offline-int8": {"new": two, "base": two}}
+    (copy / "engine" / "a.py").write_text("x = 2\n")
+    with pytest.raises(ValueError, match="new: its code differs"):
+        ab.resumed(path, moved, args, ["offline-int8"])
+    with pytest.raises(ValueError, match="its settings"):
+        ab.resumed(path, {"new": trees["new"], "base": ab.Arm(base, {"batch_invariant": True})}, args, [])
+    with pytest.raises(ValueError, match="its trees are"):
+        ab.resumed(path, {"new": trees["new"]}, args, [])
+    with pytest.raises(ValueError, match="its rounds is 2, this call's 3"):
+        ab.resumed(path, trees, argparse.Namespace(**{**vars(args), "rounds": 3}), [])
+    earlier["device"] = "NVIDIA H200"
+    path.write_text(json.dumps(earlier))
+    with pytest.raises(ValueError, match="it ran on NVIDIA H200, this call on cpu"):
+        ab.resumed(path, trees, args, [])
 
 
 @pytest.mark.slow
