@@ -9,7 +9,9 @@ flags before it touches a device, so `--help` works on any machine.
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -62,3 +64,57 @@ class SizedFlags:
             if getattr(args, dest) is None:
                 setattr(args, dest, small if tiny else full)
         return args
+
+
+def _cpu_list(text: str) -> set[int]:
+    """sysfs' CPU list ("0-15,32-47") as a set."""
+    cpus: set[int] = set()
+    for part in filter(None, text.strip().split(",")):
+        first, _, last = part.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
+
+
+def _gpu_pci_folder() -> Path | None:
+    """The sysfs folder of the current CUDA device, where torch tells its PCI address."""
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    domain, bus, device = (getattr(props, k, None) for k in ("pci_domain_id", "pci_bus_id", "pci_device_id"))
+    if bus is None or device is None:
+        return None
+    folder = Path(f"/sys/bus/pci/devices/{domain or 0:04x}:{bus:02x}:{device:02x}.0")
+    return folder if folder.is_dir() else None
+
+
+def gpu_local_cpus() -> set[int] | None:
+    """The CPUs of the NUMA node the GPU hangs off (sysfs' local_cpulist); None where unknown."""
+    folder = _gpu_pci_folder()
+    if folder is None or not (folder / "local_cpulist").exists():
+        return None
+    return _cpu_list((folder / "local_cpulist").read_text()) or None
+
+
+def pin_to_gpu_node() -> str:
+    """Confines this process (and the threads it starts from now on) to the GPU's NUMA-local CPUs
+    that it may run on; returns what it did, for the output."""
+    local = gpu_local_cpus()
+    allowed = os.sched_getaffinity(0)
+    if not local or not local & allowed:
+        return "not pinned: the GPU's NUMA-local CPUs are unknown here"
+    os.sched_setaffinity(0, local & allowed)
+    return f"pinned to the GPU's {len(local & allowed)} NUMA-local CPUs"
+
+
+def host_facts() -> str:
+    """One line on where the host side ran: the CPU this thread is on and its clock, how many CPUs
+    it may use, the load, and whether that CPU is on the GPU's NUMA node (a host that runs the
+    same step at two speeds leaves these to compare)."""
+    cpu = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[36])  # field 39, `processor`
+    freq = Path(f"/sys/devices/system/cpu/cpu{cpu}/cpufreq/scaling_cur_freq")
+    mhz = f"{int(freq.read_text()) / 1e3:.0f} MHz" if freq.exists() else "clock unknown"
+    local = gpu_local_cpus()
+    node = "" if local is None else f", {'on' if cpu in local else 'off'} the GPU's NUMA node"
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    return (f"host: cpu {cpu} at {mhz}{node}; {len(os.sched_getaffinity(0))} of {os.cpu_count()} CPUs allowed; "
+            f"load {load}")

@@ -25,7 +25,8 @@
 #   profile     benchmarks/profile_step.py --steps 30 (one decode step of the Llama-1B shape, 256 rows,
 #               int8 pages; the phases synchronized); the figure a before/after comparison reads.
 #               PROFILE_ARGS adds flags: "--prompt-tokens 512" makes each step a mixed one, and its
-#               last line says how much of the step the host left the GPU idle
+#               last line says how much of the step the host left the GPU idle; "--pin-gpu-node"
+#               keeps the host on the GPU's NUMA node (its `host:` line says where a run was)
 #   host        benchmarks/profile_step.py --micro --stub-forward --batch 256 (the engine's host work
 #               per step alone: the forward returns zeros at once)
 #   offline     benchmarks/throughput.py --skip-hf (256 requests x 256 tokens, int8 and bf16 pages);
@@ -158,7 +159,7 @@ suite_engine() {
 suite_profile() {
   # shellcheck disable=SC2086
   timeout "$(t profile)" python3 benchmarks/profile_step.py --steps 30 ${PROFILE_ARGS:-} 2>&1 | quiet \
-    | grep -v "^void\|nvjet\|^---\|Self CUDA" | tee -a "$D/profile.md" | grep -i "wall per\|forward\|median\|busy"
+    | grep -v "^void\|nvjet\|^---\|Self CUDA" | tee -a "$D/profile.md" | grep -i "wall per\|forward\|median\|busy\|^host:\|pinned"
 }
 suite_host() {
   timeout "$(t host)" python3 benchmarks/profile_step.py --micro --stub-forward --batch 256 --ctx 400 --steps 50 \

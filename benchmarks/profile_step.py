@@ -6,6 +6,9 @@
         # CPU: the forward pass returns a constant, so a step is the engine's host work alone
     python benchmarks/profile_step.py --prompt-tokens 512
         # GPU: every measured step also carries a new 512-token prompt (a mixed step, as served)
+    python benchmarks/profile_step.py --pin-gpu-node
+        # GPU: the host confined to the GPU's NUMA node (the same step has run at two speeds of the
+        # host, 2.7 and 3.7 ms, with the same kernel time; the `host:` line says where each ran)
 
 All requests are admitted and prefilled first; then --steps pure decode steps are measured:
 1. wall time per step (the engine as it runs);
@@ -31,7 +34,7 @@ import torch
 
 _ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(_ROOT), str(_ROOT / "clients")]  # benchmarks.*, and this checkout's pie
-from benchmarks.common import DEVICE_HELP, default_device, make_parser  # noqa: E402
+from benchmarks.common import DEVICE_HELP, default_device, host_facts, make_parser, pin_to_gpu_node  # noqa: E402
 from benchmarks.throughput import LLAMA_1B, MICRO, TINY, build_model  # noqa: E402
 from pie.engine.config import EngineConfig  # noqa: E402
 from pie.engine.core.engine_core import EngineCore  # noqa: E402
@@ -66,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
                          "pure decode steps)")
     ap.add_argument("--cprofile", type=int, default=0,
                     help="print the N functions with most Python time in step() (default: 0, no profile)")
+    ap.add_argument("--pin-gpu-node", action="store_true",
+                    help="run on the CPUs of the GPU's NUMA node only (is a slow host a far one?) (default: off)")
     ap.add_argument("--extra", default="",
                     help="EngineConfig overrides, k=v,k=v (ints/floats/bools) (default: none)")
     args = ap.parse_args(argv)
@@ -80,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         extra[k] = {"true": True, "false": False}.get(v.lower(), None)
         if extra[k] is None:
             extra[k] = float(v) if "." in v else int(v)
+    if args.pin_gpu_node:
+        print(pin_to_gpu_node())
     with tempfile.TemporaryDirectory() as tmp:
         build_model(Path(tmp), shape, torch.bfloat16 if args.device == "cuda" else torch.float32, made_by="pie")
         # a mixed step's new prompt (and, under async scheduling, the one before it, ending) ride beside the batch
@@ -134,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# {args.device}: batch {batch}, context ~{ctx}, kv {args.kv}{mixed}, {extra or ''}")
         print(f"wall per {'mixed' if args.prompt_tokens else 'decode'} step: {step_ms:.3f} ms  ({batch / step_ms * 1e3:,.0f} decode tok/s); "
               f"windows of {args.steps} steps: {', '.join(f'{w:.2f}' for w in windows)} ms")
+        print(host_facts())
         if args.cprofile:  # Python time of the engine's own step, by function
             import cProfile
             import pstats
