@@ -208,7 +208,13 @@ def race(probs: torch.Tensor, seed: torch.Tensor, step: torch.Tensor) -> torch.T
 
 
 def logprobs_of(logits: torch.Tensor, token_ids: torch.Tensor, n: int) -> SamplerOutput:
-    """The sampled tokens with their log_softmax under `logits` (B, V) and the n most likely."""
+    """The sampled tokens with their log_softmax under `logits` (B, V) and the n most likely. With
+    n 0 no row asked for logprobs (a token's own logprob goes out only with `logprobs` >= 1): the
+    logprobs are zeros, and the two passes over (B, V) that computing them takes (~90 us a step at
+    256 rows of a 128k vocabulary on an H100's bandwidth) are skipped."""
+    if n == 0:
+        return SamplerOutput(token_ids=token_ids, logprobs=torch.zeros(token_ids.shape, device=token_ids.device),
+                             top_ids=None, top_logprobs=None)
     logsumexp = torch.logsumexp(logits, dim=-1)  # (B,)
     top_ids = top_logprobs = None
     if n > 0:

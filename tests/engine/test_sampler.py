@@ -255,6 +255,25 @@ def test_logprobs_are_raw_log_softmax(device):
     assert (out.top_logprobs[:, :-1] >= out.top_logprobs[:, 1:]).all()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_no_logprobs_asked_no_pass_over_the_vocabulary(device, monkeypatch):
+    """A batch where no row asks for logprobs skips log_softmax's passes over (B, V): its logprobs
+    are zeros (never sent), and its tokens are those of the same batch with logprobs asked."""
+    logits = rand_logits(4, 40, seed=3, device=device)
+    plain = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_k=10)] * 2
+    calls = []
+    logsumexp = torch.logsumexp
+    monkeypatch.setattr(torch, "logsumexp", lambda *a, **k: calls.append(1) or logsumexp(*a, **k))
+    out = sample(logits, build(plain, vocab=40, device=device))
+    assert calls == [] and out.top_ids is None and out.top_logprobs is None
+    assert torch.equal(out.logprobs, torch.zeros(4, device=device))
+    asked = [SamplingParams(temperature=0.0, logprobs=1)] + plain[1:]
+    with_logprobs = sample(logits, build(asked, vocab=40, device=device))
+    assert calls and torch.equal(with_logprobs.token_ids, out.token_ids)
+    torch.testing.assert_close(with_logprobs.logprobs,
+                               torch.log_softmax(logits, -1).gather(1, out.token_ids[:, None]).squeeze(1))
+
+
 def test_input_logits_unchanged():
     logits = rand_logits(3, 20, seed=8)
     before = logits.clone()
