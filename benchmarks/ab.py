@@ -26,9 +26,11 @@ offline-bf16 and stream-bf16 one bf16 engine; the -8g ones one engine each; burs
 server): each tree starts 5 engines or servers for the full table, not 10. The served load comes
 from this tree's client for every server (the contract is the same).
 
-The full table of two bases takes longer than one 10-minute GPU call: `--resume EARLIER.json` (a
-call's --out) takes the workloads that call completed and runs the rest, refusing where the trees'
-code (a fingerprint of it), the device or the work differ, so two calls make one table.
+The full table takes longer than one 10-minute GPU call: `--resume EARLIER.json` (a call's --out)
+takes every workload that call completed, runs those asked for (--mode or --workloads) that it
+lacks, and tables and writes them all, refusing where the trees' code (a fingerprint of it), the
+device or the work differ: calls that each run some workloads build one table, each row's trees
+measured in one call.
 
 `--variant FIELD=VALUE[,FIELD=VALUE]` (repeatable) adds the working tree once more with those
 EngineConfig fields set (the servers get them as flags: `batch_invariant=true` is
@@ -527,10 +529,10 @@ def device_name(device: str) -> str:
     return torch.cuda.get_device_name() if device == "cuda" and torch.cuda.is_available() else device
 
 
-def resumed(path: Path, trees: dict[str, Arm], args, names: list[str]) -> dict[str, dict[str, list[dict]]]:
-    """The workloads of `names` that an earlier call's --out holds complete (every arm's rounds),
-    where that call ran the same trees (by their code's fingerprint), on the same kind of device,
-    with the same work: a full table can take two calls. ValueError says what differs."""
+def resumed(path: Path, trees: dict[str, Arm], args) -> dict[str, dict[str, list[dict]]]:
+    """The workloads an earlier call's --out holds complete (every arm's rounds), where that call
+    ran the same trees (by their code's fingerprint), on the same kind of device, with the same
+    work: a full table can take several calls. ValueError says what differs."""
     earlier = json.loads(path.read_text())
     labels = list(earlier.get("trees", {}))
     if labels != list(trees):
@@ -547,7 +549,7 @@ def resumed(path: Path, trees: dict[str, Arm], args, names: list[str]) -> dict[s
         if earlier["args"].get(key) != getattr(args, key):
             raise ValueError(f"its {key} is {earlier['args'].get(key)!r}, this call's {getattr(args, key)!r}")
     return {name: rounds for name, rounds in earlier["results"].items()
-            if name in names and all(len(rounds.get(label, [])) >= args.rounds for label in trees)}
+            if name in MODES["full"] and all(len(rounds.get(label, [])) >= args.rounds for label in trees)}
 
 
 def verdict(new: list[float], base: list[float], higher_better: bool) -> str:
@@ -625,8 +627,9 @@ def main(argv: list[str] | None = None) -> int:
                          "/tmp/pie-ab-models, so a held machine builds the 7B-class model once) (default: none)")
     ap.add_argument("--out", default=None, help="JSON file of every round's figures (default: none written)")
     ap.add_argument("--resume", default=None, metavar="JSON",
-                    help="an earlier call's --out: its complete workloads are taken, the rest run (the same trees, "
-                         "device and work, else it refuses); a full table over two calls (default: none)")
+                    help="an earlier call's --out: its complete workloads are taken and tabled, those asked for that it "
+                         "lacks run (the same trees, device and work, else it refuses); a full table over several "
+                         "calls (default: none)")
     args = sized.fill(ap.parse_args(argv), "--tiny" in argv)
     args.device = args.device or default_device()
     args.site = str(ROOT / ".site") if (ROOT / ".site").is_dir() else None
@@ -655,7 +658,7 @@ def main(argv: list[str] | None = None) -> int:
     all_results: dict[str, dict[str, list[dict]]] = {}
     if args.resume:
         try:
-            all_results = resumed(Path(args.resume), trees, args, names)
+            all_results = resumed(Path(args.resume), trees, args)
         except (OSError, ValueError, KeyError) as e:
             ap.error(f"--resume {args.resume}: {e}")
     with tempfile.TemporaryDirectory(prefix="pie-ab-") as tmp:
@@ -693,7 +696,9 @@ def main(argv: list[str] | None = None) -> int:
             stopped = [n for n in todo  # not begun, or some tree short of its rounds
                        if not all_results.get(n) or any(len(r) < args.rounds for r in all_results[n].values())]
     # A workload is tabled where every tree has a round of it (a stop may leave them uneven).
-    done = {n: all_results[n] for n in names if all_results.get(n) and all(all_results[n].values())}
+    # The table and --out: this call's workloads and those taken from --resume, in the full table's order.
+    shown = [n for n in MODES["full"] if n in names or n in all_results]
+    done = {n: all_results[n] for n in shown if all_results.get(n) and all(all_results[n].values())}
     text, regressions = table(done, list(trees))
     print(f"\nA/B at the defaults, {args.shape}, {args.device}, {args.rounds} rounds "
           f"(max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens})\n")
@@ -706,7 +711,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).write_text(json.dumps(dict(
             trees={k: [str(arm.tree), arm.fields] for k, arm in trees.items()},
             fingerprints={k: tree_fingerprint(arm.tree) for k, arm in trees.items()}, device=device_name(args.device),
-            results={n: all_results[n] for n in names if n in all_results},
+            results={n: all_results[n] for n in shown if n in all_results},
             args={k: v for k, v in vars(args).items() if isinstance(v, (int, float, str))}), indent=1))
     return 0 if stopped is None else 1
 

@@ -256,26 +256,24 @@ def test_ab_resumes_only_the_same_trees_device_and_work(monkeypatch, tmp_path: P
                    args={k: v for k, v in vars(args).items()})
     path = tmp_path / "earlier.json"
     path.write_text(json.dumps(earlier))
-    assert ab.resumed(path, trees, args, ["offline-int8", "burst", "ttft-4k"]) == {"offline-int8": {"new": two,
-                                                                                                    "base": two}}
-    assert ab.resumed(path, trees, args, ["burst"]) == {}  # not asked for: not taken
+    assert ab.resumed(path, trees, args) == {"offline-int8": {"new": two, "base": two}}  # the burst is not whole
     copy = tmp_path / "elsewhere"  # the same code at another path (another machine's) is the same tree
     shutil.copytree(new, copy)
     moved = {"new": ab.Arm(copy, {}), "base": trees["base"]}
-    assert ab.resumed(path, moved, args, ["offline-int8"]) == {"offline-int8": {"new": two, "base": two}}
+    assert ab.resumed(path, moved, args) == {"offline-int8": {"new": two, "base": two}}
     (copy / "engine" / "a.py").write_text("x = 2\n")
     with pytest.raises(ValueError, match="new: its code differs"):
-        ab.resumed(path, moved, args, ["offline-int8"])
+        ab.resumed(path, moved, args)
     with pytest.raises(ValueError, match="its settings"):
-        ab.resumed(path, {"new": trees["new"], "base": ab.Arm(base, {"batch_invariant": True})}, args, [])
+        ab.resumed(path, {"new": trees["new"], "base": ab.Arm(base, {"batch_invariant": True})}, args)
     with pytest.raises(ValueError, match="its trees are"):
-        ab.resumed(path, {"new": trees["new"]}, args, [])
+        ab.resumed(path, {"new": trees["new"]}, args)
     with pytest.raises(ValueError, match="its rounds is 2, this call's 3"):
-        ab.resumed(path, trees, argparse.Namespace(**{**vars(args), "rounds": 3}), [])
+        ab.resumed(path, trees, argparse.Namespace(**{**vars(args), "rounds": 3}))
     earlier["device"] = "NVIDIA H200"
     path.write_text(json.dumps(earlier))
     with pytest.raises(ValueError, match="it ran on NVIDIA H200, this call on cpu"):
-        ab.resumed(path, trees, args, [])
+        ab.resumed(path, trees, args)
 
 
 @pytest.mark.slow
@@ -292,6 +290,25 @@ def test_tiny_ab_gate_of_a_setting_against_the_defaults(tmp_path: Path) -> None:
     for name in ("offline-int8", "burst"):
         assert {label: len(rounds) for label, rounds in data["results"][name].items()} == {
             "new": 1, "new+decode_stall_factor=0": 1}
+
+
+@pytest.mark.slow
+def test_tiny_ab_gate_builds_one_table_over_two_calls(tmp_path: Path) -> None:
+    """--resume: the second call runs only what it was asked for, and tables and writes both calls'
+    workloads, each with every tree's rounds."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    first, second = tmp_path / "first.json", tmp_path / "second.json"
+    common = ["benchmarks/ab.py", "--tiny", "--rounds", "1", "--variant", "decode_stall_factor=0",
+              "--model-cache", str(tmp_path / "models")]
+    run = _run([*common, "--workloads", "ttft-4k", "--out", str(first)], env, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    run = _run([*common, "--workloads", "stream-int8", "--resume", str(first), "--out", str(second)], env, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "taken from" in run.stdout and "ttft-4k round" not in run.stdout and "model tiny taken from" in run.stdout
+    assert "| ttft-4k | ttft_ms" in run.stdout and "| stream-int8 | tok_per_s" in run.stdout, run.stdout
+    results = json.loads(second.read_text())["results"]
+    assert list(results) == ["stream-int8", "ttft-4k"]  # the full table's order
+    assert all(len(rounds) == 1 for name in results for rounds in results[name].values())
 
 
 @pytest.mark.slow
