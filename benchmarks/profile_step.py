@@ -24,6 +24,7 @@ so each measured step is a mixed one: the decodes beside a whole new prompt.
 
 from __future__ import annotations
 
+import gc
 import random
 import sys
 import tempfile
@@ -97,8 +98,6 @@ def main(argv: list[str] | None = None) -> int:
         cfg.update(extra)
         eng = EngineCore(EngineConfig(**cfg))
         if args.unfreeze_gc:
-            import gc
-
             gc.unfreeze()
         if args.stub_forward:
             hidden = shape["hidden_size"]
@@ -128,20 +127,27 @@ def main(argv: list[str] | None = None) -> int:
             step()
         # Three windows of --steps steps: the first ones after prefill have been slower (up to 2x on
         # the H200, not explained yet), so each window is printed and the last one counts.
-        windows = []
+        # Beside each window's wall time: the share of it the stepping thread spent on a CPU
+        # (below 1: it waited, for the device or for a CPU), and the garbage collections in it.
+        windows, on_cpu, collections = [], [], []
         for _ in range(3):
             sync(args.device)
-            t0 = time.perf_counter()
+            gc_before = sum(g["collections"] for g in gc.get_stats())
+            t0, c0 = time.perf_counter(), time.thread_time()
             for _ in range(args.steps):
                 step()
             sync(args.device)
-            windows.append(1e3 * (time.perf_counter() - t0) / args.steps)
+            wall = time.perf_counter() - t0
+            windows.append(1e3 * wall / args.steps)
+            on_cpu.append((time.thread_time() - c0) / wall)
+            collections.append(sum(g["collections"] for g in gc.get_stats()) - gc_before)
         step_ms = windows[-1]
         mixed = f", a new {args.prompt_tokens}-token prompt each step" if args.prompt_tokens else ""
         print(f"# {args.device}: batch {batch}, context ~{ctx}, kv {args.kv}{mixed}, {extra or ''}")
         print(f"wall per {'mixed' if args.prompt_tokens else 'decode'} step: {step_ms:.3f} ms  ({batch / step_ms * 1e3:,.0f} decode tok/s); "
               f"windows of {args.steps} steps: {', '.join(f'{w:.2f}' for w in windows)} ms")
-        print(host_facts())
+        print(host_facts() + "; the stepping thread on a CPU " + ", ".join(f"{x:.0%}" for x in on_cpu)
+              + " of each window, garbage collections " + ", ".join(map(str, collections)))
         if args.cprofile:  # Python time of the engine's own step, by function
             import cProfile
             import pstats
