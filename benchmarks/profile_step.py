@@ -100,9 +100,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.unfreeze_gc:
             gc.unfreeze()
         if args.stub_forward:
+            # Random hidden states, drawn once: each row's logits then pick a token of the
+            # vocabulary, as text does (zeros picked id 0 in every row, the bundled tokenizer's
+            # <pad>, a skipped special that the detokenizer held back step after step).
             hidden = shape["hidden_size"]
             dtype = next(eng.model.parameters()).dtype
-            eng.model.forward = lambda ids, pos, attn: torch.zeros(ids.shape[0], hidden, dtype=dtype, device=ids.device)
+            noise = torch.randn(4096, hidden, generator=torch.Generator().manual_seed(0)).to(args.device, dtype)
+
+            def stub(ids: torch.Tensor, pos: torch.Tensor, attn: object) -> torch.Tensor:
+                return noise[pos % noise.shape[0]]
+
+            eng.model.forward = stub
         rng = random.Random(0)
         sp = SamplingParams(max_tokens=eng.max_model_len - ctx, temperature=0, ignore_eos=True)
         requests = [eng.add_request(f"r{i}", [rng.randrange(3, shape["vocab_size"]) for _ in range(ctx)], sp).samples[0]
