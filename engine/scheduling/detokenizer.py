@@ -40,6 +40,7 @@ _REPLACEMENT = "\ufffd"
 
 class Decoder(Protocol):
     backend: BackendTokenizer  # the `tokenizers` object DecodeStream runs on
+    all_special_ids: tuple[int, ...]  # the added tokens marked special (skip_special_tokens drops them)
 
     def decode(self, ids: list[int], skip_special_tokens: bool) -> str: ...
 
@@ -60,6 +61,9 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._backend = tokenizer.backend
         self._skip_special = skip_special_tokens
+        # Ids with no text: stepped in, they only grow the stream's window (a run of them is held
+        # as if inside a character, and re-decoded every step until _MAX_PENDING_TOKENS).
+        self._textless = frozenset(tokenizer.all_special_ids) if skip_special_tokens else frozenset()
         self._stop = [s for s in stop if s]
         self._include_stop = include_stop_str_in_output
         self._hold = max((len(s) for s in self._stop), default=1) - 1  # chars held back
@@ -93,6 +97,10 @@ class IncrementalDetokenizer:
             return ""
         if self._stops_from:
             self._stops_from = max(0, self._stops_from - len(new_token_ids))
+        if not self._textless.isdisjoint(new_token_ids):  # skipped special tokens: the stream never sees them
+            new_token_ids = [i for i in new_token_ids if i not in self._textless]
+            if not new_token_ids:
+                return ""
         # One id goes in as an int: half the cost of a list through the binding.
         one = len(new_token_ids) == 1
         chunk = self._stream.step(self._backend, new_token_ids[0] if one else list(new_token_ids))

@@ -22,6 +22,7 @@ class Adapter:
     def __init__(self, tok: Tokenizer):
         self.tok = tok
         self.backend = tok  # what DecodeStream runs on
+        self.all_special_ids = tuple(i for i, t in tok.get_added_tokens_decoder().items() if t.special)
         self.calls = 0
         self.longest = 0  # most ids decoded in one call
 
@@ -162,6 +163,24 @@ def test_skip_special_tokens(tok):
     assert "".join(run(IncrementalDetokenizer(tok, [1], skip_special_tokens=True), output)) == "hello world"
     assert "".join(run(IncrementalDetokenizer(tok, [1], skip_special_tokens=False), output)) \
         == "hello world<eos>"
+
+
+def test_skipped_special_tokens_are_never_held(tok):
+    """Skipped specials have no text: a run of them between text tokens (a model emitting padding)
+    neither delays the text after them nor grows what the stream decodes, even inside a split
+    character; kept (skip_special_tokens=False), they are text like any token."""
+    eos = tok.tok.token_to_id("<eos>")
+    rocket = byte_token_ids(tok, "🚀")
+    output = tok.encode("hello") + [eos] * 200 + rocket[:2] + [eos] * 3 + rocket[2:] + tok.encode(" world")
+    tok.longest = 0
+    detok = IncrementalDetokenizer(tok, [1])
+    deltas = [detok.step([i]) for i in output]
+    assert tok.longest < 20  # no held window of the 200 specials was decoded
+    assert "".join(deltas) == "hello🚀 world" == tok.decode(output, True)
+    assert deltas[len(tok.encode("hello")) + 200 + 2 + 3 + 1] == "🚀"  # out with the character's last byte
+    assert "".join(run(IncrementalDetokenizer(tok, [1]), output, [3] * len(output))) == "hello🚀 world"  # chunks too
+    kept = IncrementalDetokenizer(tok, [1], skip_special_tokens=False)
+    assert "".join(kept.step([i]) for i in output) + kept.flush() == tok.decode(output, False)
 
 
 @pytest.mark.parametrize("include", [False, True])
