@@ -277,37 +277,32 @@ def test_ab_resumes_only_the_same_trees_device_and_work(monkeypatch, tmp_path: P
 
 
 @pytest.mark.slow
-def test_tiny_ab_gate_of_a_setting_against_the_defaults(tmp_path: Path) -> None:
+def test_tiny_ab_gate_of_a_setting_against_the_defaults_over_two_calls(tmp_path: Path) -> None:
     """ab.py --variant on the CPU: this tree at its defaults against itself with the stall bound
-    off, offline (an engine field) and served (a server flag)."""
-    out = tmp_path / "ab.json"
-    run = _run(["benchmarks/ab.py", "--tiny", "--rounds", "1", "--workloads", "offline-int8,burst", "--variant",
-                "decode_stall_factor=0", "--out", str(out)], {**os.environ, "CUDA_VISIBLE_DEVICES": ""}, timeout=600)
+    off, offline (an engine field) and served (a server flag); then a second call with --resume
+    runs only the workload it is asked for, and tables and writes both calls' workloads."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    first, second = tmp_path / "first.json", tmp_path / "second.json"
+    common = ["benchmarks/ab.py", "--tiny", "--rounds", "1", "--variant", "decode_stall_factor=0",
+              "--model-cache", str(tmp_path / "models")]
+    run = _run([*common, "--workloads", "offline-int8,burst", "--out", str(first)], env, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "new / new+decode_stall_factor=0" in run.stdout, run.stdout
-    data = json.loads(out.read_text())
+    data = json.loads(first.read_text())
     assert data["trees"]["new+decode_stall_factor=0"][1] == {"decode_stall_factor": 0}
     for name in ("offline-int8", "burst"):
         assert {label: len(rounds) for label, rounds in data["results"][name].items()} == {
             "new": 1, "new+decode_stall_factor=0": 1}
 
-
-@pytest.mark.slow
-def test_tiny_ab_gate_builds_one_table_over_two_calls(tmp_path: Path) -> None:
-    """--resume: the second call runs only what it was asked for, and tables and writes both calls'
-    workloads, each with every tree's rounds."""
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    first, second = tmp_path / "first.json", tmp_path / "second.json"
-    common = ["benchmarks/ab.py", "--tiny", "--rounds", "1", "--variant", "decode_stall_factor=0",
-              "--model-cache", str(tmp_path / "models")]
-    run = _run([*common, "--workloads", "ttft-4k", "--out", str(first)], env, timeout=600)
+    run = _run([*common, "--workloads", "ttft-4k", "--resume", str(first), "--out", str(second)], env, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    run = _run([*common, "--workloads", "stream-int8", "--resume", str(first), "--out", str(second)], env, timeout=600)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "taken from" in run.stdout and "ttft-4k round" not in run.stdout and "model tiny taken from" in run.stdout
-    assert "| ttft-4k | ttft_ms" in run.stdout and "| stream-int8 | tok_per_s" in run.stdout, run.stdout
+    assert "taken from" in run.stdout and "model tiny taken from" in run.stdout, run.stdout
+    assert "offline-int8 round" not in run.stdout and "burst round" not in run.stdout, run.stdout  # not run again
+    for row in ("| offline-int8 | tok_per_s", "| burst | itl_p99_over_p50", "| ttft-4k | ttft_ms"):
+        assert row in run.stdout, run.stdout
     results = json.loads(second.read_text())["results"]
-    assert list(results) == ["stream-int8", "ttft-4k"]  # the full table's order
+    assert list(results) == ["offline-int8", "burst", "ttft-4k"]  # the full table's order
+    assert results["burst"] == data["results"]["burst"]
     assert all(len(rounds) == 1 for name in results for rounds in results[name].values())
 
 
