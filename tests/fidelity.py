@@ -49,26 +49,40 @@ class Fidelity:
     kl: float = 0.0  # mean KL(transformers fp32 || engine) over the positions of the engine's continuation
 
 
-def reference_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    """transformers' greedy continuation (fp32, EOS ignored)."""
-    ids = torch.tensor([prompt])
-    with torch.inference_mode():
-        out = hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                          attention_mask=torch.ones_like(ids), pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+def _by_length(seqs: list[list[int]]) -> dict[int, list[int]]:
+    """length -> the indices of `seqs` of that length: rows of one length batch without padding."""
+    groups: dict[int, list[int]] = {}
+    for i, s in enumerate(seqs):
+        groups.setdefault(len(s), []).append(i)
+    return groups
 
 
-def reference_logits(hf, prompt: list[int], continuation: list[int]) -> torch.Tensor:
-    """transformers' fp32 logits for each token of `continuation` given what precedes it: (n, V)."""
-    ids = torch.tensor([prompt + continuation])
-    with torch.inference_mode():
-        return hf(ids).logits[0, len(prompt) - 1:-1].float()
+def reference_greedy(hf, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt (fp32, EOS ignored). Prompts of one length
+    run as one batch (no padding, so no mask to differ from a lone run's; a batch reads the weights
+    once per token instead of once per prompt, ~15x less time for 16 prompts on the CPU)."""
+    out: list[list[int]] = [[] for _ in prompts]
+    for length, rows in _by_length(prompts).items():
+        ids = torch.tensor([prompts[i] for i in rows])
+        with torch.inference_mode():
+            got = hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                              attention_mask=torch.ones_like(ids), pad_token_id=0)
+        for i, row in zip(rows, got[:, length:].tolist()):
+            out[i] = row
+    return out
 
 
-def teacher_forced(hf, prompt: list[int], continuation: list[int]) -> list[bool]:
-    """For each token of `continuation`: is it transformers' argmax after what precedes it?"""
-    best = reference_logits(hf, prompt, continuation).argmax(-1).tolist()
-    return [b == t for b, t in zip(best, continuation)]
+def reference_logits(hf, prompts: list[list[int]], continuations: list[list[int]]) -> list[torch.Tensor]:
+    """transformers' fp32 logits for each token of each continuation given what precedes it: (n, V)
+    per pair; pairs of one total length run as one batch."""
+    seqs = [p + c for p, c in zip(prompts, continuations)]
+    out: list[torch.Tensor] = [torch.empty(0)] * len(seqs)
+    for _, rows in _by_length(seqs).items():
+        with torch.inference_mode():
+            logits = hf(torch.tensor([seqs[i] for i in rows])).logits.float()
+        for row, i in enumerate(rows):
+            out[i] = logits[row, len(prompts[i]) - 1:-1]
+    return out
 
 
 def _recording_logits(engine: EngineCore) -> dict[tuple[str, int], torch.Tensor]:
@@ -102,7 +116,7 @@ def measure(model_dir: Path, kv_dtypes: tuple[str, ...], *, prompts: int | list[
     vocab = hf.config.vocab_size
     ps = prompts if isinstance(prompts, list) else [
         [rng.randrange(3, vocab) for _ in range(rng.randrange(8, 64))] for _ in range(prompts)]
-    want = [reference_greedy(hf, p, tokens) for p in ps]
+    want = reference_greedy(hf, ps, tokens)
     out = {}
     for kv in kv_dtypes:
         engine = EngineCore(EngineConfig(model=str(model_dir), device=device, dtype="fp32", kv_cache_dtype=kv,
@@ -118,8 +132,7 @@ def measure(model_dir: Path, kv_dtypes: tuple[str, ...], *, prompts: int | list[
         got = [got_by_id[rid] for rid in ids]
         agree = sum(common_prefix(g, w) / tokens for g, w in zip(got, want)) / len(ps)
         forced, kls = [], []
-        for rid, p, g in zip(ids, ps, got):
-            ref = reference_logits(hf, p, g)  # (n, V)
+        for rid, g, ref in zip(ids, got, reference_logits(hf, ps, got)):  # ref: (n, V)
             forced += (ref.argmax(-1) == torch.tensor(g)).tolist()
             mine = torch.stack([logits[(rid, j)] for j in range(len(g))])
             kls.append(torch.nn.functional.kl_div(mine.log_softmax(-1), ref.log_softmax(-1), log_target=True,
