@@ -35,7 +35,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pie.service.http.calls import Admitter, Call, HttpError
-from pie.service.http.requests import ChatRequest, CompletionRequest, chat_request, completion_requests
+from pie.service.http.requests import ChatRequest, CompletionRequest, body_problem, chat_request, completion_requests
 from pie.service.http.responses import (
     Answer,
     Choice,
@@ -82,9 +82,7 @@ def build_app(door: Door) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def bad_body(request: Request, e: RequestValidationError) -> JSONResponse:
-        first = e.errors()[0] if e.errors() else {"loc": (), "msg": "invalid body"}
-        param = ".".join(str(p) for p in first["loc"] if p != "body") or None
-        message = f"{param}: {first['msg']}" if param else str(first["msg"])
+        param, message = body_problem(list(e.errors()))
         return JSONResponse(HttpError(400, message, param=param, code="invalid_field").body(), status_code=400)
 
     async def authorized(request: Request) -> None:

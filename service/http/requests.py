@@ -277,3 +277,46 @@ def param_of(field: str, *, chat: bool) -> str:
     if field == "logprobs" and chat:
         return "top_logprobs"
     return field
+
+
+def body_problem(errors: list[dict[str, Any]]) -> tuple[str | None, str]:
+    """(param, message) for the first of pydantic's errors about a request body, in the words of
+    pie's own refusals: `messages[0].content`, not pydantic's `body.messages.0.content.str`. A
+    field of several forms (`prompt`: a text, token ids, or a list of either) that matches none
+    is named once, with its forms, instead of by the first form's complaint; a body that is not
+    JSON, or not an object, is said so (param null, as OpenAI's errors about the body)."""
+    if not errors:
+        return None, "the body is not a valid request"
+    first = errors[0]
+    loc = list(first["loc"][1:] if first["loc"][:1] == ("body",) else first["loc"])
+    if first["type"] == "json_invalid":
+        where = f" at character {loc[0]}" if loc and isinstance(loc[0], int) else ""
+        return None, f"the body is not valid JSON ({first.get('ctx', {}).get('error', first['msg'])}{where})"
+    if not loc:
+        return None, "the body must be a JSON object (the request's fields)"
+    # pydantic names a union's member after the field (`prompt`, `list[int]`, 0): a name with
+    # brackets or a bare type is a member, not a field of ours
+    forms = next((i for i, p in enumerate(loc) if isinstance(p, str) and ("[" in p or p in _TYPE_NAMES)), None)
+    if forms is None:
+        param = _dotted(loc)
+        words = str(first["msg"]).replace("Input should be", "must be").replace("Field required", "is required")
+        return param, f"{param}: {words}"
+    field = loc[:forms]
+    tried = []
+    for e in errors:
+        other = list(e["loc"][1:] if e["loc"][:1] == ("body",) else e["loc"])
+        if other[:forms] == field and len(other) > forms and other[forms] not in tried:
+            tried.append(other[forms])
+    param = _dotted(field)
+    return param, f"{param}: matches none of its forms ({', '.join(map(str, tried))})"
+
+
+_TYPE_NAMES = frozenset({"str", "int", "float", "bool", "none", "list", "dict"})
+
+
+def _dotted(loc: list[str | int]) -> str:
+    """("messages", 0, "content") -> messages[0].content"""
+    out = ""
+    for p in loc:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out

@@ -166,6 +166,16 @@ def test_errors_are_the_sdks_exception_classes(server, api):
             api.chat.completions.create(model="stories-7m", messages=[{"role": "user", "content": "x"}],
                                         **{name: 10**6})
         assert long.value.body["param"] == name, long.value.body
+    with pytest.raises(openai.BadRequestError) as forms:  # a union field named once (not `prompt.str`)
+        api.completions.create(model="stories-7m", prompt=[1.5, 2])  # type: ignore[arg-type]
+    assert forms.value.body["param"] == "prompt" and "matches none of its forms" in forms.value.body["message"]
+    for raw, said in ((b"{not json", "the body is not valid JSON"), (b"", "the body must be a JSON object")):
+        sent = urllib.request.Request(f"{server.http_url}/v1/completions", data=raw, method="POST",
+                                      headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+        with pytest.raises(urllib.error.HTTPError) as not_read:
+            urllib.request.urlopen(sent, timeout=30)
+        error = json.loads(not_read.value.read())["error"]
+        assert not_read.value.code == 400 and error["param"] is None and error["message"].startswith(said), error
     with pytest.raises(openai.NotFoundError):
         api.completions.create(model="gpt-4", prompt=PROMPT)
     stranger = openai.OpenAI(base_url=f"{server.http_url}/v1", api_key="wrong", max_retries=0)
