@@ -280,12 +280,13 @@ def consistency(model_dir: Path, kv: str, prompts: list[list[int]], *, step: int
                                        max_num_seqs=4, max_num_batched_tokens=budget, **pool))
 
     whole = engine(longest + tokens)
-    pairs = {"chunked": (_prompt_runs(whole, prompts, tokens, prompt_logprobs=True),
-                         _prompt_runs(engine(step), prompts, tokens, prompt_logprobs=True))}
+    # cold first, on an empty cache: a prompt-logprobs run reads no cache but fills it
     cold = _prompt_runs(whole, prompts, tokens, prompt_logprobs=False)
-    hits = whole.stats().prefix_cache_hits
-    pairs["cached"] = (cold, _prompt_runs(whole, prompts, tokens, prompt_logprobs=False))
-    assert whole.stats().prefix_cache_hits > hits, "the second run did not read the prefix cache"
+    assert whole.stats().prefix_cache_hits == 0, "the cold run read the prefix cache"
+    pairs = {"cached": (cold, _prompt_runs(whole, prompts, tokens, prompt_logprobs=False))}
+    assert whole.stats().prefix_cache_hits > 0, "the second run did not read the prefix cache"
+    pairs["chunked"] = (_prompt_runs(whole, prompts, tokens, prompt_logprobs=True),
+                        _prompt_runs(engine(step), prompts, tokens, prompt_logprobs=True))
     out = {}
     for name, ((base, base_out), (entries, outs)) in pairs.items():
         diffs, flips = [], 0
