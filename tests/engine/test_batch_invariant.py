@@ -236,7 +236,7 @@ def test_a_preempted_request_recomputes_its_outputs_as_decodes(tmp_path, rng):
 
     def recording():
         out = schedule()
-        rows.append([(s.start, s.num_new_tokens, s.request.num_prompt_tokens) for s in out.scheduled])
+        rows.append([(s.start, s.num_new_tokens, s.request.num_prompt_tokens, s.sample) for s in out.scheduled])
         return out
 
     engine.scheduler.schedule = recording
@@ -245,10 +245,10 @@ def test_a_preempted_request_recomputes_its_outputs_as_decodes(tmp_path, rng):
     recomputed = 0
     for step, (nd, b) in zip(rows, staged, strict=True):
         assert len(step) == b
-        for i, (start, n, prompt_len) in enumerate(step):
+        for i, (start, n, prompt_len, sample) in enumerate(step):
             if start >= prompt_len:  # a generated token's row: one token, a decode row
                 assert n == 1 and i < nd, step
-                recomputed += 1
+                recomputed += not sample  # an output token computed again (a decode samples)
             else:
                 assert start + n <= prompt_len and i >= nd, step  # a prompt chunk, never past it
     assert recomputed > 0

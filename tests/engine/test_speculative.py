@@ -66,12 +66,16 @@ def _prompts(rng: random.Random, n: int) -> list[list[int]]:
 
 
 def _run(engine: EngineCore, requests: list[tuple[str, list[int], SamplingParams]],
-         abort_after: dict[str, int] | None = None) -> dict[tuple[str, int], dict]:
+         abort_after: dict[str, int] | None = None, seen: dict[str, dict] | None = None
+         ) -> dict[tuple[str, int], dict]:
     """Runs to completion, checking the invariants after every step; per (request id, index):
-    ids, text, logprobs, status, stop reason."""
+    ids, text, logprobs, status, stop reason. abort_after: request id -> abort it once it has
+    output that many tokens. seen: filled with request id -> its proposals accepted (as of its
+    last step in the running set) and prompt tokens read from the prefix cache."""
     for rid, prompt, sp in requests:
         engine.add_request(rid, prompt, sp)
     res: dict[tuple[str, int], dict] = {}
+    pending = dict(abort_after or {})
     steps = 0
     while engine.has_unfinished():
         for o in engine.step():
@@ -81,13 +85,20 @@ def _run(engine: EngineCore, requests: list[tuple[str, list[int], SamplingParams
             r["logprobs"] += [(t.token_id, t.logprob, list(t.top)) for t in o.new_logprobs]
             if o.finished:
                 r["status"], r["reason"] = o.status, o.stop_reason
+            if seen is not None:
+                seen.setdefault(o.request_id, {"accepted": 0})["cached"] = o.num_cached_tokens
         steps += 1
         assert_engine_invariants(engine)
-        for rid, at in (abort_after or {}).items():
-            if steps == at:
+        if seen is not None:
+            for req in engine.scheduler.running:
+                seen.setdefault(req.request_id, {"accepted": 0})["accepted"] = req.num_accepted_tokens
+        for rid, n in list(pending.items()):
+            if len(res.get((rid, 0), {}).get("ids", [])) >= n:
                 engine.abort(rid)
+                del pending[rid]
                 assert_engine_invariants(engine)
         assert steps < 5_000
+    assert not pending, f"finished before their abort: {pending}"
     bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_total_blocks, "KV blocks leaked"
     return res
@@ -111,6 +122,7 @@ def _accepted(engine: EngineCore) -> int:
 
 
 COPY_TOKEN = 7
+PULL = 8.0  # a bias that wins over a random model's logits, until penalties outweigh it
 
 
 def _copying(sp: SamplingParams) -> SamplingParams:
@@ -121,12 +133,16 @@ def _copying(sp: SamplingParams) -> SamplingParams:
     return replace(sp, logit_bias={**sp.logit_bias, COPY_TOKEN: 100.0})
 
 
-def _same_as_plain(model_dir, requests, *, min_accepted: int = 1, **kw) -> dict:
+def _same_as_plain(model_dir, requests, *, min_accepted: int = 1, accepting: tuple[str, ...] = (), **kw) -> dict:
+    """Plain decoding's outputs, after checking speculation's are the same; `accepting`: requests
+    that must each have had a proposal accepted (so what they test met a verify step)."""
     plain = _run(_engine(model_dir, None, **kw), requests)
     spec_engine = _engine(model_dir, **kw)
-    spec = _run(spec_engine, requests)
+    seen: dict[str, dict] = {}
+    spec = _run(spec_engine, requests, seen=seen)
     _assert_equal_runs(spec, plain)
     assert _accepted(spec_engine) >= min_accepted, "no proposal was ever accepted: nothing was tested"
+    assert all(seen[rid]["accepted"] > 0 for rid in accepting), {rid: seen[rid] for rid in accepting}
     return plain
 
 
@@ -194,27 +210,33 @@ def test_stops_and_lengths_are_plain_decoding(models, rng):
 @pytest.mark.parametrize("mode", ["raw", "processed"])
 def test_logprobs_penalties_bias_and_min_tokens_are_plain_decoding(models, mode, rng):
     """Logprobs (and top-n) of accepted tokens as plain decoding reports them; penalties that count
-    only accepted tokens; logit_bias; min_tokens holding back EOS across a verify step."""
+    only accepted tokens; logit_bias; min_tokens holding back EOS across a verify step. The sampled
+    and penalized rows lean on one token (a bias of PULL): a random model rarely copies when sampled
+    or penalized, and those rows must meet verify steps. The penalties grow with each accepted copy
+    until another token wins, at plain decoding's position only if they count what was accepted."""
     model_dir = models("mistral")
     prompts = _prompts(rng, 5)
+    pull = {COPY_TOKEN: PULL}
     reqs = [
         ("lp", prompts[0], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=3)),
         ("lps", prompts[1], SamplingParams(max_tokens=24, temperature=0.5, seed=rng.randrange(2**40), logprobs=2,
-                                           ignore_eos=True)),
+                                           ignore_eos=True, logit_bias=pull)),
         ("pen", prompts[2], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, repetition_penalty=1.2,
-                                           frequency_penalty=0.3, presence_penalty=0.2, logprobs=1)),
+                                           frequency_penalty=0.3, presence_penalty=0.2, logprobs=1, logit_bias=pull)),
         ("bias", prompts[3], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
                                             logit_bias={prompts[3][-1]: 2.0, prompts[3][0]: -5.0})),
         # EOS favoured by the bias, held back by min_tokens, then taken at once
         ("min", prompts[4], SamplingParams(max_tokens=24, temperature=0.0, min_tokens=9, logit_bias={2: 6.0})),
     ]
-    res = _same_as_plain(model_dir, reqs, logprobs_mode=mode)
+    res = _same_as_plain(model_dir, reqs, logprobs_mode=mode, accepting=("lps", "pen"))
+    assert len(set(res[("pen", 0)]["ids"])) > 1, "the penalties never outweighed the pull"
     assert len(res[("lp", 0)]["logprobs"]) == 24 and len(res[("min", 0)]["ids"]) >= 9
 
 
 def test_preemption_and_aborts(models, rng):
-    """A pool too small for everyone: requests are preempted with proposals scheduled and come
-    back; an abort in the middle; no block leaks, the invariants hold after every step."""
+    """A pool too small for everyone: requests whose outputs hold accepted proposals are
+    preempted and come back (recomputing them) with plain decoding's tokens; aborts mid-answer;
+    no block leaks, the invariants hold after every step."""
     model_dir = models("llama")
     reqs = [(f"q{i}", p, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
             for i, p in enumerate(_prompts(rng, 8))]
@@ -222,11 +244,16 @@ def test_preemption_and_aborts(models, rng):
     kw = dict(num_kv_blocks=40, block_size=4)
     plain_engine, spec_engine = _engine(model_dir, None, **kw), _engine(model_dir, **kw)
     plain = _run(plain_engine, reqs)
+    preempted_after_accepting = []
+    preempt = spec_engine.scheduler._preempt
+    spec_engine.scheduler._preempt = lambda r: (preempted_after_accepting.append(r.num_accepted_tokens > 0),
+                                                preempt(r))[1]
     _assert_equal_runs(_run(spec_engine, reqs), plain)
-    assert spec_engine.stats().num_preemptions > 0 and _accepted(spec_engine) > 0
+    assert any(preempted_after_accepting), preempted_after_accepting
     spec_engine = _engine(model_dir, **kw)
-    res = _run(spec_engine, reqs, abort_after={"q1": 3, "q5": 7})
-    assert res.get(("q1", 0), {}).get("status") is None  # an abort ends it without an output
+    res = _run(spec_engine, reqs, abort_after={"q1": 3, "q5": 7})  # after that many tokens out
+    for rid, n in (("q1", 3), ("q5", 7)):  # an abort ends it without a last output
+        assert res[(rid, 0)]["status"] is None and len(res[(rid, 0)]["ids"]) >= n, res[(rid, 0)]
     assert all(res[(f"q{i}", 0)] == plain[(f"q{i}", 0)] for i in (0, 2, 3, 4, 6, 7))
 
 
@@ -244,8 +271,12 @@ def test_prefix_cache_holds_accepted_tokens_only(models, async_scheduling, rng):
     again = [(f"again-{rid}", p, sp) for rid, p, sp in reqs]
     # The prompts and the first run's outputs: blocks filled by accepted proposals are hit too.
     again += [(f"long-{rid}", p + first[(rid, 0)]["ids"][:20], replace(sp, max_tokens=10)) for rid, p, sp in reqs]
-    second = _run(engine, again)
+    seen: dict[str, dict] = {}
+    second = _run(engine, again, seen=seen)
     assert engine.block_manager.prefix_cache_hits > hits
+    # the copying row accepts (nearly) every proposal: its blocks past the prompt hold them
+    block = engine.block_manager.block_size
+    assert seen["long-copy"]["cached"] > len(reqs[-1][1]) // block * block, seen["long-copy"]
     for rid, _, _ in reqs:
         assert second[(f"again-{rid}", 0)]["ids"] == first[(rid, 0)]["ids"]
         assert second[(f"long-{rid}", 0)]["ids"] == first[(rid, 0)]["ids"][20:30]
