@@ -211,6 +211,73 @@ def test_no_admission_in_a_step_that_preempted() -> None:
     assert b.num_output_tokens == 3 and bm.num_free_blocks == 3
 
 
+class TwoProposals:
+    """A speculator that proposes TOKEN twice for every decode (the Speculation protocol)."""
+
+    def active(self, num_decodes: int) -> bool:
+        return True
+
+    def reserve(self, request: Request, budget: int) -> int:
+        request.spec_token_ids = [TOKEN, TOKEN][:budget]
+        return len(request.spec_token_ids)
+
+    def record(self, k: int, accepted: int) -> None:
+        pass
+
+
+class RowScheduler(StepScheduler):
+    """Remembers every row `schedule` gives in a step, kept or taken back before the step ends."""
+
+    given: list[tuple[str, int]]
+
+    def schedule(self) -> SchedulerOutput:
+        self.given = []
+        return super().schedule()
+
+    def _schedule(self, out, request, num_new, num_spec=0):
+        self.given.append((request.request_id, num_spec))
+        return super()._schedule(out, request, num_new, num_spec)
+
+
+def test_a_victim_given_a_row_earlier_in_the_step_gives_it_back_with_its_proposals() -> None:
+    """A less urgent stream decodes while a more urgent prompt, chunked by the stall bound, fills
+    the pool. When a chunk needs a block and none is free, the stream, already given a decode row
+    with two proposals this step, is preempted: its row, tokens and proposals leave the step's
+    counts, and both requests end with every block back."""
+    sched = RowScheduler(BlockManager(8, 4), max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64,
+                         stall_factor=2.0, speculator=TwoProposals())
+    stream = Request("stream", [100, 101], SamplingParams(max_tokens=30), max_model_len=64, arrival_time=0.0,
+                     priority=5, streamed=True)
+    add(sched, stream)
+    step(sched)
+    for _ in range(10):  # decode steps 10 ms, a prompt token 1 ms on top: chunks of 10 tokens
+        sched.stall.observe(1, 0, 0.010)
+        sched.stall.observe(1, 16, 0.010 + 16e-3)
+    urgent = preq("urgent", 0, 1.0, num_prompt=30, max_tokens=2)
+    add(sched, urgent)
+    taken_back = None
+    for _ in range(10):
+        out = sched.schedule()
+        assert out.num_spec_tokens == sum(s.num_spec for s in out.scheduled)
+        assert out.num_batched_tokens == sum(s.num_new_tokens for s in out.scheduled)
+        if stream in out.preempted:
+            taken_back = (out, sched.given)
+        rows = out.sampling_requests
+        sched.step_launched(out)
+        sched.update_from_output(StepOutput(rows, [[SampledToken(TOKEN, 0.0, [])] for _ in rows],
+                                            [s.num_spec for s in out.scheduled if s.sample]))
+        if taken_back:
+            break
+    assert taken_back is not None, "the stream was never preempted"
+    out, given = taken_back
+    assert given[0] == ("stream", 2) and [s.request.request_id for s in out.scheduled] == ["urgent"]
+    assert out.scheduled[0].start < 30 and out.num_spec_tokens == 0  # the chunk it made room for
+    assert stream.status == RequestStatus.PREEMPTED and stream.spec_token_ids == [] and stream.num_computed_tokens == 0
+    while sched.has_unfinished():
+        step(sched)
+    assert urgent.finished and stream.finished and sched.block_manager.num_free_blocks == 8
+
+
 def test_abort_and_finish_give_every_block_back() -> None:
     sched, bm = make(8, 4, max_num_seqs=2)
     a, b, c = req("a", 5), req("b", 9), req("c", 3)
