@@ -6,6 +6,11 @@
 The output tree mirrors the proto package (`pie/v1/generate.proto` -> `pie.v1.generate_pb2`), so the
 generated absolute imports work as they are: no rewriting of imports afterwards. Only files protoc
 writes are touched; the hand-written `__init__.py` files stay.
+
+`*_pb2_grpc.py` refuses a grpcio older than its GRPC_GENERATED_VERSION, which grpcio-tools sets to
+its own version: a patch release of grpcio-tools would make the committed stubs stale and raise
+the floor for every user. It is written as the floor this package declares instead (`grpcio>=`
+in clients/pyproject.toml), so the stubs depend on the contract and the declared floor alone.
 """
 
 from __future__ import annotations
@@ -13,8 +18,10 @@ from __future__ import annotations
 import argparse
 import filecmp
 import importlib.resources
+import re
 import sys
 import tempfile
+import tomllib
 from pathlib import Path
 
 from grpc_tools import protoc
@@ -48,6 +55,24 @@ def generate(out_dir: Path) -> None:
     status = protoc.main(args)
     if status != 0:
         raise SystemExit(f"protoc failed with status {status}")
+    floor = grpcio_floor()
+    for rel in generated_paths():
+        if rel.name.endswith("_pb2_grpc.py"):
+            path = out_dir / rel
+            text, n = re.subn(r"^GRPC_GENERATED_VERSION = '[^']*'$", f"GRPC_GENERATED_VERSION = '{floor}'",
+                              path.read_text(), flags=re.M)
+            if n != 1:
+                raise SystemExit(f"{rel}: no GRPC_GENERATED_VERSION line to set (a new grpcio-tools layout?)")
+            path.write_text(text)
+
+
+def grpcio_floor() -> str:
+    """The lowest grpcio clients/pyproject.toml allows (its `grpcio>=X` dependency)."""
+    deps = tomllib.loads((CLIENTS_DIR / "pyproject.toml").read_text())["project"]["dependencies"]
+    floors = [m.group(1) for d in deps if (m := re.fullmatch(r"grpcio>=([0-9.]+)(,.*)?", d.replace(" ", "")))]
+    if len(floors) != 1:
+        raise SystemExit(f"clients/pyproject.toml: expected one `grpcio>=X` dependency, found {deps}")
+    return floors[0]
 
 
 def check() -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import subprocess
 import sys
@@ -41,6 +42,20 @@ def test_codegen_check_passes() -> None:
         [sys.executable, str(REPO / "clients" / "codegen.py"), "--check"], capture_output=True, text=True, cwd=REPO
     )
     assert result.returncode == 0, result.stderr
+
+
+def test_the_stubs_ask_for_the_declared_grpcio_floor_whatever_generated_them() -> None:
+    """grpcio-tools writes its own version as the lowest grpcio the stubs run on; codegen writes
+    clients/pyproject.toml's floor instead, so a grpcio-tools patch release (1.85.4 made CI red)
+    neither stales the stubs nor raises users' floor."""
+    spec = importlib.util.spec_from_file_location("pie_codegen", REPO / "clients" / "codegen.py")
+    assert spec is not None and spec.loader is not None
+    codegen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(codegen)
+    grpcio_floor = codegen.grpcio_floor
+    stub = (REPO / "clients" / "pie" / "v1" / "generate_pb2_grpc.py").read_text()
+    assert re.findall(r"^GRPC_GENERATED_VERSION = '(.*)'$", stub, re.M) == [grpcio_floor()]
+    assert f"grpcio>={grpcio_floor()}" in (REPO / "pyproject.toml").read_text()  # the server's floor too
 
 
 def test_every_proto_element_has_a_comment() -> None:
