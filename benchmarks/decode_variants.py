@@ -60,6 +60,18 @@ VARIANTS = {
     "imma-n16-w2-split64": C(16, 2, 3, k_mode="imma", v_mode="bias", tight_m=True, k_t=False),
     "imma-n16-w1-split64": C(16, 1, 3, k_mode="imma", v_mode="bias", tight_m=True, k_t=False),
     "bias-n32-w2-split128": C(32, 2, 3, k_mode="bias", v_mode="bias", tight_m=True, k_t=False),
+    # Issue 59: the same shapes at the engine's fixed splits (1024 keys, what its graphs run) and
+    # at 512; one-warp programs need no cross-warp reduction of the softmax row (sm_90 SASS: 3-5
+    # barriers a tile against the shipped table's 14).
+    "default-split1024": None,
+    "imma-n64-w2-split1024": C(64, 2, 2, k_mode="imma", v_mode="bias", tight_m=True, k_t=False),
+    "imma-n32-w2-split1024": C(32, 2, 3, k_mode="imma", v_mode="bias", tight_m=True, k_t=False),
+    "imma-n32-w2-split512": C(32, 2, 3, k_mode="imma", v_mode="bias", tight_m=True, k_t=False),
+    "imma-n32-w1-split1024": C(32, 1, 3, k_mode="imma", v_mode="bias", tight_m=True, k_t=False),
+    "imma-n32-w1-split512": C(32, 1, 3, k_mode="imma", v_mode="bias", tight_m=True, k_t=False),
+    "imma-n16-w1-split512": C(16, 1, 4, k_mode="imma", v_mode="bias", tight_m=True, k_t=False),
+    "imma-n32-w4-split512": C(32, 4, 3, k_mode="imma", v_mode="bias", tight_m=True, k_t=False),
+    "imma-n64-w4-s3-split1024": C(64, 4, 3, k_mode="imma", v_mode="bias", tight_m=True, k_t=False),
 }
 BF16 = {"bf16": None, "bf16-s512": None}
 
