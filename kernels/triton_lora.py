@@ -1,0 +1,155 @@
+"""Gathered LoRA deltas for a batch whose rows use different adapters (Punica's BGMV/SGMV idea).
+
+    x       (T, K)      the projection's input rows             bf16 | fp16 | fp32
+    a_bank  (S, R, K)   slot s's A, rank rows padded with zeros  x.dtype
+    b_bank  (S, N, R)   slot s's B, its scaling folded in        x.dtype
+    slots   (T,)        int32: the slot of each row; -1 = no adapter (the row is left as it is)
+    y       (T, N)      the base projection's output: y[t] += (x[t] . A[s]^T) . B[s]^T, in place
+
+One pair of kernels serves decode rows and prompt segments alike. The rows are visited in slot
+order (`order`, a stable argsort of `slots`, made on the device: nothing here syncs with the host,
+so a CUDA graph can hold it with `slots` as its input), BLOCK_T of them per program. A program's
+rows come in few distinct slots (a prompt chunk is one; a block of decode rows sorted by slot, one
+or two), and it runs one `tl.dot` per distinct slot over the rows that use it, loading that slot's
+weights once for all of them:
+
+    shrink  grid (cdiv(T, BLOCK_T),):               t[rows] = x[rows] . A[s]^T          (T, R) fp32
+    expand  grid (cdiv(T, BLOCK_T), cdiv(N, BLOCK_N)): y[rows, n] += t[rows] . B[s][n]^T
+
+The intermediate t is rounded to x's dtype before the expand, as a LoRA layer computing
+`lora_B(lora_A(x))` in the model's dtype does. Rows with slot -1 are never written.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pie.kernels.triton_tile import cdiv, next_pow2
+
+BLOCK_T = 16  # rows per program: tl.dot's least M on the GPU
+MAX_RANK = 512  # R, padded: every rank row of a slot sits in one tile
+
+
+@triton.jit
+def _next_slot(slot, prev):
+    """The smallest slot id above `prev` among the block's rows (2**30: none left)."""
+    return tl.min(tl.where(slot > prev, slot, 1 << 30), axis=0)
+
+
+# One compile for every batch: T, the row strides and the slot tensor's offset change every step.
+@triton.jit(do_not_specialize=["num_rows"], do_not_specialize_on_alignment=["slots_ptr", "order_ptr"])
+def _shrink_kernel(x_ptr, a_ptr, t_ptr, slots_ptr, order_ptr, num_rows, stride_x,
+                   K: tl.constexpr, R: tl.constexpr, R_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+                   BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    in_batch = offs_t < num_rows
+    rows = tl.load(order_ptr + offs_t, mask=in_batch, other=0).to(tl.int64)
+    slot = tl.load(slots_ptr + rows, mask=in_batch, other=-1)
+    offs_r = tl.arange(0, R_PAD)
+    r_ok = offs_r < R
+    cur = _next_slot(slot, -1)
+    while cur < (1 << 30):
+        use = slot == cur
+        acc = tl.zeros((BLOCK_T, R_PAD), tl.float32)
+        a_base = a_ptr + cur.to(tl.int64) * (R * K)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < K
+            xs = tl.load(x_ptr + rows[:, None] * stride_x + offs_k[None, :], mask=use[:, None] & k_ok[None, :],
+                         other=0.0)  # (BLOCK_T, BLOCK_K)
+            a = tl.load(a_base + offs_r[None, :] * K + offs_k[:, None], mask=r_ok[None, :] & k_ok[:, None],
+                        other=0.0)  # (BLOCK_K, R_PAD): A^T
+            acc = tl.dot(xs.to(DOT_DTYPE), a.to(DOT_DTYPE), acc, input_precision=PRECISION)
+        tl.store(t_ptr + rows[:, None] * R + offs_r[None, :], acc, mask=use[:, None] & r_ok[None, :])
+        cur = _next_slot(slot, cur)
+
+
+@triton.jit(do_not_specialize=["num_rows"], do_not_specialize_on_alignment=["slots_ptr", "order_ptr"])
+def _expand_kernel(t_ptr, b_ptr, y_ptr, slots_ptr, order_ptr, num_rows, stride_y,
+                   N: tl.constexpr, R: tl.constexpr, R_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+                   BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    in_batch = offs_t < num_rows
+    rows = tl.load(order_ptr + offs_t, mask=in_batch, other=0).to(tl.int64)
+    slot = tl.load(slots_ptr + rows, mask=in_batch, other=-1)
+    offs_r = tl.arange(0, R_PAD)
+    r_ok = offs_r < R
+    cur = _next_slot(slot, -1)
+    while cur < (1 << 30):
+        use = slot == cur
+        # t rounded to the activations' dtype first (y's element type), as lora_B(lora_A(x)) is
+        t = tl.load(t_ptr + rows[:, None] * R + offs_r[None, :], mask=use[:, None] & r_ok[None, :], other=0.0)
+        t = t.to(y_ptr.dtype.element_ty).to(DOT_DTYPE)
+        b = tl.load(b_ptr + cur.to(tl.int64) * (N * R) + offs_n[None, :] * R + offs_r[:, None],
+                    mask=n_ok[None, :] & r_ok[:, None], other=0.0)  # (R_PAD, BLOCK_N): B^T
+        delta = tl.dot(t, b.to(DOT_DTYPE), input_precision=PRECISION)  # (BLOCK_T, BLOCK_N) fp32
+        ptrs = y_ptr + rows[:, None] * stride_y + offs_n[None, :]
+        mask = use[:, None] & n_ok[None, :]
+        y = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(ptrs, (y + delta).to(y_ptr.dtype.element_ty), mask=mask)
+        cur = _next_slot(slot, cur)
+
+
+def _dot_types(dtype: torch.dtype, on_gpu: bool):
+    # fp32 in the CPU interpreter (its bf16 arithmetic is wrong) and for fp32 inputs, exact there
+    if on_gpu and dtype in (torch.bfloat16, torch.float16):
+        return (tl.bfloat16 if dtype == torch.bfloat16 else tl.float16), None
+    return tl.float32, "ieee"
+
+
+def slot_order(slots: torch.Tensor) -> torch.Tensor:
+    """The rows in slot order (T,) int32: the visiting order of `lora_delta_`, made once per step
+    and shared by every projection. On the device, without a host sync."""
+    return torch.argsort(slots, stable=True).to(torch.int32)
+
+
+def lora_delta_(y: torch.Tensor, x: torch.Tensor, a_bank: torch.Tensor, b_bank: torch.Tensor,
+                slots: torch.Tensor, order: torch.Tensor | None = None) -> torch.Tensor:
+    """y += the LoRA delta of each row's slot (module docstring); the Triton twin of
+    `lora_delta_reference_`. order: `slot_order(slots)` when the caller has it. Returns y."""
+    t_rows, k = x.shape
+    s, r, k_a = a_bank.shape
+    assert k_a == k, f"A's input width {k_a} vs x's {k}"
+    assert b_bank.shape[0] == s and b_bank.shape[2] == r, f"B {tuple(b_bank.shape)} vs A {tuple(a_bank.shape)}"
+    n = b_bank.shape[1]
+    assert y.shape == (t_rows, n), f"y must be ({t_rows}, {n}), got {tuple(y.shape)}"
+    assert slots.shape == (t_rows,) and slots.dtype == torch.int32, "slots must be (T,) int32"
+    assert x.stride(1) == 1 and y.stride(1) == 1, "rows must be contiguous"
+    assert a_bank.is_contiguous() and b_bank.is_contiguous(), "the banks must be contiguous"
+    assert a_bank.dtype == b_bank.dtype == x.dtype == y.dtype, "x, y and the banks share one dtype"
+    assert 1 <= r <= MAX_RANK, f"rank rows {r} outside 1..{MAX_RANK}"
+    if t_rows == 0:
+        return y
+    if order is None:
+        order = slot_order(slots)
+    on_gpu = x.is_cuda
+    dot_dtype, precision = _dot_types(x.dtype, on_gpu)
+    r_pad = max(16, next_pow2(r))
+    t = torch.empty((t_rows, r), dtype=torch.float32, device=x.device)
+    blocks = cdiv(t_rows, BLOCK_T)
+    _shrink_kernel[(blocks,)](x, a_bank, t, slots, order, t_rows, x.stride(0), K=k, R=r, R_PAD=r_pad,
+                              BLOCK_T=BLOCK_T, BLOCK_K=max(16, min(128, next_pow2(k))) if on_gpu else 32,
+                              DOT_DTYPE=dot_dtype, PRECISION=precision, num_warps=4)
+    block_n = max(16, min(128 if on_gpu else 32, next_pow2(n)))
+    _expand_kernel[(blocks, cdiv(n, block_n))](t, b_bank, y, slots, order, t_rows, y.stride(0), N=n, R=r,
+                                               R_PAD=r_pad, BLOCK_T=BLOCK_T, BLOCK_N=block_n,
+                                               DOT_DTYPE=dot_dtype, PRECISION=precision, num_warps=4)
+    return y
+
+
+def lora_delta_reference_(y: torch.Tensor, x: torch.Tensor, a_bank: torch.Tensor, b_bank: torch.Tensor,
+                          slots: torch.Tensor, order: torch.Tensor | None = None) -> torch.Tensor:
+    """The torch twin of `lora_delta_` (and the CPU path): per distinct slot, its rows' delta in
+    fp32, the intermediate rounded to x's dtype. Syncs with the host (the slots present)."""
+    del order  # the visiting order changes nothing here
+    for s in torch.unique(slots).tolist():
+        if s < 0:
+            continue
+        rows = (slots == s).nonzero().squeeze(1)
+        t = (x[rows].float() @ a_bank[s].float().T).to(x.dtype).float()
+        y[rows] = (y[rows].float() + t @ b_bank[s].float().T).to(y.dtype)
+    return y

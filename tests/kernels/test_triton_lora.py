@@ -1,0 +1,91 @@
+"""The gathered LoRA kernels (kernels/triton_lora.py) against their torch twin: rows of several
+slots and base rows (-1) in any order, poisoned outputs, every rank shape the banks take."""
+
+import pytest
+import torch
+
+from pie.kernels.triton_lora import lora_delta_, lora_delta_reference_, slot_order
+
+
+def _banks(slots: int, rank_rows: int, k: int, n: int, dtype, device, gen):
+    a = torch.randn(slots, rank_rows, k, generator=gen).to(dtype).to(device)
+    b = (torch.randn(slots, n, rank_rows, generator=gen) * 0.5).to(dtype).to(device)
+    return a, b
+
+
+@pytest.mark.parametrize(("rows", "k", "n", "rank_rows"), [(1, 32, 48, 8), (37, 64, 80, 24), (70, 40, 33, 64)])
+def test_matches_twin_on_mixed_rows(rng, rows, k, n, rank_rows):
+    gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    a, b = _banks(4, rank_rows, k, n, torch.float32, "cpu", gen)
+    x = torch.randn(rows, k, generator=gen)
+    slots = torch.randint(-1, 4, (rows,), generator=gen, dtype=torch.int32)
+    base = torch.randn(rows, n, generator=gen)
+    want = lora_delta_reference_(base.clone(), x, a, b, slots)
+    got = lora_delta_(base.clone(), x, a, b, slots)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # base rows (-1) untouched, to the bit
+    keep = slots < 0
+    assert torch.equal(got[keep], base[keep])
+    assert not torch.equal(got[~keep], base[~keep]) or not bool((~keep).any())
+
+
+def test_prompt_segments_and_decode_rows(rng):
+    """A step's layout: decode rows of mixed slots first, then prompt chunks (one slot each)."""
+    gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    a, b = _banks(3, 16, 48, 64, torch.float32, "cpu", gen)
+    slots = torch.tensor([2, -1, 0, 2, 1] + [1] * 21 + [-1] * 9 + [0] * 18, dtype=torch.int32)
+    x = torch.randn(slots.numel(), 48, generator=gen)
+    base = torch.randn(slots.numel(), 64, generator=gen)
+    want = lora_delta_reference_(base.clone(), x, a, b, slots)
+    got = lora_delta_(base.clone(), x, a, b, slots, slot_order(slots))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_one_row_per_slot_is_its_own_product(rng):
+    """Each row's delta equals the plain product with its slot's weights: no row reads another
+    row's slot, however the rows are ordered."""
+    gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    a, b = _banks(5, 8, 32, 32, torch.float32, "cpu", gen)
+    slots = torch.tensor([4, 0, 3, 1, 2, 0, 4], dtype=torch.int32)
+    x = torch.randn(7, 32, generator=gen)
+    got = lora_delta_(torch.zeros(7, 32), x, a, b, slots)
+    for i, s in enumerate(slots.tolist()):
+        torch.testing.assert_close(got[i], (x[i] @ a[s].T) @ b[s].T, rtol=1e-5, atol=1e-5)
+
+
+def test_no_adapter_rows_and_empty_batch():
+    a = torch.ones(2, 8, 16)
+    b = torch.ones(2, 16, 8)
+    y = torch.full((3, 16), 7.0)
+    lora_delta_(y, torch.ones(3, 16), a, b, torch.full((3,), -1, dtype=torch.int32))
+    assert bool((y == 7.0).all())
+    empty = torch.empty(0, 16)
+    assert lora_delta_(empty, torch.empty(0, 16), a, b, torch.empty(0, dtype=torch.int32)).shape == (0, 16)
+
+
+def test_refuses_mismatched_shapes():
+    a = torch.ones(2, 8, 16)
+    b = torch.ones(2, 16, 8)
+    with pytest.raises(AssertionError, match="input width"):
+        lora_delta_(torch.zeros(3, 16), torch.ones(3, 12), a, b, torch.zeros(3, dtype=torch.int32))
+    with pytest.raises(AssertionError, match="int32"):
+        lora_delta_(torch.zeros(3, 16), torch.ones(3, 16), a, b, torch.zeros(3, dtype=torch.int64))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_matches_twin(rng, dtype):
+    gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    a, b = _banks(9, 48, 3584, 4608, dtype, "cuda", gen)
+    rows = 300
+    slots = torch.randint(-1, 9, (rows,), generator=gen, dtype=torch.int32).cuda()
+    x = torch.randn(rows, 3584, generator=gen).to(dtype).cuda() * 0.1
+    base = torch.randn(rows, 4608, generator=gen).to(dtype).cuda()
+    want = lora_delta_reference_(base.clone(), x, a, b, slots)
+    got = base.clone()
+    got[slots >= 0] = float("nan")  # poisoned: every adapter row must be written...
+    got = torch.where(slots[:, None] >= 0, base, got)  # ...from the base it had (restored here)
+    lora_delta_(got, x, a, b, slots)
+    assert bool(torch.isfinite(got).all())
+    err = (got.float() - want.float()).abs().max() / want.float().abs().max()
+    assert err < 2e-2, err
