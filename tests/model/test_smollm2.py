@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 
-from tests.smollm2 import build
 from pie.engine.config import EngineConfig
 from pie.engine.core.engine_core import EngineCore
 from pie.engine.sampling_params import SamplingParams
 from tests.fidelity import _chunks, consistency, docs_text, measure, text_fidelity, text_prompts
+from tests.smollm2 import build
 
 # slow: builds the checkpoint (~25 s the first time) and runs it for minutes on the CPU
 pytestmark = pytest.mark.slow
