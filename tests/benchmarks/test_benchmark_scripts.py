@@ -61,6 +61,15 @@ def test_scripts_found() -> None:
     assert "common" not in SCRIPTS  # the shared helpers are no script
 
 
+def test_benchmarks_no_larger_than_the_engine() -> None:
+    """The lab notebook stays smaller than what it measures (issue 60): lines of .py and .sh in
+    benchmarks/ at most those of .py in engine/; a one-issue study leaves once no open issue uses
+    it (benchmarks/README.md, "Retired studies")."""
+    def lines(folder: str, *patterns: str) -> int:
+        return sum(len(p.read_text().splitlines()) for pattern in patterns for p in (ROOT / folder).rglob(pattern))
+    assert lines("benchmarks", "*.py", "*.sh") <= lines("engine", "*.py")
+
+
 def test_gpu_only_scripts_are_marked() -> None:
     assert set(MARKED_GPU) == GPU_ONLY
 
