@@ -1,9 +1,9 @@
 """The A/B gate: the working tree against base commits on one GPU, in one call, at the defaults.
 
     git archive <commit> | tar -x -C .ab/<commit>        # here: each base tree (gpu.sh ab's help says how to carry it)
-    python benchmarks/ab.py --base .ab/65bef9d [--base .ab/8945f39] [--mode full] [--rounds 3]
-    python benchmarks/ab.py --base DIR --tiny             # CPU-sized smoke run of the same code path
-    python benchmarks/ab.py --variant batch_invariant=true --workloads offline-int8,burst,stream-int8
+    python -m benchmarks.ab --base .ab/65bef9d [--base .ab/8945f39] [--mode full] [--rounds 3]
+    python -m benchmarks.ab --base DIR --tiny             # CPU-sized smoke run of the same code path
+    python -m benchmarks.ab --variant batch_invariant=true --workloads offline-int8,burst,stream-int8
                                                           # this tree with a setting on against itself
 
 Every tree runs the same work (the long-context work: 256 requests queued at once, log-normal
@@ -594,7 +594,6 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:
         return worker(json.loads(Path(argv[1]).read_text()))
-    sys.path[:0] = [str(ROOT), str(ROOT / "clients")]  # the driver's own code: benchmarks.*, this checkout's pie
     from benchmarks.common import DEVICE_HELP, SizedFlags, default_device, make_parser
     from benchmarks.serving import workload
 

@@ -2,7 +2,7 @@
 contiguous bf16 K/V, the extend kernel against SDPA causal, a device-to-device copy as the
 bandwidth ceiling, and int8 fidelity, all measured in one run.
 
-    python benchmarks/attention.py [--quick] [--out results.json]
+    python -m benchmarks.attention [--quick] [--out results.json]
 
 Bytes counted per decode call are the ones that must move: K and V once (int8 + fp32 scales, or
 bf16), q and out. Times are medians of triton.testing.do_bench (L2 flushed between runs).
@@ -13,20 +13,17 @@ from __future__ import annotations
 import json
 import math
 import sys
-from pathlib import Path
 
 import torch
 import triton
 
-_ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(_ROOT), str(_ROOT / "clients")]  # benchmarks.*, and this checkout's pie
-from benchmarks.common import make_parser, require_cuda  # noqa: E402
-from pie.kernels import reference  # noqa: E402
-from pie.kernels.flash_prefill import paged_prefill  # noqa: E402
-from pie.kernels.triton_cache_write import write_kv_cache  # noqa: E402
-from pie.kernels.triton_decode import paged_decode  # noqa: E402
-from pie.kernels.triton_extend import paged_extend  # noqa: E402
-from pie.model.smoothing import factors_from_rms  # noqa: E402
+from benchmarks.common import make_parser, require_cuda
+from pie.kernels import reference
+from pie.kernels.flash_prefill import paged_prefill
+from pie.kernels.triton_cache_write import write_kv_cache
+from pie.kernels.triton_decode import paged_decode
+from pie.kernels.triton_extend import paged_extend
+from pie.model.smoothing import factors_from_rms
 
 NEEDS_GPU = True  # read by `pie bench` (with ast, without importing this file)
 HQ, HKV, D, BLOCK = 32, 8, 128, 16

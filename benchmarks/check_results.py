@@ -1,6 +1,6 @@
 """Checks benchmarks/RESULTS.md, the table of current figures: every row whole and well formed.
 
-    python benchmarks/check_results.py [--results PATH] [--commits]
+    python -m benchmarks.check_results [--results PATH] [--commits]
 
 RESULTS.md holds one table per area (a `## AREA` heading for each of AREAS), each with the
 columns of HEADER, and a legend table (`| hardware | machine |`) naming the machines. A row is
@@ -20,10 +20,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "clients")]  # benchmarks.*, and this checkout's pie
+from benchmarks.common import make_parser
 
-from benchmarks.common import make_parser  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 RESULTS = ROOT / "benchmarks" / "RESULTS.md"
 HEADER = ("metric", "value", "spread", "commit", "hardware", "command", "date")

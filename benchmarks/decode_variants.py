@@ -3,7 +3,7 @@ each variant is first checked against the fp32 torch reference on fresh random r
 (output poisoned with NaN; one and seven splits), then timed at the issue's shapes against SDPA on contiguous bf16 K/V
 and the copy bandwidth measured in the same run.
 
-    python3 benchmarks/decode_variants.py [--repeats N] [--only NAME,...] [--out DIR]
+    python3 -m benchmarks.decode_variants [--repeats N] [--only NAME,...] [--out DIR]
 
 Times: `triton.testing.do_bench` medians (L2 flushed; with --repeats N the median and the range
 of N such medians) and CUDA-graph replays (50 calls per graph, median of 10 replays: how the
@@ -19,18 +19,15 @@ import os
 import re
 import statistics
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
 
-_ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(_ROOT), str(_ROOT / "clients")]  # benchmarks.*, and this checkout's pie
-import pie.kernels.triton_decode as td  # noqa: E402
-from benchmarks.common import make_parser, require_cuda  # noqa: E402
-from pie.kernels.reference import paged_attention_decode  # noqa: E402
+import pie.kernels.triton_decode as td
+from benchmarks.common import make_parser, require_cuda
+from pie.kernels.reference import paged_attention_decode
 
 NEEDS_GPU = True  # read by `pie bench` (with ast, without importing this file)
 C = td.DecodeConfig

@@ -1,6 +1,6 @@
 """GPU check and timing of the Triton extend and cache-write kernels (one device call).
 
-    python3 benchmarks/extend_check.py [--out DIR]
+    python3 -m benchmarks.extend_check [--out DIR]
 
 1. Correctness: bf16 q over int8 and bf16 paged caches (GQA 4) against the fp32 torch reference.
 2. Extend timing: 4k-token prompts (Hq 32, Hkv 8, D 128, page 16; B = 1 and 4, plus a 512-token
@@ -19,18 +19,15 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import triton
 
-_ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(_ROOT), str(_ROOT / "clients")]  # benchmarks.*, and this checkout's pie
-from benchmarks.common import make_parser, require_cuda  # noqa: E402
-from pie.kernels import reference as ref  # noqa: E402
-from pie.kernels.triton_cache_write import write_kv_cache  # noqa: E402
-from pie.kernels.triton_extend import paged_extend  # noqa: E402
+from benchmarks.common import make_parser, require_cuda
+from pie.kernels import reference as ref
+from pie.kernels.triton_cache_write import write_kv_cache
+from pie.kernels.triton_extend import paged_extend
 
 NEEDS_GPU = True  # read by `pie bench` (with ast, without importing this file)
 HQ, HKV, D, PAGE = 32, 8, 128, 16

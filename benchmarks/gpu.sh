@@ -37,20 +37,14 @@
 #   serving     pie serve on the Llama-1B shape under benchmarks/serving.py at 64 and 256 streams,
 #               engine process (1 and 4 tokens per message) and thread, then the offline engine on
 #               the same requests; SERVING_MODE runs one server mode, SERVING_CONCURRENCY other levels
-#   scheduling  benchmarks/scheduling.py (prefix caching off/on, chunked vs whole prefill)
 #   mixed       benchmarks/mixed.py --repeats 3 --single --hf 128 --serve 64,256 (the Qwen3-4B shape's
 #               mixed workload: offline, one user, transformers, gRPC); MIXED_ARGS replaces those
 #               flags (one user on the Llama-1B shape:
 #               MIXED_ARGS="--shape llama-1b --kv int8 --repeats 1 --requests 32 --single")
-#   long        benchmarks/long_context.py (8B-class long-context work, memory ample and an 8 GiB
-#               pool); LONG_ARGS adds flags (e.g. "--repeats 2")
-#   stepcost    benchmarks/mixed_step.py (a step carrying prompt tokens beside 32 decodes, Llama-3.1-8B
-#               shape: its cost line t_fixed + c x n, device time by kernel class, GEMMs' share of the
-#               bf16 peak); STEPCOST_ARGS adds flags (e.g. "--shape qwen3-4b --decodes 64")
-#   burst       benchmarks/burst_steps.py (the long work queued at once, step by step, per stall
-#               factor: tok/s, TTFT, ITL, what the stall bound learnt); BURST_ARGS adds flags
+#   long        benchmarks/mixed.py --workload long (8B-class long-context work, memory ample and an
+#               8 GiB pool); LONG_ARGS adds flags (e.g. "--repeats 2")
 #   fidelity    benchmarks/kv_fidelity.py --device cuda (greedy agreement, teacher-forced, KL)
-#   smolpart    copies the carried .smol/part-N (benchmarks/smollm2.py --split .smol) aside into
+#   smolpart    copies the carried .smol/part-N (tests/smollm2.py --split .smol) aside into
 #               .smol_keep/, where it stays while the machine is held: one part a call, carry
 #               [".whl", ".smol/part-N"] (benchmarks/README.md, the real checkpoint on the GPU)
 #   realfidelity  benchmarks/kv_fidelity.py --real --device cuda on SmolLM2-135M-Instruct, built from
@@ -60,9 +54,8 @@
 #   structured  tests/kernels/test_triton_bitmask.py and tests/engine/test_structured.py on the GPU,
 #               then benchmarks/structured.py (compile and mask-fill time, decode steps with token
 #               masks against free ones: 64 and 256 rows, Qwen3-4B shape, 152k vocabulary)
-#   tp          tensor parallelism: its GPU tests (the NCCL ones need 2 GPUs), the collectives of one
-#               decode step (tp_collectives.py over every visible GPU), throughput at N=1 and, with 2+
-#               GPUs, N=2 (Llama-1B and 4B shapes, int8 pages), and tp_vocab.py
+#   tp          tensor parallelism: its GPU tests (the NCCL ones need 2 GPUs), throughput at N=1 and,
+#               with 2+ GPUs, N=2 (Llama-1B and 4B shapes, int8 pages)
 #   spec        benchmarks/speculative.py --only cost,speed (issue 32, Llama-1B shape, int8 pages): one
 #               engine step with K = 0..8 proposals per row at batch 1, 8, 64, and decode tok/s against
 #               a of K accepted (K = 4, 8) at batch 1, 8, 64, 256, the default speculative_max_batch and
@@ -135,110 +128,98 @@ suite_alltests() {
 }
 suite_kernels() {
   # shellcheck disable=SC2086
-  timeout "$(t kernels)" python3 benchmarks/attention.py --graphs --out "$D/kernels.json" ${KERNELS_ARGS:-} 2>&1 | tee -a "$D/kernels.md"
+  timeout "$(t kernels)" python3 -m benchmarks.attention --graphs --out "$D/kernels.json" ${KERNELS_ARGS:-} 2>&1 | tee -a "$D/kernels.md"
 }
 suite_variants() {
   # shellcheck disable=SC2086
-  timeout "$(t variants)" python3 benchmarks/decode_variants.py --out "$D" ${VARIANTS_ARGS:-} 2>&1 | grep -v "^check" | tail -120
+  timeout "$(t variants)" python3 -m benchmarks.decode_variants --out "$D" ${VARIANTS_ARGS:-} 2>&1 | grep -v "^check" | tail -120
   grep -c "FAIL" "$D/variants.md" | sed 's/^/variants failing their check: /'
 }
 suite_ncu() {
-  timeout "$(t ncu)" python3 benchmarks/ncu_decode.py --profile --out "$D" ${NCU_CASES:+--cases "$NCU_CASES"} 2>&1 | tee -a "$D/ncu.log"
+  timeout "$(t ncu)" python3 -m benchmarks.ncu_decode --profile --out "$D" ${NCU_CASES:+--cases "$NCU_CASES"} 2>&1 | tee -a "$D/ncu.log"
 }
 suite_roofline() {
   # writes roofline.md and roofline.json (roofline_ncu.* with --ncu) into $D, rewritten row by row
   # shellcheck disable=SC2086
-  timeout "${TIMEOUT_roofline:-${SUITE_TIMEOUT:-570}}" python3 benchmarks/int8_roofline.py --out "$D" \
+  timeout "${TIMEOUT_roofline:-${SUITE_TIMEOUT:-570}}" python3 -m benchmarks.int8_roofline --out "$D" \
     ${ROOFLINE_ARGS:---stream --buildup} 2>&1 | grep -v "^check .* ok$"
 }
-suite_extend() { timeout "$(t extend)" python3 benchmarks/extend_check.py --out "$D" 2>&1 | tee -a "$D/extend.log" | tail -30; }
+suite_extend() { timeout "$(t extend)" python3 -m benchmarks.extend_check --out "$D" 2>&1 | tee -a "$D/extend.log" | tail -30; }
 suite_engine() {
   timeout "$(t engine)" python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine tests/model 2>&1 | tail -12 | tee -a "$D/engine.log"
   suite_profile
 }
 suite_profile() {
   # shellcheck disable=SC2086
-  timeout "$(t profile)" python3 benchmarks/profile_step.py --steps 30 ${PROFILE_ARGS:-} 2>&1 | quiet \
+  timeout "$(t profile)" python3 -m benchmarks.profile_step --steps 30 ${PROFILE_ARGS:-} 2>&1 | quiet \
     | grep -v "^void\|nvjet\|^---\|Self CUDA" | tee -a "$D/profile.md" | grep -i "wall per\|forward\|median\|busy\|^host:\|pinned"
 }
 suite_host() {
-  timeout "$(t host)" python3 benchmarks/profile_step.py --micro --stub-forward --batch 256 --ctx 400 --steps 50 \
+  timeout "$(t host)" python3 -m benchmarks.profile_step --micro --stub-forward --batch 256 --ctx 400 --steps 50 \
     --extra enforce_eager=true,async_scheduling=true 2>&1 | quiet | tee -a "$D/host.md" | grep "wall per\|Error"
 }
 suite_offline() {
   # shellcheck disable=SC2086
-  timeout "$(t offline)" python3 benchmarks/throughput.py --skip-hf --out "$D/offline.json" ${OFFLINE_ARGS:-} 2>&1 | quiet \
+  timeout "$(t offline)" python3 -m benchmarks.throughput --skip-hf --out "$D/offline.json" ${OFFLINE_ARGS:-} 2>&1 | quiet \
     | tail -9 | tee -a "$D/offline.md"
 }
 suite_hf() {
-  timeout "$(t hf)" python3 benchmarks/throughput.py --out "$D/hf.json" 2>&1 | quiet | tail -9 | tee -a "$D/hf.md"
+  timeout "$(t hf)" python3 -m benchmarks.throughput --out "$D/hf.json" 2>&1 | quiet | tail -9 | tee -a "$D/hf.md"
 }
 suite_capacity() {
   # 3 GiB of KV: ~166 int8 / ~85 bf16 sequences of 562 tokens, so bf16 preempts
-  timeout "$(t capacity)" python3 benchmarks/throughput.py --skip-hf --kv-gib 3 --repeats 1 2>&1 | quiet | grep -v preempted \
+  timeout "$(t capacity)" python3 -m benchmarks.throughput --skip-hf --kv-gib 3 --repeats 1 2>&1 | quiet | grep -v preempted \
     | tail -5 | tee -a "$D/capacity.md"
 }
 suite_serving() {
-  python3 -c 'import sys; sys.path.insert(0, "."); from pathlib import Path; import torch
+  python3 -c 'from pathlib import Path; import torch
 from benchmarks.throughput import LLAMA_1B, build_model; Path("/tmp/llama1b").mkdir(exist_ok=True); build_model(Path("/tmp/llama1b"), LLAMA_1B, torch.bfloat16)' 2>&1 | quiet
   # the engine in its own process (with 1 and 4 tokens per message), then on a thread
   local modes=("--engine-process" "--engine-process --stream-interval 4" "--no-engine-process")
   [ -n "${SERVING_MODE:-}" ] && modes=("$SERVING_MODE")
   for mode in "${modes[@]}"; do
     echo "## pie serve $mode" | tee -a "$D/serving.md"
-    timeout "$(t serving)" python3 benchmarks/serving.py --model /tmp/llama1b \
+    timeout "$(t serving)" python3 -m benchmarks.serving --model /tmp/llama1b \
       --server-args="--max-num-seqs 256 --max-num-batched-tokens 8192 $mode" --concurrency "${SERVING_CONCURRENCY:-64,256}" \
       --requests 512 --prompt-len 300 --max-tokens 256 --vocab 32000 2>&1 | quiet | tail -8 | tee -a "$D/serving.md"
   done
   echo "## offline engine, the same requests" | tee -a "$D/serving.md"
-  timeout "$(t serving)" python3 benchmarks/throughput.py --skip-hf --kv int8 --requests 512 --min-prompt 300 --max-prompt 300 \
+  timeout "$(t serving)" python3 -m benchmarks.throughput --skip-hf --kv int8 --requests 512 --min-prompt 300 --max-prompt 300 \
     2>&1 | quiet | tail -3 | tee -a "$D/serving.md"
-}
-suite_scheduling() {
-  timeout "$(t scheduling)" python3 benchmarks/scheduling.py 2>&1 | quiet | tee -a "$D/scheduling.md"
 }
 suite_mixed() {
   # shellcheck disable=SC2086
-  timeout "$(t mixed)" python3 benchmarks/mixed.py ${MIXED_ARGS:---repeats 3 --single --hf 128 --serve 64,256} \
+  timeout "$(t mixed)" python3 -m benchmarks.mixed ${MIXED_ARGS:---repeats 3 --single --hf 128 --serve 64,256} \
     --out "$D/mixed.json" 2>&1 | quiet | tee -a "$D/mixed.md" | tail -16
 }
 suite_long() {
   # shellcheck disable=SC2086
-  timeout "$(t long)" python3 benchmarks/long_context.py --out "$D/long.json" ${LONG_ARGS:-} 2>&1 | quiet | tee -a "$D/long.md"
-}
-suite_stepcost() {
-  # shellcheck disable=SC2086
-  timeout "$(t stepcost)" python3 benchmarks/mixed_step.py --out "$D/stepcost.json" ${STEPCOST_ARGS:-} 2>&1 | quiet \
-    | grep -v "USDT\|profiler" | tee -a "$D/stepcost.md"
-}
-suite_burst() {
-  # shellcheck disable=SC2086
-  timeout "$(t burst)" python3 benchmarks/burst_steps.py --out "$D/burst.json" ${BURST_ARGS:-} 2>&1 | quiet | tee -a "$D/burst.md"
+  timeout "$(t long)" python3 -m benchmarks.mixed --workload long --out "$D/long.json" ${LONG_ARGS:-} 2>&1 | quiet | tee -a "$D/long.md"
 }
 # The table scripts below keep their whole output in SUITE.log and show the table and any error's
 # last line (a table that stopped after its header once hid the traceback that stopped it).
 suite_fidelity() {
-  timeout "$(t fidelity)" python3 benchmarks/kv_fidelity.py --device cuda --seeds 1 --exact-prefill 2>&1 | quiet \
+  timeout "$(t fidelity)" python3 -m benchmarks.kv_fidelity --device cuda --seeds 1 --exact-prefill 2>&1 | quiet \
     | tee -a "$D/fidelity.log" | grep "^|\|Error" | tee -a "$D/fidelity.md"
 }
 suite_smolpart() {
   mkdir -p "$ROOT/.smol_keep" && cp "$ROOT"/.smol/part-* "$ROOT/.smol_keep/" && ls -l "$ROOT/.smol_keep" | tee -a "$D/smolpart.log"
 }
 suite_realfidelity() {
-  timeout "$(t realfidelity)" python3 benchmarks/smollm2.py --gguf "$ROOT/.smol_keep" --check 2>&1 | quiet \
+  timeout "$(t realfidelity)" python3 -m tests.smollm2 --gguf "$ROOT/.smol_keep" --check 2>&1 | quiet \
     | tee -a "$D/realfidelity.log" | tail -3
-  timeout "$(t realfidelity)" python3 benchmarks/kv_fidelity.py --real --device cuda 2>&1 | quiet \
+  timeout "$(t realfidelity)" python3 -m benchmarks.kv_fidelity --real --device cuda 2>&1 | quiet \
     | tee -a "$D/realfidelity.log" | grep "^|\|Error" | tee -a "$D/realfidelity.md"
 }
 suite_structured() {
   timeout "$(t structured)" python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_bitmask.py \
     tests/engine/test_structured.py 2>&1 | tail -8 | tee -a "$D/structured.log"
-  timeout "$(t structured)" python3 benchmarks/structured.py --out "$D/structured.json" 2>&1 | quiet \
+  timeout "$(t structured)" python3 -m benchmarks.structured --out "$D/structured.json" 2>&1 | quiet \
     | tee -a "$D/structured.md"
 }
 suite_seeds() {
   # shellcheck disable=SC2086
-  timeout "$(t seeds)" python3 benchmarks/seed_consistency.py ${SEEDS_ARGS:-} 2>&1 | quiet \
+  timeout "$(t seeds)" python3 -m benchmarks.seed_consistency ${SEEDS_ARGS:-} 2>&1 | quiet \
     | tee -a "$D/seeds.log" | grep "^|\|^#\|Error" | tee -a "$D/seeds.md"
 }
 suite_tp() {
@@ -247,22 +228,19 @@ suite_tp() {
   nvidia-smi topo -m 2>&1 | tee -a "$D/tp.log"
   timeout "$(t tp)" python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/engine/test_tensor_parallel.py \
     tests/engine/test_cuda_graphs.py tests/model/test_parallel.py 2>&1 | tail -30 | tee -a "$D/tp.log"
-  timeout "$(t tp)" python3 benchmarks/tp_collectives.py --size "$gpus" --rows 1,256 --iters 20 --repeats 3 \
-    --out "$D/tp_collectives.json" 2>&1 | tail -12 | tee -a "$D/tp.md"
   local sizes=(1)
   [ "$gpus" -ge 2 ] && sizes=(1 2)
   for shape in llama-1b 4b; do
     for n in "${sizes[@]}"; do
       echo "## throughput $shape N=$n" | tee -a "$D/tp.md"
-      timeout "$(t tp)" python3 benchmarks/throughput.py --skip-hf --kv int8 --repeats 3 --shape "$shape" \
+      timeout "$(t tp)" python3 -m benchmarks.throughput --skip-hf --kv int8 --repeats 3 --shape "$shape" \
         --tensor-parallel-size "$n" 2>&1 | quiet | tail -6 | tee -a "$D/tp.md"
     done
   done
-  timeout "$(t tp)" python3 benchmarks/tp_vocab.py 2>&1 | quiet | tee -a "$D/tp.md"
 }
 suite_spec() {
   # shellcheck disable=SC2086
-  timeout "$(t spec)" python3 benchmarks/speculative.py --only cost,speed --budget-s "${SPEC_BUDGET_S:-200}" \
+  timeout "$(t spec)" python3 -m benchmarks.speculative --only cost,speed --budget-s "${SPEC_BUDGET_S:-200}" \
     --out "$D/spec.json" ${SPEC_ARGS:-} 2>&1 | quiet | tee -a "$D/spec.md"
 }
 suite_ab() {
@@ -272,11 +250,11 @@ suite_ab() {
     local against=(--base "$ROOT/.ab/$base")
     [ "$base" = "-" ] && against=()
     # shellcheck disable=SC2086
-    timeout "$(t ab)" python3 benchmarks/ab.py "${against[@]}" ${AB_ARGS:---mode quick --rounds 3} \
+    timeout "$(t ab)" python3 -m benchmarks.ab "${against[@]}" ${AB_ARGS:---mode quick --rounds 3} \
       --model-cache /tmp/pie-ab-models --out "$D/ab-${base/#-/variant}.json" 2>&1 | quiet | tee -a "$D/ab.md"
   done
 }
-SUITES=" tests alltests kernels variants ncu roofline extend engine profile host offline hf capacity serving scheduling mixed long stepcost burst fidelity smolpart realfidelity seeds structured tp spec ab "
+SUITES=" tests alltests kernels variants ncu roofline extend engine profile host offline hf capacity serving mixed long fidelity smolpart realfidelity seeds structured tp spec ab "
 
 g() { git -c safe.directory="$ROOT" -C "$ROOT" "$@"; }  # files copied to a machine may belong to another user
 baseline_tree() {  # check BASELINE out outside the repo (or take a carried .baseline); prints its folder

@@ -10,7 +10,7 @@
 #   .ab/<commit>  each BASE_COMMIT's tree for the A/B gate (git archive, without the bundled model
 #                 and the tests)
 #   .smol/part-N  with --smol: SmolLM2-135M-Instruct's GGUF in parts a call can carry
-#                 (benchmarks/smollm2.py --split, --part-mb per part; default 25)
+#                 (tests/smollm2.py --split, --part-mb per part; default 25)
 #
 # Then carry [".whl", ".ab"] for `bash benchmarks/gpu.sh ab`, and see benchmarks/README.md for the
 # parts. It prints each folder's size at the end: a call carries 64 MiB at most, the working tree
@@ -57,6 +57,6 @@ for c in "${bases[@]}"; do
   git archive "$sha" -- . ':!model/bundled' ':!tests' | tar -x -C ".ab/$c"
 done
 if [ -n "$smol" ]; then
-  python3 benchmarks/smollm2.py --split .smol --part-mb "$part_mb"
+  PYTHONPATH=$PWD:$PWD/clients${PYTHONPATH:+:$PYTHONPATH} python3 -m tests.smollm2 --split .smol --part-mb "$part_mb"
 fi
 du -sh .whl .ab/* .smol/* 2>/dev/null || true

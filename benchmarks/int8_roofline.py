@@ -1,10 +1,10 @@
 """The INT8 decode roofline (issue 46): what a decode step must read, streamed by kernels that do
 nothing else, then the attention's pieces added to that stream one at a time.
 
-    python3 benchmarks/int8_roofline.py --stream --buildup [--out DIR]    # one GPU call (~5-8 min)
-    python3 benchmarks/int8_roofline.py --ncu [--best DIR/roofline.json]  # Nsight Compute, GPU
-    TRITON_INTERPRET=0 python benchmarks/int8_roofline.py --asm           # sm_90 registers, no GPU
-    python benchmarks/int8_roofline.py --stream --buildup --tiny          # CPU interpreter
+    python3 -m benchmarks.int8_roofline --stream --buildup [--out DIR]    # one GPU call (~5-8 min)
+    python3 -m benchmarks.int8_roofline --ncu [--best DIR/roofline.json]  # Nsight Compute, GPU
+    TRITON_INTERPRET=0 python -m benchmarks.int8_roofline --asm           # sm_90 registers, no GPU
+    python -m benchmarks.int8_roofline --stream --buildup --tiny          # CPU interpreter
 
 Every kernel here is one Triton kernel, `_roofline_kernel`, one program per (kv head, sequence,
 split) as in kernels/triton_decode.py, over pie's pages (num_blocks, PAGE, Hkv, D) (or head-major
@@ -77,15 +77,13 @@ import torch
 if not torch.cuda.is_available():  # the interpreter must be on before any kernel is defined
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+import triton
+import triton.language as tl
 
-_ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(_ROOT), str(_ROOT / "clients")]  # benchmarks.*, and this checkout's pie
-import pie.kernels.triton_decode as td  # noqa: E402
-from benchmarks.common import make_parser, require_cuda  # noqa: E402
-from pie.kernels.reference import paged_attention_decode  # noqa: E402
-from pie.kernels.triton_tile import (  # noqa: E402
+import pie.kernels.triton_decode as td
+from benchmarks.common import make_parser, require_cuda
+from pie.kernels.reference import paged_attention_decode
+from pie.kernels.triton_tile import (
     INT8_BIAS,
     int8_biased,
     int8_pv,
@@ -1005,7 +1003,7 @@ def run_ncu(args, rep: Report) -> int:
     ncu = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
     cmd = [ncu, "--set", "full", "--clock-control", "none", "-k", "regex:_roofline_kernel|_decode_stage1",
            "--launch-skip", str(len(cases)), "--launch-count", str(len(cases)), "--csv", "--page", "raw",
-           sys.executable, __file__, "--ncu-launch", "--ncu-cases", args.ncu_cases, "--ncu-shape", args.ncu_shape]
+           sys.executable, "-m", "benchmarks.int8_roofline", "--ncu-launch", "--ncu-cases", args.ncu_cases, "--ncu-shape", args.ncu_shape]
     if args.best:
         cmd += ["--best", args.best]
     res = subprocess.run(cmd, capture_output=True, text=True)

@@ -1,8 +1,8 @@
 """Compile the paged decode kernel for the H200 (sm_90) on a machine without a GPU, and report what
 the GPU would run: registers, spilled stack, shared memory, and the SASS of the main loop.
 
-    python benchmarks/kernel_asm.py [--head-dim 128] [--kv int8] [--variants default,old,...] [--split-tokens 1024]
-    python benchmarks/kernel_asm.py --digest    # one digest of the PTX per shipped attention launch
+    python -m benchmarks.kernel_asm [--head-dim 128] [--kv int8] [--variants default,old,...] [--split-tokens 1024]
+    python -m benchmarks.kernel_asm --digest    # one digest of the PTX per shipped attention launch
 
 Uses Triton's own compiler and the ptxas / cuobjdump its wheel ships, with a stand-in driver that
 only names the target, so no CUDA device or driver is needed (`TRITON_INTERPRET` must be unset).
@@ -28,16 +28,12 @@ import tempfile
 from pathlib import Path
 
 import torch
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.runtime import driver
 
-_ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(_ROOT), str(_ROOT / "clients")]  # benchmarks.*, and this checkout's pie
-
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.runtime import driver  # noqa: E402
-
-from benchmarks.common import make_parser  # noqa: E402
+from benchmarks.common import make_parser
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 

@@ -6,12 +6,12 @@ head-dim-64 models of the four families, with and without massive K channels (K 
 x16, Q / 16: the same function). `--exact-prefill` also measures the rule before one answer per
 seed (a prefill attending its own K/V as computed, not as stored): what that rule costs.
 
-`--real`: the same on a trained checkpoint, SmolLM2-135M-Instruct (benchmarks/smollm2.py builds
+`--real`: the same on a trained checkpoint, SmolLM2-135M-Instruct (tests/smollm2.py builds
 it), with text prompts from Python's documentation, and its perplexity and teacher-forced top-1
 over that text in 512-token prompts (tests/fidelity.py: text_fidelity).
 
-    python benchmarks/kv_fidelity.py [--device cpu|cuda] [--seeds 4] [--prompts 16] [--tokens 32]
-    python benchmarks/kv_fidelity.py --real [--device cpu|cuda]
+    python -m benchmarks.kv_fidelity [--device cpu|cuda] [--seeds 4] [--prompts 16] [--tokens 32]
+    python -m benchmarks.kv_fidelity --real [--device cpu|cuda]
 
 Figures of the random models are means over the four families and the seeds (one model each), with
 the standard error of the mean over those models (± SE): greedy agreement, a common prefix, moves by
@@ -29,13 +29,11 @@ from pathlib import Path
 
 import structlog
 
-_ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(_ROOT), str(_ROOT / "clients")]  # benchmarks.*, and this checkout's pie
-from benchmarks.common import DEVICE_HELP, default_device, make_parser  # noqa: E402
-from pie.engine.config import KV_SMOOTHING  # noqa: E402
-from pie.engine.runner.attention import PagedAttention  # noqa: E402
-from tests.fidelity import MASSIVE_K, docs_text, family_fidelity, measure, text_fidelity, text_prompts  # noqa: E402
-from tests.helpers import ARCHS  # noqa: E402
+from benchmarks.common import DEVICE_HELP, default_device, make_parser
+from pie.engine.config import KV_SMOOTHING
+from pie.engine.runner.attention import PagedAttention
+from tests.fidelity import MASSIVE_K, docs_text, family_fidelity, measure, text_fidelity, text_prompts
+from tests.helpers import ARCHS
 
 HEADER = "| models | cache | smoothing | prefill reads | greedy agreement | teacher-forced top-1 | first token | KL to fp32 |"
 
@@ -81,7 +79,7 @@ def _mean_se(values: list[float], fmt: str) -> str:
 
 
 def real_checkpoint(args) -> None:
-    from benchmarks.smollm2 import build
+    from tests.smollm2 import build
 
     folder = build()
     text = docs_text()

@@ -4,9 +4,9 @@
 vocabulary 128256), bf16: time per call at each M, the ratio, and whether each one's rows keep
 their bits when the same rows run in a batch of another size.
 
-    python3 benchmarks/matmul_invariance.py [--shape 7b,1b] [--ms 1,8,64,256,2048,8192] [--out FILE]
-    python3 benchmarks/matmul_invariance.py --sweep [--shape 7b.qkv,1b.o]   # tuning config_for
-    python benchmarks/matmul_invariance.py --tiny                            # CPU smoke run
+    python3 -m benchmarks.matmul_invariance [--shape 7b,1b] [--ms 1,8,64,256,2048,8192] [--out FILE]
+    python3 -m benchmarks.matmul_invariance --sweep [--shape 7b.qkv,1b.o]   # tuning config_for
+    python -m benchmarks.matmul_invariance --tiny                            # CPU smoke run
 
 Times (µs per call, the median of --repeats medians and their range): "graph" replays back-to-back
 calls from one CUDA graph, as the engine runs decode steps, cycling over enough copies of the
@@ -34,9 +34,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-_ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(_ROOT), str(_ROOT / "clients")]  # benchmarks.*, and this checkout's pie
-from benchmarks.common import make_parser  # noqa: E402
+from benchmarks.common import make_parser
 
 NEEDS_GPU = False  # read by `pie bench`: without CUDA it prints a note (or runs --tiny in the interpreter)
 # model -> (layers, {projection: (N, K)})

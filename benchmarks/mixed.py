@@ -1,13 +1,22 @@
-"""Mixed, realistic work offline: log-normal prompt lengths, a shared prefix, varied output lengths,
-on a Qwen3-4B-shaped (or Llama-3.2-1B-shaped) random model; the engine with int8 and bf16 pages in
-one run, each repeated, the median reported with the spread.
+"""Realistic work offline: log-normal prompt lengths, a shared prefix, varied output lengths, on a
+random model; the engine with int8 and bf16 pages in one run, each repeated, the median reported
+with the spread.
 
-    python benchmarks/mixed.py [--shape qwen3-4b|llama-1b] [--requests 384] [--repeats 3]
-    python benchmarks/mixed.py --tiny           # CPU-sized smoke run of the same code path
+    python -m benchmarks.mixed [--shape qwen3-4b|llama-1b] [--requests 384] [--repeats 3]
+    python -m benchmarks.mixed --workload long [--kv-gib ample,8]   # long-context work, two pools
+    python -m benchmarks.mixed --tiny [--workload long]            # CPU-sized smoke run of the same code
 
-Workload (fixed seed): prompt lengths log-normal with median --prompt-median (sigma 0.8), clipped
-to [16, --prompt-max]; a quarter of the prompts start with one shared --prefix-len-token prefix;
-output lengths uniform in [32, 400]; greedy, EOS ignored. All requests are queued at once.
+Workloads (--workload; fixed seed, greedy, EOS ignored, all requests queued at once): prompt lengths
+log-normal with median --prompt-median (sigma 0.8), clipped to [16, --prompt-max]; every
+--prefix-every-th prompt starts with one shared --prefix-len-token prefix; output lengths uniform in
+[--out-min, --out-max]. Their defaults:
+  mixed  issue 16's work on the Qwen3-4B shape: 384 requests, prompts median 250 (up to 2,000), a
+         quarter after one 400-token prefix, outputs 32-400
+  long   the long-context work on an 8B-class shape (Llama-3.1-8B's dimensions): 256 requests,
+         prompts median 800 (up to 6,000), a third after one 1,500-token prefix, outputs 128-1,024,
+         first with memory ample, then with the KV pool fixed at 8 GiB (--kv-gib ample,8)
+Each pool in --kv-gib is a pass of its own (every KV dtype, --repeats times); int8 pages read half
+the K/V bytes, so their ideal (below) is lower (1.17x at the long work on an H200).
 
 Beside the achieved time: an ideal time from the work itself, (a) prefill FLOPs (2 x params x
 prompt tokens not served from the prefix cache, plus causal attention) at --tflops, and (b) for
@@ -23,10 +32,12 @@ Optional parts, in the same run on the same model:
                    engine (int8) on the same subset
   --single         one user: decode tokens/s (128-token prompt, 512 out) and the TTFT of a
                    2,000-token prompt, against the weight-bandwidth bound (weights / copy bw)
+--no-prefix-caching runs the same work without the prefix cache: what the shared prefix saves.
 """
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import math
@@ -39,13 +50,12 @@ from pathlib import Path
 
 import torch
 
-_ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(_ROOT), str(_ROOT / "clients")]  # benchmarks.*, and this checkout's pie
-from benchmarks.common import DEVICE_HELP, SizedFlags, default_device, make_parser  # noqa: E402
-from pie.engine.config import DEFAULT_MODEL, EngineConfig  # noqa: E402
-from pie.engine.core.engine_core import EngineCore  # noqa: E402
-from pie.engine.runner.kv_cache import KVCache  # noqa: E402
-from pie.engine.sampling_params import SamplingParams  # noqa: E402
+from benchmarks.common import DEVICE_HELP, SizedFlags, default_device, make_parser
+from benchmarks.throughput import copy_bandwidth, sync
+from pie.engine.config import DEFAULT_MODEL, EngineConfig
+from pie.engine.core.engine_core import EngineCore
+from pie.engine.runner.kv_cache import KVCache
+from pie.engine.sampling_params import SamplingParams
 
 SHAPES = {
     # Qwen3-4B: head dim 128, GQA 4:1, q/k norms, tied embeddings.
@@ -98,24 +108,6 @@ def workload(n: int, vocab: int, prompt_median: int, prompt_max: int, prefix_len
     return prompts, outs
 
 
-def copy_bandwidth(device: str) -> float:
-    src = torch.empty(1 << 30 if device == "cuda" else 1 << 26, dtype=torch.uint8, device=device).random_()
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    _sync(device)
-    t0 = time.perf_counter()
-    for _ in range(20):
-        dst.copy_(src)
-    _sync(device)
-    return 2 * src.numel() * 20 / (time.perf_counter() - t0)
-
-
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 class Timeline:
     """Wraps an engine's schedule() and step(): per step, its wall time and what it carried."""
 
@@ -162,7 +154,7 @@ def single_user(eng: EngineCore, vocab: int, device: str, repeats: int = 3) -> d
         rid = f"single-{rng.getrandbits(32)}"
         eng.add_request(rid, [rng.randrange(3, vocab) for _ in range(prompt_len)],
                         SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         first = None
         while eng.has_unfinished():
@@ -183,6 +175,7 @@ def run_engine(folder: Path, kv: str, prompts, outs, args, extra: bool = False) 
                                  dtype="bf16" if args.device == "cuda" else "fp32", kv_cache_dtype=kv,
                                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,
                                  decode_stall_factor=getattr(args, "decode_stall_factor", 0.0),
+                                 enable_prefix_caching=not getattr(args, "no_prefix_caching", False),
                                  kv_cache_memory_bytes=None if args.kv_gib is None else int(args.kv_gib * 2**30)))
     eng.generate([p[:32] for p in prompts[:4]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     more = {}
@@ -191,10 +184,10 @@ def run_engine(folder: Path, kv: str, prompts, outs, args, extra: bool = False) 
     if extra and args.hf:
         subset = prompts[:args.hf]
         eng.block_manager.reset_prefix_cache()
-        _sync(args.device)
+        sync(args.device)
         t0 = time.perf_counter()
         got = eng.generate(subset, SamplingParams(max_tokens=256, temperature=0, ignore_eos=True))
-        _sync(args.device)
+        sync(args.device)
         more["hf_subset_tok_per_s"] = sum(map(len, got)) / (time.perf_counter() - t0)
     timeline = Timeline(eng)
     runs = []
@@ -203,7 +196,7 @@ def run_engine(folder: Path, kv: str, prompts, outs, args, extra: bool = False) 
         hits_before = eng.stats().prefix_cache_hits
         timeline.steps.clear()
         ids = [f"m{i}-{len(runs)}" for i in range(len(prompts))]
-        _sync(args.device)
+        sync(args.device)
         t0 = time.perf_counter()
         for rid, p, n in zip(ids, prompts, outs):
             eng.add_request(rid, p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
@@ -211,7 +204,7 @@ def run_engine(folder: Path, kv: str, prompts, outs, args, extra: bool = False) 
         while eng.has_unfinished():
             for o in eng.step():
                 generated += len(o.new_token_ids)
-        _sync(args.device)
+        sync(args.device)
         wall = time.perf_counter() - t0
         runs.append(dict(wall_s=wall, tokens=generated, tok_per_s=generated / wall, steps=list(timeline.steps),
                          cached_prompt_tokens=eng.stats().prefix_cache_hits - hits_before))
@@ -237,10 +230,10 @@ def run_hf(folder: Path, prompts, device: str) -> float:
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="paged|sdpa").to(device)
     gen = GenerationConfig(max_new_tokens=256, do_sample=False, eos_token_id=None, pad_token_id=0, use_cuda_graph=False)
     model.generate_batch(inputs=[p[:32] for p in prompts[:4]], generation_config=gen)  # warm-up
-    _sync(device)
+    sync(device)
     t0 = time.perf_counter()
     out = model.generate_batch(inputs=prompts, generation_config=gen)
-    _sync(device)
+    sync(device)
     tok_per_s = sum(len(r.generated_tokens) for r in out.values()) / (time.perf_counter() - t0)
     del model
     gc.collect()
@@ -269,7 +262,8 @@ def serve(folder: Path, prompts, outs, args) -> list[dict]:
             # A fresh draw of the workload per level (same distribution): the server's prefix cache
             # still holds the previous level's prompts, which would skip their prefill.
             prompts, outs = workload(len(prompts), shape["vocab_size"], args.prompt_median, args.prompt_max,
-                                     args.prefix_len, (args.out_min, args.out_max), seed=level)
+                                     args.prefix_len, (args.out_min, args.out_max), seed=level,
+                                     prefix_every=args.prefix_every)
 
             async def run() -> dict:
                 async with AsyncClient(address, timeout=900) as client:
@@ -331,28 +325,47 @@ def breakdown(steps: list[dict], wall: float, full_rows: int) -> str:
             f"host outside steps {wall - inside:.2f} s")
 
 
+# Per workload: flag -> (help, type, (full default, --tiny default)).
+PRESETS = {
+    "mixed": dict(shape=("qwen3-4b", "tiny"), requests=(384, 24), prompt_median=(250, 40), prompt_max=(2000, 200),
+                  prefix_len=(400, 48), prefix_every=(4, 4), out_min=(32, 4), out_max=(400, 24),
+                  kv_gib=("ample", "0.1")),
+    "long": dict(shape=("llama-8b", "tiny"), requests=(256, 12), prompt_median=(800, 60), prompt_max=(6000, 300),
+                 prefix_len=(1500, 96), prefix_every=(3, 3), out_min=(128, 8), out_max=(1024, 32),
+                 kv_gib=("ample,8", "ample,0.05")),
+}
+FLAGS = {"shape": ("model shape", str), "requests": ("requests, all queued at once", int),
+         "prompt_median": ("median prompt length in tokens (log-normal, sigma 0.8)", int),
+         "prompt_max": ("longest prompt in tokens (longer draws are clipped)", int),
+         "prefix_len": ("tokens of the shared prefix", int),
+         "prefix_every": ("every N-th prompt starts with the shared prefix", int),
+         "out_min": ("fewest tokens generated per request", int), "out_max": ("most tokens generated per request", int),
+         "kv_gib": ("KV pools in GiB, one pass each; ample: what 0.9 of the GPU's memory leaves (1 GiB on the CPU)", str)}
+
+
+def add_workload_flags(ap) -> None:
+    ap.add_argument("--workload", choices=sorted(PRESETS), default="mixed", help="the work and its defaults (above)")
+    for dest, (text, kind) in FLAGS.items():
+        shown = "; ".join(f"{w} {PRESETS[w][dest][0]} ({PRESETS[w][dest][1]} with --tiny)" for w in PRESETS)
+        ap.add_argument("--" + dest.replace("_", "-"), type=kind, default=None, help=f"{text} (default: {shown})",
+                        **({"choices": sorted(SHAPES)} if dest == "shape" else {}))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = make_parser(__doc__)
     ap.add_argument("--tiny", action="store_true", help="CPU-sized model (the tiny shape) and workload")
     ap.add_argument("--device", default=None, help=DEVICE_HELP)
+    add_workload_flags(ap)
     sized = SizedFlags(ap)
-    sized.add("--shape", "qwen3-4b", "tiny", "model shape", type=str, choices=sorted(SHAPES))
-    sized.add("--requests", 384, 24, "requests, all queued at once")
-    sized.add("--prompt-median", 250, 40, "median prompt length in tokens (log-normal, sigma 0.8)")
-    sized.add("--prompt-max", 2000, 200, "longest prompt in tokens (longer draws are clipped)")
-    sized.add("--prefix-len", 400, 48, "tokens of the prefix a quarter of the prompts share")
-    sized.add("--out-min", 32, 4, "fewest tokens generated per request")
-    sized.add("--out-max", 400, 24, "most tokens generated per request")
     sized.add("--max-num-seqs", 256, 16, "running sequences per step at most")
     sized.add("--max-batched-tokens", 8192, 512, "tokens per step at most (prefill chunks + decodes)")
-    sized.add("--kv-gib", None, 0.1, "KV pool in GiB", type=float,
-              shown=("on CUDA what 0.9 of the GPU's memory leaves, on the CPU 1 GiB", "0.1"))
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per KV cache dtype; the median is reported")
     ap.add_argument("--kv", default="int8,bf16", help="KV cache dtypes to run, comma-separated")
     ap.add_argument("--tflops", type=float, default=790.0, help="dense bf16 rate for the ideal prefill time")
     ap.add_argument("--decode-stall-factor", type=float, default=0.0,
                     help="the engine's stall bound, off at 0: offline work queued at once wants whole "
                          "budgets (the served bound is measured by benchmarks/serving.py)")
+    ap.add_argument("--no-prefix-caching", action="store_true", help="the engine without its prefix cache")
     ap.add_argument("--serve", default="",
                     help="closed-loop gRPC concurrencies, e.g. 64,256 (int8 server) (default: none, not served)")
     ap.add_argument("--hf", type=int, default=0,
@@ -361,29 +374,42 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="JSON file for every figure (default: none written)")
     args = ap.parse_args(argv)
     sized.fill(args, args.tiny)
+    for dest, (_, kind) in FLAGS.items():
+        if getattr(args, dest) is None:
+            setattr(args, dest, kind(PRESETS[args.workload][dest][int(args.tiny)]))
     args.device = args.device or default_device()
+    pools = [None if g == "ample" else float(g) for g in args.kv_gib.split(",")]
+    args.kv_gib = pools[0]  # the served run's pool
     arch, shape = SHAPES[args.shape]
     prompts, outs = workload(args.requests, shape["vocab_size"], args.prompt_median, args.prompt_max,
-                             args.prefix_len, (args.out_min, args.out_max))
+                             args.prefix_len, (args.out_min, args.out_max), prefix_every=args.prefix_every)
     copy_bw = copy_bandwidth(args.device)
-    results = {}
+    kvs = args.kv.split(",")
+    passes: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        params = build_model(Path(tmp), arch, shape, torch.bfloat16 if args.device == "cuda" else torch.float32)
-        print(f"# {args.device}: {args.shape}-shaped random {arch} ({params / 1e9:.2f}B params); {args.requests} "
-              f"requests, prompts median {statistics.median(map(len, prompts)):.0f} (max {max(map(len, prompts))}) "
-              f"tokens, {sum(map(len, prompts)):,} prompt tokens, outputs {args.out_min}-{args.out_max} "
-              f"({sum(outs):,} tokens); copy bandwidth {copy_bw / 1e12:.2f} TB/s")
+        params = build_model(Path(tmp), arch, shape, torch.bfloat16 if args.device == "cuda" else torch.float32,
+                             max_len=max(4096, args.prefix_len + args.prompt_max + args.out_max + 16))
+        print(f"# {args.device}: {args.workload} work, {args.shape}-shaped random {arch} ({params / 1e9:.2f}B "
+              f"params); {args.requests} requests, prompts median {statistics.median(map(len, prompts)):.0f} (max "
+              f"{max(map(len, prompts))}) tokens, {sum(map(len, prompts)):,} prompt tokens, outputs "
+              f"{args.out_min}-{args.out_max} ({sum(outs):,} tokens); copy bandwidth {copy_bw / 1e12:.2f} TB/s")
         # Served first: the server is a process of its own that gives the GPU back when it exits,
         # while this process keeps what its engines held (after them, `pie serve` found 133.5 of
         # 139.8 GiB in use and refused to start: H200, 2026-12-03).
         served = serve(Path(tmp), prompts, outs, args) if args.serve else []
-        kvs = args.kv.split(",")
-        for kv in kvs:
-            results[kv] = run_engine(Path(tmp), kv, prompts, outs, args, extra=kv == kvs[0])
+        for n, pool in enumerate(pools):
+            run_args = argparse.Namespace(**{**vars(args), "kv_gib": pool})
+            passes["memory ample" if pool is None else f"KV pool {pool:g} GiB"] = {
+                kv: run_engine(Path(tmp), kv, prompts, outs, run_args, extra=n == 0 and kv == kvs[0]) for kv in kvs}
         hf = run_hf(Path(tmp), prompts[:args.hf], args.device) if args.hf else None
     weight_bytes = params * (2 if args.device == "cuda" else 4)
-    summary = report(results, prompts, params, weight_bytes, copy_bw, args.tflops, args.max_num_seqs)
-    first = results[kvs[0]]
+    summaries = {}
+    for name, results in passes.items():
+        if len(passes) > 1:
+            print(f"## {name}")
+        summaries[name] = report(results, prompts, params, weight_bytes, copy_bw, args.tflops, args.max_num_seqs,
+                                 label=f" ({name})" if len(passes) > 1 else "")
+    first = next(iter(passes.values()))[kvs[0]]
     extras: dict = {}
     if "single" in first:
         sg = first["single"]
@@ -398,14 +424,15 @@ def main(argv: list[str] | None = None) -> int:
               f"pie ({kvs[0]}) {ours:,.0f} tok/s: {ours / hf:.1f}x")
         extras["hf"] = dict(requests=args.hf, transformers_tok_per_s=hf, pie_tok_per_s=ours)
     for r in served:
-        offline = summary[kvs[0]]["tok_per_s_median"]
+        offline = next(iter(summaries.values()))[kvs[0]]["tok_per_s_median"]
         print(f"gRPC, {r['load']} streams: {r['tok_per_s']:,.0f} tok/s ({100 * r['tok_per_s'] / offline:.0f}% of "
               f"offline), {r['errors']} errors; TTFT p50/p99 {r['ttft_p50_ms']:.0f}/{r['ttft_p99_ms']:.0f} ms; "
               f"ITL p50/p99 {r['itl_p50_ms']:.1f}/{r['itl_p99_ms']:.1f} ms (p99/p50 {r['itl_p99_ms'] / r['itl_p50_ms']:.1f})")
     extras["served"] = served
     if args.out:
-        Path(args.out).write_text(json.dumps(dict(shape=args.shape, copy_tbs=copy_bw / 1e12, results=summary,
-                                                  **extras), indent=2))
+        figures = next(iter(summaries.values())) if len(summaries) == 1 else None
+        Path(args.out).write_text(json.dumps(dict(workload=args.workload, shape=args.shape, copy_tbs=copy_bw / 1e12,
+                                                  results=figures, passes=summaries, **extras), indent=2))
     return 0
 
 

@@ -2,7 +2,7 @@
 
 On the GPU machine (`ncu` on the PATH), from the repo root:
 
-    python3 benchmarks/ncu_decode.py --profile [--cases int8:old,int8:default,bf16:default] [--out DIR]
+    python3 -m benchmarks.ncu_decode --profile [--cases int8:old,int8:default,bf16:default] [--out DIR]
 
 runs itself under `ncu --set full --clock-control none` (every case launched once to compile,
 then once profiled; the raw metrics go to DIR/ncu_raw.csv) and prints one markdown table: DRAM
@@ -21,10 +21,6 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
-
-_ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(_ROOT), str(_ROOT / "clients")]  # benchmarks.*, and this checkout's pie
 
 NEEDS_GPU = False  # read by `pie bench`: --report runs anywhere; --profile checks for a GPU itself
 DEFAULT_CASES = ("int8:old,int8:default,bf16:default,int8:old@256x400x64,int8:default@256x400x64,"
@@ -159,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     ncu = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
     cmd = [ncu, "--set", "full", "--clock-control", "none", "-k", "regex:_decode_stage1",
            "--launch-skip", str(len(cases)), "--launch-count", str(len(cases)), "--csv", "--page", "raw",
-           sys.executable, __file__, "--launch", "--cases", args.cases]
+           sys.executable, "-m", "benchmarks.ncu_decode", "--launch", "--cases", args.cases]
     res = subprocess.run(cmd, capture_output=True, text=True)
     text = res.stdout
     lines = [line for line in text.splitlines() if line.startswith('"')]  # the CSV, not ncu's ==PROF== notes

@@ -1,6 +1,6 @@
 """Draws the benchmark figure of docs/performance.md from the numbers in benchmarks/RESULTS.md (never retyped).
 
-    python benchmarks/plot_results.py [--out benchmarks/decode_bandwidth.png]
+    python -m benchmarks.plot_results [--out benchmarks/decode_bandwidth.png]
 
 Decode attention at batch 64 on the H200: achieved bandwidth (TB/s, y) against log2(context
 length) (x) for int8 pages (blue), bf16 pages (red), and the measured device copy bandwidth (green,
@@ -14,12 +14,11 @@ import re
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "clients")]  # benchmarks.*, and this checkout's pie
+from benchmarks.check_results import RESULTS, read_results
+from benchmarks.common import make_parser
+from pie.training.plot import plot_curves
 
-from benchmarks.check_results import RESULTS, read_results  # noqa: E402
-from benchmarks.common import make_parser  # noqa: E402
-from pie.training.plot import plot_curves  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 BATCH = 64
 SWEEP = re.compile(r"decode sweep B(\d+) ctx(\d+) D128, (int8|bf16) pages, do_bench")

@@ -1,12 +1,12 @@
 """Where the time of one decode step goes (issue 5): host phases, GPU kernels, synchronization.
 
-    python benchmarks/profile_step.py                # GPU: Llama-3.2-1B-shaped model, 256 sequences decoding
-    python benchmarks/profile_step.py --tiny         # CPU smoke run
-    python benchmarks/profile_step.py --micro --stub-forward --batch 256 --extra async_scheduling=true
+    python -m benchmarks.profile_step                # GPU: Llama-3.2-1B-shaped model, 256 sequences decoding
+    python -m benchmarks.profile_step --tiny         # CPU smoke run
+    python -m benchmarks.profile_step --micro --stub-forward --batch 256 --extra async_scheduling=true
         # CPU: the forward pass returns a constant, so a step is the engine's host work alone
-    python benchmarks/profile_step.py --prompt-tokens 512
+    python -m benchmarks.profile_step --prompt-tokens 512
         # GPU: every measured step also carries a new 512-token prompt (a mixed step, as served)
-    python benchmarks/profile_step.py --pin-gpu-node
+    python -m benchmarks.profile_step --pin-gpu-node
         # GPU: the host confined to the GPU's NUMA node (the same step has run at two speeds of the
         # host, 2.7 and 3.7 ms, with the same kernel time; the `host:` line says where each ran)
 
@@ -33,17 +33,15 @@ from pathlib import Path
 
 import torch
 
-_ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(_ROOT), str(_ROOT / "clients")]  # benchmarks.*, and this checkout's pie
-from benchmarks.common import DEVICE_HELP, default_device, host_facts, make_parser, pin_to_gpu_node  # noqa: E402
-from benchmarks.throughput import LLAMA_1B, MICRO, TINY, build_model  # noqa: E402
-from pie.engine.config import EngineConfig  # noqa: E402
-from pie.engine.core.engine_core import EngineCore  # noqa: E402
-from pie.engine.messages import SampledToken  # noqa: E402
-from pie.engine.sample.sampler import sample  # noqa: E402
-from pie.engine.sample.tensors import SamplingTensors  # noqa: E402
-from pie.engine.sampling_params import SamplingParams  # noqa: E402
-from pie.engine.scheduling.step import StepOutput  # noqa: E402
+from benchmarks.common import DEVICE_HELP, default_device, host_facts, make_parser, pin_to_gpu_node
+from benchmarks.throughput import LLAMA_1B, MICRO, TINY, build_model
+from pie.engine.config import EngineConfig
+from pie.engine.core.engine_core import EngineCore
+from pie.engine.messages import SampledToken
+from pie.engine.sample.sampler import sample
+from pie.engine.sample.tensors import SamplingTensors
+from pie.engine.sampling_params import SamplingParams
+from pie.engine.scheduling.step import StepOutput
 
 
 def sync(dev: str) -> None:

@@ -8,8 +8,8 @@ On a GPU the matrix products pick kernels by the number of rows in a step, and d
 attention are different kernels: a step of another shape rounds differently, and a token whose two
 best choices are that close may go either way. This says how often, on a random model.
 
-    python benchmarks/seed_consistency.py [--shape llama-1b] [--requests 32] [--tokens 64] [--batch-invariant]
-    python benchmarks/seed_consistency.py --tiny
+    python -m benchmarks.seed_consistency [--shape llama-1b] [--requests 32] [--tokens 64] [--batch-invariant]
+    python -m benchmarks.seed_consistency --tiny
 """
 
 from __future__ import annotations
@@ -21,13 +21,11 @@ from pathlib import Path
 
 import torch
 
-_ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(_ROOT), str(_ROOT / "clients")]  # benchmarks.*, and this checkout's pie
-from benchmarks.common import DEVICE_HELP, SizedFlags, default_device, make_parser  # noqa: E402
-from benchmarks.mixed import SHAPES, build_model  # noqa: E402
-from pie.engine.config import EngineConfig  # noqa: E402
-from pie.engine.core.engine_core import EngineCore  # noqa: E402
-from pie.engine.sampling_params import SamplingParams  # noqa: E402
+from benchmarks.common import DEVICE_HELP, SizedFlags, default_device, make_parser
+from benchmarks.mixed import SHAPES, build_model
+from pie.engine.config import EngineConfig
+from pie.engine.core.engine_core import EngineCore
+from pie.engine.sampling_params import SamplingParams
 
 
 def run(engine: EngineCore, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, list[int]]:

@@ -1,12 +1,12 @@
 """Serving benchmark through gRPC: an asyncio load generator (no gRPC load tool installs here), as
 vLLM's benchmark_serving measures a server.
 
-    python benchmarks/serving.py --concurrency 1,16,64            # closed loop, N streams each
-    python benchmarks/serving.py --rates 2,8,32 --requests 200    # Poisson arrivals, requests/s
-    python benchmarks/serving.py --sweep 1 --requests 100         # rates 1, 2, 4, ... up to the knee
-    python benchmarks/serving.py --burst --requests 256           # everything sent at t = 0
-    python benchmarks/serving.py --workload long --model DIR      # the long-context work
-    python benchmarks/serving.py --address 127.0.0.1:50051 ...    # an already running server
+    python -m benchmarks.serving --concurrency 1,16,64            # closed loop, N streams each
+    python -m benchmarks.serving --rates 2,8,32 --requests 200    # Poisson arrivals, requests/s
+    python -m benchmarks.serving --sweep 1 --requests 100         # rates 1, 2, 4, ... up to the knee
+    python -m benchmarks.serving --burst --requests 256           # everything sent at t = 0
+    python -m benchmarks.serving --workload long --model DIR      # the long-context work
+    python -m benchmarks.serving --address 127.0.0.1:50051 ...    # an already running server
 
 Without --address it starts `pie serve` (the bundled model unless --model) as a subprocess on a
 free port, so the server and the load generator are separate processes as in production.
@@ -54,13 +54,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-_ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(_ROOT), str(_ROOT / "clients")]  # benchmarks.*, and this checkout's pie
-import grpc  # noqa: E402
-from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from benchmarks.common import make_parser  # noqa: E402
-from pie_client import AsyncClient  # noqa: E402
+from benchmarks.common import make_parser
+from pie_client import AsyncClient
 
 
 @dataclass

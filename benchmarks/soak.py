@@ -4,8 +4,8 @@ calls cut by short deadlines, and malformed requests. Any status outside the exp
 kind, a KV block still held at the end, or a request still in flight at the end is a failure
 (exit status 1).
 
-    python benchmarks/soak.py --duration 120 --out soak.json
-    python benchmarks/soak.py --model path/to/hf-folder --concurrency 32
+    python -m benchmarks.soak --duration 120 --out soak.json
+    python -m benchmarks.soak --model path/to/hf-folder --concurrency 32
 
 The server runs in this process (its own event loop thread) and the clients in another thread, so
 the RSS reported is the server's plus the clients' (both steady in a healthy run)."""
@@ -22,17 +22,14 @@ import threading
 import time
 from pathlib import Path
 
-_ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(_ROOT), str(_ROOT / "clients")]  # benchmarks.*, and this checkout's pie
+import grpc
 
-import grpc  # noqa: E402
-
-from benchmarks.common import make_parser  # noqa: E402
-from pie.engine.config import DEFAULT_MODEL, EngineConfig  # noqa: E402
-from pie.service.logging import configure_logging  # noqa: E402
-from pie.service.server import BackgroundServer, ServerConfig  # noqa: E402
-from pie.v1 import generate_pb2 as pb  # noqa: E402
-from pie.v1 import generate_pb2_grpc as pb_grpc  # noqa: E402
+from benchmarks.common import make_parser
+from pie.engine.config import DEFAULT_MODEL, EngineConfig
+from pie.service.logging import configure_logging
+from pie.service.server import BackgroundServer, ServerConfig
+from pie.v1 import generate_pb2 as pb
+from pie.v1 import generate_pb2_grpc as pb_grpc
 
 PROMPTS = ["Once upon a time", "The little dog", "Tom and Lily went to the park", "One day, a bird",
            "The sun was bright and", "She found a box under the bed"]

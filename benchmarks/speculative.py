@@ -2,10 +2,10 @@
 a batch as a function of how many proposals are accepted, and what the n-gram proposer accepts on
 copy-heavy prompts.
 
-    python benchmarks/speculative.py                        # all three parts: GPU, Llama-1B shape, int8 pages
-    python benchmarks/speculative.py --only cost,speed      # gpu.sh's `spec` suite
-    python benchmarks/speculative.py --only ngram --device cpu   # (c) on the CPU
-    python benchmarks/speculative.py --quick                # every code path, tiny, on the CPU (tests)
+    python -m benchmarks.speculative                        # all three parts: GPU, Llama-1B shape, int8 pages
+    python -m benchmarks.speculative --only cost,speed      # gpu.sh's `spec` suite
+    python -m benchmarks.speculative --only ngram --device cpu   # (c) on the CPU
+    python -m benchmarks.speculative --quick                # every code path, tiny, on the CPU (tests)
 
 (a) cost: the time of one engine step whose rows each carry K proposals (K = 0: plain decoding),
     at batch sizes --cost-batches, on a random model of --shape: the wall time per step over
@@ -60,19 +60,17 @@ from typing import Any
 
 import torch
 
-_ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(_ROOT), str(_ROOT / "clients")]  # benchmarks.*, and this checkout's pie
-from benchmarks.common import DEVICE_HELP, SizedFlags, default_device, make_parser  # noqa: E402
-from benchmarks.throughput import LLAMA_1B, LLAMA_4B, MICRO, TINY, build_model  # noqa: E402
-from pie.engine.config import DEFAULT_MODEL, MODEL_DTYPES, EngineConfig  # noqa: E402
-from pie.engine.core.engine_core import EngineCore  # noqa: E402
-from pie.engine.messages import RequestStatus  # noqa: E402
-from pie.engine.runner.pending import PendingStep  # noqa: E402
-from pie.engine.sampling_params import SamplingParams  # noqa: E402
-from pie.engine.scheduling.request import Request  # noqa: E402
-from pie.engine.scheduling.step import SchedulerOutput  # noqa: E402
-from pie.engine.spec_decode.speculator import NgramProposer, Speculator  # noqa: E402
-from pie.training.corpus import generate_stories  # noqa: E402
+from benchmarks.common import DEVICE_HELP, SizedFlags, default_device, make_parser
+from benchmarks.throughput import LLAMA_1B, LLAMA_4B, MICRO, TINY, build_model
+from pie.engine.config import DEFAULT_MODEL, MODEL_DTYPES, EngineConfig
+from pie.engine.core.engine_core import EngineCore
+from pie.engine.messages import RequestStatus
+from pie.engine.runner.pending import PendingStep
+from pie.engine.sampling_params import SamplingParams
+from pie.engine.scheduling.request import Request
+from pie.engine.scheduling.step import SchedulerOutput
+from pie.engine.spec_decode.speculator import NgramProposer, Speculator
+from pie.training.corpus import generate_stories
 
 # Llama-3.1-8B's dimensions, its embeddings tied: a step's work is the same (the LM head is read
 # either way), and a random model with tied embeddings repeats its last token by wide margins, so

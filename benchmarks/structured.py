@@ -1,9 +1,9 @@
 """Structured output's cost (issue 30): the host's share (compiling, filling token masks) and what
 masks add to a decode step, at a 152k vocabulary.
 
-    python benchmarks/structured.py                 # GPU: Qwen3-4B-shaped model, 64 and 256 rows
-    python benchmarks/structured.py --host-only     # the host side alone, any machine
-    python benchmarks/structured.py --tiny          # CPU smoke run of everything (small model)
+    python -m benchmarks.structured                 # GPU: Qwen3-4B-shaped model, 64 and 256 rows
+    python -m benchmarks.structured --host-only     # the host side alone, any machine
+    python -m benchmarks.structured --tiny          # CPU smoke run of everything (small model)
 
 1. Host: building llguidance's tokenizer, compiling a realistic JSON schema (cold, a fresh
    compiler each time; and a cache hit), filling the masks of B rows whose matchers sit at
@@ -33,14 +33,12 @@ from pathlib import Path
 
 import torch
 
-_ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(_ROOT), str(_ROOT / "clients")]  # benchmarks.*, and this checkout's pie
-from benchmarks.common import DEVICE_HELP, default_device, make_parser  # noqa: E402
-from benchmarks.throughput import LLAMA_4B, TINY, build_model  # noqa: E402
-from pie.engine.config import EngineConfig  # noqa: E402
-from pie.engine.core.engine_core import EngineCore  # noqa: E402
-from pie.engine.sample.structured import GrammarCompiler, GrammarState, StructuredOutputs  # noqa: E402
-from pie.engine.sampling_params import SamplingParams, StructuredOutputParams  # noqa: E402
+from benchmarks.common import DEVICE_HELP, default_device, make_parser
+from benchmarks.throughput import LLAMA_4B, TINY, build_model
+from pie.engine.config import EngineConfig
+from pie.engine.core.engine_core import EngineCore
+from pie.engine.sample.structured import GrammarCompiler, GrammarState, StructuredOutputs
+from pie.engine.sampling_params import SamplingParams, StructuredOutputParams
 
 QWEN_TOKENS = 151_643  # Qwen2.5's tokenizer, before its special tokens
 QWEN_VOCAB = 151_936  # its embedding rows (the logits' width)

@@ -2,10 +2,10 @@
 Hugging Face transformers' continuous batching (`generate_batch`, attention "paged|sdpa"), on the
 same random-initialized model and the same requests, in one run.
 
-    python benchmarks/throughput.py            # GPU: Llama-3.2-1B-shaped, 256 requests x 256 tokens
-    python benchmarks/throughput.py --tiny     # CPU-sized smoke run of the same code path
-    python benchmarks/throughput.py --tiny --skip-hf --repeats 1    # our engine only: no transformers needed
-    python benchmarks/throughput.py --skip-hf --kv int8 --shape 4b --tensor-parallel-size 2   # over GPUs 0 and 1
+    python -m benchmarks.throughput            # GPU: Llama-3.2-1B-shaped, 256 requests x 256 tokens
+    python -m benchmarks.throughput --tiny     # CPU-sized smoke run of the same code path
+    python -m benchmarks.throughput --tiny --skip-hf --repeats 1    # our engine only: no transformers needed
+    python -m benchmarks.throughput --skip-hf --kv int8 --shape 4b --tensor-parallel-size 2   # over GPUs 0 and 1
 
 Each engine runs the workload --repeats times after a short warm-up; the median run is reported,
 with the spread of all runs. With a small --kv-gib the pool, not the batch cap,
@@ -35,16 +35,14 @@ from typing import Literal
 
 import torch
 
-_ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(_ROOT), str(_ROOT / "clients")]  # benchmarks.*, and this checkout's pie
-from benchmarks.common import DEVICE_HELP, SizedFlags, default_device, make_parser  # noqa: E402
-from pie.engine.config import DEFAULT_MODEL, EngineConfig  # noqa: E402
-from pie.engine.core.engine_core import EngineCore  # noqa: E402
-from pie.engine.runner.kv_cache import KVCache  # noqa: E402
-from pie.engine.sampling_params import SamplingParams  # noqa: E402
-from pie.model.config import ModelConfig  # noqa: E402
-from pie.model.llama import LlamaForCausalLM  # noqa: E402
-from pie.training.export import export_hf  # noqa: E402
+from benchmarks.common import DEVICE_HELP, SizedFlags, default_device, make_parser
+from pie.engine.config import DEFAULT_MODEL, EngineConfig
+from pie.engine.core.engine_core import EngineCore
+from pie.engine.runner.kv_cache import KVCache
+from pie.engine.sampling_params import SamplingParams
+from pie.model.config import ModelConfig
+from pie.model.llama import LlamaForCausalLM
+from pie.training.export import export_hf
 
 LLAMA_1B = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
                 intermediate_size=8192, vocab_size=32000, tie_word_embeddings=True)

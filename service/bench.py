@@ -1,4 +1,5 @@
-"""`pie bench`: lists the scripts of benchmarks/ and runs one, as `python benchmarks/NAME.py` would."""
+"""`pie bench`: lists the scripts of benchmarks/ and runs one, as `python -m benchmarks.NAME` from the
+checkout's root would."""
 
 from __future__ import annotations
 
@@ -35,8 +36,9 @@ def benchmarks(folder: Path = BENCHMARKS) -> list[Benchmark]:
 
 
 def run_bench(argv: list[str]) -> int:
-    """`pie bench NAME [ARGS...]` runs benchmarks/NAME.py with ARGS, as `python benchmarks/NAME.py`
-    would (the scripts live in the source checkout, next to their RESULTS.md)."""
+    """`pie bench NAME [ARGS...]` runs benchmarks/NAME.py with ARGS, as `python -m benchmarks.NAME`
+    from the checkout's root would (the scripts live in the source checkout, next to their RESULTS.md):
+    the checkout's root goes first on the import path while it runs."""
     found = {b.name: b for b in benchmarks()}
 
     def out(line: str) -> None:  # the listing is the command's answer, on stdout (not a log line)
@@ -56,15 +58,16 @@ def run_bench(argv: list[str]) -> int:
     if name not in found:
         sys.stderr.write(f"pie bench: unknown benchmark {name!r}; one of: {', '.join(found) or 'none'}\n")
         return 2
-    saved = sys.argv
+    saved, saved_path = sys.argv, sys.path[:]
     sys.argv = [str(BENCHMARKS / f"{name}.py"), *rest]
+    sys.path.insert(0, str(BENCHMARKS.parent))
     try:
-        runpy.run_path(sys.argv[0], run_name="__main__")
+        runpy.run_module(f"benchmarks.{name}", run_name="__main__", alter_sys=True)
     except SystemExit as e:
         if isinstance(e.code, str):  # sys.exit("message"): Python prints it and exits 1
             sys.stderr.write(f"{e.code}\n")
             return 1
         return 0 if e.code is None else e.code if isinstance(e.code, int) else 1
     finally:
-        sys.argv = saved
+        sys.argv, sys.path[:] = saved, saved_path
     return 0

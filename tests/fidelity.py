@@ -159,7 +159,7 @@ def mean(res: dict[str, dict[str, Fidelity]], kv: str, field: str) -> float:
     return sum(getattr(r[kv], field) for r in res.values()) / len(res)
 
 
-# ---- A real checkpoint (benchmarks/smollm2.py): perplexity over real text, beside the figures above.
+# ---- A real checkpoint (tests/smollm2.py): perplexity over real text, beside the figures above.
 
 # Python's own documentation, in every Python: ordinary technical English with code.
 DOCS_TOPICS = ("execmodel", "objects", "exceptions", "typesmethods")

@@ -4,15 +4,16 @@ once, `--help` working on a CPU-only machine without transformers, the GPU-only 
 and the README's CPU throughput run working without transformers (a plain `pip install -e .`
 has none: it is only in the test extra).
 
-Scripts are what `pie bench` lists: the files of benchmarks/ with a `__main__` block. Their
-subprocesses run side by side (a few at a time), each loading torch once.
+Scripts are what `pie bench` lists: the files of benchmarks/ with a `__main__` block, each run as
+`python -m benchmarks.NAME` from the checkout's root. Their subprocesses run side by side (a few at
+a time), each loading torch once.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
-import importlib.util
+import importlib
 import json
 import os
 import shutil
@@ -56,8 +57,17 @@ MARKED_GPU = sorted(name for name, path in SCRIPTS.items() if _needs_gpu(_tree(p
 
 
 def test_scripts_found() -> None:
-    assert {"throughput", "scheduling", "attention", "decode_variants", "extend_check"} <= SCRIPTS.keys()
+    assert {"throughput", "mixed", "attention", "decode_variants", "extend_check"} <= SCRIPTS.keys()
     assert "common" not in SCRIPTS  # the shared helpers are no script
+
+
+def test_benchmarks_no_larger_than_the_engine() -> None:
+    """The lab notebook stays smaller than what it measures (issue 60): lines of .py and .sh in
+    benchmarks/ at most those of .py in engine/; a one-issue study leaves once no open issue uses
+    it (benchmarks/README.md, "Retired studies")."""
+    def lines(folder: str, *patterns: str) -> int:
+        return sum(len(p.read_text().splitlines()) for pattern in patterns for p in (ROOT / folder).rglob(pattern))
+    assert lines("benchmarks", "*.py", "*.sh") <= lines("engine", "*.py")
 
 
 def test_gpu_only_scripts_are_marked() -> None:
@@ -72,15 +82,9 @@ class _Parsed(Exception):
         self.parser = parser
 
 
-def _load(path: Path, monkeypatch: pytest.MonkeyPatch):
-    """The script as a module of its own name (registered while the test runs: dataclasses look
-    their module up), without running its __main__ block."""
-    spec = importlib.util.spec_from_file_location(f"_benchmark_script_{path.stem}", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)
-    spec.loader.exec_module(module)
-    return module
+def _load(path: Path):
+    """The script as the module `benchmarks.NAME`, without running its __main__ block."""
+    return importlib.import_module(f"benchmarks.{path.stem}")
 
 
 @pytest.mark.parametrize("name", sorted(SCRIPTS))
@@ -94,7 +98,7 @@ def test_every_flag_described_with_its_default_once(name: str, monkeypatch: pyte
 
     monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_args)
     monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", parse_known_args)
-    module = _load(SCRIPTS[name], monkeypatch)
+    module = _load(SCRIPTS[name])
     with pytest.raises(_Parsed) as parsed:
         module.main([])
     parser = parsed.value.parser
@@ -125,11 +129,11 @@ def _run(args: list[str], env: dict[str, str], timeout: float = 300) -> subproce
 
 @pytest.fixture(scope="module")
 def script_runs(no_transformers_env: dict[str, str]) -> dict[tuple[str, str], subprocess.CompletedProcess]:
-    """(name, flags) -> the finished `python benchmarks/NAME.py FLAGS`: --help of every script,
+    """(name, flags) -> the finished `python -m benchmarks.NAME FLAGS`: --help of every script,
     and every script marked NEEDS_GPU without flags."""
     commands = [(name, "--help") for name in SCRIPTS] + [(name, "") for name in MARKED_GPU]
     with ThreadPoolExecutor(max_workers=4) as pool:
-        done = pool.map(lambda c: _run([f"benchmarks/{c[0]}.py", *c[1].split()], no_transformers_env), commands)
+        done = pool.map(lambda c: _run(["-m", f"benchmarks.{c[0]}", *c[1].split()], no_transformers_env), commands)
         return dict(zip(commands, done))
 
 
@@ -155,7 +159,7 @@ def test_gpu_only_script_refuses_without_cuda(name: str, script_runs) -> None:
 @pytest.mark.slow
 def test_tiny_throughput_without_transformers(no_transformers_env: dict[str, str]) -> None:
     """The README's `pie bench throughput --tiny --skip-hf --repeats 1`, smaller still."""
-    run = _run(["benchmarks/throughput.py", "--tiny", "--skip-hf", "--repeats", "1", "--requests", "4",
+    run = _run(["-m", "benchmarks.throughput", "--tiny", "--skip-hf", "--repeats", "1", "--requests", "4",
                 "--max-tokens", "4"], no_transformers_env)
     assert run.returncode == 0, run.stderr[-3000:]
     table = [line for line in run.stdout.splitlines() if line.startswith("| pie, ")]
@@ -164,42 +168,25 @@ def test_tiny_throughput_without_transformers(no_transformers_env: dict[str, str
 
 
 @pytest.mark.slow
-def test_tensor_parallel_collectives_over_gloo(no_transformers_env: dict[str, str], tmp_path: Path) -> None:
-    """tp_collectives.py, which a two-GPU machine runs with NCCL, on two CPU ranks over gloo: each
-    rank's check of an all-reduce and a gather passes, and a row per shape and row count comes out."""
-    out = tmp_path / "collectives.json"
-    run = _run(["benchmarks/tp_collectives.py", "--device", "cpu", "--size", "2", "--rows", "1,3", "--iters", "1",
-                "--repeats", "1", "--out", str(out)], no_transformers_env)
+def test_tiny_long_work_runs_a_pass_per_pool(tmp_path: Path) -> None:
+    """mixed.py --workload long (long_context.py before it was folded in) on the CPU: the long
+    work's defaults, one pass with memory ample and one with the small fixed pool, each a table
+    row per KV dtype, both passes in the JSON."""
+    out = tmp_path / "long.json"
+    run = _run(["-m", "benchmarks.mixed", "--tiny", "--workload", "long", "--requests", "4", "--repeats", "1",
+                "--out", str(out)], dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1"))
     assert run.returncode == 0, run.stderr[-3000:]
-    results = json.loads(out.read_text())["results"]
-    assert [(r["shape"], r["rows"], r["all_reduces"]) for r in results] == [
-        ("Llama-3.2-1B", 1, 33), ("Llama-3.2-1B", 3, 33), ("Qwen3-4B", 1, 73), ("Qwen3-4B", 3, 73)]
-    assert all(r["step_ms"] > 0 and r["bus_gb_s"] > 0 for r in results)
-    assert sum(line.startswith("| Qwen3-4B | ") for line in run.stdout.splitlines()) == 2
+    assert "# cpu: long work" in run.stdout, run.stdout
+    for pool in ("memory ample", "KV pool 0.05 GiB"):
+        assert sum(line.startswith(("| int8 |", "| bf16 |")) for line in run.stdout.split(f"## {pool}")[1]
+                   .split("##")[0].splitlines()) == 2, run.stdout
+    figures = json.loads(out.read_text())
+    assert figures["workload"] == "long" and list(figures["passes"]) == ["memory ample", "KV pool 0.05 GiB"]
+    assert all(f["tok_per_s_median"] > 0 for p in figures["passes"].values() for f in p.values())
 
 
-@pytest.mark.slow
-def test_tiny_burst_steps(tmp_path: Path) -> None:
-    """burst_steps.py on the CPU (it builds its model with transformers): a row per factor, and
-    every scheduled step in the trace with the steps the engine timed (the first step has no
-    predecessor to be timed against)."""
-    out = tmp_path / "burst.json"
-    run = _run(["benchmarks/burst_steps.py", "--tiny", "--requests", "6", "--factors", "3,0", "--out", str(out)],
-               dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1"))
-    assert run.returncode == 0, run.stderr[-3000:]
-    rows = [line for line in run.stdout.splitlines() if line.startswith("| 3 |") or line.startswith("| 0 |")]
-    assert len(rows) == 2, run.stdout
-    results = json.loads(out.read_text())
-    for factor in ("3", "0"):
-        r = results[factor]
-        assert r["tok_per_s"] > 0 and r["prompt_steps"] >= 1
-        trace = r["trace"]
-        assert len(trace["measured"]) == len(trace["scheduled"]) - 1
-        assert all(m["seconds"] > 0 for m in trace["measured"])
-
-
-def test_ab_verdict_needs_the_spreads_apart(monkeypatch: pytest.MonkeyPatch) -> None:
-    ab = _load(SCRIPTS["ab"], monkeypatch)
+def test_ab_verdict_needs_the_spreads_apart() -> None:
+    ab = _load(SCRIPTS["ab"])
     assert ab.verdict([90, 95, 97], [100, 104, 110], higher_better=True) == "REGRESSION"
     assert ab.verdict([90, 101, 97], [100, 104, 110], higher_better=True) == "same"  # best round within
     assert ab.verdict([111, 115], [100, 110], higher_better=True) == "better"
@@ -213,8 +200,8 @@ def test_ab_verdict_needs_the_spreads_apart(monkeypatch: pytest.MonkeyPatch) -> 
     assert regressions == ["REGRESSION: offline-int8 tok_per_s: new 92.5 against old 102"]
 
 
-def test_ab_variants_are_engine_fields_and_server_flags(monkeypatch) -> None:
-    ab = _load(SCRIPTS["ab"], monkeypatch)
+def test_ab_variants_are_engine_fields_and_server_flags() -> None:
+    ab = _load(SCRIPTS["ab"])
     fields = ab.parse_variant("batch_invariant=true,decode_stall_factor=0,kv_smoothing=off,x=2.5")
     assert fields == {"batch_invariant": True, "decode_stall_factor": 0, "kv_smoothing": "off", "x": 2.5}
     assert ab.server_flags(fields) == ["--batch-invariant", "--decode-stall-factor", "0", "--kv-smoothing", "off",
@@ -225,8 +212,8 @@ def test_ab_variants_are_engine_fields_and_server_flags(monkeypatch) -> None:
         ab.server_flags({"enable_prefix_caching": False})
 
 
-def test_ab_workloads_share_a_unit_and_poisson_lasts_the_arrival_seconds(monkeypatch) -> None:
-    ab = _load(SCRIPTS["ab"], monkeypatch)
+def test_ab_workloads_share_a_unit_and_poisson_lasts_the_arrival_seconds() -> None:
+    ab = _load(SCRIPTS["ab"])
     assert ab.groups(ab.MODES["full"]) == [["offline-int8", "stream-int8", "ttft-4k"], ["offline-bf16", "stream-bf16"],
                                            ["offline-int8-8g"], ["offline-bf16-8g"], ["burst", "poisson-4", "poisson-8"]]
     assert ab.groups(["burst", "offline-int8"]) == [["burst"], ["offline-int8"]]  # in the order given
@@ -236,10 +223,10 @@ def test_ab_workloads_share_a_unit_and_poisson_lasts_the_arrival_seconds(monkeyp
     assert ab.served_requests("poisson-4", args) == 256  # never more than the long work holds
 
 
-def test_ab_resumes_only_the_same_trees_device_and_work(monkeypatch, tmp_path: Path) -> None:
+def test_ab_resumes_only_the_same_trees_device_and_work(tmp_path: Path) -> None:
     """--resume takes an earlier call's complete workloads, and refuses where the code, a tree's
     settings, the device or the work differ."""
-    ab = _load(SCRIPTS["ab"], monkeypatch)
+    ab = _load(SCRIPTS["ab"])
     new, base = tmp_path / "new", tmp_path / "base"
     for tree, text in ((new, "x = 1\n"), (base, "x = 0\n")):
         (tree / "engine").mkdir(parents=True)
@@ -283,7 +270,7 @@ def test_tiny_ab_gate_of_a_setting_against_the_defaults_over_two_calls(tmp_path:
     runs only the workload it is asked for, and tables and writes both calls' workloads."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     first, second = tmp_path / "first.json", tmp_path / "second.json"
-    common = ["benchmarks/ab.py", "--tiny", "--rounds", "1", "--variant", "decode_stall_factor=0",
+    common = ["-m", "benchmarks.ab", "--tiny", "--rounds", "1", "--variant", "decode_stall_factor=0",
               "--model-cache", str(tmp_path / "models")]
     run = _run([*common, "--workloads", "offline-int8,burst", "--out", str(first)], env, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -310,7 +297,7 @@ def test_tiny_ab_gate_of_a_setting_against_the_defaults_over_two_calls(tmp_path:
 def test_ab_gate_stopped_by_a_time_limit_still_tables_what_ran() -> None:
     """SIGTERM (gpu.sh's `timeout`) once the offline rows are in, while the burst's servers start:
     the table holds the offline rows, no burst row, a line naming the burst, and the status is 1."""
-    proc = subprocess.Popen([sys.executable, "benchmarks/ab.py", "--tiny", "--rounds", "1", "--workloads",
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.ab", "--tiny", "--rounds", "1", "--workloads",
                              "offline-int8,burst", "--variant", "decode_stall_factor=0"], cwd=ROOT,
                             env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
@@ -342,7 +329,7 @@ def test_tiny_ab_gate_against_a_tree_from_before_the_pie_names(tmp_path: Path) -
         pytest.skip("not a git checkout with 65bef9d")
     subprocess.run(["tar", "-x", "-C", str(base)], input=archive.stdout, check=True)
     out = tmp_path / "ab.json"
-    run = _run(["benchmarks/ab.py", "--tiny", "--rounds", "2", "--workloads", "offline-int8,burst", "--base",
+    run = _run(["-m", "benchmarks.ab", "--tiny", "--rounds", "2", "--workloads", "offline-int8,burst", "--base",
                 str(base), "--out", str(out)], {**os.environ, "CUDA_VISIBLE_DEVICES": ""}, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "| offline-int8 | tok_per_s" in run.stdout and "| burst | itl_p99_over_p50" in run.stdout, run.stdout

@@ -46,15 +46,19 @@ def test_the_docs_name_only_suites_that_exist() -> None:
     assert re.split(r",\s+", listed) == _accepted(), "benchmarks/README.md lists other suites than gpu.sh"
 
 
-def test_the_scripts_the_suites_run_exist() -> None:
-    scripts = set(re.findall(r"benchmarks/([a-z0-9_]+\.py)", GPU_SH))
-    assert {"attention.py", "throughput.py", "profile_step.py", "serving.py", "tp_collectives.py"} <= scripts
-    assert [s for s in scripts if not (ROOT / "benchmarks" / s).is_file()] == []
+def test_the_suites_run_the_scripts_as_modules_and_they_exist() -> None:
+    """Every suite runs a script as `python3 -m benchmarks.NAME` (or tests.NAME), never by its path."""
+    assert not re.findall(r"python3? [a-z]+/[a-z0-9_]+\.py", GPU_SH)
+    modules = set(re.findall(r"python3 -m ((?:benchmarks|tests)\.[a-z0-9_]+)", GPU_SH))
+    assert {"benchmarks.attention", "benchmarks.throughput", "benchmarks.profile_step", "benchmarks.serving",
+            "benchmarks.mixed", "benchmarks.ab", "tests.smollm2"} <= modules
+    assert [m for m in modules if not (ROOT / (m.replace(".", "/") + ".py")).is_file()] == []
 
 
 def test_every_script_has_its_line_in_the_benchmarks_readme() -> None:
     readme = (ROOT / "benchmarks" / "README.md").read_text()
-    listed = set(re.findall(r"^\| `([a-z0-9_]+\.py)` \|", readme, re.M))
+    scripts_section = readme.split("## The scripts")[1].split("\n## ")[0]  # not the retired ones' table
+    listed = set(re.findall(r"^\| `([a-z0-9_]+\.py)` \|", scripts_section, re.M))
     scripts = {p.name for p in (ROOT / "benchmarks").glob("*.py")
                if any(isinstance(n, ast.If) and "__main__" in ast.unparse(n.test) for n in ast.parse(p.read_text()).body)}
     assert scripts == listed, f"not in benchmarks/README.md: {scripts - listed}; listed, not scripts: {listed - scripts}"

@@ -1,4 +1,4 @@
-"""`benchmarks/kernel_asm.py --digest`, the CPU's proof that a refactor of a kernel changes no
+"""`python -m benchmarks.kernel_asm --digest`, the CPU's proof that a refactor of a kernel changes no
 instruction: a kernel whose source moves (blank lines, comments, a helper pulled out of it) keeps its
 digest; one whose arithmetic changes does not. Compiling for sm_90 needs Triton's compiler, not its
 interpreter, so the kernels compile in a subprocess without TRITON_INTERPRET."""
@@ -89,6 +89,6 @@ def test_digest_follows_instructions_not_source(tmp_path):
 
 def test_digest_refuses_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_asm.py"), "--digest"], cwd=ROOT, env=env,
+    run = subprocess.run([sys.executable, "-m", "benchmarks.kernel_asm", "--digest"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "unset TRITON_INTERPRET" in run.stderr

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.slow
 def test_sweep_burst_and_closed_loop_on_the_bundled_model(tmp_path):
     out = tmp_path / "serving.json"
-    cmd = [sys.executable, "benchmarks/serving.py", "--workload", "chat", "--prompt-len", "24", "--max-tokens", "12",
+    cmd = [sys.executable, "-m", "benchmarks.serving", "--workload", "chat", "--prompt-len", "24", "--max-tokens", "12",
            "--requests", "6", "--sweep", "4", "--max-rate", "8", "--burst", "--concurrency", "2",
            "--out", str(out), "--plot", str(tmp_path / "p"), "--server-args=--device cpu"]
     run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,

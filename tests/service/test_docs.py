@@ -17,7 +17,7 @@ checks the rest against the code; blocks it does not run name the test or script
   tests/node/example.test.mjs.
 
 Run here: `pie serve --help`, `pie-client --help`, `pie train --help`, the `pie-client` lines and
-the Python blocks against live tiny servers, `python benchmarks/plot_results.py`; checked here:
+the Python blocks against live tiny servers, `python -m benchmarks.plot_results`; checked here:
 the flag table against `pie serve`'s flags, the error table against service/errors.py, the probe
 and log examples against the server, and every link between the docs.
 tests/test_readme_fresh_install.py runs the commands again (the `pie bench` and shortened
@@ -147,12 +147,12 @@ def test_plot_script_draws_the_documented_figure(tmp_path):
     assert figure.is_file()
     shown = [doc for doc, target in relative_links() if ((ROOT / doc).parent / target).resolve() == figure]
     assert shown, "no doc shows benchmarks/decode_bandwidth.png"
-    out = subprocess.run([sys.executable, "benchmarks/plot_results.py", "--out", str(tmp_path / "p.png")],
+    out = subprocess.run([sys.executable, "-m", "benchmarks.plot_results", "--out", str(tmp_path / "p.png")],
                          capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (tmp_path / "p.png").read_bytes() == (ROOT / "benchmarks/decode_bandwidth.png").read_bytes(), \
-        "benchmarks/decode_bandwidth.png is stale: rerun python benchmarks/plot_results.py"
+        "benchmarks/decode_bandwidth.png is stale: rerun python -m benchmarks.plot_results"
 
 
 def test_probe_snippet_and_log_example_match_the_server():

