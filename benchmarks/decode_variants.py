@@ -291,7 +291,7 @@ def worklist_kwargs(int8: bool, split: int, max_len: int, batch: int, sms: int, 
 
 
 def ragged(bw: float, repeats: int, results: dict) -> None:
-    """The decode call of the engine's graphs on long-context work (benchmarks/long_context.py):
+    """The decode call of the engine's graphs on long-context work (benchmarks/mixed.py --workload long):
     ragged contexts (log-normal, median 1,800, up to 7,500) or one or eight 32k contexts, the
     split count from max_model_len (9,216 or 32,768: what the graphs are captured for) or splits at
     fixed key positions (the engine's: td.fixed_split_tokens), pages drawn at random from a pool of

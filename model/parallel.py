@@ -13,7 +13,7 @@ Each of `size` ranks holds a slice of every layer and the whole of the rest:
   share padded with zero rows). A rank embeds the ids in its rows (zeros for the others) and one
   all-reduce sums the embedding; each rank's LM head gives its columns of the logits, gathered
   on every rank (rank 0 samples). Replicated, they would add 21% to a rank's weights for a
-  70B Llama at N=8 and 92% for an 8B one (benchmarks/tp_vocab.py);
+  70B Llama at N=8 and 92% for an 8B one;
 - norms and RoPE: replicated (every rank computes the same hidden state).
 
 A rank's module is an ordinary LlamaForCausalLM built from `local_config` (its head and
