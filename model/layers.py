@@ -10,6 +10,7 @@ from torch import nn
 
 from pie.model.attention import AttentionBackend
 from pie.model.config import ModelConfig
+from pie.model.lora import LoraHook
 from pie.model.parallel import TensorParallel
 from pie.model.rope import apply_rotary
 
@@ -48,14 +49,20 @@ class Matmul(Protocol):
 class Linear(nn.Linear):
     """nn.Linear (the same parameters and names) whose product the model's owner may supply:
     `matmul`, whose rows must not depend on how many rows a step carries in the batch-invariant
-    mode. Without one, and whenever autograd records, F.linear."""
+    mode. Without one, and whenever autograd records, F.linear. With `lora` (model/lora.py's
+    bank attached), each row then gets the delta of its step's adapter slot."""
 
     matmul: Matmul | None = None
+    lora: LoraHook | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.matmul is None or torch.is_grad_enabled():
+        if torch.is_grad_enabled():
             return F.linear(x, self.weight, self.bias)
-        return self.matmul(x.reshape(-1, x.shape[-1]), self.weight, self.bias).view(*x.shape[:-1], -1)
+        if self.matmul is None:
+            y = F.linear(x, self.weight, self.bias)
+        else:
+            y = self.matmul(x.reshape(-1, x.shape[-1]), self.weight, self.bias).view(*x.shape[:-1], -1)
+        return y if self.lora is None else self.lora.add_(y, x)
 
 
 def _fused(module: RMSNorm | SwiGLUMLP | SelfAttention) -> FusedOps | None:
