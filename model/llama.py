@@ -16,6 +16,7 @@ from torch import nn
 from pie.model.attention import AttentionBackend, BatchedCausalAttention
 from pie.model.config import ModelConfig
 from pie.model.layers import FusedOps, Linear, Matmul, RMSNorm, SelfAttention, SwiGLUMLP
+from pie.model.lora import LoraStep
 from pie.model.parallel import TensorParallel, local_config, vocab, vocab_per_rank
 from pie.model.rope import RotaryEmbedding
 
@@ -43,6 +44,9 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    # LoRA slots of the step's rows, when a bank is attached (model/lora.py LoraBank.attach)
+    lora_step: LoraStep | None = None
+
     def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None) -> None:
         """`cfg` is the whole model's config. With `tp`, this is one rank's share of it
         (model/parallel.py): `config` is then the rank's local config (its heads and intermediate
@@ -68,6 +72,8 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         """input_ids (T,) int64, positions (T,) int64 -> final-normed hidden states (T, hidden)."""
+        if self.lora_step is not None and not torch.is_grad_enabled():
+            self.lora_step.begin(input_ids.shape[0])
         h = self.embed(input_ids)  # (T, hidden)
         rope = self.rotary.lookup(positions, h.dtype)  # once for all layers
         residual = None

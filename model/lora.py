@@ -176,11 +176,19 @@ class LoraOps(Protocol):
 
 @dataclass(slots=True)
 class LoraStep:
-    """The step's per-token slots, shared by every adapted projection. `slots` (T,) int32, -1 =
-    base; `order` its stable argsort (the kernels' visiting order), or None (the ops make it)."""
+    """Each token row's slot in the step, shared by every adapted projection. The model's owner
+    writes them into `buffer` (-1 = the base model, also for padding rows) before each forward;
+    the forward then reads its first T (`begin`), so a CUDA graph captured over T rows reads the
+    buffer at the same address on every replay."""
 
-    slots: torch.Tensor | None = None
-    order: torch.Tensor | None = None
+    buffer: torch.Tensor  # (capacity,) int32 on the model's device
+    slots: torch.Tensor | None = None  # (T,) the forward's rows: buffer[:T]
+    order: torch.Tensor | None = None  # (T,) int32, their stable argsort (the kernels' visiting order)
+
+    def begin(self, num_tokens: int) -> None:
+        assert num_tokens <= self.buffer.shape[0], f"{num_tokens} rows, a slot buffer of {self.buffer.shape[0]}"
+        self.slots = self.buffer[:num_tokens]
+        self.order = torch.argsort(self.slots, stable=True).to(torch.int32)
 
 
 class LoraBank:
@@ -188,10 +196,10 @@ class LoraBank:
     its dtype; `attach` hooks them into the model's Linear layers."""
 
     def __init__(self, cfg: ModelConfig, num_slots: int, max_rank: int, dtype: torch.dtype,
-                 device: torch.device | str) -> None:
-        assert num_slots >= 1 and max_rank >= 1
+                 device: torch.device | str, max_tokens: int) -> None:
+        assert num_slots >= 1 and max_rank >= 1 and max_tokens >= 1
         self.cfg, self.num_slots, self.max_rank = cfg, num_slots, max_rank
-        self.step = LoraStep()
+        self.step = LoraStep(torch.full((max_tokens,), -1, dtype=torch.int32, device=device))
         self.banks: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
         for _ in range(cfg.num_hidden_layers):
             layer = {}
@@ -200,6 +208,25 @@ class LoraBank:
                 layer[proj] = (torch.zeros(num_slots, rows, width, dtype=dtype, device=device),
                                torch.zeros(num_slots, sum(outs), rows, dtype=dtype, device=device))
             self.banks.append(layer)
+        # Per layer, K/V smoothing folded into the base weights (model/smoothing.py), to fold into
+        # each adapter as it is written: multipliers of qkv's output rows and o_proj's input columns.
+        self._smoothing: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def fold_smoothing(self, k: list[torch.Tensor], v: list[torch.Tensor]) -> None:
+        """The base model's K/V factors (KVSmoothing.k / .v, (Hkv, D) per layer) apply to every
+        adapter written from now on: K and V output rows divided, Q rows (where no q/k norm
+        follows the projection) and o_proj's input columns multiplied, as in `smoothing.fold`."""
+        cfg = self.cfg
+        group = cfg.num_attention_heads // cfg.num_key_value_heads
+        self._smoothing = []
+        for s_k, s_v in zip(k, v, strict=True):
+            rows = torch.ones(cfg.q_size + 2 * cfg.kv_size)
+            if not cfg.qk_norm:  # Qwen3's factors live in its q/k norms, after the projection
+                rows[:cfg.q_size] = s_k.float().repeat_interleave(group, dim=0).reshape(-1)
+                rows[cfg.q_size:cfg.q_size + cfg.kv_size] = 1.0 / s_k.float().reshape(-1)
+            rows[cfg.q_size + cfg.kv_size:] = 1.0 / s_v.float().reshape(-1)
+            cols = s_v.float().repeat_interleave(group, dim=0).reshape(-1)
+            self._smoothing.append((rows, cols))
 
     @staticmethod
     def nbytes(cfg: ModelConfig, num_slots: int, max_rank: int, dtype: torch.dtype) -> int:
@@ -225,6 +252,12 @@ class LoraBank:
                 r0, o0 = part * self.max_rank, sum(outs[:part])
                 a_bank[slot, r0:r0 + a.shape[0]].copy_(a)
                 b_bank[slot, o0:o0 + b.shape[0], r0:r0 + b.shape[1]].copy_(b)
+            if self._smoothing is not None:
+                rows, cols = self._smoothing[layer]
+                b_qkv = banks["qkv_proj"][1][slot]
+                b_qkv.copy_(b_qkv.float() * rows[:, None].to(b_qkv.device))
+                a_o = banks["o_proj"][0][slot]
+                a_o.copy_(a_o.float() * cols[None, :].to(a_o.device))
 
     def clear(self, slot: int) -> None:
         for banks in self.banks:
@@ -235,6 +268,7 @@ class LoraBank:
     def attach(self, model, ops: LoraOps) -> None:
         """Hook the banks into `model`'s projections (a LlamaForCausalLM of this config): from now
         on each adds its rows' deltas for the slots in `self.step`."""
+        model.lora_step = self.step
         for layer, banks in zip(model.layers, self.banks, strict=True):
             for owner, proj in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
                                 (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):

@@ -155,7 +155,7 @@ class BlockManager:
         if not self.enable_caching:
             return result
         bs = self.block_size
-        parent: int | None = None
+        parent = request.cache_salt
         for i in range((request.num_tokens - 1) // bs):
             tokens = tuple(request.token_slice(i * bs, (i + 1) * bs))
             h = hash_block(parent, tokens)
@@ -199,7 +199,7 @@ class BlockManager:
         if num_full == len(hashes):
             return  # no block filled up since the last call (most steps)
         for i in range(len(hashes), num_full):
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else request.cache_salt
             tokens = tuple(request.token_slice(i * bs, (i + 1) * bs))
             h = hash_block(parent, tokens)
             hashes.append(h)

@@ -21,6 +21,7 @@ from pie.engine.messages import RequestOutput, RequestStatus, SampledToken
 from pie.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from pie.engine.adapters import Adapter
     from pie.engine.sample.structured import GrammarState
     from pie.engine.scheduling.detokenizer import IncrementalDetokenizer
 
@@ -47,7 +48,7 @@ class Request:
         "status", "arrival_time", "max_model_len", "eos_token_ids", "num_preemptions",
         "first_scheduled_time", "stop_reason", "parent_id", "index", "wait_for", "num_cached_tokens",
         "seed", "detokenizer", "block_ids", "block_hashes", "group", "priority", "streamed", "num_stalls", "prompt_logprobs",
-        "grammar",
+        "grammar", "adapter", "holds_adapter",
         "spec_token_ids", "ngram", "draft_computed", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
     )
 
@@ -69,6 +70,7 @@ class Request:
         priority: int = 0,
         streamed: bool = False,
         grammar: GrammarState | None = None,
+        adapter: Adapter | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt_token_ids must not be empty")
@@ -116,6 +118,10 @@ class Request:
         # Structured output: this sample's matcher (None: free text). Not admitted before its
         # constraint is compiled; it advances with every token appended (Scheduler.update_from_output).
         self.grammar = grammar
+        # LoRA (engine/adapters.py): the adapter its tokens run through (None: the base model), and
+        # whether it holds the adapter's slot now (from admission until it leaves the running set).
+        self.adapter = adapter
+        self.holds_adapter = False
         # Speculative decoding (engine/spec_decode/speculator.py): the ids proposed after the newest token in
         # the step in flight (empty otherwise; they are not outputs until verified), the n-gram
         # proposer's index of this request's tokens, and how many of its tokens the draft model's
@@ -131,6 +137,12 @@ class Request:
         self.group = group
         group.samples.append(self)
         group.num_unfinished += 1
+
+    @property
+    def cache_salt(self) -> int | None:
+        """The parent hash of its first KV block (prefix caching): its adapter's, None for the
+        base model, so no two adapters share a block."""
+        return None if self.adapter is None else self.adapter.salt
 
     @property
     def num_prompt_tokens(self) -> int:

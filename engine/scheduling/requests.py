@@ -9,6 +9,7 @@ from __future__ import annotations
 import bisect
 from collections import deque
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -16,12 +17,16 @@ from pie.engine.messages import RequestOutput, RequestStatus
 from pie.engine.scheduling.block_manager import BlockManager
 from pie.engine.scheduling.request import Request, SampleGroup
 
+if TYPE_CHECKING:
+    from pie.engine.adapters import Adapters
+
 log = structlog.get_logger(__name__)
 
 
 class RequestTable:
-    def __init__(self, block_manager: BlockManager) -> None:
+    def __init__(self, block_manager: BlockManager, adapters: Adapters | None = None) -> None:
         self.block_manager = block_manager
+        self.adapters = adapters  # LoRA slots (engine/adapters.py); None: no adapters configured
         # In (priority, arrival) order; preempted requests re-enter in their place.
         self.waiting: deque[Request] = deque()
         # Admission order; the least urgent, latest arrival is preempted first.
@@ -68,8 +73,19 @@ class RequestTable:
         victim of newer ones of its priority: nothing starves within a priority."""
         return max(enumerate(self.running), key=lambda ir: (ir[1].priority, ir[1].arrival_time, ir[0]))[1]
 
-    def _preempt(self, request: Request) -> None:
+    def _release(self, request: Request) -> None:
+        """Gives back what a request holds while it runs: its blocks and its adapter's slot."""
         self.block_manager.free(request)
+        self._release_adapter(request)
+
+    def _release_adapter(self, request: Request) -> None:
+        if request.holds_adapter:
+            assert self.adapters is not None and request.adapter is not None
+            self.adapters.release(request.adapter)
+            request.holds_adapter = False
+
+    def _preempt(self, request: Request) -> None:
+        self._release(request)
         request.num_computed_tokens = 0
         request.spec_token_ids = []
         request.draft_computed = 0
@@ -103,7 +119,7 @@ class RequestTable:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
-        self.block_manager.free(request)
+        self._release(request)
         group = request.group
         group.num_unfinished -= 1
         if group.num_unfinished:

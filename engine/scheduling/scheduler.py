@@ -61,7 +61,7 @@ from __future__ import annotations
 import itertools
 import time
 from concurrent.futures import Future
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import structlog
 
@@ -72,6 +72,9 @@ from pie.engine.scheduling.request import Request
 from pie.engine.scheduling.requests import RequestTable
 from pie.engine.scheduling.stall import StallBound, StallBudget
 from pie.engine.scheduling.step import ScheduledRequest, SchedulerOutput, StepOutput
+
+if TYPE_CHECKING:
+    from pie.engine.adapters import Adapters
 
 log = structlog.get_logger(__name__)
 
@@ -120,10 +123,11 @@ class Scheduler(RequestTable):
         # The batch-invariant mode (EngineConfig.batch_invariant): a request recomputed after
         # preemption runs its generated tokens one a step, each as the decode it first was.
         batch_invariant: bool = False,
+        adapters: Adapters | None = None,  # LoRA slots (engine/adapters.py); None: no adapters
     ) -> None:
         if min(max_num_seqs, max_num_batched_tokens, max_model_len) < 1:
             raise ValueError("max_num_seqs, max_num_batched_tokens and max_model_len must be >= 1")
-        super().__init__(block_manager)
+        super().__init__(block_manager, adapters)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -215,7 +219,7 @@ class Scheduler(RequestTable):
         while (not out.preempted and i < len(self.waiting) and budget > 0
                and len(self.running) < self.max_num_seqs):
             request = self.waiting[i]
-            if self._held_back(request):
+            if self._held_back(request) or not self._hold_adapter(request):
                 i += 1
                 continue
             cached = None
@@ -227,6 +231,7 @@ class Scheduler(RequestTable):
                 num_new = min(num_new, _invariant_rows(request, request.num_computed_tokens + num_cached))
             new_blocks = self.block_manager.allocate_slots(request, num_new, cached)
             if new_blocks is None:
+                self._release_adapter(request)  # a waiting request holds no slot
                 break
             del self.waiting[i]
             request.num_computed_tokens += num_cached
@@ -277,6 +282,15 @@ class Scheduler(RequestTable):
             request.wait_for = None
             return False
         return True
+
+    def _hold_adapter(self, request: Request) -> bool:
+        """Its adapter's slot held for it (loaded into one if needed), or no adapter; False while
+        every slot is held by running requests of other adapters (it waits; others may pass)."""
+        if request.adapter is None or request.holds_adapter:
+            return True
+        assert self.adapters is not None, "a request names an adapter, but the engine has no adapter slots"
+        request.holds_adapter = self.adapters.acquire(request.adapter)
+        return request.holds_adapter
 
     def compiling(self) -> list[Future]:
         """The compilations waiting requests wait for (the engine waits on them when a step finds

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pie.kernels.triton_lora import lora_delta_, lora_delta_reference_, slot_order
+from pie.kernels.triton_lora import lora_delta_, lora_delta_reference_
 from pie.model.loader import load_model
 from pie.model.lora import AdapterError, LoraBank, load_peft_adapter
 from tests.model.oracle import TOLERANCE, hf_logits, packed_logits, prompts, rel_error
@@ -75,7 +75,7 @@ def _peft_logits(base_dir: Path, adapter_dir: Path, ids: list[torch.Tensor]) -> 
 def test_mixed_batch_matches_peft(case, ops, model_dir, hf_model, adapters):
     folders = adapters(case)
     model, cfg = load_model(model_dir(case))
-    bank = LoraBank(cfg, num_slots=len(folders), max_rank=64, dtype=torch.float32, device="cpu")
+    bank = LoraBank(cfg, num_slots=len(folders), max_rank=64, dtype=torch.float32, device="cpu", max_tokens=64)
     names = list(folders)
     for slot, name in enumerate(names):
         bank.write(slot, load_peft_adapter(name, folders[name], cfg, max_rank=64))
@@ -84,7 +84,7 @@ def test_mixed_batch_matches_peft(case, ops, model_dir, hf_model, adapters):
     seq_slots = [-1, 0, 1, 2, 3, -1, 0]
     ids = prompts(cfg.vocab_size, lens=(5, 9, 7, 6, 11, 4, 8), seed=3)
     slots = torch.cat([torch.full((len(x),), s, dtype=torch.int32) for x, s in zip(ids, seq_slots, strict=True)])
-    bank.step.slots, bank.step.order = slots, slot_order(slots)
+    bank.step.buffer[:slots.numel()] = slots
     ours = packed_logits(model, ids)
     starts = [0]
     for x in ids:
@@ -98,16 +98,44 @@ def test_mixed_batch_matches_peft(case, ops, model_dir, hf_model, adapters):
             assert rel_error(base[rows], want) > 100 * TOLERANCE, (case, names[s])
 
 
+@pytest.mark.parametrize("case", ["llama", "qwen3"])
+def test_kv_smoothing_folds_into_adapters(case, model_dir, adapters):
+    """K/V smoothing (model/smoothing.py) divides K and V channels in the base weights; an
+    adapter written after it is folded alike, so the adapted model still equals peft's."""
+    from pie.model import smoothing
+
+    folders = adapters(case)
+    model, cfg = load_model(model_dir(case))
+    gen = torch.Generator().manual_seed(5)
+
+    def powers(*shape):
+        return 2.0 ** torch.randint(-3, 4, shape, generator=gen).float()
+
+    k = [powers(cfg.num_key_value_heads, cfg.head_dim // 2).repeat(1, 2) for _ in range(cfg.num_hidden_layers)]
+    if cfg.qk_norm:  # shared by the heads (the norms are)
+        k = [t[:1].expand(cfg.num_key_value_heads, -1).clone() for t in k]
+    v = [powers(cfg.num_key_value_heads, cfg.head_dim) for _ in range(cfg.num_hidden_layers)]
+    smoothing.fold(model, smoothing.KVSmoothing(k, v))
+    bank = LoraBank(cfg, num_slots=1, max_rank=64, dtype=torch.float32, device="cpu", max_tokens=64)
+    bank.fold_smoothing(k, v)
+    bank.write(0, load_peft_adapter("all8-pattern", folders["all8-pattern"], cfg, max_rank=64))
+    bank.attach(model, lora_delta_reference_)
+    ids = prompts(cfg.vocab_size, lens=(9,), seed=4)
+    bank.step.buffer.fill_(0)
+    want = _peft_logits(model_dir(case), folders["all8-pattern"], ids)
+    assert rel_error(packed_logits(model, ids), want) <= TOLERANCE
+
+
 def test_no_slots_is_the_base_model(model_dir, hf_model, adapters):
     folders = adapters("llama")
     model, cfg = load_model(model_dir("llama"))
-    bank = LoraBank(cfg, num_slots=1, max_rank=64, dtype=torch.float32, device="cpu")
+    bank = LoraBank(cfg, num_slots=1, max_rank=64, dtype=torch.float32, device="cpu", max_tokens=64)
     bank.write(0, load_peft_adapter("qv8", folders["qv8"], cfg, max_rank=64))
     bank.attach(model, lora_delta_reference_)
     ids = prompts(cfg.vocab_size)
     assert rel_error(packed_logits(model, ids), hf_logits(hf_model("llama"), ids)) <= TOLERANCE
     bank.clear(0)
-    bank.step.slots = torch.zeros(sum(len(x) for x in ids), dtype=torch.int32)
+    bank.step.buffer.fill_(0)  # every row on the cleared slot: zeros, the base model
     assert rel_error(packed_logits(model, ids), hf_logits(hf_model("llama"), ids)) <= TOLERANCE
 
 
@@ -168,6 +196,6 @@ def test_bank_bytes_match_its_tensors(model_dir):
     from pie.model.config import ModelConfig
 
     cfg = ModelConfig.from_hf(model_dir("qwen2") / "config.json")
-    bank = LoraBank(cfg, num_slots=3, max_rank=16, dtype=torch.float16, device="cpu")
+    bank = LoraBank(cfg, num_slots=3, max_rank=16, dtype=torch.float16, device="cpu", max_tokens=8)
     held = sum(t.numel() * t.element_size() for layer in bank.banks for pair in layer.values() for t in pair)
     assert LoraBank.nbytes(cfg, 3, 16, torch.float16) == held
