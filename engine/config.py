@@ -21,6 +21,7 @@ KV_SMOOTHING = ("auto", "on", "off")  # kv_smoothing: model/smoothing.py
 # Speculative decoding's proposers (engine/spec_decode/speculator.py): prompt lookup, or a small draft model.
 SPECULATIVE_METHODS = ("ngram", "draft")
 MAX_SPECULATIVE_TOKENS = 16  # proposals per step at most: a verify row is 1 + K tokens
+MAX_LORA_RANK = 512  # kernels/triton_lora.py keeps a slot's rank rows in one tile
 
 
 @dataclass(slots=True)
@@ -101,6 +102,12 @@ class EngineConfig:
     # earlier proposes what followed it (vLLM's prompt_lookup_max / prompt_lookup_min).
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
+    # LoRA adapters (engine/adapters.py): GPU slots for the adapters requests run on at once (0: no
+    # adapters; the slots' memory is set aside before the KV pool is sized), the largest rank a
+    # slot holds, and adapters loaded at start as (name, PEFT folder).
+    max_loras: int = 0
+    max_lora_rank: int = 16
+    loras: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -140,6 +147,7 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
         self._check_speculative()
+        self._check_loras()
         if self.batch_invariant:
             if self.attention_backend == "torch":
                 raise ValueError("batch_invariant runs the Triton kernels: not with attention_backend='torch'")
@@ -149,6 +157,25 @@ class EngineConfig:
             if self.speculative is not None:
                 raise ValueError("batch_invariant is not for speculative decoding (a verify step computes a "
                                  "token with the prompt kernel, a decode step with the decode kernel)")
+
+    def _check_loras(self) -> None:
+        if self.max_loras < 0:
+            raise ValueError(f"max_loras must be >= 0, got {self.max_loras}")
+        if not 1 <= self.max_lora_rank <= MAX_LORA_RANK:
+            raise ValueError(f"max_lora_rank must be in [1, {MAX_LORA_RANK}], got {self.max_lora_rank}")
+        names = [name for name, _ in self.loras]
+        if len(set(names)) != len(names):
+            raise ValueError(f"loras: an adapter name given twice: {names}")
+        if not self.max_loras:
+            if self.loras:
+                raise ValueError("loras are given but max_loras is 0: give the adapters GPU slots (max_loras >= 1)")
+            return
+        if self.tensor_parallel_size > 1:
+            raise ValueError("LoRA adapters do not run with tensor parallelism yet (their weights are not sharded): "
+                             "leave out max_loras or tensor_parallel_size")
+        if self.speculative is not None:
+            raise ValueError("LoRA adapters do not run with speculative decoding yet (the proposals would not come "
+                             "from the adapted model): leave out max_loras or speculative")
 
     def _check_speculative(self) -> None:
         if self.speculative is None:

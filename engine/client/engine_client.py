@@ -44,6 +44,7 @@ from pie.engine.messages import (
 )
 from pie.engine.sample.structured import GrammarCompiler, StructuredOutputError
 from pie.engine.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputParams
+from pie.engine.scheduling.adapters import AdapterNotFoundError
 from pie.engine.validation import check_request
 
 if TYPE_CHECKING:
@@ -118,7 +119,7 @@ class EngineClient(Protocol):
     def structured_known(self, params: StructuredOutputParams) -> bool: ...
     def check_structured(self, params: StructuredOutputParams) -> None: ...
     def submit(self, prompt_token_ids: list[int], sampling: SamplingParams, *, caller_id: str,
-               priority: int = 0, streamed: bool = False) -> RequestStream: ...
+               priority: int = 0, streamed: bool = False, adapter: str | None = None) -> RequestStream: ...
     def abort(self, stream: RequestStream) -> None: ...
     async def wait_idle(self) -> None: ...
 
@@ -201,6 +202,11 @@ class EngineClientBase:
         check_request(prompt_token_ids, sampling, config=info.config, vocab_size=info.vocab_size,
                       max_model_len=info.max_model_len, num_kv_blocks=info.num_kv_blocks)
 
+    @property
+    def adapter_names(self) -> list[str]:
+        """The LoRA adapters requests may name (those loaded at start)."""
+        return [name for name, _ in self.info.config.loras]
+
     def structured_known(self, params: StructuredOutputParams) -> bool:
         """`params` has been compiled here already: check_structured answers at once."""
         return self._grammar_compiler().cached(params) is not None
@@ -224,14 +230,18 @@ class EngineClientBase:
 
     # ---- requests in and out ----------------------------------------------------------------
     def submit(self, prompt_token_ids: list[int], sampling: SamplingParams, *, caller_id: str,
-               priority: int = 0, streamed: bool = False) -> RequestStream:
+               priority: int = 0, streamed: bool = False, adapter: str | None = None) -> RequestStream:
         """Queues a request under an id of the engine's own, at `priority` (lower first); `streamed`
-        when its caller reads tokens as they come (EngineCore.add_request). Raises PromptError /
-        SamplingParamsError for a request that can never be served, QueueFullError when the
-        waiting queue is full, EngineDeadError when the engine is not running."""
+        when its caller reads tokens as they come (EngineCore.add_request); on the LoRA `adapter`
+        of that name (None: the base model). Raises PromptError / SamplingParamsError for a request
+        that can never be served, AdapterNotFoundError for an adapter the engine has not loaded,
+        QueueFullError when the waiting queue is full, EngineDeadError when the engine is not
+        running."""
         if self.dead is not None or self._stopping or self._loop is None:
             raise EngineDeadError("the engine is not running")
         self.check_request(prompt_token_ids, sampling)
+        if adapter is not None and adapter not in self.adapter_names:
+            raise AdapterNotFoundError(adapter, "not loaded")
         # Requests the engine has not taken in yet may fill free batch slots at once, so a burst
         # into an idle engine is not shed early; in flight stays <= max_num_seqs + max_waiting.
         # Counted in samples, as the scheduler counts them: a request of n > 1 takes n places.
@@ -248,7 +258,7 @@ class EngineClientBase:
         self._idle.clear()
         self._sent += sampling.n
         self._in_transit.append((sampling.n, priority))
-        self._send(AddRequest(engine_id, prompt_token_ids, sampling, priority, streamed))
+        self._send(AddRequest(engine_id, prompt_token_ids, sampling, priority, streamed, adapter))
         return stream
 
     def abort(self, stream: RequestStream) -> None:

@@ -12,11 +12,13 @@ from pie.engine.runner.kv_cache import KVCache
 from pie.engine.runner.model_runner import ModelRunner
 from pie.engine.runner.tensor_parallel import Leader
 from pie.engine.runner.warm_up import warm_up
+from pie.engine.scheduling.adapters import Adapter, AdapterNotFoundError, Adapters
 from pie.engine.spec_decode.draft import DraftModel, DraftProposer
 from pie.engine.spec_decode.speculator import NgramProposer, Proposer, Speculator
 from pie.model import smoothing
 from pie.model.config import ModelConfig
 from pie.model.llama import LlamaForCausalLM
+from pie.model.lora import LoraBank
 from pie.model.tokenizer import Tokenizer
 
 log = structlog.get_logger(__name__)
@@ -37,10 +39,56 @@ def use_kernels(model: LlamaForCausalLM, config: EngineConfig, device: torch.dev
         model.use_batch_invariant(triton_matmul.linear)
 
 
-def smooth_kv(model: LlamaForCausalLM, mc: ModelConfig, tokenizer: Tokenizer, tp: Leader | None, mode: str) -> None:
+def make_adapters(model: LlamaForCausalLM, config: EngineConfig, device: torch.device,
+                  factors: smoothing.KVSmoothing | None) -> Adapters | None:
+    """The LoRA slots `config` asks for (None: max_loras 0), hooked into `model`, with the adapters
+    it names loaded (AdapterError, naming one, when it cannot be served). K/V smoothing already
+    folded into the weights (`factors`) is folded into every adapter too."""
+    if not config.max_loras:
+        return None
+    mc = model.config
+    bank = LoraBank(mc, config.max_loras, config.max_lora_rank, model.embed_tokens.weight.dtype, device,
+                    max_tokens=max(config.max_num_batched_tokens, config.max_num_seqs))  # a step's rows at most
+    if factors is not None:
+        bank.fold_smoothing(factors.k, factors.v)
+    if device.type == "cuda" or config.attention_backend == "triton":
+        from pie.kernels.triton_lora import lora_delta_ as ops
+    else:
+        from pie.kernels.triton_lora import lora_delta_reference_ as ops
+    bank.attach(model, ops)
+    adapters = Adapters(bank, mc)
+    for name, folder in config.loras:
+        adapters.load(name, folder)
+    log.info("lora_slots", slots=config.max_loras, max_rank=config.max_lora_rank,
+             bytes=LoraBank.nbytes(mc, config.max_loras, config.max_lora_rank, model.embed_tokens.weight.dtype),
+             loaded=adapters.names())
+    return adapters
+
+
+def resolve_adapter(adapters: Adapters | None, name: str | None) -> Adapter | None:
+    """The loaded adapter a request names (None: the base model); AdapterNotFoundError."""
+    if name is not None and adapters is None:
+        raise AdapterNotFoundError(name, "not loaded (this engine has no adapter slots: max_loras is 0)")
+    return None if adapters is None else adapters.resolve(name)
+
+
+def spec_stats(speculator: Speculator | None) -> dict:
+    """Speculative decoding's counters for EngineStats (none when it is off)."""
+    if speculator is None:
+        return {}
+    s = speculator.stats
+    return dict(spec_num_drafts=s.num_drafts, spec_num_draft_tokens=s.num_draft_tokens,
+                spec_num_accepted_tokens=s.num_accepted_tokens, spec_accepted_per_pos=list(s.accepted_per_pos))
+
+
+def smooth_kv(model: LlamaForCausalLM, mc: ModelConfig, tokenizer: Tokenizer, tp: Leader | None,
+              config: EngineConfig) -> smoothing.KVSmoothing | None:
     """Evens out K/V channel magnitudes of `model` (its config `mc`) before anything is quantized
-    (model/smoothing.py); with `mode` "auto", in the layers and kv heads where that lowers the int8
-    attention error."""
+    (model/smoothing.py), for int8 pages unless config.kv_smoothing is "off" (None then); with
+    "auto", in the layers and kv heads where that lowers the int8 attention error."""
+    if config.kv_cache_dtype != "int8" or config.kv_smoothing == "off":
+        return None
+    mode = config.kv_smoothing
     ids = smoothing.calibration_tokens(tokenizer.encode, mc.vocab_size, min(256, mc.max_model_len))
     if tp is not None:
         tp.calibrate(ids)  # the calibration pass is collective: every rank runs it
@@ -54,6 +102,7 @@ def smooth_kv(model: LlamaForCausalLM, mc: ModelConfig, tokenizer: Tokenizer, tp
     log.info("kv_smoothing", mode=mode, calibration_tokens=len(ids),
              k_heads_smoothed=f"{k_heads}/{heads}", v_heads_smoothed=f"{v_heads}/{heads}",
              factor_min=2.0 ** low, factor_max=2.0 ** high, **errors)
+    return factors
 
 
 def make_speculator(config: EngineConfig, vocab_size: int, draft: DraftModel | None, device: torch.device,

@@ -16,7 +16,7 @@ import structlog
 import torch
 
 from pie.engine.config import EngineConfig, usable_cores
-from pie.engine.core.build import make_speculator, smooth_kv, use_kernels
+from pie.engine.core.build import make_adapters, make_speculator, resolve_adapter, smooth_kv, spec_stats, use_kernels
 from pie.engine.core.step_timer import StepTimer
 from pie.engine.device import TORCH_DTYPES, auto_dtype, resolve_device
 from pie.engine.errors import EngineDeadError
@@ -81,8 +81,9 @@ class EngineCore:
         self.tokenizer = read_tokenizer(config.model, self.model_config)
         mc: ModelConfig = self.model_config
         check_vocab(config.model, mc, self.tokenizer)
-        if config.kv_cache_dtype == "int8" and config.kv_smoothing != "off":
-            smooth_kv(self.model, mc, self.tokenizer, self._tp, config.kv_smoothing)
+        factors = smooth_kv(self.model, mc, self.tokenizer, self._tp, config)  # None: not for this cache
+        # LoRA slots: allocated before the pool is sized, which then counts them as taken
+        self.adapters = make_adapters(self.model, config, self.device, factors)
         self.vocab_size = mc.vocab_size
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
         self.max_model_len = mc.max_model_len if config.max_model_len is None else min(config.max_model_len, mc.max_model_len)
@@ -112,7 +113,8 @@ class EngineCore:
             self.block_manager, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=self.max_model_len,
             stall_factor=config.decode_stall_factor, stall_share=config.decode_stall_share,
-            structured=self.structured, speculator=self.speculator, batch_invariant=config.batch_invariant)
+            structured=self.structured, speculator=self.speculator, batch_invariant=config.batch_invariant,
+            adapters=self.adapters)
         self.runner = self._make_runner(self.kv_cache)
         if self.device.type == "cuda":
             warm_up(self.runner)
@@ -173,7 +175,7 @@ class EngineCore:
                 raise SamplingParamsError(e.field, e.message) from None
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, *,
-                    priority: int = 0, streamed: bool = False) -> SampleGroup:
+                    priority: int = 0, streamed: bool = False, adapter: str | None = None) -> SampleGroup:
         """Queues a request its client has validated (`check_request`, where requests enter the
         engine: EngineClient.submit, or `generate` here). With sampling.n > 1, n samples
         (ids f"{request_id}#{i}") whose outputs carry `request_id` and `index` = i; sample i draws
@@ -181,7 +183,8 @@ class EngineCore:
         of its own. `priority`: lower is scheduled first (engine/scheduling/scheduler.py); `streamed`:
         its caller reads tokens as they come (the stall bound protects its decodes). A structured
         output's constraint starts compiling now (on a thread; the samples are admitted once it is
-        done). Raises ValueError for an id in use."""
+        done). `adapter`: the LoRA adapter it runs on (AdapterNotFoundError). ValueError for an id in use."""
+        lora = resolve_adapter(self.adapters, adapter)
         n, group = sampling.n, SampleGroup(request_id)
         for i in range(n):
             grammar = self.structured.grammar_for(sampling.structured) if sampling.structured is not None else None
@@ -193,7 +196,8 @@ class EngineCore:
                     eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len, parent_id=request_id,
                     index=i, wait_for=group.samples[0] if i else None, grammar=grammar,
                     arrival_time=group.samples[0].arrival_time if i else None,
-                    seed=seed, detokenizer=detokenizer, group=group, priority=priority, streamed=streamed)
+                    seed=seed, detokenizer=detokenizer, group=group, priority=priority, streamed=streamed,
+                    adapter=lora)
         self.scheduler.add_request(group)
         return group
 
@@ -236,15 +240,8 @@ class EngineCore:
             stall_fixed_s=self.scheduler.stall.fixed_s,
             stall_prompt_token_s=self.scheduler.stall.per_prompt_token_s or 0.0,
             stall_decode_ratio=self.scheduler.stall.decode_ratio,
-            **self._spec_stats(),
+            **spec_stats(self.speculator),
         )
-
-    def _spec_stats(self) -> dict:
-        if self.speculator is None:
-            return {}
-        s = self.speculator.stats
-        return dict(spec_num_drafts=s.num_drafts, spec_num_draft_tokens=s.num_draft_tokens,
-                    spec_num_accepted_tokens=s.num_accepted_tokens, spec_accepted_per_pos=list(s.accepted_per_pos))
 
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -382,14 +379,16 @@ class EngineCore:
                                   f"{self._tp.lost() or 'all workers still run'}") from e
 
     # ---- convenience for tests and offline use ------------------------------------------------
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams,
+                 adapters: list[str | None] | None = None) -> list[list[int]]:
         """Runs prompts to completion on this thread; returns the generated token ids of each
-        (of sample 0 when sampling.n > 1). Each prompt is checked as a client would (`check_request`)."""
+        (of sample 0 when sampling.n > 1). Each prompt is checked as a client would (`check_request`).
+        `adapters`: each prompt's LoRA adapter (None: the base model), all in one batch."""
         ids = [f"offline-{i}-{self._seed_source.getrandbits(32):08x}" for i in range(len(prompts))]
         results: dict[str, list[int]] = {i: [] for i in ids}
-        for rid, p in zip(ids, prompts):
+        for rid, p, a in zip(ids, prompts, adapters or [None] * len(prompts), strict=True):
             self.check_request(p, sampling)
-            self.add_request(rid, p, sampling)
+            self.add_request(rid, p, sampling, adapter=a)
         while self.has_unfinished():
             for o in self.step():
                 if o.index == 0:

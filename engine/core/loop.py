@@ -140,7 +140,7 @@ def apply_commands(engine: EngineCore, commands: list[Command]) -> int:
         if isinstance(cmd, AddRequest):
             taken += cmd.sampling.n
             engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.sampling, priority=cmd.priority,
-                               streamed=cmd.streamed)
+                               streamed=cmd.streamed, adapter=cmd.adapter)
         elif isinstance(cmd, AbortRequest):
             engine.abort(cmd.request_id)
         else:

@@ -34,7 +34,7 @@ from pie.engine.runner.cuda_graphs import CudaGraphs, PiecewiseGraphs
 from pie.engine.runner.kv_cache import KVCache
 from pie.engine.runner.pending import PendingStep, StepLogits
 from pie.engine.runner.prompt_logprobs import PromptLogprobRows
-from pie.engine.runner.staging import LastSample, StepFacts, StepStager
+from pie.engine.runner.staging import LastSample, StepFacts, StepStager, adapter_slots
 from pie.engine.sample.rejection import DraftProbs, verify
 from pie.engine.sample.sampler import sample
 from pie.engine.sample.structured import TokenMasks
@@ -165,6 +165,9 @@ class ModelRunner:
         step = self.stager.stage(out, [s.request.block_ids for s in out.scheduled],
                                  None if eager or prompt is not None else self.graphs.bucket_for(out), self._last,
                                  proposals=bool(out.num_spec_tokens) or self.reads_proposals)
+        lora = getattr(self.model, "lora_step", None)  # (a wrapped model, in tests, may have none)
+        if lora is not None:
+            lora.buffer.copy_(to_device(torch.from_numpy(adapter_slots(out, lora.buffer.shape[0])), self.device))
         if self._tp is not None:
             self._tp.forward(step.facts, step.ints, step.metadata.block_tables, step.graph_batch,
                              None if prompt is None else prompt.index)

@@ -380,3 +380,17 @@ class StepStager:
         sections = dev[:layout.end]
         return StepInputs(sections[layout.ids], sections[layout.positions], facts.metadata(sections, dev_tables), b,
                           bucket, facts, sections, dev[layout.end:])
+
+
+def adapter_slots(out: SchedulerOutput, capacity: int) -> np.ndarray:
+    """Each token row's LoRA slot (model/lora.py LoraStep.buffer) in the staged order (out.scheduled,
+    num_new_tokens each), -1 for the base model and for every row past the step's: a graph
+    replayed over a bucket of rows reads its padding as base rows. (capacity,) int32."""
+    scheduled = out.scheduled
+    slots = np.fromiter((s.request.adapter.slot if s.request.holds_adapter and s.request.adapter else -1
+                         for s in scheduled), dtype=np.int32, count=len(scheduled))
+    counts = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=len(scheduled))
+    per_token = np.repeat(slots, counts)
+    rows = np.full(capacity, -1, dtype=np.int32)
+    rows[:per_token.shape[0]] = per_token
+    return rows

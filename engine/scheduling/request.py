@@ -21,8 +21,8 @@ from pie.engine.messages import RequestOutput, RequestStatus, SampledToken
 from pie.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from pie.engine.adapters import Adapter
     from pie.engine.sample.structured import GrammarState
+    from pie.engine.scheduling.adapters import Adapter
     from pie.engine.scheduling.detokenizer import IncrementalDetokenizer
 
 

@@ -18,7 +18,7 @@ from pie.engine.scheduling.block_manager import BlockManager
 from pie.engine.scheduling.request import Request, SampleGroup
 
 if TYPE_CHECKING:
-    from pie.engine.adapters import Adapters
+    from pie.engine.scheduling.adapters import Adapters
 
 log = structlog.get_logger(__name__)
 
@@ -77,6 +77,15 @@ class RequestTable:
         """Gives back what a request holds while it runs: its blocks and its adapter's slot."""
         self.block_manager.free(request)
         self._release_adapter(request)
+
+    def _hold_adapter(self, request: Request) -> bool:
+        """Its adapter's slot held for it (loaded into one if needed), or no adapter; False while
+        every slot is held by running requests of other adapters (it waits; others may pass)."""
+        if request.adapter is None or request.holds_adapter:
+            return True
+        assert self.adapters is not None, "a request names an adapter, but the engine has no adapter slots"
+        request.holds_adapter = self.adapters.acquire(request.adapter)
+        return request.holds_adapter
 
     def _release_adapter(self, request: Request) -> None:
         if request.holds_adapter:

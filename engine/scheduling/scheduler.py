@@ -61,20 +61,18 @@ from __future__ import annotations
 import itertools
 import time
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import structlog
 
 from pie.engine.messages import RequestOutput, RequestStatus, SampledToken
 from pie.engine.sample.structured import StructuredOutputs
+from pie.engine.scheduling.adapters import Adapters
 from pie.engine.scheduling.block_manager import BlockManager
 from pie.engine.scheduling.request import Request
 from pie.engine.scheduling.requests import RequestTable
 from pie.engine.scheduling.stall import StallBound, StallBudget
 from pie.engine.scheduling.step import ScheduledRequest, SchedulerOutput, StepOutput
-
-if TYPE_CHECKING:
-    from pie.engine.adapters import Adapters
 
 log = structlog.get_logger(__name__)
 
@@ -282,15 +280,6 @@ class Scheduler(RequestTable):
             request.wait_for = None
             return False
         return True
-
-    def _hold_adapter(self, request: Request) -> bool:
-        """Its adapter's slot held for it (loaded into one if needed), or no adapter; False while
-        every slot is held by running requests of other adapters (it waits; others may pass)."""
-        if request.adapter is None or request.holds_adapter:
-            return True
-        assert self.adapters is not None, "a request names an adapter, but the engine has no adapter slots"
-        request.holds_adapter = self.adapters.acquire(request.adapter)
-        return request.holds_adapter
 
     def compiling(self) -> list[Future]:
         """The compilations waiting requests wait for (the engine waits on them when a step finds

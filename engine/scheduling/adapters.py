@@ -1,4 +1,4 @@
-"""The engine's LoRA adapters: which are known, which hold a GPU slot, who is using them.
+"""The engine's LoRA adapters (host-side bookkeeping, like the block manager's): which are known, which hold a GPU slot, who is using them.
 
 An adapter is loaded by name from a PEFT folder (model/lora.py reads and checks it) and kept in host
 memory; it takes one of the `max_loras` slots of the model's bank (model/lora.LoraBank) only while
@@ -157,6 +157,10 @@ class Adapters:
         self.bank.clear(adapter.slot)
         self._slots[adapter.slot] = None
         adapter.slot = -1
+
+    def resolve(self, name: str | None) -> Adapter | None:
+        """The adapter a request names (None: the base model); AdapterNotFoundError."""
+        return None if name is None else self.get(name)
 
     def info(self, waiting: dict[str, int] | None = None) -> list[AdapterInfo]:
         waiting = waiting or {}
