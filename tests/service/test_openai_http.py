@@ -253,7 +253,7 @@ def test_503_while_loading_and_while_draining():
         assert health.value.code == 503
         s._call(s.pie.load(), 600)
         assert api.completions.create(model="stories-7m", prompt=PROMPT, max_tokens=2).choices[0].text
-        s.pie.servicer.draining = True  # what stop() sets first
+        s.pie.admission.draining = True  # what stop() sets first
         with pytest.raises(openai.InternalServerError):
             api.completions.create(model="stories-7m", prompt=PROMPT, max_tokens=2)
     finally:
