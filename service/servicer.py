@@ -10,7 +10,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import uuid
-from collections.abc import Iterator
+from collections.abc import Coroutine
+from types import TracebackType
+from typing import Any, TypeVar
 
 import grpc
 import structlog
@@ -36,6 +38,8 @@ INLINE_DETOKENIZE_IDS = 4096
 # (the client's own timer fires a little before the server's).
 DEADLINE_SLACK_S = 0.05
 
+T = TypeVar("T")
+
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerateService"].full_name
 
 
@@ -60,15 +64,29 @@ class RpcChannel:
         return grpc.StatusCode.CANCELLED, "cancelled by the caller"
 
 
-@contextlib.contextmanager
-def refusals(context: grpc.aio.ServicerContext, request_id: str | None = None,
-             s: RequestSummary | None = None) -> Iterator[None]:
-    """The gRPC door's one exit for a refusal: a RequestError or ServiceError raised inside
-    becomes the call's status (`send_error`, with the request id of `s` when it has one)."""
-    try:
-        yield
-    except (RequestError, ServiceError) as e:
-        send_error(context, e, s.request_id if s is not None else request_id)
+class refusals:  # noqa: N801  (used as a `with` statement's function)
+    """The gRPC door's one exit for a refusal: a RequestError or ServiceError raised inside the
+    `with` becomes the call's status (`send_error`, with the request id `s` has by then), and the
+    method goes on after the block (it returns None: the status is the answer)."""
+
+    def __init__(self, context: grpc.aio.ServicerContext, s: RequestSummary | None = None) -> None:
+        self.context, self.summary = context, s
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, err: BaseException | None, tb: TracebackType | None) -> bool:
+        if not isinstance(err, RequestError | ServiceError):
+            return False
+        send_error(self.context, err, None if self.summary is None else self.summary.request_id)
+        return True
+
+
+async def _answered(context: grpc.aio.ServicerContext, work: Coroutine[Any, Any, T]) -> T:
+    """`work`'s answer; for a refusal, None with the call's status set (which is then the answer)."""
+    with refusals(context):
+        return await work
+    return None  # type: ignore[return-value]
 
 
 class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
@@ -94,7 +112,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         # The response headers (x-request-id) go out with the answer, not at admission: until then a
         # call cut by its replica's end (UNAVAILABLE, or a reset connection) has had no answer begun,
         # which lets a client's retry policy or a balancer send it to another replica.
-        with refusals(context, s=s):
+        with refusals(context, s):
             async with generation(self.admission, request, s, RpcChannel(context, self.admission.auth),
                                   streamed=False) as g, contextlib.aclosing(g.handoffs()) as handoffs:
                 async for handoff in handoffs:
@@ -108,7 +126,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         s = RequestSummary("GenerateStream", context.peer())
         # Closed on the way out, not whenever it is collected: a cancelled call's request is
         # aborted (its KV blocks freed) and its summary written at once.
-        with refusals(context, s=s):
+        with refusals(context, s):
             async with generation(self.admission, request, s, RpcChannel(context, self.admission.auth),
                                   streamed=True) as g, \
                     contextlib.aclosing(g.handoffs(self.stream_interval)) as handoffs:
@@ -117,9 +135,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                         yield message
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
-        with refusals(context):
-            return await self._tokenize(request)
-        return None  # refused: the status set is the answer
+        return await _answered(context, self._tokenize(request))
 
     async def _tokenize(self, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
         client = self.admission.ready_client()
@@ -143,11 +159,10 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                                    rendered_text=rendered)
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.GetModelInfoResponse:
-        with refusals(context):
-            return self._model_info(self.admission.ready_client())
-        return None  # refused: the status set is the answer
+        return await _answered(context, self._model_info())
 
-    def _model_info(self, client) -> pb.GetModelInfoResponse:
+    async def _model_info(self) -> pb.GetModelInfoResponse:
+        client = self.admission.ready_client()
         info = client.info
         mc, cfg = info.model_config, info.config
         stats = client.stats()
@@ -177,12 +192,10 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             if found:
                 log.info("requests_aborted", request_ids=found, peer=context.peer())
             return pb.AbortResponse(aborted_request_ids=found)
-        return None  # refused: the status set is the answer
+        return None  # type: ignore[return-value]  # refused: the status set is the answer
 
     async def Detokenize(self, request: pb.DetokenizeRequest, context) -> pb.DetokenizeResponse:
-        with refusals(context):
-            return await self._detokenize(request)
-        return None  # refused: the status set is the answer
+        return await _answered(context, self._detokenize(request))
 
     async def _detokenize(self, request: pb.DetokenizeRequest) -> pb.DetokenizeResponse:
         client = self.admission.ready_client()
