@@ -22,20 +22,17 @@ disconnects cancels its requests: their KV blocks free within a step.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import hmac
-import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import grpc
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
@@ -43,12 +40,11 @@ from pie.engine.errors import RequestError
 from pie.service.admission import Admission
 from pie.service.errors import ServiceError
 from pie.service.generation import end_summary
-from pie.service.http.calls import Call, HttpChannel
+from pie.service.http.calls import Call, HttpChannel, collect, sse
 from pie.service.http.errors import HttpError, Params, body_problem, http_error, not_found, params_of
 from pie.service.http.requests import ChatRequest, CompletionRequest, chat_request, completion_requests
 from pie.service.http.responses import (
     Answer,
-    Choice,
     chat_body,
     chat_chunk,
     completion_body,
@@ -61,7 +57,6 @@ from pie.service.validation import request_id_from
 from pie.v1 import generate_pb2 as pb
 
 PLAYGROUND = Path(__file__).with_name("playground.html")
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffers the events
 # The generation routes, by the rpc label their summary lines and pie_requests_finished carry.
 GENERATION_RPCS = {"/v1/completions": ("http/completions", "cmpl"), "/v1/chat/completions": ("http/chat", "chatcmpl")}
 
@@ -177,7 +172,7 @@ def build_app(door: Door) -> FastAPI:
         echo = [_prompt_text(tokenizer, a.prompt, r) for a, r in zip(call.admitted, requests)] if body.echo else None
         logprobs = body.logprobs  # alternatives per token; None: no logprobs
         if not body.stream:
-            await _collect(call, answer, request)
+            await collect(call, answer, request)
             prompts = [a.prompt for a in call.admitted]
             return JSONResponse(completion_body(answer, tokenizer, logprobs, echo, call.n, prompts), headers=_rid(rid))
         include_usage = body.stream_options is not None and body.stream_options.include_usage
@@ -185,7 +180,7 @@ def build_app(door: Door) -> FastAPI:
 
         async def events() -> AsyncIterator[dict]:
             offsets: dict[int, int] = {}  # each choice's text so far, the echoed prompt included
-            async for index, outs in _choices(call, answer):
+            async for index, outs in call.choices(answer):
                 prefix = echo[index // call.n] if echo and index not in offsets else ""
                 offset = offsets.get(index, 0)
                 yield completion_chunk(answer, index, outs, tokenizer, logprobs, offset, prefix) | usage
@@ -193,7 +188,7 @@ def build_app(door: Door) -> FastAPI:
             if include_usage:
                 yield usage_chunk(answer, chat=False)
 
-        return _sse(call, events(), rid, request.state.params)
+        return sse(call, events(), rid, request.state.params)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
     async def chat_completions(body: ChatRequest, request: Request) -> Response:
@@ -211,7 +206,7 @@ def build_app(door: Door) -> FastAPI:
         if door.tool_call_parser and body.tools and body.tool_choice in (None, "auto"):
             parser = ToolParser(door.tool_call_parser)
         if not body.stream:
-            await _collect(call, answer, request)
+            await collect(call, answer, request)
             return JSONResponse(chat_body(answer, tokenizer, top, forced, parser), headers=_rid(rid))
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         usage = {"usage": None} if include_usage else {}  # as OpenAI: null on every chunk but the last
@@ -219,78 +214,14 @@ def build_app(door: Door) -> FastAPI:
         async def events() -> AsyncIterator[dict]:
             for index in range(call.n):  # the assistant's role opens each choice
                 yield chat_chunk(answer, index, None, tokenizer, top, first=True, forced=forced) | usage
-            async for index, outs in _choices(call, answer):
+            async for index, outs in call.choices(answer):
                 yield chat_chunk(answer, index, outs, tokenizer, top, forced=forced, parser=parser) | usage
             if include_usage:
                 yield usage_chunk(answer, chat=True)
 
-        return _sse(call, events(), rid, request.state.params)
+        return sse(call, events(), rid, request.state.params)
 
     return app
-
-
-async def _choices(call: Call, answer: Answer) -> AsyncIterator[tuple[int, list]]:
-    """(choice index, its new outputs) as they arrive, counted into the answer's usage."""
-    async for prompt, batch in call.outputs():
-        by_index: dict[int, list] = {}
-        for o in batch:
-            by_index.setdefault(prompt * call.n + o.index, []).append(o)
-            answer.completion_tokens += len(o.new_token_ids)
-            answer.cached_tokens[prompt] = max(answer.cached_tokens.get(prompt, 0), o.num_cached_tokens)
-        for index, outs in sorted(by_index.items()):
-            yield index, outs
-
-
-async def _collect(call: Call, answer: Answer, request: Request) -> None:
-    """A whole answer; the caller disconnecting meanwhile cancels it (and its requests)."""
-
-    async def gather() -> None:
-        async for index, outs in _choices(call, answer):
-            choice = answer.choices.setdefault(index, Choice())
-            for o in outs:
-                choice.add(o)
-
-    await _unless_disconnected(request, gather, call)
-
-
-async def _unless_disconnected(request: Request, work: Callable[[], Awaitable[None]], call: Call) -> None:
-    task = asyncio.ensure_future(work())
-    gone = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        call.close()
-    if task.cancelled():
-        raise HttpError(499, "the caller disconnected", code="cancelled", grpc_code=grpc.StatusCode.CANCELLED)
-    task.result()  # the lifecycle's ServiceError for a failure
-
-
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-def _sse(call: Call, events: AsyncIterator[dict], rid: str, params: Params) -> StreamingResponse:
-    """Server-sent events: `data: <json>` per chunk, then `data: [DONE]`; an engine failure after
-    the first event is an error event (the status line is gone by then). A caller that goes away
-    cancels the iteration, and its requests are aborted."""
-
-    async def lines() -> AsyncIterator[str]:
-        try:
-            async for event in events:
-                yield f"data: {json.dumps(event)}\n\n"
-        except (RequestError, ServiceError, HttpError) as e:
-            yield f"data: {json.dumps(http_error(e, params).body())}\n\n"
-        finally:
-            call.close()
-        yield "data: [DONE]\n\n"
-
-    return StreamingResponse(lines(), media_type="text/event-stream", headers=SSE_HEADERS | _rid(rid))
 
 
 def _mint(request: Request) -> Callable[[], str]:

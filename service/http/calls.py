@@ -1,25 +1,33 @@
 """One HTTP generation call: the lifecycle of service/generation.py run for each of its prompts
 (n prompts x n samples each), their hand-offs merged as they arrive. Admission, streaming,
 aborting, the summary lines and the metrics are the lifecycle's; this only starts, merges and
-closes them.
+closes them, and hands their outputs to an answer: whole (`collect`) or as server-sent events
+(`sse`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 from fastapi import Request
+from fastapi.responses import StreamingResponse
 
 from pie.engine.errors import RequestError
 from pie.engine.messages import RequestOutput
 from pie.service.admission import Admission, Admitted
 from pie.service.errors import ServiceError
 from pie.service.generation import Generation, Handoff, start
+from pie.service.http.errors import HttpError, Params, http_error
+from pie.service.http.responses import Answer, Choice
 from pie.service.logging import RequestSummary
 from pie.v1 import generate_pb2 as pb
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffers the events
 
 
 class HttpChannel:
@@ -101,7 +109,70 @@ class Call:
             for reader in readers:
                 reader.cancel()
 
+    async def choices(self, answer: Answer) -> AsyncIterator[tuple[int, list]]:
+        """(choice index, its new outputs) as they arrive, counted into the answer's usage."""
+        async for prompt, batch in self.outputs():
+            by_index: dict[int, list] = {}
+            for o in batch:
+                by_index.setdefault(prompt * self.n + o.index, []).append(o)
+                answer.completion_tokens += len(o.new_token_ids)
+                answer.cached_tokens[prompt] = max(answer.cached_tokens.get(prompt, 0), o.num_cached_tokens)
+            for index, outs in sorted(by_index.items()):
+                yield index, outs
+
     def close(self) -> None:
         """Ends every generation still running (aborted, its blocks free within a step)."""
         for g in self.generations:
             g.close()
+
+
+async def collect(call: Call, answer: Answer, request: Request) -> None:
+    """A whole answer; the caller disconnecting meanwhile cancels it (and its requests)."""
+
+    async def gather() -> None:
+        async for index, outs in call.choices(answer):
+            choice = answer.choices.setdefault(index, Choice())
+            for o in outs:
+                choice.add(o)
+
+    await _unless_disconnected(request, gather, call)
+
+
+async def _unless_disconnected(request: Request, work: Callable[[], Awaitable[None]], call: Call) -> None:
+    task = asyncio.ensure_future(work())
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        call.close()
+    if task.cancelled():
+        raise HttpError(499, "the caller disconnected", code="cancelled", grpc_code=grpc.StatusCode.CANCELLED)
+    task.result()  # the lifecycle's ServiceError for a failure
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def sse(call: Call, events: AsyncIterator[dict], rid: str, params: Params) -> StreamingResponse:
+    """Server-sent events: `data: <json>` per chunk, then `data: [DONE]`; an engine failure after
+    the first event is an error event (the status line is gone by then). A caller that goes away
+    cancels the iteration, and its requests are aborted."""
+
+    async def lines() -> AsyncIterator[str]:
+        try:
+            async for event in events:
+                yield f"data: {json.dumps(event)}\n\n"
+        except (RequestError, ServiceError, HttpError) as e:
+            yield f"data: {json.dumps(http_error(e, params).body())}\n\n"
+        finally:
+            call.close()
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(lines(), media_type="text/event-stream", headers=SSE_HEADERS | {"x-request-id": rid})
