@@ -170,12 +170,13 @@ def request_id_from(request, metadata: dict[str, str], make_id) -> str:
     rid = request.request_id or metadata.get("x-request-id", "")
     if not rid:
         return make_id()
-    if not _valid_request_id(rid):
+    if not valid_request_id(rid):
         raise RequestError("request_id", "must be at most 128 printable ASCII characters")
     return rid
 
 
-def _valid_request_id(rid: str) -> bool:
+def valid_request_id(rid: str) -> bool:
+    """A request id that can travel back in metadata and headers (ASCII only)."""
     return len(rid) <= 128 and rid.isascii() and rid.isprintable()  # it travels in metadata: ASCII only
 
 
@@ -187,7 +188,7 @@ def abort_ids_from_proto(request) -> list[str]:
     if len(ids) > MAX_ABORT_IDS:
         raise RequestError("request_ids", f"at most {MAX_ABORT_IDS} ids, got {len(ids)}")
     for i, rid in enumerate(ids):
-        if not rid or not _valid_request_id(rid):
+        if not rid or not valid_request_id(rid):
             raise RequestError("request_ids", f"id {i} must be 1 to 128 printable ASCII characters, got {rid!r:.60}")
     return ids
 

@@ -1,7 +1,8 @@
 """Both doors through one lifecycle (issue 60), on one live server with both doors open: a gRPC
 request and an HTTP request of the same seed give the same tokens, one `request_done` line each of
 the same shape, and the same counters; every refused HTTP request is logged and counted like a
-refused RPC and carries its x-request-id; every HTTP error body is an OpenAI error object."""
+refused RPC and carries its x-request-id (as every gRPC error does); every HTTP error body is an
+OpenAI error object."""
 
 from __future__ import annotations
 
@@ -9,11 +10,14 @@ import json
 import urllib.error
 import urllib.request
 
+import grpc
 import openai
 import pytest
 
 from pie.engine.config import EngineConfig
 from pie.service.server import BackgroundServer, ServerConfig
+from pie.v1 import generate_pb2 as pb
+from pie.v1 import generate_pb2_grpc
 from pie_client import Client
 from tests.service.test_metrics import MODEL, log_lines, scrape, value
 from tests.service.test_metrics import log_buffer as log_buffer  # noqa: F401  (the fixture, shared)
@@ -140,3 +144,22 @@ def test_error_bodies_are_openai_error_objects(server):
     with pytest.raises(openai.BadRequestError) as regex:
         api.completions.create(model=MODEL, prompt=PROMPT, extra_body={"guided_regex": "(unclosed"})
     assert regex.value.body["param"] == "guided_regex"
+
+
+def test_every_grpc_error_carries_a_request_id(server):
+    """As docs/api.md promises: the caller's x-request-id, else one minted for the error (here for
+    RPCs that have no request of their own, and for a call the auth interceptor refused)."""
+    with grpc.insecure_channel(server.address) as channel:
+        stub = generate_pb2_grpc.GenerateServiceStub(channel)
+        auth = ("authorization", f"Bearer {KEY}")
+        with pytest.raises(grpc.RpcError) as given:
+            stub.Detokenize(pb.DetokenizeRequest(token_ids=[10**9]), metadata=[auth, ("x-request-id", "detok-1")])
+        with pytest.raises(grpc.RpcError) as minted:
+            stub.Abort(pb.AbortRequest(), metadata=[auth])
+        with pytest.raises(grpc.RpcError) as stranger:
+            stub.Tokenize(pb.TokenizeRequest(text="hi"))
+    assert given.value.code() == minted.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert stranger.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert dict(given.value.trailing_metadata())["x-request-id"] == "detok-1"
+    for refused in (minted, stranger):
+        assert len(dict(refused.value.trailing_metadata())["x-request-id"]) == 32
