@@ -119,6 +119,22 @@ def test_every_refused_http_request_is_logged_counted_and_carries_its_id(server,
     assert _finished(scrape(server), rpc, code) - _finished(before, rpc, code) == 1
 
 
+def test_a_call_of_several_prompts_is_one_lifecycle_each_refused_together(server, log_buffer):  # noqa: F811
+    """Prompt 1 refused by the engine's check (an id outside the vocabulary): prompt 0, admitted
+    first, is aborted and ends CANCELLED; each prompt has its own line under the call's id."""
+    body = {"model": MODEL, "prompt": [[5, 6, 7], [10**7]], "max_tokens": 4}
+    got, headers, answer = _http(server, "POST", "/v1/completions", body, {"x-request-id": "several"})
+    assert got == 400 and answer["error"]["param"] == "prompt" and headers["x-request-id"] == "several"
+    (first,), (second,) = _done(log_buffer, "several-0"), _done(log_buffer, "several-1")
+    assert (first["status"], first["error"]) == ("CANCELLED", "another prompt of the call was refused")
+    assert second["status"] == "INVALID_ARGUMENT" and "outside the vocabulary" in second["error"]
+    assert not _done(log_buffer, "several")  # no line for the call itself: its prompts have theirs
+    got, _, answer = _http(server, "POST", "/v1/completions", {**body, "prompt": [[5, 6], [7, 8]], "n": 2})
+    assert got == 200 and sorted(c["index"] for c in answer["choices"]) == [0, 1, 2, 3]
+    rid = answer["id"]
+    assert [_done(log_buffer, f"{rid}-{i}")[0]["status"] for i in (0, 1)] == ["OK", "OK"]
+
+
 def test_a_refusal_without_an_id_gets_a_minted_one_in_its_header_and_line(server, log_buffer):  # noqa: F811
     got, headers, _ = _http(server, "POST", "/v1/completions", {"model": MODEL, "prompt": PROMPT}, key="wrong")
     assert got == 401 and headers["x-request-id"].startswith("cmpl-")
