@@ -79,22 +79,25 @@ def build_app(door: Door) -> FastAPI:
         """Every error response of the door: an OpenAI error object with the call's x-request-id; a
         generation call refused before the lifecycle took it (its body, its key, its model) is
         logged and counted here as the lifecycle counts its own refusals."""
+        headers: dict[str, str] = {}
         if isinstance(err, RequestValidationError):
             param, message = body_problem(list(err.errors()))
             err = HttpError(400, message, param=param, code="invalid_field")
-        elif isinstance(err, HTTPException):
-            what = f"{request.method} {request.url.path}"
-            err = (not_found(f"no route {what}") if err.status_code == 404 else
-                   HttpError(err.status_code, f"{what}: {err.detail}", code="method_not_allowed"
-                             if err.status_code == 405 else None, grpc_code=grpc.StatusCode.UNIMPLEMENTED))
+        elif isinstance(err, HTTPException):  # a route or a method this door does not have
+            headers = dict(err.headers or {})  # (405's Allow)
+            code = {404: "not_found", 405: "method_not_allowed"}.get(err.status_code)
+            err = HttpError(err.status_code, f"{request.method} {request.url.path}: {err.detail}", code=code,
+                            grpc_code=grpc.StatusCode.NOT_FOUND if err.status_code == 404 else
+                            grpc.StatusCode.UNIMPLEMENTED)
         assert isinstance(err, RequestError | ServiceError | HttpError)
-        e = http_error(err, getattr(request.state, "params", None) or Params(chat=request.url.path.endswith("chat/completions")))
+        chat = request.url.path.endswith("chat/completions")
+        e = http_error(err, getattr(request.state, "params", None) or Params(chat=chat))
         rid = _call_id(request)
         s = _summary(request)
         if s is not None and not s.ended:
             s.request_id = s.request_id or rid
             end_summary(door.metrics, s, e.grpc_code, e.message)
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers() | {"x-request-id": rid})
+        return JSONResponse(e.body(), status_code=e.status, headers=headers | e.headers() | {"x-request-id": rid})
 
     for error in (HttpError, RequestError, ServiceError, RequestValidationError, HTTPException):
         app.add_exception_handler(error, refused)
