@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 
-class PromptError(ValueError):
-    """The prompt cannot be served; `field` names the offending request field, `reason` says why
-    in one word (PROMPT_TOO_LONG: it leaves no room in the context or the KV pool)."""
+class RequestError(ValueError):
+    """A request that cannot be served as given, from any layer (sampling ranges, the prompt, a
+    structured output that does not compile, the service's own checks): `field` names the request
+    field at fault, `message` says what is wrong with it, `reason` says why in one word
+    (INVALID_FIELD; PROMPT_TOO_LONG: it leaves no room in the context or the KV pool). Each door
+    maps it once: gRPC to INVALID_ARGUMENT with a BadRequest field violation, HTTP to a 400
+    OpenAI error object whose `param` is the field."""
 
     def __init__(self, field_name: str, message: str, reason: str = "INVALID_FIELD"):
         super().__init__(f"{field_name}: {message}")

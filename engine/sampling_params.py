@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from pie.engine.errors import RequestError
+
 # Caps that keep one request from costing unbounded work per step.
 MAX_LOGPROBS = 20  # top-n logprobs per token
 MAX_STOP_STRINGS = 16
@@ -30,15 +32,6 @@ MAX_CHOICE_CHARS = 1024
 STRUCTURED_KINDS = ("json_schema", "regex", "choice", "grammar", "json_object")
 
 
-class SamplingParamsError(ValueError):
-    """A sampling parameter is out of range; `field` names it (protobuf field name)."""
-
-    def __init__(self, field_name: str, message: str):
-        super().__init__(f"{field_name}: {message}")
-        self.field = field_name
-        self.message = message
-
-
 @dataclass(frozen=True, slots=True)
 class StructuredOutputParams:
     """What a structured output must be (compiled by engine/sample/structured.py into an llguidance
@@ -55,25 +48,25 @@ class StructuredOutputParams:
 
     def validate(self) -> None:
         if self.kind not in STRUCTURED_KINDS:
-            raise SamplingParamsError("structured", f"kind must be one of {', '.join(STRUCTURED_KINDS)}, got "
+            raise RequestError("structured", f"kind must be one of {', '.join(STRUCTURED_KINDS)}, got "
                                                     f"{self.kind!r}")
         if self.kind in ("json_schema", "regex", "grammar"):
             if not self.text:
-                raise SamplingParamsError(self.field, "must not be empty")
+                raise RequestError(self.field, "must not be empty")
             if len(self.text) > MAX_STRUCTURED_CHARS:
-                raise SamplingParamsError(self.field, f"is longer than {MAX_STRUCTURED_CHARS} characters")
+                raise RequestError(self.field, f"is longer than {MAX_STRUCTURED_CHARS} characters")
         elif self.text:
-            raise SamplingParamsError(self.field, "takes no text")
+            raise RequestError(self.field, "takes no text")
         if self.kind == "choice":
             if not 1 <= len(self.choices) <= MAX_CHOICES:
-                raise SamplingParamsError(self.field, f"needs 1 to {MAX_CHOICES} choices, got {len(self.choices)}")
+                raise RequestError(self.field, f"needs 1 to {MAX_CHOICES} choices, got {len(self.choices)}")
             for c in self.choices:
                 if not c:
-                    raise SamplingParamsError(self.field, "choices must not be empty")
+                    raise RequestError(self.field, "choices must not be empty")
                 if len(c) > MAX_CHOICE_CHARS:
-                    raise SamplingParamsError(self.field, f"choices are at most {MAX_CHOICE_CHARS} characters")
+                    raise RequestError(self.field, f"choices are at most {MAX_CHOICE_CHARS} characters")
         elif self.choices:
-            raise SamplingParamsError(self.field, "takes no choices")
+            raise RequestError(self.field, "takes no choices")
 
 
 @dataclass(slots=True)
@@ -116,69 +109,69 @@ class SamplingParams:
     def validate(self, vocab_size: int | None = None) -> None:
         def finite(name: str, value: float) -> None:
             if not math.isfinite(value):
-                raise SamplingParamsError(name, f"must be a finite number, got {value}")
+                raise RequestError(name, f"must be a finite number, got {value}")
 
         if self.max_tokens < 1:
-            raise SamplingParamsError("max_tokens", f"must be >= 1, got {self.max_tokens}")
+            raise RequestError("max_tokens", f"must be >= 1, got {self.max_tokens}")
         for name in ("temperature", "top_p", "min_p", "repetition_penalty",
                      "presence_penalty", "frequency_penalty"):
             finite(name, getattr(self, name))
         if self.temperature < 0.0:
-            raise SamplingParamsError("temperature", f"must be >= 0, got {self.temperature}")
+            raise RequestError("temperature", f"must be >= 0, got {self.temperature}")
         if self.temperature != 0.0 and self.temperature < 1e-3:
-            raise SamplingParamsError("temperature", "must be 0 (greedy) or >= 0.001")
+            raise RequestError("temperature", "must be 0 (greedy) or >= 0.001")
         if self.temperature > 100.0:
-            raise SamplingParamsError("temperature", f"must be <= 100, got {self.temperature}")
+            raise RequestError("temperature", f"must be <= 100, got {self.temperature}")
         if self.top_k < 0:
-            raise SamplingParamsError("top_k", f"must be >= 0 (0 = off), got {self.top_k}")
+            raise RequestError("top_k", f"must be >= 0 (0 = off), got {self.top_k}")
         if vocab_size is not None and self.top_k > vocab_size:
-            raise SamplingParamsError("top_k", f"must be <= vocab size {vocab_size}")
+            raise RequestError("top_k", f"must be <= vocab size {vocab_size}")
         if not 0.0 < self.top_p <= 1.0:
-            raise SamplingParamsError("top_p", f"must be in (0, 1], got {self.top_p}")
+            raise RequestError("top_p", f"must be in (0, 1], got {self.top_p}")
         if not 0.0 <= self.min_p <= 1.0:
-            raise SamplingParamsError("min_p", f"must be in [0, 1], got {self.min_p}")
+            raise RequestError("min_p", f"must be in [0, 1], got {self.min_p}")
         if not 0.0 < self.repetition_penalty <= 10.0:
-            raise SamplingParamsError(
+            raise RequestError(
                 "repetition_penalty", f"must be in (0, 10], got {self.repetition_penalty}")
         if not -2.0 <= self.presence_penalty <= 2.0:
-            raise SamplingParamsError(
+            raise RequestError(
                 "presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise SamplingParamsError(
+            raise RequestError(
                 "frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise SamplingParamsError("seed", "must be in [0, 2^63)")
+            raise RequestError("seed", "must be in [0, 2^63)")
         if len(self.stop) > MAX_STOP_STRINGS:
-            raise SamplingParamsError("stop", f"at most {MAX_STOP_STRINGS} stop strings")
+            raise RequestError("stop", f"at most {MAX_STOP_STRINGS} stop strings")
         for s in self.stop:
             if not s:
-                raise SamplingParamsError("stop", "stop strings must not be empty")
+                raise RequestError("stop", "stop strings must not be empty")
             if len(s) > MAX_STOP_STRING_CHARS:
-                raise SamplingParamsError(
+                raise RequestError(
                     "stop", f"stop strings are at most {MAX_STOP_STRING_CHARS} characters")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise SamplingParamsError("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids")
+            raise RequestError("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids")
         for t in self.stop_token_ids:
             if t < 0 or (vocab_size is not None and t >= vocab_size):
-                raise SamplingParamsError("stop_token_ids", f"token id {t} is outside the vocabulary")
+                raise RequestError("stop_token_ids", f"token id {t} is outside the vocabulary")
         if not 1 <= self.n <= MAX_N:
-            raise SamplingParamsError("n", f"must be in [1, {MAX_N}], got {self.n}")
+            raise RequestError("n", f"must be in [1, {MAX_N}], got {self.n}")
         if not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise SamplingParamsError("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+            raise RequestError("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
-            raise SamplingParamsError("prompt_logprobs",
+            raise RequestError("prompt_logprobs",
                                       f"must be in [0, {MAX_LOGPROBS}] (or unset), got {self.prompt_logprobs}")
         if not 0 <= self.min_tokens <= self.max_tokens:
-            raise SamplingParamsError("min_tokens", f"must be in [0, max_tokens = {self.max_tokens}], "
+            raise RequestError("min_tokens", f"must be in [0, max_tokens = {self.max_tokens}], "
                                                     f"got {self.min_tokens}")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
-            raise SamplingParamsError("logit_bias", f"at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
+            raise RequestError("logit_bias", f"at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
         for t, bias in self.logit_bias.items():
             if t < 0 or (vocab_size is not None and t >= vocab_size):
-                raise SamplingParamsError("logit_bias", f"token id {t} is outside the vocabulary"
+                raise RequestError("logit_bias", f"token id {t} is outside the vocabulary"
                                           + (f" [0, {vocab_size})" if vocab_size is not None else ""))
             if not -MAX_ABS_LOGIT_BIAS <= bias <= MAX_ABS_LOGIT_BIAS:  # NaN fails this too
-                raise SamplingParamsError("logit_bias", f"the bias of token {t} must be in "
+                raise RequestError("logit_bias", f"the bias of token {t} must be in "
                                           f"[-{MAX_ABS_LOGIT_BIAS:g}, {MAX_ABS_LOGIT_BIAS:g}], got {bias}")
         if self.structured is not None:
             self.structured.validate()

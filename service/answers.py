@@ -22,18 +22,13 @@ _FINISH = {
     RequestStatus.FINISHED_LENGTH: pb.FINISH_REASON_LENGTH,
     RequestStatus.FINISHED_ABORTED: pb.FINISH_REASON_ABORT,
 }
-_FINISH_LABEL = {  # the summary line's and vllm:request_success's finished_reason
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH: "length",
-    RequestStatus.FINISHED_ABORTED: "abort",
-}
 
 
 async def stream_messages(handoff: Handoff, s: RequestSummary, workers: Workers) -> list[pb.GenerateStreamResponse]:
     """GenerateStream's messages for one hand-off: one per choice present in it (one when n == 1)
     with its new text, tokens and logprobs; the prompt's logprobs on the message with choice 0's
     first token; a choice's finish and stop reasons on its last message, the usage on the request's
-    last. Choice 0's finish is the summary line's finish reason."""
+    last."""
     a = handoff.admitted
     tokenizer = a.client.tokenizer
     messages = []
@@ -52,8 +47,6 @@ async def stream_messages(handoff: Handoff, s: RequestSummary, workers: Workers)
         if last.finished:
             msg.finish_reason = _FINISH.get(last.status, pb.FINISH_REASON_UNSPECIFIED)
             msg.stop_reason = "" if last.stop_reason is None else str(last.stop_reason)
-            if index == 0:
-                s.finish_reason = _FINISH_LABEL.get(last.status)
         if handoff.last and j == len(groups) - 1:
             n_generated = s.generated_tokens
             msg.usage.CopyFrom(pb.Usage(prompt_tokens=len(a.prompt), completion_tokens=n_generated,
@@ -63,11 +56,10 @@ async def stream_messages(handoff: Handoff, s: RequestSummary, workers: Workers)
     return messages
 
 
-async def unary_response(last: Handoff, outputs: list[RequestOutput], s: RequestSummary,
-                         workers: Workers) -> pb.GenerateResponse:
+async def unary_response(last: Handoff, outputs: list[RequestOutput], workers: Workers) -> pb.GenerateResponse:
     """Generate's answer from every output of the request (`last` is the hand-off that finished
     it): choice 0 at the top level, every choice in `choices` when n > 1, the usage, the prompt's
-    logprobs. Choice 0's finish is the summary line's finish reason."""
+    logprobs."""
     a = last.admitted
     sampling = a.sampling
     groups = sorted(_by_index(outputs).items())
@@ -81,7 +73,6 @@ async def unary_response(last: Handoff, outputs: list[RequestOutput], s: Request
     entries = next((o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None), None)
     prompt_logprobs = [] if entries is None else await _prompt_logprob_messages(
         workers, a.prompt, entries, sampling, a.client.tokenizer)
-    s.finish_reason = _FINISH_LABEL.get(groups[0][1][-1].status)
     return pb.GenerateResponse(
         request_id=a.request_id, text=first.text, token_ids=first.token_ids, finish_reason=first.finish_reason,
         stop_reason=first.stop_reason, logprobs=first.logprobs,

@@ -9,9 +9,14 @@ to this module.
 
 from __future__ import annotations
 
+import uuid
+
 import grpc
 from google.protobuf import any_pb2, duration_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
+
+from pie.engine.errors import RequestError
+from pie.service.validation import valid_request_id
 
 DOMAIN = "pie.v1"
 # ErrorInfo.reason -> (status code, when). docs/api.md's error table is checked against this.
@@ -71,16 +76,27 @@ def _pack(status: status_pb2.Status, detail) -> None:
     status.details.append(wrapped)
 
 
-def send_error(context, err: ServiceError, request_id: str | None) -> None:
+def status_of(err: ServiceError | RequestError) -> ServiceError:
+    """The gRPC door's one mapping of a refusal: a RequestError is INVALID_ARGUMENT with a
+    BadRequest field violation naming its field (its reason: INVALID_FIELD or PROMPT_TOO_LONG)."""
+    if isinstance(err, ServiceError):
+        return err
+    return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(err), reason=err.reason, field=err.field,
+                        description=err.message)
+
+
+def send_error(context, err: ServiceError | RequestError, request_id: str | None) -> None:
     """Ends the RPC with `err` once its method returns: status, message and trailing details set on
-    the context. Not `context.abort()`: that raises an exception grpc.aio keeps with the call, and
+    the context, with a request id whatever the RPC (`request_id`, else the caller's x-request-id
+    metadata, else one minted for the error, which the caller can quote). Not `context.abort()`: that raises an exception grpc.aio keeps with the call, and
     with it, through its traceback, every frame's locals (the request message, the prompt, what
     tokenizing it built): measured, 16 refused 1M-character prompts kept ~700 MB alive."""
+    err = status_of(err)
     context.set_code(err.code)
     context.set_details(err.message)
-    context.set_trailing_metadata(err.trailing_metadata(request_id))
+    context.set_trailing_metadata(err.trailing_metadata(request_id or _caller_id(context)))
 
 
-def invalid_argument(field: str, description: str, reason: str = "INVALID_FIELD") -> ServiceError:
-    return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {description}", reason=reason, field=field,
-                        description=description)
+def _caller_id(context) -> str:
+    given = next((v for k, v in context.invocation_metadata() or () if k == "x-request-id"), "")
+    return given if isinstance(given, str) and given and valid_request_id(given) else uuid.uuid4().hex

@@ -1,7 +1,7 @@
 """A request's prompt made ready for the engine: a chat rendered with the model's template, a text
 tokenized (refused from its length alone when that proves it too long), a structured output's
 constraint compiled to refuse one that does not compile. Long work goes to the worker threads
-(service/workers.py); every refusal is a ServiceError or FieldError naming the field."""
+(service/workers.py); every refusal is a ServiceError, or a RequestError naming the field."""
 
 from __future__ import annotations
 
@@ -10,12 +10,13 @@ import functools
 import grpc
 
 from pie.engine.client.engine_client import EngineClient
-from pie.engine.sampling_params import SamplingParamsError, StructuredOutputParams
+from pie.engine.errors import RequestError
+from pie.engine.sampling_params import StructuredOutputParams
 from pie.engine.validation import prompt_too_long
 from pie.model.chat_template import ChatTemplateError, ChatTemplates, NoChatTemplate
 from pie.model.tokenizer import TooManyTokens
-from pie.service.errors import ServiceError, invalid_argument
-from pie.service.validation import ChatPrompt, FieldError, qualify
+from pie.service.errors import ServiceError
+from pie.service.validation import ChatPrompt
 from pie.service.workers import Workers
 
 # Texts up to this many characters are tokenized on the event loop (~1 ms at most); longer ones on
@@ -47,12 +48,12 @@ async def render(workers: Workers, templates: ChatTemplates | None, problem: str
     try:
         return render() if chat.chars <= INLINE_RENDER_CHARS else await workers.run(render)
     except ChatTemplateError as e:
-        raise invalid_argument(f"{field}.messages", f"the model's chat template refused the conversation: {e}") \
+        raise RequestError(f"{field}.messages", f"the model's chat template refused the conversation: {e}") \
             from None
     except NoChatTemplate as e:
         raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, f"{field}: {e}", reason="NO_CHAT_TEMPLATE") from None
     except ValueError as e:  # a conversation no template can render (continue_final_message without text)
-        raise invalid_argument(field, str(e)) from None
+        raise RequestError(field, str(e)) from None
 
 
 async def prompt_ids(workers: Workers, client: EngineClient, text: str, field: str, *,
@@ -62,20 +63,18 @@ async def prompt_ids(workers: Workers, client: EngineClient, text: str, field: s
     try:  # a prompt must leave room for one token: longer ones are refused uncounted
         ids = await encode(workers, client, text, add_special_tokens, max_tokens=max_len - 1)
     except TooManyTokens as e:
-        raise invalid_argument(field, prompt_too_long(e.count, max_len, at_least=e.at_least).message,
-                               "PROMPT_TOO_LONG") from None
+        too_long = prompt_too_long(e.count, max_len, at_least=e.at_least)
+        raise RequestError(field, too_long.message, too_long.reason) from None
     if not ids:
-        raise FieldError(field, "tokenizes to no tokens")
+        raise RequestError(field, "tokenizes to no tokens")
     return ids
 
 
 async def check_structured(workers: Workers, client: EngineClient, params: StructuredOutputParams) -> None:
     """Refuses a constraint that does not compile, with the compiler's message (compiled off the
-    event loop the first time, answered from the cache after)."""
-    try:
-        if client.structured_known(params):
-            client.check_structured(params)
-        else:
-            await workers.run(client.check_structured, params)
-    except SamplingParamsError as e:
-        raise invalid_argument(qualify(e.field), e.message) from None
+    event loop the first time, answered from the cache after): a RequestError naming the engine's
+    field (`structured.regex`)."""
+    if client.structured_known(params):
+        client.check_structured(params)
+    else:
+        await workers.run(client.check_structured, params)

@@ -23,6 +23,7 @@ from pie.engine.config import EngineConfig
 from pie.engine.core.engine_core import EngineCore
 from pie.engine.errors import StartupError, StepTimeoutError
 from pie.model.chat_template import ChatTemplates, NoChatTemplate
+from pie.service.admission import Admission
 from pie.service.auth import BearerTokenInterceptor
 from pie.service.interceptors import UndecodableRequestInterceptor
 from pie.service.metrics import ServiceMetrics
@@ -134,16 +135,17 @@ class PieServer:
         self.metrics = ServiceMetrics(name, self._engine_stats, num_speculative_tokens=(
             engine_config.num_speculative_tokens if engine_config.speculative else None))
         self.metrics_port: int | None = None  # bound once start() served /metrics
-        self.servicer = GenerateServicer(model_name=name, limits=server_config.limits, metrics=self.metrics,
-                                         stream_interval=server_config.stream_interval,
-                                         auth=bool(server_config.auth_tokens))
+        # The one admission both doors hold (service/admission.py): the engine client, chat
+        # templates, limits, in-flight requests and the draining flags live there.
+        self.admission = Admission(model_name=name, limits=server_config.limits, metrics=self.metrics,
+                                   auth=bool(server_config.auth_tokens))
+        self.servicer = GenerateServicer(self.admission, stream_interval=server_config.stream_interval)
         self.http: HttpServer | None = None  # the OpenAI-compatible door, with --http-port only
         if server_config.http_port is not None:  # (FastAPI and uvicorn load only then)
             from pie.service.http.app import Door
             from pie.service.http.serve import HttpServer
 
-            self.http = HttpServer(Door(self.servicer, self.metrics, name, server_config.auth_tokens,
-                                        server_config.tool_call_parser))
+            self.http = HttpServer(Door(self.admission, server_config.auth_tokens, server_config.tool_call_parser))
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.port: int | None = None
@@ -234,25 +236,25 @@ class PieServer:
         self.engine_client = client
         # A daemon thread, not the loop's executor: a stop during a long load must not wait for it.
         await _in_daemon_thread(client.launch, name="engine-launch")
-        if self.servicer.draining:
+        if self.admission.draining:
             raise LaunchCancelled("the server stopped while the engine was starting")
         client.start(loop)
         self._load_chat_templates()
-        self.servicer.engine_client = client
+        self.admission.engine_client = client
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
-        log.info("server_ready", model=self.servicer.model_name)
+        log.info("server_ready", model=self.admission.model_name)
 
     def _load_chat_templates(self) -> None:
         """The model's chat templates (or --chat-template's) for chat requests; without a usable
         one, chat requests are refused with the reason (NO_CHAT_TEMPLATE)."""
         try:
-            self.servicer.chat_templates = ChatTemplates.load(self.engine_config.model, self.config.chat_template)
+            self.admission.chat_templates = ChatTemplates.load(self.engine_config.model, self.config.chat_template)
         except (NoChatTemplate, OSError, ValueError) as e:
-            self.servicer.chat_templates = None
-            self.servicer.chat_template_problem = str(e)
+            self.admission.chat_templates = None
+            self.admission.chat_template_problem = str(e)
             return
-        log.info("chat_template_loaded", origin=self.servicer.chat_templates.origin,
-                 templates=sorted(self.servicer.chat_templates.templates))
+        log.info("chat_template_loaded", origin=self.admission.chat_templates.origin,
+                 templates=sorted(self.admission.chat_templates.templates))
 
     def _engine_dead(self, err: BaseException) -> None:
         """On the loop, as the engine is declared dead (its RPCs fail next): readiness off, then exit."""
@@ -265,7 +267,7 @@ class PieServer:
         grace = self.config.grace_s if grace_s is None else grace_s
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace
-        self.servicer.draining = True
+        self.admission.draining = True
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
         in_flight = self.engine_client.num_in_flight if self.engine_client is not None else 0
         log.info("server_draining", grace_s=grace, in_flight=in_flight)
@@ -276,13 +278,13 @@ class PieServer:
             except TimeoutError:
                 log.warning("drain_timeout", still_in_flight=self.engine_client.num_in_flight)
         if self.server is not None:
-            self.servicer.shutting_down = True  # what gRPC cancels from here on, the shutdown cut
+            self.admission.shutting_down = True  # what gRPC cancels from here on, the shutdown cut
             await self.server.stop(max(0.0, deadline - loop.time()))
         if self.http is not None:
             await self.http.stop()
         if self.engine_client is not None:
             await asyncio.to_thread(self.engine_client.stop)
-        self.servicer.close()
+        self.admission.close()
         self.metrics.stop_http()
         log.info("server_stopped")
 

@@ -1,41 +1,32 @@
 """GenerateService: thin async methods; protobuf conversion happens here and nowhere else.
 
-Generate and GenerateStream share one lifecycle (service/generation.py): the stream yields a
-message per hand-off of outputs (service/answers.py), the unary call collects the same hand-offs
-into one answer."""
+Generate and GenerateStream run the one lifecycle every door shares (service/generation.py, with
+the admission of service/admission.py): the stream yields a message per hand-off of outputs
+(service/answers.py), the unary call collects the same hand-offs into one answer. Every refusal
+leaves through `refusals`, the door's one mapping to a status."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import uuid
+from collections.abc import Coroutine
+from types import TracebackType
+from typing import Any, TypeVar
 
 import grpc
 import structlog
 
-from pie.engine.client.engine_client import EngineClient
-from pie.engine.errors import EngineDeadError, PromptError, QueueFullError
+from pie.engine.errors import RequestError
 from pie.engine.messages import EngineStats, RequestOutput
-from pie.engine.sampling_params import SamplingParamsError
-from pie.model.chat_template import ChatTemplates
-from pie.service.aborts import InFlight, caller_of
+from pie.service.aborts import caller_of
+from pie.service.admission import Admission
 from pie.service.answers import stream_messages, unary_response
-from pie.service.errors import ServiceError, invalid_argument, send_error
-from pie.service.generation import Admitted, generation
+from pie.service.errors import ServiceError, send_error
+from pie.service.generation import generation
 from pie.service.logging import RequestSummary
-from pie.service.metrics import ServiceMetrics
-from pie.service.prompts import check_structured, encode, prompt_ids, render
-from pie.service.validation import (
-    ChatPrompt,
-    FieldError,
-    Limits,
-    abort_ids_from_proto,
-    chat_from_proto,
-    detokenize_ids_from_proto,
-    prompt_from_proto,
-    qualify,
-    sampling_from_proto,
-)
-from pie.service.workers import Workers
+from pie.service.prompts import encode
+from pie.service.validation import abort_ids_from_proto, chat_from_proto, detokenize_ids_from_proto
 from pie.v1 import generate_pb2 as pb
 from pie.v1 import generate_pb2_grpc
 
@@ -43,95 +34,77 @@ log = structlog.get_logger(__name__)
 
 # Detokenize answers up to this many ids on the event loop; longer ones on a worker thread.
 INLINE_DETOKENIZE_IDS = 4096
+# A caller whose RPC ends within this many seconds of its deadline is counted as DEADLINE_EXCEEDED
+# (the client's own timer fires a little before the server's).
+DEADLINE_SLACK_S = 0.05
+
+T = TypeVar("T")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerateService"].full_name
 
 
+class RpcChannel:
+    """A gRPC call as the lifecycle's Channel (service/generation.py)."""
+
+    def __init__(self, context: grpc.aio.ServicerContext, auth: bool) -> None:
+        self.context = context
+        self.caller = caller_of(context, auth)
+        self.headers = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
+
+    def mint_id(self) -> str:
+        return uuid.uuid4().hex
+
+    async def announce(self, request_id: str) -> None:
+        await self.context.send_initial_metadata((("x-request-id", request_id),))
+
+    def gone(self) -> tuple[grpc.StatusCode, str]:
+        remaining = self.context.time_remaining()
+        if remaining is not None and remaining <= DEADLINE_SLACK_S:
+            return grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed"
+        return grpc.StatusCode.CANCELLED, "cancelled by the caller"
+
+
+class refusals:  # noqa: N801  (used as a `with` statement's function)
+    """The gRPC door's one exit for a refusal: a RequestError or ServiceError raised inside the
+    `with` becomes the call's status (`send_error`, with the request id `s` has by then), and the
+    method goes on after the block (it returns None: the status is the answer)."""
+
+    def __init__(self, context: grpc.aio.ServicerContext, s: RequestSummary | None = None) -> None:
+        self.context, self.summary = context, s
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, err: BaseException | None, tb: TracebackType | None) -> bool:
+        if not isinstance(err, RequestError | ServiceError):
+            return False
+        send_error(self.context, err, None if self.summary is None else self.summary.request_id)
+        return True
+
+
+async def _answered(context: grpc.aio.ServicerContext, work: Coroutine[Any, Any, T]) -> T:
+    """`work`'s answer; for a refusal, None with the call's status set (which is then the answer)."""
+    with refusals(context):
+        return await work
+    return None  # type: ignore[return-value]
+
+
 class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
-    def __init__(self, *, model_name: str, limits: Limits | None = None, metrics: ServiceMetrics | None = None,
-                 stream_interval: int = 1, auth: bool = False) -> None:
+    """The gRPC door: protobuf in and out, over the admission and lifecycle the HTTP door shares."""
+
+    def __init__(self, admission: Admission, *, stream_interval: int = 1) -> None:
         if stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
-        self.model_name = model_name
+        self.admission = admission
+        self.model_name = admission.model_name
         # After its first token, a stream message waits for this many new tokens per sample (or
         # the end): fewer, larger messages when the event loop is the bottleneck (hundreds of streams).
         self.stream_interval = stream_interval
-        self.limits = limits or Limits()
-        self.metrics = metrics or ServiceMetrics(model_name)
-        self.engine_client: EngineClient | None = None  # set once the model is loaded
-        # Callers are told apart by bearer token when the server requires one, else by connection
-        # (service/aborts.py): whose requests an Abort call may end.
-        self.auth = auth
-        self.in_flight = InFlight()
-        # The model's chat templates (set with the engine client), or why chats cannot be served.
-        self.chat_templates: ChatTemplates | None = None
-        self.chat_template_problem = "the model is still loading"
-        self.draining = False
-        # Set by the server's stop when it lets gRPC cut what still runs (its grace is over): an
-        # RPC cancelled from then on was ended by the shutdown, not by its caller.
-        self.shutting_down = False
-        # Long tokenizations and large answers run on these threads.
-        self.workers = Workers()
-
-    def close(self) -> None:
-        """Lets the worker threads go (after the server stopped)."""
-        self.workers.close()
-
-    def _ready_client(self) -> EngineClient:
-        # A dead engine first: the server is then shutting down because of it, and the caller
-        # gets the cause the log records, not "shutting down".
-        if self.engine_client is not None and self.engine_client.dead is not None:
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"the engine has stopped: {self.engine_client.dead}",
-                               reason="ENGINE_STOPPED")
-        if self.draining:
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down", reason="DRAINING")
-        if self.engine_client is None:
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE, "the model is still loading", reason="MODEL_LOADING",
-                               retry_after_s=5.0)
-        return self.engine_client
-
-    async def _render(self, chat: ChatPrompt, field: str = "chat") -> str:
-        return await render(self.workers, self.chat_templates, self.chat_template_problem, chat, field)
-
-    async def admit(self, request: pb.GenerateRequest | pb.GenerateStreamRequest, request_id: str, *,
-                    streamed: bool, to_context: bool = False) -> Admitted:
-        """A generation request validated, its prompt made token ids, and submitted to the engine
-        (the lifecycle's first step, service/generation.py); raises ServiceError or FieldError.
-        `streamed`: its tokens are read as they come (the engine bounds the stalls of such decodes
-        only). `to_context`: the request may generate until the context is full (OpenAI's chat without
-        max_tokens), not the contract's default of 16 tokens."""
-        client = self._ready_client()
-        prompt = prompt_from_proto(request, self.limits)
-        sampling = sampling_from_proto(request.sampling, max_model_len=client.info.max_model_len)
-        if isinstance(prompt, ChatPrompt):
-            # The template writes the special tokens (BOS included): none are added when tokenizing.
-            prompt = await prompt_ids(self.workers, client, await self._render(prompt), "chat",
-                                      add_special_tokens=False)
-        elif isinstance(prompt, str):
-            prompt = await prompt_ids(self.workers, client, prompt, "prompt", add_special_tokens=True)
-        if to_context:
-            sampling.max_tokens = max(1, client.info.max_model_len - len(prompt))
-        if sampling.structured is not None:
-            await check_structured(self.workers, client, sampling.structured)
-        client = self._ready_client()  # it may have stopped while the prompt was prepared
-        try:
-            stream = client.submit(prompt, sampling, caller_id=request_id, priority=request.priority,
-                                   streamed=streamed)
-        except PromptError as e:
-            raise invalid_argument(qualify(e.field), e.message, e.reason) from e
-        except SamplingParamsError as e:
-            raise invalid_argument(qualify(e.field), e.message) from e
-        except QueueFullError as e:
-            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"server is at capacity: {e}",
-                               reason="QUEUE_FULL", retry_after_s=1.0) from e
-        except EngineDeadError as e:
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE, str(e), reason="ENGINE_STOPPED") from e
-        return Admitted(request_id, client, prompt, sampling, stream)
+        self.workers = admission.workers
 
     # ---- RPCs ----------------------------------------------------------------------------
-    # The RPCs end with an error by raising ServiceError (or FieldError); their wrappers turn it
-    # into the call's status (`send_error`), never `context.abort`. Generate and GenerateStream
-    # leave that to their lifecycle (service/generation.py).
+    # The RPCs end with an error by raising RequestError or ServiceError inside `refusals`, which
+    # turns it into the call's status (`send_error`), never `context.abort`.
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
         s = RequestSummary("Generate", context.peer())
         outputs: list[RequestOutput] = []
@@ -139,48 +112,46 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         # The response headers (x-request-id) go out with the answer, not at admission: until then a
         # call cut by its replica's end (UNAVAILABLE, or a reset connection) has had no answer begun,
         # which lets a client's retry policy or a balancer send it to another replica.
-        async with contextlib.aclosing(generation(self, request, context, s, streamed=False)) as handoffs:
-            async for handoff in handoffs:
-                outputs += handoff.outputs
-                if handoff.last:  # assembled before the lifecycle ends: the summary's time includes it
-                    response = await unary_response(handoff, outputs, s, self.workers)
-                    await context.send_initial_metadata((("x-request-id", handoff.admitted.request_id),))
+        with refusals(context, s):
+            async with generation(self.admission, request, s, RpcChannel(context, self.admission.auth),
+                                  streamed=False) as g, contextlib.aclosing(g.handoffs()) as handoffs:
+                async for handoff in handoffs:
+                    outputs += handoff.outputs
+                    if handoff.last:  # assembled before the lifecycle ends: the summary's time includes it
+                        response = await unary_response(handoff, outputs, self.workers)
+                        await context.send_initial_metadata((("x-request-id", handoff.admitted.request_id),))
         return response  # type: ignore[return-value]  # None when refused: the status set is the answer
 
     async def GenerateStream(self, request: pb.GenerateStreamRequest, context: grpc.aio.ServicerContext):
         s = RequestSummary("GenerateStream", context.peer())
         # Closed on the way out, not whenever it is collected: a cancelled call's request is
         # aborted (its KV blocks freed) and its summary written at once.
-        async with contextlib.aclosing(generation(self, request, context, s, interval=self.stream_interval)) \
-                as handoffs:
-            async for handoff in handoffs:
-                for message in await stream_messages(handoff, s, self.workers):
-                    yield message
+        with refusals(context, s):
+            async with generation(self.admission, request, s, RpcChannel(context, self.admission.auth),
+                                  streamed=True) as g, \
+                    contextlib.aclosing(g.handoffs(self.stream_interval)) as handoffs:
+                async for handoff in handoffs:
+                    for message in await stream_messages(handoff, s, self.workers):
+                        yield message
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
-        try:
-            return await self._tokenize(request)
-        except ServiceError as e:
-            send_error(context, e, None)
-            return None  # type: ignore[return-value]
+        return await _answered(context, self._tokenize(request))
 
     async def _tokenize(self, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
-        client = self._ready_client()
+        client = self.admission.ready_client()
         rendered = ""
         if request.HasField("chat"):
             if request.text:
-                raise invalid_argument("text", "set text or chat, not both")
+                raise RequestError("text", "set text or chat, not both")
             if request.HasField("add_special_tokens"):
-                raise invalid_argument("add_special_tokens", "is not used with chat (the template writes them)")
-            try:
-                chat = chat_from_proto(request.chat, self.limits)
-            except FieldError as e:
-                raise invalid_argument(e.field, e.description) from None
-            rendered = await self._render(chat)
+                raise RequestError("add_special_tokens", "is not used with chat (the template writes them)")
+            chat = chat_from_proto(request.chat, self.admission.limits)
+            rendered = await self.admission.render(chat)
             ids = await encode(self.workers, client, rendered, False)
         else:
-            if len(request.text) > self.limits.max_prompt_chars:
-                raise invalid_argument("text", f"is longer than {self.limits.max_prompt_chars} characters")
+            limit = self.admission.limits.max_prompt_chars
+            if len(request.text) > limit:
+                raise RequestError("text", f"is longer than {limit} characters")
             add = request.add_special_tokens if request.HasField("add_special_tokens") else True
             ids = await encode(self.workers, client, request.text, add)
         tok = client.tokenizer  # each token's text on its own, as logprobs give it (not its vocabulary spelling)
@@ -188,11 +159,10 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                                    rendered_text=rendered)
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.GetModelInfoResponse:
-        try:
-            client = self._ready_client()
-        except ServiceError as e:
-            send_error(context, e, None)
-            return None  # type: ignore[return-value]
+        return await _answered(context, self._model_info())
+
+    async def _model_info(self) -> pb.GetModelInfoResponse:
+        client = self.admission.ready_client()
         info = client.info
         mc, cfg = info.model_config, info.config
         stats = client.stats()
@@ -216,29 +186,20 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         """Ends the caller's in-flight requests under the ids it names (service/aborts.py). Needs no
         loaded engine: before there is one, nothing is in flight."""
-        try:
+        with refusals(context):
             ids = abort_ids_from_proto(request)
-        except FieldError as e:
-            send_error(context, invalid_argument(e.field, e.description), None)
-            return None  # type: ignore[return-value]
-        found = self.in_flight.abort(caller_of(context, self.auth), ids)
-        if found:
-            log.info("requests_aborted", request_ids=found, peer=context.peer())
-        return pb.AbortResponse(aborted_request_ids=found)
+            found = self.admission.in_flight.abort(caller_of(context, self.admission.auth), ids)
+            if found:
+                log.info("requests_aborted", request_ids=found, peer=context.peer())
+            return pb.AbortResponse(aborted_request_ids=found)
+        return None  # type: ignore[return-value]  # refused: the status set is the answer
 
     async def Detokenize(self, request: pb.DetokenizeRequest, context) -> pb.DetokenizeResponse:
-        try:
-            return await self._detokenize(request)
-        except ServiceError as e:
-            send_error(context, e, None)
-            return None  # type: ignore[return-value]
-        except FieldError as e:
-            send_error(context, invalid_argument(e.field, e.description), None)
-            return None  # type: ignore[return-value]
+        return await _answered(context, self._detokenize(request))
 
     async def _detokenize(self, request: pb.DetokenizeRequest) -> pb.DetokenizeResponse:
-        client = self._ready_client()
-        ids = detokenize_ids_from_proto(request, self.limits, vocab_size=client.info.vocab_size)
+        client = self.admission.ready_client()
+        ids = detokenize_ids_from_proto(request, self.admission.limits, vocab_size=client.info.vocab_size)
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
         decode = functools.partial(client.tokenizer.decode, ids, skip)
         text = decode() if len(ids) <= INLINE_DETOKENIZE_IDS else await self.workers.run(decode)

@@ -42,8 +42,8 @@ from pie.engine.messages import (
     RequestStatus,
     StepResult,
 )
-from pie.engine.sample.structured import GrammarCompiler, StructuredOutputError
-from pie.engine.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputParams
+from pie.engine.sample.structured import GrammarCompiler
+from pie.engine.sampling_params import SamplingParams, StructuredOutputParams
 from pie.engine.scheduling.adapters import AdapterNotFoundError
 from pie.engine.validation import check_request
 
@@ -197,7 +197,7 @@ class EngineClientBase:
                                        requests_waiting_by_priority=by_priority)
 
     def check_request(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
-        """Raises PromptError / SamplingParamsError for a request this engine could never serve."""
+        """Raises RequestError for a request this engine could never serve."""
         info = self.info
         check_request(prompt_token_ids, sampling, config=info.config, vocab_size=info.vocab_size,
                       max_model_len=info.max_model_len, num_kv_blocks=info.num_kv_blocks)
@@ -212,12 +212,9 @@ class EngineClientBase:
         return self._grammar_compiler().cached(params) is not None
 
     def check_structured(self, params: StructuredOutputParams) -> None:
-        """Raises SamplingParamsError (`structured.json_schema`, ..., with the compiler's message)
+        """Raises RequestError (`structured.json_schema`, ..., with the compiler's message)
         when `params` does not compile. Compiles unless cached: blocking, so off the event loop."""
-        try:
-            self._grammar_compiler().check(params)
-        except StructuredOutputError as e:
-            raise SamplingParamsError(e.field, e.message) from None
+        self._grammar_compiler().check(params)
 
     def _grammar_compiler(self) -> GrammarCompiler:
         if self._grammars is None:
@@ -233,10 +230,9 @@ class EngineClientBase:
                priority: int = 0, streamed: bool = False, adapter: str | None = None) -> RequestStream:
         """Queues a request under an id of the engine's own, at `priority` (lower first); `streamed`
         when its caller reads tokens as they come (EngineCore.add_request); on the LoRA `adapter`
-        of that name (None: the base model). Raises PromptError / SamplingParamsError for a request
-        that can never be served, AdapterNotFoundError for an adapter the engine has not loaded,
-        QueueFullError when the waiting queue is full, EngineDeadError when the engine is not
-        running."""
+        of that name (None: the base model). Raises RequestError for a request that can never be
+        served, AdapterNotFoundError for an adapter the engine has not loaded, QueueFullError when
+        the waiting queue is full, EngineDeadError when the engine is not running."""
         if self.dead is not None or self._stopping or self._loop is None:
             raise EngineDeadError("the engine is not running")
         self.check_request(prompt_token_ids, sampling)

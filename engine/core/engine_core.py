@@ -28,8 +28,8 @@ from pie.engine.runner.model_runner import ModelRunner
 from pie.engine.runner.pending import PendingStep
 from pie.engine.runner.tensor_parallel import Leader, check_devices
 from pie.engine.runner.warm_up import warm_up
-from pie.engine.sample.structured import GrammarCompiler, StructuredOutputError, StructuredOutputs, TokenMasks
-from pie.engine.sampling_params import SamplingParams, SamplingParamsError
+from pie.engine.sample.structured import GrammarCompiler, StructuredOutputs, TokenMasks
+from pie.engine.sampling_params import SamplingParams
 from pie.engine.scheduling.block_manager import BlockManager
 from pie.engine.scheduling.detokenizer import IncrementalDetokenizer
 from pie.engine.scheduling.request import Request, SampleGroup
@@ -164,15 +164,12 @@ class EngineCore:
 
     # ---- requests in and out -------------------------------------------------------------
     def check_request(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
-        """Raises PromptError / SamplingParamsError for a request that could never be served, a
-        structured output that does not compile included (compiled here, on the caller's thread)."""
+        """Raises RequestError for a request that could never be served, a structured output that
+        does not compile included (compiled here, on the caller's thread)."""
         check_request(prompt_token_ids, sampling, config=self.config, vocab_size=self.vocab_size,
                       max_model_len=self.max_model_len, num_kv_blocks=self.block_manager.num_total_blocks)
         if sampling.structured is not None:
-            try:
-                self.structured.compiler.check(sampling.structured)
-            except StructuredOutputError as e:
-                raise SamplingParamsError(e.field, e.message) from None
+            self.structured.compiler.check(sampling.structured)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, *,
                     priority: int = 0, streamed: bool = False, adapter: str | None = None) -> SampleGroup:

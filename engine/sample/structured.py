@@ -43,6 +43,7 @@ import llguidance
 import torch
 
 from pie.engine.config import usable_cores
+from pie.engine.errors import RequestError
 from pie.engine.sampling_params import StructuredOutputParams
 
 if TYPE_CHECKING:
@@ -58,27 +59,18 @@ _ANY_OBJECT = '{"type": "object"}'
 JSON_LAYOUT: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
-class StructuredOutputError(ValueError):
-    """A constraint that does not compile; `field` names it (`structured.json_schema`, ...)."""
-
-    def __init__(self, field_name: str, message: str) -> None:
-        super().__init__(f"{field_name}: {message}")
-        self.field = field_name
-        self.message = message
-
-
 def grammar_of(params: StructuredOutputParams) -> str:
-    """The llguidance grammar (its JSON form) of a constraint; StructuredOutputError for a JSON
+    """The llguidance grammar (its JSON form) of a constraint; RequestError for a JSON
     schema that is not JSON (the compiler reports everything else)."""
     if params.kind == "json_schema":
         try:
             schema = json.loads(params.text)
         except ValueError as e:
-            raise StructuredOutputError(params.field, f"is not JSON: {e}") from None
+            raise RequestError(params.field, f"is not JSON: {e}") from None
         if not isinstance(schema, (dict, bool)):
-            raise StructuredOutputError(params.field, f"must be a JSON object (a schema), got {type(schema).__name__}")
+            raise RequestError(params.field, f"must be a JSON object (a schema), got {type(schema).__name__}")
         if schema is False:
-            raise StructuredOutputError(params.field, "the schema false admits no value")
+            raise RequestError(params.field, "the schema false admits no value")
         # The schema true is {} (any JSON value): the compiler takes its layout options from an object.
         return llguidance.LLMatcher.grammar_from_json_schema("{}" if schema is True else params.text,
                                                              defaults=JSON_LAYOUT)
@@ -94,7 +86,7 @@ def grammar_of(params: StructuredOutputParams) -> str:
         # Lark string literals take JSON's escapes: each choice matched exactly, whatever it holds.
         return llguidance.LLMatcher.grammar_from_lark(
             "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in params.choices))
-    raise StructuredOutputError("structured", f"unknown kind {params.kind!r}")
+    raise RequestError("structured", f"unknown kind {params.kind!r}")
 
 
 class Compiled:
@@ -160,13 +152,13 @@ class GrammarCompiler:
             grammar = grammar_of(params)
             # Never raises for a bad grammar: the matcher is then in an error state, saying why.
             matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
-        except StructuredOutputError as e:
+        except RequestError as e:
             future.set_exception(e)
         except Exception as e:  # the grammar builders' ValueError for malformed input, or worse
-            future.set_exception(StructuredOutputError(params.field, f"{type(e).__name__}: {e}"))
+            future.set_exception(RequestError(params.field, f"{type(e).__name__}: {e}"))
         else:
             if matcher.is_error():
-                future.set_exception(StructuredOutputError(params.field, matcher.get_error().strip()))
+                future.set_exception(RequestError(params.field, matcher.get_error().strip()))
             else:
                 compiled = Compiled(matcher)
                 if self.replicas > 1:  # queued first: work submitted once the result is out runs after it
@@ -185,11 +177,11 @@ class GrammarCompiler:
 
     def compile(self, params: StructuredOutputParams) -> llguidance.LLMatcher:
         """The compiled matcher of `params` (shared: deep-copy it before use), compiling it on this
-        thread unless cached; raises StructuredOutputError."""
+        thread unless cached; raises RequestError."""
         return self._entry(params, compile_now=True).result().matchers[0]
 
     def check(self, params: StructuredOutputParams) -> None:
-        """Raises StructuredOutputError when `params` does not compile."""
+        """Raises RequestError when `params` does not compile."""
         self.compile(params)
 
     def submit(self, params: StructuredOutputParams) -> Future[Compiled]:
@@ -222,7 +214,7 @@ class GrammarState:
             return False
         try:
             self.matcher, self.replica = self._future.result().take()
-        except StructuredOutputError as e:
+        except RequestError as e:
             self.error = str(e)
         return True
 

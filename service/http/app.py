@@ -1,44 +1,50 @@
 """The OpenAI-compatible HTTP door (`pie serve --http-port`): a FastAPI app on the server's own
-event loop, over the same engine client as the gRPC servicer. A request is read into the
-contract's GenerateStreamRequest (service/http/requests.py) and admitted by the servicer, so
-both doors validate alike; its outputs come back as OpenAI's bodies or server-sent events.
+event loop, holding the same Admission as the gRPC servicer. A request is read into the
+contract's GenerateStreamRequest (service/http/requests.py) and run through the one lifecycle
+(service/generation.py, a lifecycle per prompt: service/http/calls.py), so both doors validate,
+log and count alike; its outputs come back as OpenAI's bodies or server-sent events.
 
     GET  /                     the playground page (service/http/playground.html)
     GET  /health               200 while serving; 503 while loading or draining
     GET  /metrics              Prometheus text (the --metrics-port series)
     GET  /v1/models            the served model
+    GET  /v1/models/{id}       the served model by its name (404 model_not_found for another)
     POST /v1/completions       text or token-id prompts (a list of them too)
     POST /v1/chat/completions  a conversation, rendered with the model's chat template
 
-Errors are OpenAI error objects: 400 bad input (the parameter named), 401 a missing or wrong API
-key (the gRPC door's bearer tokens), 404 another model's name, 429 a full queue (Retry-After),
-503 loading or draining. A caller that disconnects cancels its requests: their KV blocks free
-within a step.
+Every non-2xx body is an OpenAI error object (service/http/errors.py), with the call's
+x-request-id header: 400 bad input (the parameter named), 401 a missing or wrong API key (the
+gRPC door's bearer tokens), 404 another model's name or an unknown route, 405 a wrong method, 429
+a full queue (Retry-After), 503 loading or draining. A refused generation call gets its
+`request_done` line and its pie_requests_finished count, as a refused RPC does. A caller that
+disconnects cancels its requests: their KV blocks free within a step.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import hmac
-import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import grpc
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
 
-from pie.service.http.calls import Admitter, Call, HttpError
-from pie.service.http.requests import ChatRequest, CompletionRequest, body_problem, chat_request, completion_requests
+from pie.engine.errors import RequestError
+from pie.service.admission import Admission
+from pie.service.errors import ServiceError
+from pie.service.generation import end_summary
+from pie.service.http.calls import Call, HttpChannel, collect, sse
+from pie.service.http.errors import HttpError, Params, body_problem, http_error, not_found, params_of
+from pie.service.http.requests import ChatRequest, CompletionRequest, chat_request, completion_requests
 from pie.service.http.responses import (
     Answer,
-    Choice,
     chat_body,
     chat_chunk,
     completion_body,
@@ -46,61 +52,94 @@ from pie.service.http.responses import (
     usage_chunk,
 )
 from pie.service.http.tool_parsers import ToolParser
-from pie.service.metrics import ServiceMetrics
-from pie.service.validation import FieldError
+from pie.service.logging import RequestSummary
+from pie.service.validation import request_id_from
+from pie.v1 import generate_pb2 as pb
 
 PLAYGROUND = Path(__file__).with_name("playground.html")
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffers the events
+# The generation routes, by the rpc label their summary lines and pie_requests_finished carry.
+GENERATION_RPCS = {"/v1/completions": ("http/completions", "cmpl"), "/v1/chat/completions": ("http/chat", "chatcmpl")}
 
 
-class Door(Admitter):
-    """What the app reads of the server: the servicer's admission and state, and the API keys."""
+class Door:
+    """What the app reads of the server: the admission both doors hold, and the API keys."""
 
-    def __init__(self, servicer: Any, metrics: ServiceMetrics, model_name: str, api_keys: tuple[str, ...],
-                 tool_call_parser: str | None = None) -> None:
-        self.servicer = servicer
-        self.metrics = metrics
-        self.model_name = model_name
+    def __init__(self, admission: Admission, api_keys: tuple[str, ...], tool_call_parser: str | None = None) -> None:
+        self.admission = admission
+        self.metrics = admission.metrics
+        self.model_name = admission.model_name
         self.api_keys = api_keys
         self.tool_call_parser = tool_call_parser  # reads "auto"'s tool calls out of the text (tool_parsers.py)
-
-    async def admit(self, request, request_id, *, streamed, to_context=False):
-        return await self.servicer.admit(request, request_id, streamed=streamed, to_context=to_context)
-
-    @property
-    def ready(self) -> bool:
-        return self.servicer.engine_client is not None and not self.servicer.draining
 
 
 def build_app(door: Door) -> FastAPI:
     app = FastAPI(title="pie", summary="OpenAI-compatible HTTP API of a pie server", docs_url="/docs")
 
-    @app.exception_handler(HttpError)
-    async def http_error(request: Request, e: HttpError) -> JSONResponse:
-        headers = {} if e.retry_after_s is None else {"Retry-After": str(max(1, round(e.retry_after_s)))}
-        return JSONResponse(e.body(), status_code=e.status, headers=headers)
+    async def refused(request: Request, err: Exception) -> JSONResponse:
+        """Every error response of the door: an OpenAI error object with the call's x-request-id; a
+        generation call refused before the lifecycle took it (its body, its key, its model) is
+        logged and counted here as the lifecycle counts its own refusals."""
+        headers: dict[str, str] = {}
+        if isinstance(err, RequestValidationError):
+            param, message = body_problem(list(err.errors()))
+            err = HttpError(400, message, param=param, code="invalid_field")
+        elif isinstance(err, HTTPException):  # a route or a method this door does not have
+            headers = dict(err.headers or {})  # (405's Allow)
+            code = {404: "not_found", 405: "method_not_allowed"}.get(err.status_code)
+            err = HttpError(err.status_code, f"{request.method} {request.url.path}: {err.detail}", code=code,
+                            grpc_code=grpc.StatusCode.NOT_FOUND if err.status_code == 404 else
+                            grpc.StatusCode.UNIMPLEMENTED)
+        assert isinstance(err, RequestError | ServiceError | HttpError)
+        chat = request.url.path.endswith("chat/completions")
+        e = http_error(err, getattr(request.state, "params", None) or Params(chat=chat))
+        rid = _call_id(request)
+        s = _summary(request)
+        if s is not None and not s.ended:
+            s.request_id = s.request_id or rid
+            end_summary(door.metrics, s, e.grpc_code, e.message)
+        return JSONResponse(e.body(), status_code=e.status, headers=headers | e.headers() | {"x-request-id": rid})
 
-    @app.exception_handler(RequestValidationError)
-    async def bad_body(request: Request, e: RequestValidationError) -> JSONResponse:
-        param, message = body_problem(list(e.errors()))
-        return JSONResponse(HttpError(400, message, param=param, code="invalid_field").body(), status_code=400)
+    for error in (HttpError, RequestError, ServiceError, RequestValidationError, HTTPException):
+        app.add_exception_handler(error, refused)
 
     async def authorized(request: Request) -> None:
+        _summary(request)  # the call's time starts here
         if not door.api_keys:
             return
         given = request.headers.get("authorization", "")
         token = given[7:] if given[:7].lower() == "bearer " else ""
         if not any(hmac.compare_digest(token.encode(), key.encode()) for key in door.api_keys):
             raise HttpError(401, "missing or wrong API key (Authorization: Bearer <key>)",
-                            type="authentication_error", code="invalid_api_key")
+                            type="authentication_error", code="invalid_api_key",
+                            grpc_code=grpc.StatusCode.UNAUTHENTICATED)
 
-    def check_ready(model: str | None) -> None:
-        if not door.ready:
-            raise HttpError(503, "the server is loading its model or draining; retry shortly",
-                            type="server_error", code="unavailable", retry_after_s=1.0)
+    def check_model(model: str | None) -> None:
         if model is not None and model != door.model_name:
-            raise HttpError(404, f"the model {model!r} does not exist; this server serves {door.model_name!r}",
-                            param="model", code="model_not_found")
+            raise not_found(f"the model {model!r} does not exist; this server serves {door.model_name!r}",
+                            "model_not_found")
+
+    def model_card() -> dict[str, Any]:
+        card: dict[str, Any] = {"id": door.model_name, "object": "model", "created": int(time.time()),
+                                "owned_by": "pie"}
+        if door.admission.engine_client is not None:
+            card["max_model_len"] = door.admission.engine_client.info.max_model_len
+        return card
+
+    async def open_call(request: Request, requests: list[pb.GenerateStreamRequest], given_id: str | None, *,
+                        streamed: bool, to_context: bool = False) -> tuple[str, Call]:
+        """The call's id (the body's, the x-request-id header's, or minted) and its generations,
+        one lifecycle per prompt (refused together: the lifecycle logs which one)."""
+        rid = request_id_from(pb.GenerateRequest(request_id=given_id or ""), dict(request.headers), _mint(request))
+        request.state.request_id = rid
+        rpc, _ = GENERATION_RPCS[request.url.path]
+        peer = _peer(request)
+        summaries = [_summary(request) or RequestSummary(rpc, peer)]
+        summaries += [RequestSummary(rpc, peer) for _ in requests[1:]]
+        for i, r in enumerate(requests):
+            r.request_id = rid if len(requests) == 1 else f"{rid}-{i}"
+        call = await Call.open(door.admission, requests, summaries, HttpChannel(request, peer), streamed=streamed,
+                               to_context=to_context)
+        return rid, call
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     async def playground() -> HTMLResponse:
@@ -108,7 +147,8 @@ def build_app(door: Door) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        return JSONResponse({"status": "ok" if door.ready else "unavailable"}, status_code=200 if door.ready else 503)
+        ready = door.admission.ready
+        return JSONResponse({"status": "ok" if ready else "unavailable"}, status_code=200 if ready else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -116,29 +156,26 @@ def build_app(door: Door) -> FastAPI:
 
     @app.get("/v1/models", dependencies=[Depends(authorized)])
     async def models() -> dict:
-        created = int(time.time())
-        card: dict[str, Any] = {"id": door.model_name, "object": "model", "created": created, "owned_by": "pie"}
-        if door.servicer.engine_client is not None:
-            card["max_model_len"] = door.servicer.engine_client.info.max_model_len
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(authorized)])
+    async def model(model_id: str) -> dict:
+        check_model(model_id)
+        return model_card()
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        check_ready(body.model)
-        try:
-            requests = completion_requests(body)
-        except FieldError as e:
-            raise HttpError.of(e, chat=False) from None
-        rid = _request_id(request, body.request_id, "cmpl")
-        call = await Call.admit(door, requests, rid, "http/completions", _peer(request), chat=False,
-                                streamed=body.stream)
+        request.state.params = params_of(body, chat=False)
+        check_model(body.model)
+        requests = completion_requests(body)
+        rid, call = await open_call(request, requests, body.request_id, streamed=body.stream)
         answer = Answer(rid, door.model_name, score_only=body.max_tokens == 0)
         answer.prompt_tokens = sum(len(a.prompt) for a in call.admitted)
         tokenizer = call.admitted[0].client.tokenizer
         echo = [_prompt_text(tokenizer, a.prompt, r) for a, r in zip(call.admitted, requests)] if body.echo else None
         logprobs = body.logprobs  # alternatives per token; None: no logprobs
         if not body.stream:
-            await _collect(call, answer, request)
+            await collect(call, answer, request)
             prompts = [a.prompt for a in call.admitted]
             return JSONResponse(completion_body(answer, tokenizer, logprobs, echo, call.n, prompts), headers=_rid(rid))
         include_usage = body.stream_options is not None and body.stream_options.include_usage
@@ -146,7 +183,7 @@ def build_app(door: Door) -> FastAPI:
 
         async def events() -> AsyncIterator[dict]:
             offsets: dict[int, int] = {}  # each choice's text so far, the echoed prompt included
-            async for index, outs in _choices(call, answer):
+            async for index, outs in call.choices(answer):
                 prefix = echo[index // call.n] if echo and index not in offsets else ""
                 offset = offsets.get(index, 0)
                 yield completion_chunk(answer, index, outs, tokenizer, logprobs, offset, prefix) | usage
@@ -154,23 +191,16 @@ def build_app(door: Door) -> FastAPI:
             if include_usage:
                 yield usage_chunk(answer, chat=False)
 
-        return _sse(call, events(), rid)
+        return sse(call, events(), rid, request.state.params)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
     async def chat_completions(body: ChatRequest, request: Request) -> Response:
-        check_ready(body.model)
-        try:
-            chat, forced = chat_request(body)
-        except FieldError as e:
-            raise _as_sent(HttpError.of(e, chat=True), body) from None
-        rid = _request_id(request, body.request_id, "chatcmpl")
-        try:
-            call = await Call.admit(door, [chat], rid, "http/chat", _peer(request), chat=True, streamed=body.stream,
+        request.state.params = params_of(body, chat=True)
+        check_model(body.model)
+        chat, forced = chat_request(body)
+        request.state.params = params_of(body, chat=True, forced=forced is not None)
+        rid, call = await open_call(request, [chat], body.request_id, streamed=body.stream,
                                     to_context=body.max_tokens is None and body.max_completion_tokens is None)
-        except HttpError as e:
-            if forced is not None and e.param == "response_format":  # the tools' schema, refused by the matcher
-                e.param, e.message = "tools", "tools" + e.message.removeprefix("response_format")
-            raise _as_sent(e, body) from None
         answer = Answer(rid, door.model_name)
         answer.prompt_tokens = len(call.admitted[0].prompt)
         tokenizer = call.admitted[0].client.tokenizer
@@ -179,7 +209,7 @@ def build_app(door: Door) -> FastAPI:
         if door.tool_call_parser and body.tools and body.tool_choice in (None, "auto"):
             parser = ToolParser(door.tool_call_parser)
         if not body.stream:
-            await _collect(call, answer, request)
+            await collect(call, answer, request)
             return JSONResponse(chat_body(answer, tokenizer, top, forced, parser), headers=_rid(rid))
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         usage = {"usage": None} if include_usage else {}  # as OpenAI: null on every chunk but the last
@@ -187,90 +217,43 @@ def build_app(door: Door) -> FastAPI:
         async def events() -> AsyncIterator[dict]:
             for index in range(call.n):  # the assistant's role opens each choice
                 yield chat_chunk(answer, index, None, tokenizer, top, first=True, forced=forced) | usage
-            async for index, outs in _choices(call, answer):
+            async for index, outs in call.choices(answer):
                 yield chat_chunk(answer, index, outs, tokenizer, top, forced=forced, parser=parser) | usage
             if include_usage:
                 yield usage_chunk(answer, chat=True)
 
-        return _sse(call, events(), rid)
+        return sse(call, events(), rid, request.state.params)
 
     return app
 
 
-def _as_sent(e: HttpError, body: ChatRequest) -> HttpError:
-    """A chat's length limit named as the caller sent it: the contract's max_tokens is OpenAI's
-    max_completion_tokens, unless the request said max_tokens (the older name, still accepted)."""
-    if e.param == "max_completion_tokens" and body.max_completion_tokens is None:
-        e.param, e.message = "max_tokens", "max_tokens" + e.message.removeprefix("max_completion_tokens")
-    return e
+def _mint(request: Request) -> Callable[[], str]:
+    kind = GENERATION_RPCS.get(request.url.path, ("", "req"))[1]
+    return lambda: f"{kind}-{uuid.uuid4().hex}"
 
 
-async def _choices(call: Call, answer: Answer) -> AsyncIterator[tuple[int, list]]:
-    """(choice index, its new outputs) as they arrive, counted into the answer's usage."""
-    async for prompt, batch in call.outputs():
-        by_index: dict[int, list] = {}
-        for o in batch:
-            by_index.setdefault(prompt * call.n + o.index, []).append(o)
-            answer.completion_tokens += len(o.new_token_ids)
-            answer.cached_tokens[prompt] = max(answer.cached_tokens.get(prompt, 0), o.num_cached_tokens)
-        for index, outs in sorted(by_index.items()):
-            yield index, outs
-
-
-async def _collect(call: Call, answer: Answer, request: Request) -> None:
-    """A whole answer; the caller disconnecting meanwhile cancels it (and its requests)."""
-
-    async def gather() -> None:
-        async for index, outs in _choices(call, answer):
-            choice = answer.choices.setdefault(index, Choice())
-            for o in outs:
-                choice.add(o)
-
-    await _unless_disconnected(request, gather, call)
-
-
-async def _unless_disconnected(request: Request, work: Callable[[], Awaitable[None]], call: Call) -> None:
-    task = asyncio.ensure_future(work())
-    gone = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        call.close()
-    if task.cancelled():
-        raise HttpError(499, "the caller disconnected", code="cancelled")
-    task.result()  # an HttpError of the engine's
-
-
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-def _sse(call: Call, events: AsyncIterator[dict], rid: str) -> StreamingResponse:
-    """Server-sent events: `data: <json>` per chunk, then `data: [DONE]`; an engine failure after
-    the first event is an error event (the status line is gone by then). A caller that goes away
-    cancels the iteration, and its requests are aborted."""
-
-    async def lines() -> AsyncIterator[str]:
+def _call_id(request: Request) -> str:
+    """The id an error response carries: the call's (once known), else the caller's x-request-id
+    header, else minted (also for a header that could not travel back: not printable ASCII)."""
+    rid = getattr(request.state, "request_id", None)
+    if rid is None:
         try:
-            async for event in events:
-                yield f"data: {json.dumps(event)}\n\n"
-        except HttpError as e:
-            yield f"data: {json.dumps(e.body())}\n\n"
-        finally:
-            call.close(grpc.StatusCode.CANCELLED)
-        yield "data: [DONE]\n\n"
-
-    return StreamingResponse(lines(), media_type="text/event-stream", headers=SSE_HEADERS | _rid(rid))
+            rid = request_id_from(pb.GenerateRequest(), dict(request.headers), _mint(request))
+        except RequestError:
+            rid = _mint(request)()
+        request.state.request_id = rid
+    return rid
 
 
-def _request_id(request: Request, given: str | None, kind: str) -> str:
-    return given or request.headers.get("x-request-id") or f"{kind}-{uuid.uuid4().hex}"
+def _summary(request: Request) -> RequestSummary | None:
+    """The summary line of a generation call (None for other routes), made at its first use."""
+    rpc = GENERATION_RPCS.get(request.url.path, (None,))[0]
+    if rpc is None or request.method != "POST":
+        return None
+    s = getattr(request.state, "summary", None)
+    if s is None:
+        s = request.state.summary = RequestSummary(rpc, _peer(request))
+    return s
 
 
 def _rid(rid: str) -> dict[str, str]:

@@ -1,170 +1,178 @@
-"""One HTTP generation call, from admission to its end: its engine requests (one per prompt),
-their outputs as they arrive, and every way out aborting what is unfinished. Refusals come out as
-`HttpError`s, OpenAI's error objects with the status a gRPC caller's code maps to.
+"""One HTTP generation call: the lifecycle of service/generation.py run for each of its prompts
+(n prompts x n samples each), their hand-offs merged as they arrive. Admission, streaming,
+aborting, the summary lines and the metrics are the lifecycle's; this only starts, merges and
+closes them, and hands their outputs to an answer: whole (`collect`) or as server-sent events
+(`sse`).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from typing import Protocol
+import contextlib
+import json
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
-import structlog
+from fastapi import Request
+from fastapi.responses import StreamingResponse
 
-from pie.engine.messages import RequestOutput, RequestStatus
+from pie.engine.errors import RequestError
+from pie.engine.messages import RequestOutput
+from pie.service.admission import Admission, Admitted
 from pie.service.errors import ServiceError
-from pie.service.generation import Admitted, end_summary, failure, observe
-from pie.service.http.requests import param_of
+from pie.service.generation import Generation, Handoff, start
+from pie.service.http.errors import HttpError, Params, http_error
+from pie.service.http.responses import Answer, Choice
 from pie.service.logging import RequestSummary
-from pie.service.metrics import ServiceMetrics
-from pie.service.validation import FieldError
 from pie.v1 import generate_pb2 as pb
 
-log = structlog.get_logger(__name__)
-
-# gRPC status -> (HTTP status, OpenAI error type)
-_STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
-    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
-    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
-    grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error"),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
-    grpc.StatusCode.CANCELLED: (499, "invalid_request_error"),
-    grpc.StatusCode.UNAVAILABLE: (503, "server_error"),
-    grpc.StatusCode.INTERNAL: (500, "server_error"),
-}
-_CODES = {"PROMPT_TOO_LONG": "context_length_exceeded", "QUEUE_FULL": "rate_limit_exceeded"}
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffers the events
 
 
-class HttpError(Exception):
-    """An OpenAI error object and its HTTP status (with Retry-After where the caller may retry)."""
+class HttpChannel:
+    """An HTTP call as the lifecycle's Channel (service/generation.py)."""
 
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, retry_after_s: float | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type = status, message, type
-        self.param: str | None = param
-        self.code: str | None = code
-        self.retry_after_s = retry_after_s
+    def __init__(self, request: Request, peer: str) -> None:
+        # No gRPC Abort call names an HTTP caller: a disconnect is how one ends its requests.
+        self.caller = peer
+        self.headers = dict(request.headers)
+        self.why = "the caller went away"  # what a request that ends unanswered is counted as
 
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+    def mint_id(self) -> str:
+        return uuid.uuid4().hex
 
-    @classmethod
-    def of(cls, e: ServiceError | FieldError, *, chat: bool) -> HttpError:
-        if isinstance(e, FieldError):
-            name = param_of(e.field, chat=chat)
-            return cls(400, f"{name}: {e.description}", param=name, code="invalid_field")
-        status, type_ = _STATUS.get(e.code, (500, "server_error"))
-        param = None if e.field is None else param_of(e.field, chat=chat)
-        message = e.message if param is None else f"{param}: {e.description}"
-        return cls(status, message, type=type_, param=param, code=_CODES.get(e.reason, e.reason.lower()),
-                   retry_after_s=e.retry_after_s)
+    async def announce(self, request_id: str) -> None:
+        """Nothing: the response's headers go with its first bytes."""
+
+    def gone(self) -> tuple[grpc.StatusCode, str]:
+        return grpc.StatusCode.CANCELLED, self.why
 
 
-class Admitter(Protocol):
-    """What a call needs of the gRPC servicer: its admission (validation, prompt, submit)."""
-
-    metrics: ServiceMetrics
-
-    async def admit(self, request: pb.GenerateStreamRequest, request_id: str, *, streamed: bool,
-                    to_context: bool = False) -> Admitted: ...
-
-
-@dataclass(slots=True)
 class Call:
-    """The engine requests of one HTTP call: prompt i's samples are choices i x n .. i x n + n - 1."""
+    """The generations of one HTTP call: prompt i's samples are choices i x n .. i x n + n - 1."""
 
-    admitted: list[Admitted]
-    summaries: list[RequestSummary]
-    metrics: ServiceMetrics
-    chat: bool
-    finished: list[bool]
+    def __init__(self, generations: list[Generation]) -> None:
+        self.generations = generations
 
     @classmethod
-    async def admit(cls, host: Admitter, requests: list[pb.GenerateStreamRequest], request_id: str, rpc: str,
-                    peer: str, *, chat: bool, streamed: bool, to_context: bool = False) -> Call:
-        """Admits every prompt's request or none: a refusal aborts those admitted before it.
-        `streamed`: the answer goes out as server-sent events (the engine bounds those decodes' stalls)."""
-        call = cls([], [], host.metrics, chat, [])
+    async def open(cls, admission: Admission, requests: list[pb.GenerateStreamRequest],
+                   summaries: list[RequestSummary], channel: HttpChannel, *, streamed: bool,
+                   to_context: bool = False) -> Call:
+        """Admits every prompt's request or none: a refusal (logged and counted by the lifecycle,
+        then raised) closes those admitted before it."""
+        call = cls([])
         try:
-            for i, request in enumerate(requests):
-                s = RequestSummary(rpc, peer)
-                s.request_id = request_id if len(requests) == 1 else f"{request_id}-{i}"
-                call.summaries.append(s)
-                a = await host.admit(request, s.request_id, streamed=streamed, to_context=to_context)
-                s.prompt_tokens, s.engine_request_id = len(a.prompt), a.stream.engine_id
-                call.admitted.append(a)
-                call.finished.append(False)
-        except (ServiceError, FieldError) as e:
-            err = e if isinstance(e, ServiceError) else None
-            code = err.code if err is not None else grpc.StatusCode.INVALID_ARGUMENT
-            end_summary(host.metrics, call.summaries[-1], code, str(e))
-            call.close(grpc.StatusCode.CANCELLED, "another prompt of the call was refused")
-            raise HttpError.of(e, chat=chat) from None
+            for request, s in zip(requests, summaries):
+                call.generations.append(await start(admission, request, s, channel, streamed=streamed,
+                                                    to_context=to_context))
+        except BaseException:
+            channel.why = "another prompt of the call was refused"
+            call.close()
+            raise
         return call
 
     @property
+    def admitted(self) -> list[Admitted]:
+        return [g.admitted for g in self.generations]
+
+    @property
     def n(self) -> int:
-        return self.admitted[0].sampling.n
+        return self.generations[0].admitted.sampling.n
 
     async def outputs(self) -> AsyncIterator[tuple[int, list[RequestOutput]]]:
-        """(prompt index, the outputs that arrived together) until every request finished. An engine
-        failure raises HttpError; cancelling the iteration (the caller went away) aborts the rest
-        once the iteration is closed (`close`)."""
-        queue: asyncio.Queue[tuple[int, list[RequestOutput] | Exception]] = asyncio.Queue()
+        """(prompt index, the outputs that arrived together) until every request finished. A
+        failure raises the lifecycle's ServiceError; cancelling the iteration (the caller went
+        away) leaves the rest to `close`."""
+        queue: asyncio.Queue[tuple[int, Handoff | Exception | None]] = asyncio.Queue()
 
-        async def read(i: int) -> None:
-            stream = self.admitted[i].stream
+        async def read(i: int, g: Generation) -> None:
             try:
-                while True:
-                    batch = await stream.next_batch()
-                    await queue.put((i, batch))
-                    if batch[-1].all_finished:
-                        return
-            except Exception as e:  # the stream was cancelled: its reader says so, not the queue's silence
+                async for handoff in g.handoffs():
+                    await queue.put((i, handoff))
+                await queue.put((i, None))
+            except (RequestError, ServiceError) as e:  # logged and counted already: the reader says so
                 await queue.put((i, e))
 
-        readers = [asyncio.ensure_future(read(i)) for i in range(len(self.admitted))]
+        readers = [asyncio.ensure_future(read(i, g)) for i, g in enumerate(self.generations)]
         try:
-            while not all(self.finished):
-                i, batch = await queue.get()
-                if isinstance(batch, Exception):
-                    end_summary(self.metrics, self.summaries[i], grpc.StatusCode.CANCELLED, str(batch))
-                    raise HttpError(499, f"the request was aborted: {batch}", code="aborted")
-                failed = next((o for o in batch if o.status == RequestStatus.FINISHED_ERROR), None)
-                a, s = self.admitted[i], self.summaries[i]
-                if failed is not None:
-                    log.error("request_failed", request_id=s.request_id, engine_request_id=a.stream.engine_id,
-                              error=failed.error)
-                    err = failure(a.client, s.request_id or "", failed)
-                    end_summary(self.metrics, s, err.code, err.message)
-                    raise HttpError.of(err, chat=self.chat)
-                observe(self.metrics, s, batch)
-                self.finished[i] = batch[-1].all_finished
-                if self.finished[i]:
-                    s.finish_reason = _finish_label(batch)
-                    end_summary(self.metrics, s, grpc.StatusCode.OK)
-                yield i, batch
+            done = 0
+            while done < len(readers):
+                i, item = await queue.get()
+                if item is None:
+                    done += 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield i, item.outputs
         finally:
             for reader in readers:
                 reader.cancel()
 
-    def close(self, code: grpc.StatusCode = grpc.StatusCode.CANCELLED, why: str = "the caller went away") -> None:
-        """Aborts every request still unfinished (its blocks free within a step) and ends its summary."""
-        for i, a in enumerate(self.admitted):
-            if not self.finished[i]:
-                self.finished[i] = True
-                a.client.abort(a.stream)
-                if not self.summaries[i].ended:
-                    end_summary(self.metrics, self.summaries[i], code, why)
+    async def choices(self, answer: Answer) -> AsyncIterator[tuple[int, list]]:
+        """(choice index, its new outputs) as they arrive, counted into the answer's usage."""
+        async for prompt, batch in self.outputs():
+            by_index: dict[int, list] = {}
+            for o in batch:
+                by_index.setdefault(prompt * self.n + o.index, []).append(o)
+                answer.completion_tokens += len(o.new_token_ids)
+                answer.cached_tokens[prompt] = max(answer.cached_tokens.get(prompt, 0), o.num_cached_tokens)
+            for index, outs in sorted(by_index.items()):
+                yield index, outs
+
+    def close(self) -> None:
+        """Ends every generation still running (aborted, its blocks free within a step)."""
+        for g in self.generations:
+            g.close()
 
 
-def _finish_label(batch: list[RequestOutput]) -> str | None:
-    """Sample 0's finish reason, for the summary line."""
-    out = next((o for o in reversed(batch) if o.index == 0 and o.finished), None)
-    if out is None:
-        return None
-    return {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length"}.get(out.status, "abort")
+async def collect(call: Call, answer: Answer, request: Request) -> None:
+    """A whole answer; the caller disconnecting meanwhile cancels it (and its requests)."""
+
+    async def gather() -> None:
+        async for index, outs in call.choices(answer):
+            choice = answer.choices.setdefault(index, Choice())
+            for o in outs:
+                choice.add(o)
+
+    await _unless_disconnected(request, gather, call)
+
+
+async def _unless_disconnected(request: Request, work: Callable[[], Awaitable[None]], call: Call) -> None:
+    task = asyncio.ensure_future(work())
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        call.close()
+    if task.cancelled():
+        raise HttpError(499, "the caller disconnected", code="cancelled", grpc_code=grpc.StatusCode.CANCELLED)
+    task.result()  # the lifecycle's ServiceError for a failure
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def sse(call: Call, events: AsyncIterator[dict], rid: str, params: Params) -> StreamingResponse:
+    """Server-sent events: `data: <json>` per chunk, then `data: [DONE]`; an engine failure after
+    the first event is an error event (the status line is gone by then). A caller that goes away
+    cancels the iteration, and its requests are aborted."""
+
+    async def lines() -> AsyncIterator[str]:
+        try:
+            async for event in events:
+                yield f"data: {json.dumps(event)}\n\n"
+        except (RequestError, ServiceError, HttpError) as e:
+            yield f"data: {json.dumps(http_error(e, params).body())}\n\n"
+        finally:
+            call.close()
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(lines(), media_type="text/event-stream", headers=SSE_HEADERS | {"x-request-id": rid})

@@ -8,7 +8,7 @@ min_tokens, ignore_eos, stop_token_ids, skip_special_tokens, priority) and its s
 fields (guided_json, guided_regex, guided_choice, guided_grammar); `response_format` (json_object,
 json_schema) is read by both. Unknown fields are ignored, as OpenAI's newer fields are by older
 servers. What pie refuses, a field the contract names (`sampling.top_p`), is reported under the
-OpenAI parameter it came from (`param_of`).
+OpenAI parameter it came from (service/http/errors.py `param_of`).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pie.engine.errors import RequestError
 from pie.service.http.tools import ForcedCall, forced_call
-from pie.service.validation import FieldError
 from pie.v1 import generate_pb2 as pb
 
 
@@ -80,6 +80,10 @@ class CompletionRequest(Sampling):
     suffix: str | None = None
 
 
+# The roles OpenAI's Chat Completions define (the gRPC contract leaves roles to the model's template).
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: str
@@ -106,7 +110,7 @@ class ChatRequest(Sampling):
 
 def _uint(param: str, value: int) -> int:
     if value < 0:
-        raise FieldError(param, f"must be >= 0, got {value}")
+        raise RequestError(param, f"must be >= 0, got {value}")
     return value
 
 
@@ -116,10 +120,10 @@ def _sampling(body: Sampling, max_tokens: int | None, logprobs: int) -> pb.Sampl
                           presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                           logprobs=logprobs)
     if body.n == 0:
-        raise FieldError("n", "must be >= 1")
+        raise RequestError("n", "must be >= 1")
     if max_tokens is not None:
         if max_tokens < 1:
-            raise FieldError("max_tokens", f"must be >= 1, got {max_tokens}")
+            raise RequestError("max_tokens", f"must be >= 1, got {max_tokens}")
         s.max_tokens = max_tokens
     s.temperature = 1.0 if body.temperature is None else body.temperature  # OpenAI's default: sampled
     for name in ("top_p", "repetition_penalty"):
@@ -137,58 +141,60 @@ def _sampling(body: Sampling, max_tokens: int | None, logprobs: int) -> pb.Sampl
         s.stop_token_ids.extend(_uint("stop_token_ids", t) for t in body.stop_token_ids)
     for key, bias in (body.logit_bias or {}).items():
         if not key.isdigit():
-            raise FieldError("logit_bias", f"keys are token ids, got {key!r}")
+            raise RequestError("logit_bias", f"keys are token ids, got {key!r}")
         s.logit_bias[int(key)] = bias
     _structured(body, s.structured)
     return s
 
 
+def structured_kinds(body: Sampling) -> list[str]:
+    """The parameters of `body` that ask for a structured output, in the order they are read."""
+    fmt = body.response_format
+    kinds = ["response_format"] if fmt is not None and fmt.type != "text" else []
+    return kinds + [k for k in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+                    if getattr(body, k) is not None]
+
+
 def _structured(body: Sampling, out: pb.StructuredOutput) -> None:
     """response_format or one guided_* field into the contract's StructuredOutput (at most one)."""
-    kinds = []
+    kinds = structured_kinds(body)
     fmt = body.response_format
     if fmt is not None and fmt.type == "json_object":
         out.json_object = True
-        kinds.append("response_format")
     elif fmt is not None and fmt.type == "json_schema":
         if fmt.json_schema is None or fmt.json_schema.json_schema is None:
-            raise FieldError("response_format.json_schema.schema", "is required with type json_schema")
+            raise RequestError("response_format.json_schema.schema", "is required with type json_schema")
         out.json_schema = json.dumps(fmt.json_schema.json_schema)
-        kinds.append("response_format")
     if body.guided_json is not None:
         out.json_schema = body.guided_json if isinstance(body.guided_json, str) else json.dumps(body.guided_json)
-        kinds.append("guided_json")
     if body.guided_regex is not None:
         out.regex = body.guided_regex
-        kinds.append("guided_regex")
     if body.guided_choice is not None:
         out.choice.choices.extend(body.guided_choice)
-        kinds.append("guided_choice")
     if body.guided_grammar is not None:
         out.grammar = body.guided_grammar
-        kinds.append("guided_grammar")
     if len(kinds) > 1:
-        raise FieldError(kinds[1], f"cannot be given with {kinds[0]}: one structured output per request")
+        raise RequestError(kinds[1], f"cannot be given with {kinds[0]}: one structured output per request")
 
 
 def completion_requests(body: CompletionRequest) -> list[pb.GenerateStreamRequest]:
     """One request per prompt (OpenAI's `prompt` may be a list of them)."""
     if body.suffix:
-        raise FieldError("suffix", "is not supported")
+        raise RequestError("suffix", "is not supported")
     if body.best_of is not None and body.best_of != body.n:
-        raise FieldError("best_of", "must equal n when given (pie returns every sample it draws)")
+        raise RequestError("best_of", "must equal n when given (pie returns every sample it draws)")
     if body.max_tokens == 0 and not body.echo:
-        raise FieldError("max_tokens", "must be >= 1 (0, scoring the prompt alone, needs echo)")
+        raise RequestError("max_tokens", "must be >= 1 (0, scoring the prompt alone, needs echo)")
     scored = body.echo and body.logprobs is not None  # the prompt's tokens get logprobs too
     if body.stream and (scored or body.max_tokens == 0):
-        raise FieldError("stream", "echo with logprobs, and max_tokens 0, are answered whole (stream: false)")
+        raise RequestError("stream", "echo with logprobs, and max_tokens 0, are answered whole (stream: false)")
     prompts: list[str | list[int]]
     if isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], int)):
         prompts = [body.prompt]
     else:
         prompts = list(body.prompt)  # type: ignore[arg-type]
     if not prompts:
-        raise FieldError("prompt", "must not be empty")
+        raise RequestError("prompt", "must not be empty")
     # max_tokens 0: one token is made (the engine makes at least one) and left out of the answer
     sampling = _sampling(body, 1 if body.max_tokens == 0 else body.max_tokens, _uint("logprobs", body.logprobs or 0))
     if body.logprobs == 0:
@@ -209,9 +215,9 @@ def completion_requests(body: CompletionRequest) -> list[pb.GenerateStreamReques
 def chat_request(body: ChatRequest) -> tuple[pb.GenerateStreamRequest, ForcedCall | None]:
     """The contract's request of a chat, and the tool call its tool_choice forces (service/http/tools.py)."""
     if body.max_tokens is not None and body.max_completion_tokens is not None:
-        raise FieldError("max_completion_tokens", "cannot be given with max_tokens")
+        raise RequestError("max_completion_tokens", "cannot be given with max_tokens")
     if body.top_logprobs is not None and not body.logprobs:
-        raise FieldError("top_logprobs", "needs logprobs: true")
+        raise RequestError("top_logprobs", "needs logprobs: true")
     logprobs = (body.top_logprobs or 0) if body.logprobs else 0
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     sampling = _sampling(body, max_tokens, logprobs)
@@ -223,6 +229,8 @@ def chat_request(body: ChatRequest) -> tuple[pb.GenerateStreamRequest, ForcedCal
     if body.add_generation_prompt is not None:
         chat.add_generation_prompt = body.add_generation_prompt
     for i, m in enumerate(body.messages):
+        if m.role not in CHAT_ROLES:
+            raise RequestError(f"messages[{i}].role", f"must be one of {', '.join(CHAT_ROLES)}, got {m.role!r:.40}")
         msg = pb.ChatMessage(role=m.role)
         if m.content is not None:
             msg.content = m.content if isinstance(m.content, str) else _text_parts(f"messages[{i}].content", m.content)
@@ -235,7 +243,7 @@ def chat_request(body: ChatRequest) -> tuple[pb.GenerateStreamRequest, ForcedCal
     forced = forced_call(body.tools, body.tool_choice, body.parallel_tool_calls)
     if forced is not None:
         if sampling.HasField("structured"):
-            raise FieldError("tool_choice", "forces a tool call, which cannot be given with response_format or "
+            raise RequestError("tool_choice", "forces a tool call, which cannot be given with response_format or "
                                             "guided_* (one structured output per request)")
         sampling.structured.json_schema = json.dumps(forced[1])
     tools = body.tools
@@ -254,69 +262,6 @@ def _text_parts(param: str, parts: list[dict[str, Any]]) -> str:
     texts = []
     for j, part in enumerate(parts):
         if part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise FieldError(f"{param}[{j}]", "only text parts ({\"type\": \"text\", \"text\": ...}) are supported")
+            raise RequestError(f"{param}[{j}]", "only text parts ({\"type\": \"text\", \"text\": ...}) are supported")
         texts.append(part["text"])
     return "".join(texts)
-
-
-def param_of(field: str, *, chat: bool) -> str:
-    """The OpenAI parameter a contract field came from: sampling.top_p -> top_p,
-    chat.messages[2].role -> messages[2].role, sampling.structured.regex -> guided_regex."""
-    if field.startswith("sampling.structured"):
-        return "response_format"
-    for prefix, to in (("sampling.", ""), ("chat.messages", "messages"), ("chat.tools_json", "tools"),
-                       ("chat.template_kwargs_json", "chat_template_kwargs"), ("chat.", ""),
-                       ("prompt_token_ids", "prompt")):
-        if field.startswith(prefix):
-            field = to + field[len(prefix):]
-            break
-    if field == "chat":
-        return "messages"
-    if field == "max_tokens" and chat:
-        return "max_completion_tokens"
-    if field == "logprobs" and chat:
-        return "top_logprobs"
-    return field
-
-
-def body_problem(errors: list[dict[str, Any]]) -> tuple[str | None, str]:
-    """(param, message) for the first of pydantic's errors about a request body, in the words of
-    pie's own refusals: `messages[0].content`, not pydantic's `body.messages.0.content.str`. A
-    field of several forms (`prompt`: a text, token ids, or a list of either) that matches none
-    is named once, with its forms, instead of by the first form's complaint; a body that is not
-    JSON, or not an object, is said so (param null, as OpenAI's errors about the body)."""
-    if not errors:
-        return None, "the body is not a valid request"
-    first = errors[0]
-    loc = list(first["loc"][1:] if first["loc"][:1] == ("body",) else first["loc"])
-    if first["type"] == "json_invalid":
-        where = f" at character {loc[0]}" if loc and isinstance(loc[0], int) else ""
-        return None, f"the body is not valid JSON ({first.get('ctx', {}).get('error', first['msg'])}{where})"
-    if not loc:
-        return None, "the body must be a JSON object (the request's fields)"
-    # pydantic names a union's member after the field (`prompt`, `list[int]`, 0): a name with
-    # brackets or a bare type is a member, not a field of ours
-    forms = next((i for i, p in enumerate(loc) if isinstance(p, str) and ("[" in p or p in _TYPE_NAMES)), None)
-    if forms is None:
-        param = _dotted(loc)
-        words = str(first["msg"]).replace("Input should be", "must be").replace("Field required", "is required")
-        return param, f"{param}: {words}"
-    field = loc[:forms]
-    tried = []
-    for e in errors:
-        other = list(e["loc"][1:] if e["loc"][:1] == ("body",) else e["loc"])
-        if other[:forms] == field and len(other) > forms and other[forms] not in tried:
-            tried.append(other[forms])
-    param = _dotted(field)
-    return param, f"{param}: matches none of its forms ({', '.join(map(str, tried))})"
-
-
-_TYPE_NAMES = frozenset({"str", "int", "float", "bool", "none", "list", "dict"})
-
-
-def _dotted(loc: list[str | int]) -> str:
-    """("messages", 0, "content") -> messages[0].content"""
-    out = ""
-    for p in loc:
-        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
-    return out

@@ -20,7 +20,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from pie.service.validation import FieldError
+from pie.engine.errors import RequestError
 
 
 @dataclass(slots=True)
@@ -92,27 +92,27 @@ def tool_call(name: str, arguments: str, index: int | None = None) -> dict[str, 
 def forced_call(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] | None,
                 parallel: bool = True) -> tuple[ForcedCall, dict[str, Any]] | None:
     """The forced call `tool_choice` asks for, and the schema of its output; None when it forces
-    none ("none", "auto", unset). `parallel`: "required" may make several calls. FieldError names
+    none ("none", "auto", unset). `parallel`: "required" may make several calls. RequestError names
     the bad field."""
     if tool_choice is None or tool_choice in ("none", "auto"):
         if tools is not None:
             _parameters(tools)  # checked all the same: a malformed tool is the caller's error either way
         return None
     if isinstance(tool_choice, str) and tool_choice != "required":
-        raise FieldError("tool_choice", f'must be "none", "auto", "required" or {{"type": "function", '
+        raise RequestError("tool_choice", f'must be "none", "auto", "required" or {{"type": "function", '
                                         f'"function": {{"name": ...}}}}, got {tool_choice!r}')
     if not tools:
-        raise FieldError("tool_choice", "forces a tool call, but no tools were given")
+        raise RequestError("tool_choice", "forces a tool call, but no tools were given")
     parameters = _parameters(tools)
     name = None
     if isinstance(tool_choice, dict):
         function = tool_choice.get("function")
         if tool_choice.get("type") != "function" or not isinstance(function, dict) \
                 or not isinstance(function.get("name"), str):
-            raise FieldError("tool_choice", 'a named tool is {"type": "function", "function": {"name": ...}}')
+            raise RequestError("tool_choice", 'a named tool is {"type": "function", "function": {"name": ...}}')
         name = function["name"]
         if name not in parameters:
-            raise FieldError("tool_choice.function.name", f"{name!r} is not one of the tools ({', '.join(parameters)})")
+            raise RequestError("tool_choice.function.name", f"{name!r} is not one of the tools ({', '.join(parameters)})")
     forced = ForcedCall(tuple(parameters), name, parallel)
     return forced, forced.schema(parameters)
 
@@ -123,14 +123,14 @@ def _parameters(tools: list[dict[str, Any]]) -> dict[str, dict]:
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict):
-            raise FieldError(f"tools[{i}]", 'must be {"type": "function", "function": {"name": ..., "parameters": ...}}')
+            raise RequestError(f"tools[{i}]", 'must be {"type": "function", "function": {"name": ..., "parameters": ...}}')
         name = function.get("name")
         if not isinstance(name, str) or not name:
-            raise FieldError(f"tools[{i}].function.name", "is required (a non-empty string)")
+            raise RequestError(f"tools[{i}].function.name", "is required (a non-empty string)")
         if name in out:
-            raise FieldError(f"tools[{i}].function.name", f"{name!r} is given twice")
+            raise RequestError(f"tools[{i}].function.name", f"{name!r} is given twice")
         params = function.get("parameters", {"type": "object"})
         if not isinstance(params, dict):
-            raise FieldError(f"tools[{i}].function.parameters", "must be a JSON schema object")
+            raise RequestError(f"tools[{i}].function.parameters", "must be a JSON schema object")
         out[name] = params
     return out

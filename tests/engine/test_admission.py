@@ -9,15 +9,15 @@ import pytest
 from pie.engine.client.thread import ThreadEngineClient
 from pie.engine.config import EngineConfig
 from pie.engine.core.engine_core import EngineCore
-from pie.engine.errors import QueueFullError
-from pie.engine.sampling_params import SamplingParams, SamplingParamsError
+from pie.engine.errors import QueueFullError, RequestError
+from pie.engine.sampling_params import SamplingParams
 from tests.helpers import make_hf_model_dir
 
 
 def test_queue_bound_counts_samples(tmp_path):
     engine = EngineCore(EngineConfig(model=str(make_hf_model_dir(tmp_path, "llama")), device="cpu",
                                     kv_cache_dtype="fp32", num_kv_blocks=64, max_num_seqs=1, max_waiting=2))
-    with pytest.raises(SamplingParamsError) as err:  # more samples than could ever be admitted
+    with pytest.raises(RequestError) as err:  # more samples than could ever be admitted
         engine.check_request([5, 6, 7], SamplingParams(n=4))
     assert err.value.field == "n"
 

@@ -207,13 +207,14 @@ def test_on_cuda_beside_graph_replayed_decodes(model_dir, hf, rng):
 
 def test_entries_beyond_the_bound_are_refused_by_field():
     """prompt tokens x (1 + prompt_logprobs) is bounded, so one answer stays a sane message."""
-    from pie.engine.sampling_params import MAX_PROMPT_LOGPROB_ENTRIES, SamplingParamsError
+    from pie.engine.errors import RequestError
+    from pie.engine.sampling_params import MAX_PROMPT_LOGPROB_ENTRIES
     from pie.engine.validation import check_request
 
     limits = dict(config=EngineConfig(), vocab_size=512, max_model_len=10**7, num_kv_blocks=10**7)
     n = MAX_PROMPT_LOGPROB_ENTRIES // 21
     check_request([5] * n, SamplingParams(prompt_logprobs=20), **limits)
-    with pytest.raises(SamplingParamsError) as err:
+    with pytest.raises(RequestError) as err:
         check_request([5] * (n + 1), SamplingParams(prompt_logprobs=20), **limits)
     assert err.value.field == "prompt_logprobs"
     check_request([5] * (n + 1), SamplingParams(), **limits)  # not asked: no bound

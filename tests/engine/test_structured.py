@@ -17,9 +17,10 @@ import pytest
 
 from pie.engine.config import EngineConfig
 from pie.engine.core.engine_core import EngineCore
+from pie.engine.errors import RequestError
 from pie.engine.messages import RequestStatus
-from pie.engine.sample.structured import GrammarCompiler, GrammarState, StructuredOutputError
-from pie.engine.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputParams
+from pie.engine.sample.structured import GrammarCompiler, GrammarState
+from pie.engine.sampling_params import SamplingParams, StructuredOutputParams
 from tests.chat_templates import STYLES, make_chat_model_dir
 from tests.engine.invariants import assert_engine_invariants
 
@@ -215,7 +216,7 @@ def test_the_boolean_schemas(model_dir, rng):
     for r in _run(engine, [("any", _prompt(rng), sp)]).values():
         if r["status"] != RequestStatus.FINISHED_LENGTH:
             json.loads(r["text"])
-    with pytest.raises(SamplingParamsError, match="structured.json_schema: the schema false admits no value"):
+    with pytest.raises(RequestError, match="structured.json_schema: the schema false admits no value"):
         engine.check_request(_prompt(rng), SamplingParams(structured=StructuredOutputParams("json_schema", "false")))
 
 
@@ -367,7 +368,7 @@ def test_sync_and_async_scheduling_sample_the_same_constrained_tokens(model_dir,
 ])
 def test_a_constraint_that_does_not_compile_is_refused_with_the_compilers_message(model_dir, params, field, message):
     engine = _engine(model_dir)
-    with pytest.raises(SamplingParamsError) as err:
+    with pytest.raises(RequestError) as err:
         engine.check_request([5, 6], SamplingParams(structured=params))
     assert err.value.field == field and message in err.value.message
 
@@ -380,7 +381,7 @@ def test_a_constraint_that_does_not_compile_is_refused_with_the_compilers_messag
     (StructuredOutputParams("yaml", "a: 1"), "structured"),
 ])
 def test_malformed_constraints_are_refused_before_compiling(params, field):
-    with pytest.raises(SamplingParamsError) as err:
+    with pytest.raises(RequestError) as err:
         SamplingParams(structured=params)
     assert err.value.field == field
 
@@ -391,7 +392,7 @@ def test_compilations_are_cached_by_their_text(model_dir):
     first = compiler.compile(json_schema(PERSON))
     assert compiler.compile(json_schema(PERSON)) is first
     assert compiler.cached(json_schema(PERSON)) is not None and compiler.cached(regex("x+")) is None
-    with pytest.raises(StructuredOutputError):
+    with pytest.raises(RequestError):
         compiler.compile(regex("a(b"))
     assert compiler.cached(regex("a(b")) is not None  # errors are remembered too
 

@@ -191,7 +191,7 @@ def test_health_stays_fast_while_near_limit_prompts_arrive(rng, server, monkeypa
     admits 1M characters' worth of tokens: they are tokenized to be counted.)"""
     monkeypatch.setattr(server.pie.engine_client.tokenizer, "max_token_bytes", None)
     words = ["once", "upon", "a", "time", "there", "was", "little", "girl", "café", "日本"]
-    limit = server.pie.servicer.limits.max_prompt_chars
+    limit = server.pie.admission.limits.max_prompt_chars
     texts = []
     for _ in range(3):
         t = " ".join(rng.choice(words) for _ in range(limit // 4))[:limit - rng.randrange(100)]

@@ -171,7 +171,7 @@ def test_documented_grpcurl_commands_through_reflection(server):
                 assert n == result[-1]["usage"]["completionTokens"] and 1 <= n <= 32
             elif target.endswith("/Tokenize") and "chat" in argv[argv.index("-d") + 1]:
                 chat = json.loads(argv[argv.index("-d") + 1])["chat"]
-                text = server.pie.servicer.chat_templates.render(chat["messages"])
+                text = server.pie.admission.chat_templates.render(chat["messages"])
                 assert result["renderedText"] == text and "<|im_start|>assistant" in text
                 assert [int(i) for i in result["tokenIds"]] == server.core.tokenizer.encode(text, add_special_tokens=False)
             elif target.endswith("/Tokenize"):

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pydantic
 import pytest
 
-from pie.service.http.requests import ChatRequest, CompletionRequest, body_problem
+from pie.service.http.errors import body_problem
+from pie.service.http.requests import ChatRequest, CompletionRequest
 
 
 def _problem(model: type[pydantic.BaseModel], body: object) -> tuple[str | None, str]:

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
+from pie.engine.errors import RequestError
 from pie.service.http.tools import forced_call
-from pie.service.validation import FieldError
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": WEATHER}},
@@ -19,7 +19,7 @@ def test_none_and_auto_force_nothing_but_check_the_tools() -> None:
     for choice in (None, "none", "auto"):
         assert forced_call(TOOLS, choice) is None
     assert forced_call(None, None) is None
-    with pytest.raises(FieldError) as e:
+    with pytest.raises(RequestError) as e:
         forced_call([{"type": "function", "function": {"name": ""}}], "auto")
     assert e.value.field == "tools[0].function.name"
 
@@ -79,7 +79,7 @@ def test_stream_deltas() -> None:
      "tools[0].function.parameters"),
 ])
 def test_bad_choices_name_the_field(tools, choice, field) -> None:
-    with pytest.raises(FieldError) as e:
+    with pytest.raises(RequestError) as e:
         forced_call(tools, choice)
     assert e.value.field == field
 

@@ -156,7 +156,7 @@ def test_errors_are_the_sdks_exception_classes(server, api):
     with pytest.raises(openai.BadRequestError) as schema:
         api.chat.completions.create(model="stories-7m", messages=[{"role": "user", "content": "x"}],
                                     extra_body={"guided_regex": "(unclosed"})
-    assert schema.value.body["param"] == "response_format"
+    assert schema.value.body["param"] == "guided_regex"  # named as sent (not response_format)
     # a chat's length limit is named as the request sent it (the contract's max_tokens is both)
     for name in ("max_tokens", "max_completion_tokens"):
         with pytest.raises(openai.BadRequestError) as zero:
@@ -247,13 +247,15 @@ def test_503_while_loading_and_while_draining():
         api = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=30)
         with pytest.raises(openai.InternalServerError) as loading:
             api.completions.create(model="stories-7m", prompt=PROMPT, max_tokens=2)
-        assert loading.value.status_code == 503 and loading.value.response.headers["retry-after"] == "1"
+        # the gRPC door's MODEL_LOADING, and its RetryInfo (5 s)
+        assert loading.value.status_code == 503 and loading.value.response.headers["retry-after"] == "5"
+        assert loading.value.body["code"] == "model_loading"
         with pytest.raises(urllib.error.HTTPError) as health:
             urllib.request.urlopen(f"{url}/health")
         assert health.value.code == 503
         s._call(s.pie.load(), 600)
         assert api.completions.create(model="stories-7m", prompt=PROMPT, max_tokens=2).choices[0].text
-        s.pie.servicer.draining = True  # what stop() sets first
+        s.pie.admission.draining = True  # what stop() sets first
         with pytest.raises(openai.InternalServerError):
             api.completions.create(model="stories-7m", prompt=PROMPT, max_tokens=2)
     finally:

@@ -47,7 +47,7 @@ def test_an_urgent_request_sent_last_starts_before_the_queue(server, gate):
     fast or loaded the machine: polling for that queue while steps ran free once saw it never form
     (the first requests had finished) and waited forever."""
     firsts: dict[str, float] = {}
-    in_flight = server.pie.servicer.in_flight
+    in_flight = server.pie.admission.in_flight
     scheduler = server.core.scheduler
 
     async def run() -> None:

@@ -199,7 +199,7 @@ def _start_streams(server, gate: StepGate, callers: list[tuple[Client, str]]) ->
     one after another, each until its first token, so that every step after waits for a permit.
     The first one's AddRequest starts a step that waits; each later one's is taken in after the
     step under way (a permit), and its prefill is the next (another)."""
-    in_flight = server.pie.servicer.in_flight
+    in_flight = server.pie.admission.in_flight
     futures = []
     for k, (c, rid) in enumerate(callers, start=1):
         future, started = _stream_in_thread(c, rid)
@@ -224,7 +224,7 @@ def test_abort_only_the_callers_own_requests_across_connections(server, gate):
     """Two clients on two connections run a request under the same id: each can abort only its own;
     a third can abort neither. The aborted stream ends CANCELLED (REQUEST_ABORTED), again is a
     no-op, and the blocks are free within one step."""
-    servicer = server.pie.servicer
+    admission = server.pie.admission
     with Client(server.address, timeout=60, options=OWN_CONNECTION) as a, \
             Client(server.address, timeout=60, options=OWN_CONNECTION) as b, \
             Client(server.address, timeout=60, options=OWN_CONNECTION) as third:
@@ -244,7 +244,7 @@ def test_abort_only_the_callers_own_requests_across_connections(server, gate):
             _free_within_one_step(server, gate, a)
         finally:
             gate.release()
-    assert len(servicer.in_flight) == 0
+    assert len(admission.in_flight) == 0
 
 
 def test_abort_with_tokens_is_per_token_not_per_connection(model_dir, tmp_path):
@@ -274,7 +274,7 @@ def test_abort_a_unary_call_and_n_samples(server, gate, client):
         done = cf.ThreadPoolExecutor(1).submit(
             lambda: client.generate("a b", request_id="unary-1", max_tokens=400, ignore_eos=True, n=3,
                                     temperature=1.0))
-        wait_until(lambda: len(server.pie.servicer.in_flight) == 1, what="the request in the engine")
+        wait_until(lambda: len(server.pie.admission.in_flight) == 1, what="the request in the engine")
         gate.allow(2)  # sample 0's prefill, then the others from the cache
         assert client.abort("unary-1") == ["unary-1"]
         with pytest.raises(Cancelled) as err:

@@ -10,11 +10,11 @@ import math
 import grpc
 import pytest
 
+from pie.engine.errors import RequestError
 from pie.engine.sampling_params import MAX_LOGPROBS, MAX_N, MAX_STOP_STRINGS
-from pie.service.errors import REASONS, ServiceError, invalid_argument
+from pie.service.errors import REASONS, ServiceError, status_of
 from pie.service.validation import (
     DEFAULT_MAX_TOKENS,
-    FieldError,
     Limits,
     prompt_from_proto,
     qualify,
@@ -59,10 +59,11 @@ def test_set_fields_arrive_as_given() -> None:
     ({"logprobs": MAX_LOGPROBS + 1}, "sampling.logprobs"),
 ])
 def test_a_bad_sampling_field_is_named_by_its_proto_path(fields, field) -> None:
-    with pytest.raises(FieldError) as err:
+    """The engine's name (`top_p`) or the contract's; admission qualifies it once (`qualify`)."""
+    with pytest.raises(RequestError) as err:
         sampling_from_proto(pb.SamplingParams(**fields), max_model_len=CONTEXT)
-    assert err.value.field == field
-    assert str(err.value).startswith(f"{field}: ")
+    assert qualify(err.value.field) == field
+    assert str(err.value).startswith(f"{err.value.field}: ")
 
 
 def test_engine_field_names_are_qualified_once() -> None:
@@ -86,7 +87,7 @@ def test_the_prompt_is_text_or_ids_as_given() -> None:
     (pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[1, 2, 3, 4])), "prompt_token_ids"),
 ], ids=["none", "empty-text", "too-many-chars", "no-ids", "too-many-ids"])
 def test_a_bad_prompt_is_named(request_, field) -> None:
-    with pytest.raises(FieldError) as err:
+    with pytest.raises(RequestError) as err:
         prompt_from_proto(request_, Limits(max_prompt_chars=10, max_prompt_token_ids=3))
     assert err.value.field == field
 
@@ -101,7 +102,7 @@ def test_the_request_id_comes_from_the_message_then_the_header_then_the_server()
 
 @pytest.mark.parametrize("rid", ["r" * 129, "bad\x00id", "caf\u00e9", "tab\there"])
 def test_a_request_id_that_cannot_travel_in_metadata_is_refused(rid) -> None:
-    with pytest.raises(FieldError) as err:
+    with pytest.raises(RequestError) as err:
         request_id_from(pb.GenerateRequest(request_id=rid), {}, lambda: "unused")
     assert err.value.field == "request_id"
 
@@ -123,7 +124,7 @@ class _CallError(grpc.RpcError):
 
 
 def test_an_invalid_field_reaches_the_client_with_its_field_and_request_id() -> None:
-    err = invalid_argument("sampling.top_p", "must be in (0, 1], got 1.5")
+    err = status_of(RequestError("sampling.top_p", "must be in (0, 1], got 1.5"))
     seen = from_rpc_error(_CallError(err, "req-7"))
     assert isinstance(seen, InvalidArgument)
     assert seen.reason == "INVALID_FIELD" and seen.request_id == "req-7"

@@ -7,13 +7,14 @@ import json
 
 import pytest
 
+from pie.engine.errors import RequestError
 from pie.engine.sampling_params import StructuredOutputParams
 from pie.service.validation import (
     ChatPrompt,
-    FieldError,
     Limits,
     chat_from_proto,
     prompt_from_proto,
+    qualify,
     sampling_from_proto,
     structured_from_proto,
 )
@@ -66,7 +67,7 @@ def test_add_generation_prompt_defaults(set_prompt, continue_final, want):
     (pb.ChatInput(messages=[pb.ChatMessage(role="user", content="x" * 101)]), "chat"),
 ])
 def test_bad_chats_are_named_by_their_field(chat, field):
-    with pytest.raises(FieldError) as err:
+    with pytest.raises(RequestError) as err:
         chat_from_proto(chat, Limits(max_prompt_chars=100))
     assert err.value.field == field
 
@@ -77,12 +78,12 @@ def test_structured_outputs_from_the_contract():
         StructuredOutputParams("choice", choices=("a", "b"))
     assert structured_from_proto(pb.StructuredOutput(json_object=True)) == StructuredOutputParams("json_object")
     assert structured_from_proto(pb.StructuredOutput(json_object=False)) is None  # the same as unset
-    with pytest.raises(FieldError) as err:
+    with pytest.raises(RequestError) as err:
         structured_from_proto(pb.StructuredOutput())
     assert err.value.field == "sampling.structured"
     sampling = sampling_from_proto(pb.SamplingParams(structured=pb.StructuredOutput(regex="[a-z]+")), max_model_len=64)
     assert sampling.structured == StructuredOutputParams("regex", "[a-z]+")
     assert sampling_from_proto(pb.SamplingParams(), max_model_len=64).structured is None
-    with pytest.raises(FieldError) as err:
+    with pytest.raises(RequestError) as err:
         sampling_from_proto(pb.SamplingParams(structured=pb.StructuredOutput(regex="")), max_model_len=64)
-    assert err.value.field == "sampling.structured.regex"
+    assert qualify(err.value.field) == "sampling.structured.regex"
