@@ -64,7 +64,7 @@ class Host(Protocol):
 
     metrics: ServiceMetrics
     in_flight: InFlight  # the requests an Abort call may end
-    auth: bool  # callers are told apart by bearer token (else by connection: service/aborts.py)
+    auth: bool  # callers are told apart by bearer token (else all are one: service/aborts.py)
     shutting_down: bool  # the shutdown's grace is over: what gRPC cancels now, the shutdown cut
 
     async def admit(self, request, request_id: str, *, streamed: bool) -> Admitted:

@@ -59,8 +59,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         self.limits = limits or Limits()
         self.metrics = metrics or ServiceMetrics(model_name)
         self.engine_client: EngineClient | None = None  # set once the model is loaded
-        # Callers are told apart by bearer token when the server requires one, else by connection
-        # (service/aborts.py): whose requests an Abort call may end.
+        # Callers are told apart by bearer token when the server requires one, else all are one
+        # anonymous caller (service/aborts.py): whose requests an Abort call may end.
         self.auth = auth
         self.in_flight = InFlight()
         # The model's chat templates (set with the engine client), or why chats cannot be served.
