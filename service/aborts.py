@@ -2,14 +2,15 @@
 
 A router that holds a stream on one call and decides on another (its own client went away, a
 hedged request won elsewhere) names the request by the id it gave it. Ids are the caller's and not
-unique (engine/client/engine_client.py), so a request is found by (caller, id): an Abort call ends only the
-requests of its own caller, every one of them under that id, and never learns of anyone else's.
+unique (engine/client/engine_client.py), so a request is found by (caller, id): an Abort call ends
+the requests of its own caller, every one of them under that id, and never learns of anyone else's.
 
-The caller is its bearer token when the server requires one (`--auth-token-file`: the same token
-on any connection, so a router may abort from another channel or process), else its connection
-(gRPC's peer address with its port). Without tokens there is no identity to trust beyond the
-connection: many clients share one IP address behind a NAT, a proxy or a sidecar, and an address
-alone would let any of them end the others' requests.
+The caller is its bearer token when the server requires one (`--auth-token-file`): the same token
+on any connection or process, and no other token, reaches the request. Without tokens every caller
+is the one anonymous caller, as in vLLM (its engine aborts by request id) and SGLang
+(`/abort_request` ends the request it names for whoever asks): an Abort from another process, such
+as `pie-client abort ID` beside the client that streams, ends the request it names. A server open
+to callers who must not end each other's requests gives each a token.
 """
 
 from __future__ import annotations
@@ -20,15 +21,17 @@ import grpc
 
 from pie.engine.client.engine_client import EngineClient, RequestStream
 
+ANONYMOUS = "anonymous"  # every caller of a server without bearer tokens
+
 
 def caller_of(context: grpc.aio.ServicerContext, auth: bool) -> str:
     """The caller of an RPC: a digest of its bearer token (the auth interceptor accepted it
-    before the call got here), or its peer address."""
+    before the call got here), or the anonymous caller."""
     if auth:
         header = next((v for k, v in context.invocation_metadata() or () if k == "authorization"), "")
         token = header.removeprefix("Bearer ").strip() if isinstance(header, str) else ""
         return "token:" + hashlib.sha256(token.encode()).hexdigest()
-    return "peer:" + (context.peer() or "")
+    return ANONYMOUS
 
 
 class InFlight:

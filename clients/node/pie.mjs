@@ -246,8 +246,8 @@ export class PieClient {
    * Abort: ends this caller's in-flight Generate/GenerateStream calls by the request ids they were
    * given ({ request_ids: ['job-17'] }); resolves to { aborted_request_ids } (those found). The
    * aborted calls fail with a PieError of codeName 'CANCELLED', reason 'REQUEST_ABORTED'. A caller
-   * is its bearer token on a server with --auth-token-file, else its connection: call it on the
-   * PieClient that carries the requests.
+   * is its bearer token on a server with --auth-token-file; without tokens every caller is one, so
+   * any PieClient (or process) may abort a request by its id.
    */
   abort(request, options) {
     return this.#unary(this.service, 'Abort', request, options);

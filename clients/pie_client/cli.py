@@ -37,7 +37,8 @@ finish_reason, stop_reason, usage, logprobs, index; the last has finish_reason a
 Exit status: 0 done; 1 the server answered with an error, printed as one line on stderr (code,
 message, field, request id); 2 a usage error, printed by the flag it concerns, before anything is
 sent (a value the request cannot carry, such as --max-tokens 0 or a negative --seed); 130
-interrupted.
+interrupted; 141 stdout closed before the output ended (`| head`), quietly, as a shell reports a
+tool that SIGPIPE ended (the call is cancelled).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -59,6 +61,10 @@ from .errors import REQUEST_ID_KEY, PieError
 from .types import PromptLogprob, TokenLogprob
 
 _SUMMARY, _, _DETAILS = (__doc__ or "").partition("\n\n")
+# The exit status of a pipeline's writer whose reader left (`pie-client ... | head`): what a shell
+# reports for a process that SIGPIPE (13) ended, 128 + 13. Python ignores SIGPIPE, so the write
+# raises BrokenPipeError instead, and the CLI ends as if the signal had.
+EXIT_BROKEN_PIPE = 141
 
 # (flag, SamplingParams field, type, metavar, help) of the sampling options taking one value. An
 # absent flag sends nothing, so each help says in words what the server then does (generate.proto).
@@ -546,6 +552,18 @@ def _generate(client: Client, args: argparse.Namespace, prompt: Any) -> None:
     )
 
 
+def _silence_stdout() -> None:
+    """Points stdout's file descriptor at the null device, so that the interpreter's last flush at
+    exit, of what the closed pipe did not take, raises nothing."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # not a file (a test's capture)
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
     try:
@@ -577,6 +595,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PieError as error:
         print(f"pie-client: {error}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # stdout's reader went away: no message, nothing more to say
+        _silence_stdout()
+        return EXIT_BROKEN_PIPE
     except ValueError as error:  # a malformed address, or a value the request cannot carry
         print(f"pie-client: {error}", file=sys.stderr)
         return 2

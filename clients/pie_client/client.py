@@ -222,8 +222,8 @@ class Client:
 
         Returns the ids that named one (aborted now: their calls raise `Cancelled`, reason
         "REQUEST_ABORTED"); an id not returned was unknown, finished or another caller's. A caller is
-        its token on a server with --auth-token-file, else its connection: without a token, call
-        `abort` on the client that carries the requests.
+        its token on a server with --auth-token-file; without tokens every caller is one, so any
+        client, in any process, may abort a request by its id (docs/clients.md, "pie-client").
         """
         request = _convert.abort_request(request_ids)
         try:

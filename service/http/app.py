@@ -33,6 +33,7 @@ import grpc
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi_offline import FastAPIOffline
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
@@ -73,7 +74,10 @@ class Door:
 
 
 def build_app(door: Door) -> FastAPI:
-    app = FastAPI(title="pie", summary="OpenAI-compatible HTTP API of a pie server", docs_url="/docs")
+    # /docs (Swagger UI) with its script and styles served from the fastapi-offline package (under
+    # /static-offline-docs), not a CDN: the page works without internet. No /redoc: its bundle
+    # still fetches a logo from Redocly's CDN.
+    app = FastAPIOffline(title="pie", summary="OpenAI-compatible HTTP API of a pie server", redoc_url=None)
 
     async def refused(request: Request, err: Exception) -> JSONResponse:
         """Every error response of the door: an OpenAI error object with the call's x-request-id; a

@@ -16,13 +16,15 @@ RETRY_SECONDS = 1.5
 
 
 class FakeGenerateService(pb_grpc.GenerateServiceServicer):
-    """Canned answers; prompts "invalid" and "full" fail, "forever" streams until cancelled."""
+    """Canned answers; prompts "invalid" and "full" fail, "forever" streams one message and waits
+    until cancelled, "ticks" streams messages until cancelled (then sets `ticks_cancelled`)."""
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.requests: list[object] = []
         self.metadata: list[dict[str, str]] = []
         self.stream_cancelled = threading.Event()
+        self.ticks_cancelled = threading.Event()
 
     def _record(self, request: object, context: grpc.ServicerContext) -> str:
         metadata = dict(context.invocation_metadata())
@@ -88,6 +90,14 @@ class FakeGenerateService(pb_grpc.GenerateServiceServicer):
             context.add_callback(self.stream_cancelled.set)
             yield pb.GenerateStreamResponse(request_id=request_id, text="tick", token_ids=[7])
             self.stream_cancelled.wait(10)
+            return
+        if request.prompt == "ticks":  # gRPC stops taking messages once the call is cancelled
+            ended = threading.Event()
+            context.add_callback(lambda: ended.is_set() or self.ticks_cancelled.set())
+            for _ in range(10_000):  # 10 s at most
+                yield pb.GenerateStreamResponse(request_id=request_id, text="tick ", token_ids=[7])
+                threading.Event().wait(0.001)
+            ended.set()
             return
         yield pb.GenerateStreamResponse(request_id=request_id, text="Hel", token_ids=[1, 2],
                                         prompt_logprobs=self._prompt_logprobs(request.sampling))

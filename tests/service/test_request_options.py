@@ -1,10 +1,13 @@
 """The request options vLLM's and SGLang's gRPC callers bring, end to end through a real server and
 the bundled client: prompt logprobs (against transformers), logit_bias, min_tokens, the logprobs
-mode, Detokenize, and Abort by request id across connections and bearer tokens."""
+mode, Detokenize, and Abort by request id across connections, processes and bearer tokens."""
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -220,48 +223,76 @@ def _free_within_one_step(server, gate: StepGate, c: Client) -> None:
                         and server.core.scheduler.num_running == 0), what="the aborted requests' blocks back")
 
 
-def test_abort_only_the_callers_own_requests_across_connections(server, gate):
-    """Two clients on two connections run a request under the same id: each can abort only its own;
-    a third can abort neither. The aborted stream ends CANCELLED (REQUEST_ABORTED), again is a
-    no-op, and the blocks are free within one step."""
+def test_abort_without_tokens_reaches_the_request_from_any_connection(server, gate):
+    """Without tokens every caller is the anonymous one (vLLM's and SGLang's abort by id): a third
+    connection ends the request it names and only that one. The aborted stream ends CANCELLED
+    (REQUEST_ABORTED), again is a no-op, and the blocks are free within one step."""
     admission = server.pie.admission
     with Client(server.address, timeout=60, options=OWN_CONNECTION) as a, \
             Client(server.address, timeout=60, options=OWN_CONNECTION) as b, \
             Client(server.address, timeout=60, options=OWN_CONNECTION) as third:
         gate.hold()
         try:
-            fa, fb = _start_streams(server, gate, [(a, "job-1"), (b, "job-1")])
-            assert third.abort(["job-1", "job-2"]) == []
-            assert b.abort("job-1") == ["job-1"]
+            fa, fb = _start_streams(server, gate, [(a, "job-1"), (b, "job-2")])
+            assert third.abort(["job-2", "job-3"]) == ["job-2"]
             kind, error = fb.result(30)
-            assert kind == "cancelled" and error.reason == "REQUEST_ABORTED" and error.request_id == "job-1"
-            assert not fa.done()  # a's request under the same id runs on
-            assert b.abort("job-1") == [] and a.abort("job-9") == []
-            assert a.abort(["job-1", "job-1"]) == ["job-1"]
+            assert kind == "cancelled" and error.reason == "REQUEST_ABORTED" and error.request_id == "job-2"
+            assert not fa.done()  # the request under another id runs on
+            assert third.abort("job-2") == [] and a.abort("job-9") == []  # idempotent; an unknown id
+            assert b.abort(["job-1", "job-1"]) == ["job-1"]
             kind, error = fa.result(30)
             assert kind == "cancelled" and error.reason == "REQUEST_ABORTED"
-            assert a.abort("job-1") == []  # idempotent
             _free_within_one_step(server, gate, a)
         finally:
             gate.release()
     assert len(admission.in_flight) == 0
 
 
+def test_pie_client_abort_from_another_process(server, gate):
+    """docs/clients.md's `pie-client abort ID`: one process streams under a request id, another
+    aborts it by that id; the stream ends CANCELLED (exit 1) and the KV blocks are free."""
+    cli = [sys.executable, "-m", "pie_client", "--address", server.address]
+    gate.hold()
+    streaming = subprocess.Popen([*cli, "--request-id", "cli-job", "generate", "a b c d", "--max-tokens", "400",
+                                  "--ignore-eos"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: len(server.pie.admission.in_flight) == 1, timeout=60, what="the stream in the engine")
+        gate.allow(1)  # its prefill: the first token goes out
+        abort = subprocess.run([*cli, "abort", "cli-job"], capture_output=True, text=True, timeout=60)
+        assert abort.returncode == 0 and json.loads(abort.stdout) == {"aborted_request_ids": ["cli-job"]}, abort
+        _, err = streaming.communicate(timeout=60)
+        assert streaming.returncode == 1 and err.startswith("pie-client: CANCELLED: ") and "cli-job" in err, err
+        with Client(server.address, timeout=60) as c:
+            _free_within_one_step(server, gate, c)
+    finally:
+        gate.release()
+        if streaming.poll() is None:
+            streaming.kill()
+            streaming.wait()
+    assert len(server.pie.admission.in_flight) == 0
+
+
 def test_abort_with_tokens_is_per_token_not_per_connection(model_dir, tmp_path):
     """With --auth-token-file, the caller is its token: another connection with the same token
-    aborts the request, a connection with another token cannot."""
+    aborts the request, a connection with another token cannot, though it runs a request of its own
+    under the same id."""
     gate = StepGate()
     cfg = ServerConfig(port=0, grace_s=2, auth_tokens=("token-a", "token-b"), engine_setup=gate)
     with BackgroundServer(cfg, engine_config(model_dir)) as s, \
             Client(s.address, timeout=60, token="token-a", options=OWN_CONNECTION) as a, \
             Client(s.address, timeout=60, token="token-a", options=OWN_CONNECTION) as a_elsewhere, \
-            Client(s.address, timeout=60, token="token-b", options=OWN_CONNECTION) as b:
+            Client(s.address, timeout=60, token="token-b", options=OWN_CONNECTION) as b, \
+            Client(s.address, timeout=60, token="token-b", options=OWN_CONNECTION) as b_elsewhere:
         gate.hold()
         try:
-            (fa,) = _start_streams(s, gate, [(a, "job")])
-            assert b.abort("job") == []
+            fa, fb = _start_streams(s, gate, [(a, "job"), (b, "job")])
             assert a_elsewhere.abort("job") == ["job"]
             kind, error = fa.result(30)
+            assert kind == "cancelled" and error.reason == "REQUEST_ABORTED"
+            assert not fb.done()  # token-b's request under the same id runs on
+            assert a.abort("job") == []  # token-a has no other
+            assert b_elsewhere.abort("job") == ["job"]
+            kind, error = fb.result(30)
             assert kind == "cancelled" and error.reason == "REQUEST_ABORTED"
             _free_within_one_step(s, gate, a)
         finally:

@@ -107,9 +107,9 @@ class GenerateServiceServicer:
         """Aborts in-flight Generate and GenerateStream calls by the request ids their caller gave them,
         from any call of the same caller: the aborted calls end with CANCELLED (reason
         REQUEST_ABORTED) and their KV-cache blocks are free within one engine step. A caller is its
-        bearer token when the server requires one (--auth-token-file), else its connection (gRPC's
-        peer address, host and port: send Abort on the channel that carries the requests). Only the
-        caller's own requests are found; idempotent.
+        bearer token when the server requires one (--auth-token-file), from any connection; without
+        tokens every caller is the same one, so an Abort from any connection or process ends the
+        requests under the ids it names. Only the caller's own requests are found; idempotent.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
