@@ -46,7 +46,7 @@ fi
 held() { python3 -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$1" 2>/dev/null; }
 extra=()
 for pkg in fastapi starlette uvicorn h11 click anyio sniffio pydantic pydantic_core annotated-types annotated-doc \
-  typing-inspection typing_extensions opentelemetry-api importlib_metadata zipp gguf accelerate psutil; do
+  typing-inspection typing_extensions opentelemetry-api importlib_metadata zipp fastapi-offline gguf accelerate psutil; do
   v=$(held "$pkg" || true)
   extra+=("$pkg${v:+==$v}")
 done
