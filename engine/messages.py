@@ -114,6 +114,17 @@ class StepTimes:
         self.prompt_tokens += num_prompt_tokens
 
 
+class AdapterState(msgspec.Struct, array_like=True, gc=False):
+    """One loaded LoRA adapter as ListAdapters and the metrics see it (engine/scheduling/adapters.py)."""
+
+    name: str
+    path: str
+    rank: int
+    resident: bool  # holds a GPU slot now
+    running: int  # requests running on it
+    waiting: int  # requests waiting to run on it
+
+
 class EngineStats(msgspec.Struct, array_like=True, gc=False):
     kv_blocks_total: int
     kv_blocks_free: int  # free blocks, counting cached ones that no request holds (evictable at once)
@@ -123,6 +134,7 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False):
     prefix_cache_hits: int = 0  # of those, tokens found cached (cumulative)
     num_preemptions: int = 0  # requests preempted (cumulative)
     kv_blocks_cached: int = 0  # free blocks still holding reusable cached content (part of kv_blocks_free)
+    adapters: list[AdapterState] = []  # the loaded LoRA adapters (none without adapter slots)
     requests_waiting_by_priority: dict[int, int] = {}  # of requests_waiting, how many at each priority
     # Speculative decoding (cumulative; vLLM's spec_decode counters): verify rows that carried
     # proposals, proposals verified, accepted, and accepted at each proposal position (1st, 2nd, ...).
@@ -166,14 +178,32 @@ class AbortRequest(msgspec.Struct, tag=True, array_like=True):
     request_id: str
 
 
+class AdapterCommand(msgspec.Struct, tag=True, array_like=True):
+    """Load a LoRA adapter from a PEFT folder under `name` (`path` given) or unload it (`path`
+    None); answered by an AdapterReply in the next StepResult."""
+
+    command_id: int  # minted by the client, echoed in the reply
+    name: str
+    path: str | None = None
+
+
 class StopCore(msgspec.Struct, tag=True, array_like=True):
     """Stop the loop after its current step; what is left is aborted (the engine process exits)."""
 
 
-Command = AddRequest | AbortRequest | StopCore
+Command = AddRequest | AbortRequest | AdapterCommand | StopCore
 
 
 # ---- core -> client ---------------------------------------------------------------------------------
+class AdapterReply(msgspec.Struct, array_like=True, gc=False):
+    """How an AdapterCommand went: `error` None when done, else why not (`not_found`: no adapter
+    of that name)."""
+
+    command_id: int
+    error: str | None = None
+    not_found: bool = False
+
+
 class StepResult(msgspec.Struct, tag=True, array_like=True, gc=False):
     """What the loop publishes after a step with news (and at least every heartbeat while busy)."""
 
@@ -181,6 +211,7 @@ class StepResult(msgspec.Struct, tag=True, array_like=True, gc=False):
     stats: EngineStats  # the engine's counts after the step
     steps: int  # steps begun so far
     taken: int  # samples of AddRequests taken in so far (the client's queue accounting)
+    adapter_replies: list[AdapterReply] = []  # of the AdapterCommands applied before the step
 
 
 class CoreDied(msgspec.Struct, tag=True, array_like=True):
@@ -210,4 +241,5 @@ def decode_result(data: bytes) -> CoreMessage:
 
 def merge(first: StepResult, later: StepResult) -> StepResult:
     """Two results queued one after the other as one: both steps' outputs, the later counts."""
-    return StepResult(first.outputs + later.outputs, later.stats, later.steps, later.taken)
+    return StepResult(first.outputs + later.outputs, later.stats, later.steps, later.taken,
+                      first.adapter_replies + later.adapter_replies)

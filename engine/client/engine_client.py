@@ -34,6 +34,8 @@ import structlog
 from pie.engine.errors import EngineDeadError, QueueFullError, RequestAbortedError
 from pie.engine.messages import (
     AbortRequest,
+    AdapterCommand,
+    AdapterReply,
     AddRequest,
     Command,
     EngineInfo,
@@ -46,6 +48,7 @@ from pie.engine.sample.structured import GrammarCompiler
 from pie.engine.sampling_params import SamplingParams, StructuredOutputParams
 from pie.engine.scheduling.adapters import AdapterNotFoundError
 from pie.engine.validation import check_request
+from pie.model.lora import AdapterError
 
 if TYPE_CHECKING:
     from pie.model.tokenizer import Tokenizer
@@ -122,6 +125,10 @@ class EngineClient(Protocol):
                priority: int = 0, streamed: bool = False, adapter: str | None = None) -> RequestStream: ...
     def abort(self, stream: RequestStream) -> None: ...
     async def wait_idle(self) -> None: ...
+    @property
+    def adapter_names(self) -> list[str]: ...
+    async def load_adapter(self, name: str, path: str) -> None: ...
+    async def unload_adapter(self, name: str) -> None: ...
 
 
 class EngineClientBase:
@@ -146,6 +153,11 @@ class EngineClientBase:
         self._taken = 0  # of those, taken in by the loop (as of its latest step)
         # The adds on their way, in the order sent: (samples, priority), until the loop takes them.
         self._in_transit: deque[tuple[int, int]] = deque()
+        # LoRA adapters requests may name (None until first read: those of the engine's config), and
+        # the load / unload commands awaiting the loop's reply, by command id.
+        self._adapters: set[str] | None = None
+        self._adapter_ids = itertools.count()
+        self._adapter_replies: dict[int, asyncio.Future[AdapterReply]] = {}
         self._in_transit_from = 0  # samples sent before the oldest entry of _in_transit
         self._loop: asyncio.AbstractEventLoop | None = None
         self._idle = asyncio.Event()  # set while no request is in flight (drain waits on it)
@@ -204,8 +216,38 @@ class EngineClientBase:
 
     @property
     def adapter_names(self) -> list[str]:
-        """The LoRA adapters requests may name (those loaded at start)."""
-        return [name for name, _ in self.info.config.loras]
+        """The LoRA adapters requests may name now (loaded, not being unloaded)."""
+        return sorted(self._adapter_set())
+
+    def _adapter_set(self) -> set[str]:
+        if self._adapters is None:
+            self._adapters = {name for name, _ in self.info.config.loras}
+        return self._adapters
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Loads a LoRA adapter from a PEFT folder (AdapterError naming it when it cannot be
+        served); requests may name it once this returns."""
+        await self._adapter_command(name, path)
+        self._adapter_set().add(name)
+
+    async def unload_adapter(self, name: str) -> None:
+        """From now on no request may name it; those running on it finish. AdapterNotFoundError
+        for a name not loaded. (The loop applies commands in order: every add sent before this
+        unload still finds the adapter.)"""
+        if name not in self._adapter_set():
+            raise AdapterNotFoundError(name, "not loaded")
+        self._adapter_set().discard(name)
+        await self._adapter_command(name, None)
+
+    async def _adapter_command(self, name: str, path: str | None) -> None:
+        if self.dead is not None or self._stopping or self._loop is None:
+            raise EngineDeadError("the engine is not running")
+        command_id = next(self._adapter_ids)
+        reply = self._adapter_replies[command_id] = self._loop.create_future()
+        self._send(AdapterCommand(command_id, name, path))
+        done = await reply
+        if done.error is not None:
+            raise (AdapterNotFoundError if done.not_found else AdapterError)(name, done.error)
 
     def structured_known(self, params: StructuredOutputParams) -> bool:
         """`params` has been compiled here already: check_structured answers at once."""
@@ -279,6 +321,10 @@ class EngineClientBase:
         while self._in_transit and self._in_transit_from + self._in_transit[0][0] <= self._taken:
             self._in_transit_from += self._in_transit.popleft()[0]
         self._deliver(result.outputs)
+        for reply in result.adapter_replies:
+            waiting = self._adapter_replies.pop(reply.command_id, None)
+            if waiting is not None and not waiting.done():
+                waiting.set_result(reply)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for o in outputs:
@@ -310,6 +356,10 @@ class EngineClientBase:
         error = str(self.dead) if self.dead is not None else None
         self._deliver([RequestOutput(engine_id, [], "", finished=True, status=status, error=error, all_finished=True)
                        for engine_id in list(self._streams)])
+        for waiting in self._adapter_replies.values():
+            if not waiting.done():
+                waiting.set_exception(EngineDeadError(error or "the engine stopped"))
+        self._adapter_replies.clear()
 
     def _event_loop(self) -> asyncio.AbstractEventLoop:
         if self._loop is None:

@@ -4,10 +4,13 @@ smoothing folded into the weights before int8 pages quantize anything, and specu
 
 from __future__ import annotations
 
+from collections import Counter
+
 import structlog
 import torch
 
 from pie.engine.config import EngineConfig
+from pie.engine.messages import AdapterCommand, AdapterReply, AdapterState
 from pie.engine.runner.kv_cache import KVCache
 from pie.engine.runner.model_runner import ModelRunner
 from pie.engine.runner.tensor_parallel import Leader
@@ -18,7 +21,7 @@ from pie.engine.spec_decode.speculator import NgramProposer, Proposer, Speculato
 from pie.model import smoothing
 from pie.model.config import ModelConfig
 from pie.model.llama import LlamaForCausalLM
-from pie.model.lora import LoraBank
+from pie.model.lora import AdapterError, LoraBank
 from pie.model.tokenizer import Tokenizer
 
 log = structlog.get_logger(__name__)
@@ -43,7 +46,8 @@ def make_adapters(model: LlamaForCausalLM, config: EngineConfig, device: torch.d
                   factors: smoothing.KVSmoothing | None) -> Adapters | None:
     """The LoRA slots `config` asks for (None: max_loras 0), hooked into `model`, with the adapters
     it names loaded (AdapterError, naming one, when it cannot be served). K/V smoothing already
-    folded into the weights (`factors`) is folded into every adapter too."""
+    folded into the weights (`factors`) is folded into every adapter too. Made before the KV pool is
+    sized, which then counts the slots' memory as taken."""
     if not config.max_loras:
         return None
     mc = model.config
@@ -70,6 +74,30 @@ def resolve_adapter(adapters: Adapters | None, name: str | None) -> Adapter | No
     if name is not None and adapters is None:
         raise AdapterNotFoundError(name, "not loaded (this engine has no adapter slots: max_loras is 0)")
     return None if adapters is None else adapters.resolve(name)
+
+
+def adapter_command(adapters: Adapters | None, cmd: AdapterCommand) -> AdapterReply:
+    """Applies a load (cmd.path given) or an unload of a LoRA adapter; its reply."""
+    try:
+        if adapters is None:
+            raise AdapterError(cmd.name, "this server has no adapter slots (start it with --max-loras N)")
+        if cmd.path is None:
+            adapters.unload(cmd.name)
+        else:
+            adapters.load(cmd.name, cmd.path)
+    except AdapterNotFoundError as e:
+        return AdapterReply(cmd.command_id, e.reason, not_found=True)
+    except AdapterError as e:
+        return AdapterReply(cmd.command_id, e.reason)
+    return AdapterReply(cmd.command_id)
+
+
+def adapter_states(adapters: Adapters | None, waiting) -> list[AdapterState]:
+    """Every loaded adapter and how many requests run and wait on it (EngineStats.adapters)."""
+    if adapters is None:
+        return []
+    queued = Counter(r.adapter.name for r in waiting if r.adapter is not None and not r.adapter.unloaded)
+    return [AdapterState(i.name, i.path, i.rank, i.resident, i.running, queued.get(i.name, 0)) for i in adapters.info()]
 
 
 def spec_stats(speculator: Speculator | None) -> dict:

@@ -16,7 +16,8 @@ import structlog
 import torch
 
 from pie.engine.config import EngineConfig, usable_cores
-from pie.engine.core.build import make_adapters, make_speculator, resolve_adapter, smooth_kv, spec_stats, use_kernels
+from pie.engine.core import build
+from pie.engine.core.build import make_speculator, smooth_kv, spec_stats, use_kernels
 from pie.engine.core.step_timer import StepTimer
 from pie.engine.device import TORCH_DTYPES, auto_dtype, resolve_device
 from pie.engine.errors import EngineDeadError
@@ -82,8 +83,7 @@ class EngineCore:
         mc: ModelConfig = self.model_config
         check_vocab(config.model, mc, self.tokenizer)
         factors = smooth_kv(self.model, mc, self.tokenizer, self._tp, config)  # None: not for this cache
-        # LoRA slots: allocated before the pool is sized, which then counts them as taken
-        self.adapters = make_adapters(self.model, config, self.device, factors)
+        self.adapters = build.make_adapters(self.model, config, self.device, factors)
         self.vocab_size = mc.vocab_size
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
         self.max_model_len = mc.max_model_len if config.max_model_len is None else min(config.max_model_len, mc.max_model_len)
@@ -181,7 +181,7 @@ class EngineCore:
         its caller reads tokens as they come (the stall bound protects its decodes). A structured
         output's constraint starts compiling now (on a thread; the samples are admitted once it is
         done). `adapter`: the LoRA adapter it runs on (AdapterNotFoundError). ValueError for an id in use."""
-        lora = resolve_adapter(self.adapters, adapter)
+        lora = build.resolve_adapter(self.adapters, adapter)
         n, group = sampling.n, SampleGroup(request_id)
         for i in range(n):
             grammar = self.structured.grammar_for(sampling.structured) if sampling.structured is not None else None
@@ -197,6 +197,10 @@ class EngineCore:
                     adapter=lora)
         self.scheduler.add_request(group)
         return group
+
+    def adapter_command(self, cmd: build.AdapterCommand) -> build.AdapterReply:
+        """Loads or unloads a LoRA adapter (engine/scheduling/adapters.py) between steps."""
+        return build.adapter_command(self.adapters, cmd)
 
     def abort(self, request_id: str) -> bool:
         """Drops a request (every sample of it) and frees its blocks now. False for an unknown id."""
@@ -228,6 +232,7 @@ class EngineCore:
             prefix_cache_hits=self.block_manager.prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions,
             kv_blocks_cached=self.block_manager.num_cached_free_blocks,
+            adapters=build.adapter_states(self.adapters, self.scheduler.waiting),
             requests_waiting_by_priority=self.scheduler.num_waiting_by_priority(),
             step_buckets={kind: list(counts) for kind, counts in self.step_times.counts.items()},
             step_seconds=dict(self.step_times.sums),

@@ -25,7 +25,7 @@ import structlog
 
 from pie.engine.core.engine_core import EngineCore
 from pie.engine.errors import StepTimeoutError
-from pie.engine.messages import AbortRequest, AddRequest, Command, StepResult
+from pie.engine.messages import AbortRequest, AdapterCommand, AdapterReply, AddRequest, Command, StepResult
 
 log = structlog.get_logger(__name__)
 
@@ -131,12 +131,17 @@ def step_watchdog(clock: StepClock, timeout_s: float, on_hang: Callable[[StepTim
                     lambda waited: f"engine step {clock.steps} has run for more than {timeout_s} s", hung)
 
 
-def apply_commands(engine: EngineCore, commands: list[Command]) -> int:
-    """Applies AddRequest / AbortRequest in order; returns the samples the adds brought in. The
-    requests were validated by the client that sent them (the one place requests are checked,
-    engine/client/engine_client.py): an add that fails here is a bug, and ends the loop."""
+def apply_commands(engine: EngineCore, commands: list[Command], replies: list[AdapterReply]) -> int:
+    """Applies AddRequest / AbortRequest / AdapterCommand in order; returns the samples the adds
+    brought in, and appends each adapter command's outcome to `replies`. The requests were
+    validated by the client that sent them (the one place requests are checked,
+    engine/client/engine_client.py; it sends no add naming an adapter it unloads, and commands
+    arrive in order): an add that fails here is a bug, and ends the loop."""
     taken = 0
     for cmd in commands:
+        if isinstance(cmd, AdapterCommand):
+            replies.append(engine.adapter_command(cmd))
+            continue
         if isinstance(cmd, AddRequest):
             taken += cmd.sampling.n
             engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.sampling, priority=cmd.priority,
@@ -161,7 +166,8 @@ def run_core_loop(engine: EngineCore, inbox: Inbox, clock: StepClock, publish: P
             commands = inbox.take(block=not engine.has_unfinished())
             if commands is None:
                 return
-            taken += apply_commands(engine, commands)
+            replies: list[AdapterReply] = []
+            taken += apply_commands(engine, commands, replies)
             outputs = []
             if engine.has_unfinished():
                 clock.steps += 1
@@ -174,7 +180,7 @@ def run_core_loop(engine: EngineCore, inbox: Inbox, clock: StepClock, publish: P
                 return  # the watchdog gave up on this step; the owner failed its requests
             now = time.monotonic()
             if outputs or commands or now - published_at >= heartbeat_s:
-                publish(StepResult(outputs, engine.stats(), clock.steps, taken))
+                publish(StepResult(outputs, engine.stats(), clock.steps, taken, replies))
                 published_at = now
     finally:
         engine.abort_all()

@@ -181,3 +181,71 @@ def test_slots_lru_and_unload(lora_setup):
     assert b.slot == -1 and 0 in bank.cleared
     with pytest.raises(AdapterError, match="already loaded"):
         slots.load("qv8", folders["qv8"])
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_carry_the_slots(lora_setup):
+    """On CUDA the slots are graph inputs: decode graphs and piecewise prompt graphs give the
+    eager engine's ids, and both keep peft's (fp32; TF32 attention dots may flip a near tie)."""
+    model_dir, folders, prompts, names, want = lora_setup
+    sampling = SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True)
+    got = {}
+    for eager in (True, False):
+        engine = EngineCore(EngineConfig(model=str(model_dir), device="cuda", dtype="fp32", kv_cache_dtype="fp32",
+                                         num_kv_blocks=128, max_num_seqs=8, max_loras=2, max_lora_rank=64,
+                                         loras=tuple((n, str(f)) for n, f in folders.items()), enforce_eager=eager))
+        got[eager] = engine.generate(prompts, sampling, names)
+        del engine
+    assert got[False] == got[True]
+    agree = sum(common_prefix(g, w) / TOKENS for g, w in zip(got[False], want, strict=True)) / len(want)
+    assert agree >= 0.9, agree
+
+
+def test_load_and_unload_at_run_time(lora_setup):
+    """Through the engine's client, as the servicer calls it: an adapter loaded while the engine
+    runs serves at once; unloading it while a request runs on it lets that request finish with
+    the same ids, and refuses new requests naming it; errors name the adapter."""
+    import asyncio
+
+    from pie.engine.client.thread import ThreadEngineClient
+
+    model_dir, folders, prompts, names, want = lora_setup
+    engine = EngineCore(EngineConfig(model=str(model_dir), device="cpu", dtype="fp32", kv_cache_dtype="fp32",
+                                     num_kv_blocks=128, max_num_seqs=8, max_loras=1, max_lora_rank=64))
+    sampling = SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True)
+    i = names.index("mlp64")
+
+    async def collect(stream) -> list[int]:
+        ids: list[int] = []
+        while True:
+            for o in await stream.next_batch():
+                ids += o.new_token_ids
+                if o.all_finished:
+                    return ids
+
+    async def scenario():
+        handle = ThreadEngineClient.around(engine)
+        handle.start(asyncio.get_running_loop())
+        try:
+            with pytest.raises(AdapterNotFoundError, match="'mlp64': not loaded"):
+                handle.submit(prompts[i], sampling, caller_id="early", adapter="mlp64")
+            await handle.load_adapter("mlp64", str(folders["mlp64"]))
+            assert handle.adapter_names == ["mlp64"]
+            with pytest.raises(AdapterError, match="'mlp64': already loaded"):
+                await handle.load_adapter("mlp64", str(folders["mlp64"]))
+            with pytest.raises(AdapterError, match="'bad': no adapter_config.json"):
+                await handle.load_adapter("bad", str(model_dir))
+            running = handle.submit(prompts[i], sampling, caller_id="a", adapter="mlp64")
+            await handle.unload_adapter("mlp64")  # while it runs (or waits): it finishes on its adapter
+            with pytest.raises(AdapterNotFoundError):
+                handle.submit(prompts[i], sampling, caller_id="b", adapter="mlp64")
+            with pytest.raises(AdapterNotFoundError):
+                await handle.unload_adapter("mlp64")
+            assert await collect(running) == want[i]
+            await handle.wait_idle()
+            assert handle.stats().adapters == []
+        finally:
+            handle.stop()
+
+    asyncio.run(scenario())
+    assert engine.adapters is not None and engine.adapters.names() == []
