@@ -14,11 +14,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import grpc
+import structlog
 
 from pie.engine.client.engine_client import EngineClient, RequestStream
 from pie.engine.errors import EngineDeadError, QueueFullError, RequestError
+from pie.engine.messages import AdapterState
 from pie.engine.sampling_params import SamplingParams
+from pie.engine.scheduling.adapters import AdapterNotFoundError
 from pie.model.chat_template import ChatTemplates
+from pie.model.lora import AdapterError
 from pie.service.aborts import InFlight
 from pie.service.errors import ServiceError
 from pie.service.metrics import ServiceMetrics
@@ -26,6 +30,8 @@ from pie.service.prompts import check_structured, prompt_ids, render
 from pie.service.validation import ChatPrompt, Limits, prompt_from_proto, qualify, sampling_from_proto
 from pie.service.workers import Workers
 from pie.v1 import generate_pb2 as pb
+
+log = structlog.get_logger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,8 +54,8 @@ class Admission:
         self.limits = limits or Limits()
         self.metrics = metrics or ServiceMetrics(model_name)
         self.engine_client: EngineClient | None = None  # set once the model is loaded
-        # Callers are told apart by bearer token when the server requires one, else by connection
-        # (service/aborts.py): whose requests an Abort call may end.
+        # Callers are told apart by bearer token when the server requires one, else all are one
+        # anonymous caller (service/aborts.py): whose requests an Abort call may end.
         self.auth = auth
         self.in_flight = InFlight()
         # The model's chat templates (set with the engine client), or why chats cannot be served.
@@ -118,10 +124,47 @@ class Admission:
         client = self.ready_client()  # it may have stopped while the prompt was prepared
         try:
             stream = client.submit(prompt, sampling, caller_id=request_id, priority=request.priority,
-                                   streamed=streamed)
+                                   streamed=streamed, adapter=request.adapter or None)
+        except AdapterNotFoundError as e:
+            raise adapter_error(e, "adapter") from None
         except QueueFullError as e:
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"server is at capacity: {e}",
                                reason="QUEUE_FULL", retry_after_s=1.0) from e
         except EngineDeadError as e:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, str(e), reason="ENGINE_STOPPED") from e
         return Admitted(request_id, client, prompt, sampling, stream)
+
+    # ---- LoRA adapters (both doors' load, unload and list) ----------------------------------------
+    async def load_adapter(self, name: str, path: str) -> AdapterState:
+        """Loads a PEFT adapter folder under `name`; ServiceError naming it when it cannot."""
+        client = self.ready_client()
+        if not name:
+            raise RequestError("name", "must not be empty")
+        if not path:
+            raise RequestError("path", "must name the adapter's folder")
+        try:
+            await client.load_adapter(name, path)
+        except AdapterError as e:
+            raise adapter_error(e, "path") from None
+        log.info("adapter_loaded", adapter=name, path=path)
+        return next((a for a in self.adapters() if a.name == name), AdapterState(name, path, 0, False, 0, 0))
+
+    async def unload_adapter(self, name: str) -> None:
+        try:
+            await self.ready_client().unload_adapter(name)
+        except AdapterError as e:
+            raise adapter_error(e, "name") from None
+        log.info("adapter_unloaded", adapter=name)
+
+    def adapters(self) -> list[AdapterState]:
+        """The loaded adapters (those being unloaded left out), as of the engine's latest step."""
+        client = self.ready_client()
+        names = set(client.adapter_names)
+        return [a for a in client.stats().adapters if a.name in names]
+
+
+def adapter_error(err: AdapterError, field: str) -> ServiceError:
+    """An adapter's refusal as a status naming it: NOT_FOUND for an unknown name, else INVALID_ARGUMENT."""
+    if isinstance(err, AdapterNotFoundError):
+        return ServiceError(grpc.StatusCode.NOT_FOUND, str(err), reason="ADAPTER_NOT_FOUND", field=field)
+    return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(err), reason="ADAPTER_INVALID", field=field)

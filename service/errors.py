@@ -27,6 +27,9 @@ REASONS: dict[str, tuple[grpc.StatusCode, str]] = {
     "MALFORMED_MESSAGE": (grpc.StatusCode.INVALID_ARGUMENT, "the request bytes do not parse as the RPC's message"),
     "NO_CHAT_TEMPLATE": (grpc.StatusCode.FAILED_PRECONDITION, "a chat was sent and the model has no usable chat "
                          "template (none, or it does not compile): start pie serve with --chat-template FILE"),
+    "ADAPTER_NOT_FOUND": (grpc.StatusCode.NOT_FOUND, "the request names a LoRA adapter that is not loaded (ListAdapters)"),
+    "ADAPTER_INVALID": (grpc.StatusCode.INVALID_ARGUMENT, "LoadAdapter: the adapter cannot be served (its rank, modules, "
+                        "shapes or files; the message names it), or the server has no adapter slots (--max-loras)"),
     "UNAUTHENTICATED": (grpc.StatusCode.UNAUTHENTICATED, "bearer token missing or not accepted (--auth-token-file)"),
     "QUEUE_FULL": (grpc.StatusCode.RESOURCE_EXHAUSTED, "the waiting queue is at --max-waiting (RetryInfo: 1 s)"),
     "OUT_OF_MEMORY": (grpc.StatusCode.RESOURCE_EXHAUSTED, "the device ran out of memory for this request (RetryInfo: 1 s)"),

@@ -79,6 +79,7 @@ async def start(admission: Admission, request: pb.GenerateRequest | pb.GenerateS
     logged, counted and raised."""
     try:
         s.request_id = rid = request_id_from(request, channel.headers, channel.mint_id)
+        s.adapter = request.adapter or None
         admitted = await admission.admit(request, rid, streamed=streamed, to_context=to_context)
     except (RequestError, ServiceError) as e:
         refused = status_of(e)
@@ -196,7 +197,8 @@ def end_summary(metrics: ServiceMetrics, s: RequestSummary, code: grpc.StatusCod
     s.status, s.error, s.ended = code.name, error, True
     metrics.request_finished(
         rpc=s.rpc, code=s.status, prompt_tokens=s.prompt_tokens, generated_tokens=s.generated_tokens,
-        finished_reason=s.finish_reason, e2e_s=s.total_s if s.finish_reason is not None else None)
+        finished_reason=s.finish_reason, e2e_s=s.total_s if s.finish_reason is not None else None,
+        adapter=s.adapter)
     s.emit(log)
 
 

@@ -56,6 +56,7 @@ class RequestSummary:
     # accepted; reported on the outputs that finish its samples.
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    adapter: str | None = None  # the LoRA adapter it asked for (None: the base model)
 
     def tokens_arrived(self, n: int, now: float) -> float | None:
         """Records `n` new tokens at `now`; returns the gap since the previous ones (None for the first)."""
@@ -80,6 +81,8 @@ class RequestSummary:
             ttft_ms=None if self.ttft_s is None else round(1e3 * self.ttft_s, 2),
             queue_ms=None if self.queue_time_s is None else round(1e3 * self.queue_time_s, 2),
             total_ms=round(1e3 * self.total_s, 2), finish_reason=self.finish_reason)
+        if self.adapter is not None:
+            fields["adapter"] = self.adapter
         if self.num_draft_tokens:  # the request speculated
             fields.update(num_draft_tokens=self.num_draft_tokens, num_accepted_tokens=self.num_accepted_tokens,
                           acceptance_rate=round(self.num_accepted_tokens / self.num_draft_tokens, 3))

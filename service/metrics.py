@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterable
 from socketserver import ThreadingMixIn
 from typing import Any
@@ -53,8 +54,9 @@ class _EngineCollector(Collector):
     """Scheduler and cache state, read from the engine when Prometheus scrapes (never cached)."""
 
     def __init__(self, model_name: str, stats: Callable[[], EngineStats | None],
-                 num_speculative_tokens: int | None = None) -> None:
+                 num_speculative_tokens: int | None = None, max_loras: int = 0) -> None:
         self.model_name = model_name
+        self.max_loras = max_loras  # LoRA slots (--max-loras); 0: no adapters (no lora series)
         self.stats = stats  # None while the model is still loading
         self.num_speculative_tokens = num_speculative_tokens  # K; None: speculative decoding off (no series)
 
@@ -120,8 +122,21 @@ class _EngineCollector(Collector):
                     "step (0 until measured).", stats.stall_prompt_token_s)
         yield gauge("pie_stall_bound_decode_ratio", "Measured decode-only steps over the stall bound's model of "
                     "them (CUDA graphs timed at start; 1 until measured).", stats.stall_decode_ratio)
+        if self.max_loras:
+            yield self._lora_info(stats)
         if self.num_speculative_tokens is not None:
             yield from self._spec_decode(stats, counter)
+
+    def _lora_info(self, stats: EngineStats) -> GaugeMetricFamily:
+        """vLLM's `vllm:lora_requests_info`, as the Gateway API Inference Extension's endpoint
+        picker reads it: one sample whose labels name the slot count and the adapters with running
+        and waiting requests (comma-separated), whose value is when it was taken (the picker
+        keeps the newest)."""
+        g = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on LoRA requests.",
+                              labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+        g.add_metric([str(self.max_loras), ",".join(a.name for a in stats.adapters if a.running),
+                      ",".join(a.name for a in stats.adapters if a.waiting)], time.time())
+        return g
 
     def _spec_decode(self, stats: EngineStats, counter: Callable[[str, str, float], CounterMetricFamily]):
         """vLLM v1's speculative-decoding counters, from the engine's cumulative counts."""
@@ -142,8 +157,9 @@ class ServiceMetrics:
     """The server's metrics and (optionally) the HTTP endpoint that serves them on /metrics."""
 
     def __init__(self, model_name: str, stats: Callable[[], EngineStats | None] = lambda: None, *,
-                 num_speculative_tokens: int | None = None) -> None:
-        """`num_speculative_tokens`: K of `--speculative`; None when it is off (no spec_decode series)."""
+                 num_speculative_tokens: int | None = None, max_loras: int = 0) -> None:
+        """`num_speculative_tokens`: K of `--speculative`; None when it is off (no spec_decode series).
+        `max_loras`: LoRA slots (`--max-loras`); 0: no adapters (no lora series)."""
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
         r, m = self.registry, ["model_name"]
@@ -167,9 +183,17 @@ class ServiceMetrics:
         self.request_generation_tokens = Histogram("vllm:request_generation_tokens",
                                                    "Number of generation tokens processed.", m,
                                                    buckets=TOKEN_BUCKETS, registry=r)
+        # LoRA adapters: requests by adapter and outcome, and their tokens.
+        self.adapter_requests = Counter("pie_adapter_requests", "Finished generation requests by LoRA adapter and "
+                                        "gRPC status code.", [*m, "adapter", "code"], registry=r)
+        self.adapter_prompt_tokens = Counter("pie_adapter_prompt_tokens", "Prefill tokens processed, by LoRA adapter.",
+                                             [*m, "adapter"], registry=r)
+        self.adapter_generation_tokens = Counter("pie_adapter_generation_tokens",
+                                                 "Generation tokens processed, by LoRA adapter.", [*m, "adapter"],
+                                                 registry=r)
         self.finished = Counter("pie_requests_finished", "Finished RPCs by method and gRPC status code.",
                                 [*m, "rpc", "code"], registry=r)
-        self.registry.register(_EngineCollector(model_name, stats, num_speculative_tokens))
+        self.registry.register(_EngineCollector(model_name, stats, num_speculative_tokens, max_loras))
         # Make the labelled series exist at 0 from the start, so rate() works from the first scrape.
         for reason in FINISHED_REASONS:
             self.request_success.labels(model_name, reason)
@@ -198,13 +222,19 @@ class ServiceMetrics:
 
     def request_finished(self, *, rpc: str, code: str, prompt_tokens: int | None = None,
                          generated_tokens: int = 0, finished_reason: str | None = None,
-                         e2e_s: float | None = None) -> None:
+                         e2e_s: float | None = None, adapter: str | None = None) -> None:
         """Every RPC ends here once. Requests the engine served (prompt_tokens known) also count
-        their tokens; those that reached a finish reason count in request_success."""
+        their tokens; those that reached a finish reason count in request_success; a LoRA
+        adapter's requests and tokens count by adapter too."""
         self.finished.labels(self.model_name, rpc, code).inc()
+        if adapter is not None:
+            self.adapter_requests.labels(self.model_name, adapter, code).inc()
         if prompt_tokens is None:
             return
         name = self.model_name
+        if adapter is not None:
+            self.adapter_prompt_tokens.labels(name, adapter).inc(prompt_tokens)
+            self.adapter_generation_tokens.labels(name, adapter).inc(generated_tokens)
         self.prompt_tokens.labels(name).inc(prompt_tokens)
         self.generation_tokens.labels(name).inc(generated_tokens)
         if finished_reason is not None:

@@ -38,7 +38,8 @@ def engine_config_from(args: argparse.Namespace) -> EngineConfig:
         attention_backend=args.attention_backend, cpu_threads=args.cpu_threads,
         tensor_parallel_size=args.tensor_parallel_size, enable_prefix_caching=args.enable_prefix_caching,
         logprobs_mode=args.logprobs_mode, batch_invariant=args.batch_invariant, speculative=args.speculative,
-        draft_model=args.draft_model,
+        draft_model=args.draft_model, loras=tuple(args.lora), max_lora_rank=args.max_lora_rank,
+        max_loras=args.max_loras if args.max_loras is not None else (min(len(args.lora), 8)),
         **given)
 
 

@@ -33,6 +33,14 @@ def _port(text: str) -> int:
 _port.__name__ = "port"
 
 
+def _lora(text: str) -> tuple[str, str]:
+    """--lora NAME=DIR."""
+    name, sep, folder = text.partition("=")
+    if not sep or not name.strip() or not folder.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=DIR (an adapter's name, then its PEFT folder)")
+    return name.strip(), folder.strip()
+
+
 def _gib(text: str) -> float:
     """argparse type of --kv-cache-memory: a positive, finite number of GiB."""
     value = float(text)
@@ -138,6 +146,16 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt-lookup-min", type=int, default=None, metavar="N",
                    help="--speculative ngram: the shortest suffix looked up; shorter matches propose nothing "
                         f"(default: {d.prompt_lookup_min})")
+    p.add_argument("--lora", action="append", default=[], metavar="NAME=DIR", type=_lora,
+                   help="a LoRA adapter (a PEFT folder: adapter_config.json, adapter_model.safetensors) loaded at "
+                        "start under NAME, which requests give as their adapter (gRPC `adapter`, HTTP `model`); "
+                        "repeatable; more load at run time (LoadAdapter, POST /v1/load_lora_adapter)")
+    p.add_argument("--max-loras", type=int, default=None, metavar="N",
+                   help="GPU slots for the LoRA adapters requests run on at once, set aside before the KV pool "
+                        "is sized; more adapters may be loaded, idle ones leave their slot (LRU) and a request "
+                        "waits for one (default: one per --lora adapter, at most 8; none without --lora)")
+    p.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank, metavar="R",
+                   help=f"the largest rank an adapter may have (the slots are sized for it; default: {d.max_lora_rank})")
     p.add_argument("--grace", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM")
     p.add_argument("--model-name", default=None, help="name reported by GetModelInfo and in the metrics' model_name label (default: the model folder's name)")
     p.add_argument("--max-message-bytes", type=int, default=16 << 20,

@@ -133,7 +133,8 @@ class PieServer:
         self.engine_config = engine_config
         name = server_config.model_name or Path(engine_config.model).resolve().name
         self.metrics = ServiceMetrics(name, self._engine_stats, num_speculative_tokens=(
-            engine_config.num_speculative_tokens if engine_config.speculative else None))
+            engine_config.num_speculative_tokens if engine_config.speculative else None),
+            max_loras=engine_config.max_loras)
         self.metrics_port: int | None = None  # bound once start() served /metrics
         # The one admission both doors hold (service/admission.py): the engine client, chat
         # templates, limits, in-flight requests and the draining flags live there.

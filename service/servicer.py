@@ -18,7 +18,7 @@ import grpc
 import structlog
 
 from pie.engine.errors import RequestError
-from pie.engine.messages import EngineStats, RequestOutput
+from pie.engine.messages import AdapterState, EngineStats, RequestOutput
 from pie.service.aborts import caller_of
 from pie.service.admission import Admission
 from pie.service.answers import stream_messages, unary_response
@@ -194,6 +194,27 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             return pb.AbortResponse(aborted_request_ids=found)
         return None  # type: ignore[return-value]  # refused: the status set is the answer
 
+    async def LoadAdapter(self, request: pb.LoadAdapterRequest, context) -> pb.LoadAdapterResponse:
+        return await _answered(context, self._load_adapter(request))
+
+    async def _load_adapter(self, request: pb.LoadAdapterRequest) -> pb.LoadAdapterResponse:
+        return pb.LoadAdapterResponse(adapter=_adapter(await self.admission.load_adapter(request.name, request.path)))
+
+    async def UnloadAdapter(self, request: pb.UnloadAdapterRequest, context) -> pb.UnloadAdapterResponse:
+        return await _answered(context, self._unload_adapter(request))
+
+    async def _unload_adapter(self, request: pb.UnloadAdapterRequest) -> pb.UnloadAdapterResponse:
+        await self.admission.unload_adapter(request.name)
+        return pb.UnloadAdapterResponse()
+
+    async def ListAdapters(self, request: pb.ListAdaptersRequest, context) -> pb.ListAdaptersResponse:
+        return await _answered(context, self._list_adapters())
+
+    async def _list_adapters(self) -> pb.ListAdaptersResponse:
+        cfg = self.admission.ready_client().info.config
+        return pb.ListAdaptersResponse(adapters=[_adapter(a) for a in self.admission.adapters()],
+                                       max_loras=cfg.max_loras, max_lora_rank=cfg.max_lora_rank)
+
     async def Detokenize(self, request: pb.DetokenizeRequest, context) -> pb.DetokenizeResponse:
         return await _answered(context, self._detokenize(request))
 
@@ -214,3 +235,8 @@ def _speculative(method: str, k: int, stats: EngineStats) -> pb.SpeculativeDecod
         method=method, num_speculative_tokens=k, num_drafts=drafts, num_draft_tokens=proposed,
         num_accepted_tokens=accepted, acceptance_rate=accepted / proposed if proposed else 0.0,
         mean_acceptance_length=1 + accepted / drafts if drafts else 0.0)
+
+
+def _adapter(a: AdapterState) -> pb.Adapter:
+    return pb.Adapter(name=a.name, path=a.path, rank=a.rank, resident=a.resident, requests_running=a.running,
+                      requests_waiting=a.waiting)

@@ -10,6 +10,7 @@ import structlog
 import torch
 
 from pie.engine.config import EngineConfig
+from pie.engine.errors import StartupError
 from pie.engine.messages import AdapterCommand, AdapterReply, AdapterState
 from pie.engine.runner.kv_cache import KVCache
 from pie.engine.runner.model_runner import ModelRunner
@@ -62,7 +63,10 @@ def make_adapters(model: LlamaForCausalLM, config: EngineConfig, device: torch.d
     bank.attach(model, ops)
     adapters = Adapters(bank, mc)
     for name, folder in config.loras:
-        adapters.load(name, folder)
+        try:
+            adapters.load(name, folder)
+        except AdapterError as e:
+            raise StartupError(f"--lora {name}={folder}: {e.reason}") from None
     log.info("lora_slots", slots=config.max_loras, max_rank=config.max_lora_rank,
              bytes=LoraBank.nbytes(mc, config.max_loras, config.max_lora_rank, model.embed_tokens.weight.dtype),
              loaded=adapters.names())

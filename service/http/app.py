@@ -7,10 +7,14 @@ log and count alike; its outputs come back as OpenAI's bodies or server-sent eve
     GET  /                     the playground page (service/http/playground.html)
     GET  /health               200 while serving; 503 while loading or draining
     GET  /metrics              Prometheus text (the --metrics-port series)
-    GET  /v1/models            the served model
-    GET  /v1/models/{id}       the served model by its name (404 model_not_found for another)
+    GET  /v1/models            the served model and its loaded LoRA adapters (`parent`: the model)
+    GET  /v1/models/{id}       one of them by its name (404 model_not_found for another)
     POST /v1/completions       text or token-id prompts (a list of them too)
     POST /v1/chat/completions  a conversation, rendered with the model's chat template
+    POST /v1/load_lora_adapter    {"lora_name", "lora_path"}: load a PEFT adapter (vLLM's route)
+    POST /v1/unload_lora_adapter  {"lora_name"}: unload it; requests running on it finish
+
+A generation's `model` picks the base model (the served name) or a loaded adapter (its name).
 
 Every non-2xx body is an OpenAI error object (service/http/errors.py), with the call's
 x-request-id header: 400 bad input (the parameter named), 401 a missing or wrong API key (the
@@ -32,7 +36,7 @@ from typing import Any
 import grpc
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from fastapi_offline import FastAPIOffline
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
@@ -43,7 +47,14 @@ from pie.service.errors import ServiceError
 from pie.service.generation import end_summary
 from pie.service.http.calls import Call, HttpChannel, collect, sse
 from pie.service.http.errors import HttpError, Params, body_problem, http_error, not_found, params_of
-from pie.service.http.requests import ChatRequest, CompletionRequest, chat_request, completion_requests
+from pie.service.http.requests import (
+    ChatRequest,
+    CompletionRequest,
+    LoadLoraRequest,
+    UnloadLoraRequest,
+    chat_request,
+    completion_requests,
+)
 from pie.service.http.responses import (
     Answer,
     chat_body,
@@ -117,16 +128,26 @@ def build_app(door: Door) -> FastAPI:
                             type="authentication_error", code="invalid_api_key",
                             grpc_code=grpc.StatusCode.UNAUTHENTICATED)
 
-    def check_model(model: str | None) -> None:
-        if model is not None and model != door.model_name:
-            raise not_found(f"the model {model!r} does not exist; this server serves {door.model_name!r}",
-                            "model_not_found")
+    def adapter_names() -> list[str]:
+        client = door.admission.engine_client
+        return [] if client is None else client.adapter_names
 
-    def model_card() -> dict[str, Any]:
-        card: dict[str, Any] = {"id": door.model_name, "object": "model", "created": int(time.time()),
+    def check_model(model: str | None) -> str | None:
+        """The LoRA adapter a request's `model` names (None: the served model itself)."""
+        if model is None or model == door.model_name:
+            return None
+        if model in adapter_names():
+            return model
+        raise not_found(f"the model {model!r} does not exist; this server serves {door.model_name!r}"
+                        + (f" and the adapters {adapter_names()}" if adapter_names() else ""), "model_not_found")
+
+    def model_card(name: str | None = None) -> dict[str, Any]:
+        card: dict[str, Any] = {"id": name or door.model_name, "object": "model", "created": int(time.time()),
                                 "owned_by": "pie"}
         if door.admission.engine_client is not None:
             card["max_model_len"] = door.admission.engine_client.info.max_model_len
+        if name is not None:  # an adapter: its base, as vLLM lists them
+            card["parent"] = card["root"] = door.model_name
         return card
 
     async def open_call(request: Request, requests: list[pb.GenerateStreamRequest], given_id: str | None, *,
@@ -160,20 +181,31 @@ def build_app(door: Door) -> FastAPI:
 
     @app.get("/v1/models", dependencies=[Depends(authorized)])
     async def models() -> dict:
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card()] + [model_card(name) for name in adapter_names()]}
 
     @app.get("/v1/models/{model_id:path}", dependencies=[Depends(authorized)])
     async def model(model_id: str) -> dict:
-        check_model(model_id)
-        return model_card()
+        return model_card(check_model(model_id))
+
+    @app.post("/v1/load_lora_adapter", dependencies=[Depends(authorized)])
+    async def load_lora_adapter(body: LoadLoraRequest) -> Response:
+        await door.admission.load_adapter(body.lora_name, body.lora_path)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter", dependencies=[Depends(authorized)])
+    async def unload_lora_adapter(body: UnloadLoraRequest) -> Response:
+        await door.admission.unload_adapter(body.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
     async def completions(body: CompletionRequest, request: Request) -> Response:
         request.state.params = params_of(body, chat=False)
-        check_model(body.model)
+        adapter = check_model(body.model)
         requests = completion_requests(body)
+        for r in requests:
+            r.adapter = adapter or ""
         rid, call = await open_call(request, requests, body.request_id, streamed=body.stream)
-        answer = Answer(rid, door.model_name, score_only=body.max_tokens == 0)
+        answer = Answer(rid, adapter or door.model_name, score_only=body.max_tokens == 0)
         answer.prompt_tokens = sum(len(a.prompt) for a in call.admitted)
         tokenizer = call.admitted[0].client.tokenizer
         echo = [_prompt_text(tokenizer, a.prompt, r) for a, r in zip(call.admitted, requests)] if body.echo else None
@@ -200,12 +232,13 @@ def build_app(door: Door) -> FastAPI:
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
     async def chat_completions(body: ChatRequest, request: Request) -> Response:
         request.state.params = params_of(body, chat=True)
-        check_model(body.model)
+        adapter = check_model(body.model)
         chat, forced = chat_request(body)
+        chat.adapter = adapter or ""
         request.state.params = params_of(body, chat=True, forced=forced is not None)
         rid, call = await open_call(request, [chat], body.request_id, streamed=body.stream,
                                     to_context=body.max_tokens is None and body.max_completion_tokens is None)
-        answer = Answer(rid, door.model_name)
+        answer = Answer(rid, adapter or door.model_name)
         answer.prompt_tokens = len(call.admitted[0].prompt)
         tokenizer = call.admitted[0].client.tokenizer
         top = (body.top_logprobs or 0) if body.logprobs else None

@@ -105,8 +105,8 @@ def param_of(field: str, params: Params) -> str:
         if field.startswith(prefix):
             field = to + field[len(prefix):]
             break
-    if field == "chat":
-        return "messages"
+    if field in ("chat", "adapter", "name", "path"):  # (the LoRA fields: the request's or vLLM's words)
+        return {"chat": "messages", "adapter": "model", "name": "lora_name", "path": "lora_path"}[field]
     if field == "max_tokens":
         return params.max_tokens
     if field == "logprobs" and params.chat:

@@ -27,6 +27,19 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class LoadLoraRequest(BaseModel):
+    """POST /v1/load_lora_adapter (vLLM's body): a PEFT folder on the server's machine."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoraRequest(BaseModel):
+    """POST /v1/unload_lora_adapter."""
+
+    lora_name: str
+
+
 class JsonSchema(BaseModel):
     model_config = ConfigDict(populate_by_name=True)
     name: str = "output"

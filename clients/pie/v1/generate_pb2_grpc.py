@@ -66,6 +66,21 @@ class GenerateServiceStub:
                 request_serializer=pie_dot_v1_dot_generate__pb2.DetokenizeRequest.SerializeToString,
                 response_deserializer=pie_dot_v1_dot_generate__pb2.DetokenizeResponse.FromString,
                 _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/pie.v1.GenerateService/LoadAdapter',
+                request_serializer=pie_dot_v1_dot_generate__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=pie_dot_v1_dot_generate__pb2.LoadAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadAdapter = channel.unary_unary(
+                '/pie.v1.GenerateService/UnloadAdapter',
+                request_serializer=pie_dot_v1_dot_generate__pb2.UnloadAdapterRequest.SerializeToString,
+                response_deserializer=pie_dot_v1_dot_generate__pb2.UnloadAdapterResponse.FromString,
+                _registered_method=True)
+        self.ListAdapters = channel.unary_unary(
+                '/pie.v1.GenerateService/ListAdapters',
+                request_serializer=pie_dot_v1_dot_generate__pb2.ListAdaptersRequest.SerializeToString,
+                response_deserializer=pie_dot_v1_dot_generate__pb2.ListAdaptersResponse.FromString,
+                _registered_method=True)
 
 
 class GenerateServiceServicer:
@@ -122,6 +137,31 @@ class GenerateServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadAdapter(self, request, context):
+        """Loads a LoRA adapter (PEFT's adapter_config.json and adapter_model.safetensors) from a folder
+        on the server's machine under a name requests then give as their `adapter`. Needs adapter
+        slots (`pie serve --max-loras N`); INVALID_ARGUMENT naming the adapter when it cannot be
+        served (rank above --max-lora-rank, an unsupported module, another base model, a corrupt file).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadAdapter(self, request, context):
+        """Unloads a LoRA adapter: requests naming it are refused from now on (NOT_FOUND); those running
+        on it finish.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListAdapters(self, request, context):
+        """Lists the loaded LoRA adapters, whether each holds a GPU slot, and its requests.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerateServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -154,6 +194,21 @@ def add_GenerateServiceServicer_to_server(servicer, server):
                     servicer.Detokenize,
                     request_deserializer=pie_dot_v1_dot_generate__pb2.DetokenizeRequest.FromString,
                     response_serializer=pie_dot_v1_dot_generate__pb2.DetokenizeResponse.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=pie_dot_v1_dot_generate__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=pie_dot_v1_dot_generate__pb2.LoadAdapterResponse.SerializeToString,
+            ),
+            'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadAdapter,
+                    request_deserializer=pie_dot_v1_dot_generate__pb2.UnloadAdapterRequest.FromString,
+                    response_serializer=pie_dot_v1_dot_generate__pb2.UnloadAdapterResponse.SerializeToString,
+            ),
+            'ListAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListAdapters,
+                    request_deserializer=pie_dot_v1_dot_generate__pb2.ListAdaptersRequest.FromString,
+                    response_serializer=pie_dot_v1_dot_generate__pb2.ListAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -320,6 +375,87 @@ class GenerateService:
             '/pie.v1.GenerateService/Detokenize',
             pie_dot_v1_dot_generate__pb2.DetokenizeRequest.SerializeToString,
             pie_dot_v1_dot_generate__pb2.DetokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pie.v1.GenerateService/LoadAdapter',
+            pie_dot_v1_dot_generate__pb2.LoadAdapterRequest.SerializeToString,
+            pie_dot_v1_dot_generate__pb2.LoadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pie.v1.GenerateService/UnloadAdapter',
+            pie_dot_v1_dot_generate__pb2.UnloadAdapterRequest.SerializeToString,
+            pie_dot_v1_dot_generate__pb2.UnloadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pie.v1.GenerateService/ListAdapters',
+            pie_dot_v1_dot_generate__pb2.ListAdaptersRequest.SerializeToString,
+            pie_dot_v1_dot_generate__pb2.ListAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,
