@@ -224,12 +224,14 @@ def sampling_params(sampling: Mapping[str, Any]) -> pb.SamplingParams:
 
 def build_request(
     cls: type[RequestT], prompt: str | Sequence[int] | pb.ChatInput, request_id: str | None,
-    sampling: Mapping[str, Any], priority: int = 0,
+    sampling: Mapping[str, Any], priority: int = 0, adapter: str | None = None,
 ) -> RequestT:
-    """A GenerateRequest or GenerateStreamRequest for a text prompt, a list of token ids or a chat."""
+    """A GenerateRequest or GenerateStreamRequest for a text prompt, a list of token ids or a chat,
+    on a LoRA adapter by name (None: the base model)."""
     if isinstance(priority, bool) or not isinstance(priority, int) or not -2**31 <= priority < 2**31:
         raise ValueError(f"priority: must be an int32, got {priority!r}")
-    request = cls(sampling=sampling_params(sampling), request_id=request_id or "", priority=priority)
+    request = cls(sampling=sampling_params(sampling), request_id=request_id or "", priority=priority,
+                  adapter=adapter or "")
     if isinstance(prompt, pb.ChatInput):
         request.chat.CopyFrom(prompt)
     elif isinstance(prompt, str):

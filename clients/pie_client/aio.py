@@ -85,11 +85,12 @@ class AsyncClient:
         *,
         request_id: str | None = None,
         priority: int = 0,
+        adapter: str | None = None,
         timeout: float | None = _DEFAULT,
         **sampling: Any,
     ) -> Completion:
         """Generate a whole completion; see `Client.generate`."""
-        request = _convert.build_request(pb.GenerateRequest, prompt, request_id, sampling, priority)
+        request = _convert.build_request(pb.GenerateRequest, prompt, request_id, sampling, priority, adapter)
         try:
             response = await self._stub.Generate(
                 request, timeout=self._timeout(timeout), metadata=call_metadata(self._metadata, request_id)
@@ -104,11 +105,12 @@ class AsyncClient:
         *,
         request_id: str | None = None,
         priority: int = 0,
+        adapter: str | None = None,
         timeout: float | None = _DEFAULT,
         **sampling: Any,
     ) -> AsyncIterator[Delta]:
         """Generate a completion as deltas (`async for`); see `Client.stream`."""
-        request = _convert.build_request(pb.GenerateStreamRequest, prompt, request_id, sampling, priority)
+        request = _convert.build_request(pb.GenerateStreamRequest, prompt, request_id, sampling, priority, adapter)
         return self._stream(request, request_id, self._timeout(timeout))
 
     async def _stream(

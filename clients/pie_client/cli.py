@@ -328,6 +328,9 @@ def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
                         help="add BIAS, in [-100, 100], to token ID's logit before sampling (-100 all but bans it, "
                              "100 all but forces it); repeatable (default: none)")
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+    parser.add_argument("--adapter", default=None, metavar="NAME",
+                        help="generate with this LoRA adapter, by the name the server loaded it under (default: the "
+                             "base model)")
     parser.add_argument("--priority", type=_int32("--priority"), default=0, metavar="P",
                         help="scheduling priority: lower runs first, requests of one priority in arrival order")
     parser.add_argument("--keep-special-tokens", action="store_true", help="leave special tokens in the text")
@@ -506,7 +509,8 @@ def _generate(client: Client, args: argparse.Namespace, prompt: Any) -> None:
     logprobs: dict[int, list[TokenLogprob]] = {}  # by choice
     prompt_logprobs: list[PromptLogprob] = []
     if args.no_stream or sampling.get("n", 1) > 1:  # several choices: printed whole, one after another
-        done = client.generate(prompt, request_id=args.request_id, priority=args.priority, **sampling)
+        done = client.generate(prompt, request_id=args.request_id, priority=args.priority, adapter=args.adapter,
+                                   **sampling)
         if args.json:
             _print_json(done)
             return
@@ -520,7 +524,8 @@ def _generate(client: Client, args: argparse.Namespace, prompt: Any) -> None:
         prompt_tokens, completion_tokens = done.prompt_tokens, done.completion_tokens
     else:
         reason, stop, request_id, prompt_tokens, completion_tokens = None, "", "", 0, 0
-        for delta in client.stream(prompt, request_id=args.request_id, priority=args.priority, **sampling):
+        for delta in client.stream(prompt, request_id=args.request_id, priority=args.priority, adapter=args.adapter,
+                                   **sampling):
             if args.json:
                 _print_json(delta)
                 continue

@@ -105,6 +105,7 @@ class Client:
         *,
         request_id: str | None = None,
         priority: int = 0,
+        adapter: str | None = None,
         timeout: float | None = _DEFAULT,
         **sampling: Any,
     ) -> Completion:
@@ -115,9 +116,10 @@ class Client:
         an unknown name raises TypeError. `structured` constrains the output: {"json_schema":
         schema}, {"regex": "..."}, {"choice": [...]}, {"grammar": "<Lark>"} or {"json_object": True}.
         `request_id` is sent as `x-request-id`. `priority`: lower is scheduled first (0 by default;
-        requests of one priority in arrival order).
+        requests of one priority in arrival order). `adapter`: a LoRA adapter the server has loaded,
+        by name (None: the base model; an unknown name raises NotFound).
         """
-        request = _convert.build_request(pb.GenerateRequest, prompt, request_id, sampling, priority)
+        request = _convert.build_request(pb.GenerateRequest, prompt, request_id, sampling, priority, adapter)
         try:
             response = self._stub.Generate(
                 request, timeout=self._timeout(timeout), metadata=call_metadata(self._metadata, request_id)
@@ -132,6 +134,7 @@ class Client:
         *,
         request_id: str | None = None,
         priority: int = 0,
+        adapter: str | None = None,
         timeout: float | None = _DEFAULT,
         **sampling: Any,
     ) -> Iterator[Delta]:
@@ -140,7 +143,7 @@ class Client:
         The last delta carries finish_reason, stop_reason and usage. Leaving the loop early (or
         closing the iterator) cancels the RPC, which frees the request on the server.
         """
-        request = _convert.build_request(pb.GenerateStreamRequest, prompt, request_id, sampling, priority)
+        request = _convert.build_request(pb.GenerateStreamRequest, prompt, request_id, sampling, priority, adapter)
         return self._stream(request, request_id, self._timeout(timeout))
 
     def _stream(self, request: pb.GenerateStreamRequest, request_id: str | None, timeout: float | None) -> Iterator[Delta]:

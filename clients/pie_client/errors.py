@@ -101,6 +101,10 @@ class Unauthenticated(PieError):
     """The call lacked valid credentials (UNAUTHENTICATED or PERMISSION_DENIED)."""
 
 
+class NotFound(PieError):
+    """The request names something the server does not have (NOT_FOUND: a LoRA adapter not loaded)."""
+
+
 _CLASS_BY_CODE: dict[grpc.StatusCode, type[PieError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
     grpc.StatusCode.OUT_OF_RANGE: InvalidArgument,
@@ -113,6 +117,7 @@ _CLASS_BY_CODE: dict[grpc.StatusCode, type[PieError]] = {
     grpc.StatusCode.UNKNOWN: InternalError,
     grpc.StatusCode.DATA_LOSS: InternalError,
     grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+    grpc.StatusCode.NOT_FOUND: NotFound,
     grpc.StatusCode.PERMISSION_DENIED: Unauthenticated,
 }
 

@@ -13,6 +13,7 @@ import torch
 
 from pie.engine.config import EngineConfig
 from pie.engine.core.engine_core import EngineCore
+from pie.engine.errors import StartupError
 from pie.engine.sampling_params import SamplingParams
 from pie.engine.scheduling.adapters import AdapterNotFoundError, Adapters
 from pie.engine.scheduling.request import Request
@@ -135,7 +136,7 @@ def test_config_refusals(lora_setup):
         EngineConfig(max_loras=1, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="given twice"):
         EngineConfig(max_loras=1, loras=(("a", "/x"), ("a", "/y")))
-    with pytest.raises(AdapterError, match="adapter 'mlp64': rank 64 is above the server's --max-lora-rank 16"):
+    with pytest.raises(StartupError, match="--lora mlp64=.*: rank 64 is above the server's --max-lora-rank 16"):
         EngineCore(EngineConfig(model=str(model_dir), device="cpu", dtype="fp32", num_kv_blocks=32, max_loras=1,
                                 max_lora_rank=16, loras=(("mlp64", str(folders["mlp64"])),)))
 

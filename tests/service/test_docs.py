@@ -163,10 +163,11 @@ def test_probe_snippet_and_log_example_match_the_server():
     assert set(re.findall(r"port: (\d+)", yaml[0])) == {str(ServerConfig().port)}
     example = [json.loads(b) for _, tag, b in fenced() if tag == "" and b.startswith("{")]
     assert len(example) == 1
-    # error: not OK only; num_draft_tokens, num_accepted_tokens (and acceptance_rate): when it speculated
+    # error: not OK only; num_draft_tokens, num_accepted_tokens (and acceptance_rate): when it speculated;
+    # adapter: when it named a LoRA adapter
     emitted = {f.name for f in dataclasses.fields(RequestSummary)} - {"started", "last_token_at", "ended", "ttft_s",
                                                                       "queue_time_s", "error", "num_draft_tokens",
-                                                                      "num_accepted_tokens"}
+                                                                      "num_accepted_tokens", "adapter"}
     assert emitted | {"ttft_ms", "queue_ms", "total_ms", "event", "level", "timestamp"} == set(example[0])
 
 

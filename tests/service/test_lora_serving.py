@@ -171,3 +171,20 @@ def test_load_and_unload_under_concurrent_streams(setup):
     assert _http(server, "/v1/models/mlp", method="GET")[0] == 404
     core = server.core
     assert core.scheduler.num_running == 0 and core.block_manager.num_free_blocks == core.block_manager.num_total_blocks
+
+
+def test_the_python_client_and_cli_name_the_adapter(setup):
+    import subprocess
+    import sys
+
+    from pie_client import Client, NotFound
+
+    server, _, prompt, want = setup
+    with Client(server.address, timeout=120) as c:
+        done = c.generate(prompt, adapter="qv", max_tokens=TOKENS, temperature=0, ignore_eos=True)
+        assert list(done.token_ids) == want["qv"]
+        with pytest.raises(NotFound, match="adapter 'nope': not loaded"):
+            c.generate(prompt, adapter="nope", max_tokens=1)
+    cli = subprocess.run([sys.executable, "-m", "pie_client", "--address", server.address, "generate", "hello",
+                          "--adapter", "nope", "--max-tokens", "1"], capture_output=True, text=True, timeout=60)
+    assert cli.returncode != 0 and "adapter 'nope': not loaded" in cli.stderr, cli

@@ -203,7 +203,7 @@ def test_reflection_lists_and_describes_services(server):
         pool = DescriptorPool(db)
         svc = pool.FindServiceByName(SERVICE_NAME)
         assert {m.name for m in svc.methods} == {"Generate", "GenerateStream", "Tokenize", "GetModelInfo", "Abort",
-                                                 "Detokenize"}
+                                                 "Detokenize", "LoadAdapter", "UnloadAdapter", "ListAdapters"}
         sampling = pool.FindMessageTypeByName("pie.v1.SamplingParams")
         assert "repetition_penalty" in sampling.fields_by_name
 
