@@ -101,11 +101,12 @@ def test_our_packages_are_imported_by_their_pie_names() -> None:
 
 
 def test_clients_pie_links_each_package_to_its_folder() -> None:
-    """clients/pie is the `pie` package of a checkout: its server subpackages are the top-level
+    """clients/pie is the `pie` namespace of a checkout: its server subpackages are the top-level
     folders themselves (links), the rest is the generated stubs. The folders are namespace packages
     (no __init__.py): from the checkout's root, where Python puts them on its path as `kernels`,
     `model`, ..., they never hide an installed package of that name."""
     pie = ROOT / "clients" / "pie"
+    assert not (pie / "__init__.py").exists(), "`pie` is a namespace package that neither distribution owns"
     for name in SERVER:
         assert (pie / name).is_symlink() and (pie / name).resolve() == ROOT / name, name
         assert not (ROOT / name / "__init__.py").exists(), f"{name}/__init__.py would hide an installed {name!r}"
