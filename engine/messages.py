@@ -150,7 +150,7 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False):
 
 # ---- client -> core --------------------------------------------------------------------------------
 class AddRequest(msgspec.Struct, tag=True, array_like=True):
-    """Queue a request the client has validated (engine.validation.check_request)."""
+    """Queue a request the client has validated (engine.limits.check_request)."""
 
     request_id: str  # minted by the client: the engine's own id, never the caller's
     prompt_token_ids: list[int]

@@ -228,8 +228,8 @@ def test_the_code_keeps_no_lab_notebook() -> None:
 
 # engine/'s rooms, lowest first: a module may import from its own room and the rooms before it,
 # never from one after it. The top level is the contract every room shares (config, errors,
-# sampling parameters, the messages that cross the process boundary, validation, the device and
-# the model folder's checks).
+# sampling parameters, the messages that cross the process boundary, the limits a request is
+# checked against, the device and the model folder's checks).
 ENGINE_ROOMS = ["", "sample", "scheduling", "runner", "spec_decode", "core", "client"]
 
 

@@ -32,6 +32,7 @@ import msgspec
 import structlog
 
 from pie.engine.errors import EngineDeadError, QueueFullError, RequestAbortedError
+from pie.engine.limits import check_request
 from pie.engine.messages import (
     AbortRequest,
     AddRequest,
@@ -44,7 +45,6 @@ from pie.engine.messages import (
 )
 from pie.engine.sample.structured import GrammarCompiler, StructuredOutputError
 from pie.engine.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputParams
-from pie.engine.validation import check_request
 
 if TYPE_CHECKING:
     from pie.model.tokenizer import Tokenizer

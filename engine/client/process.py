@@ -7,7 +7,7 @@ few hundred open streams the loop is busy most of the time and the engine's step
 (7 ms steps became 15 ms at 256 streams). In its own process the core steps at its own pace and
 the loop coalesces what it cannot send at once into larger messages.
 
-    parent (gRPC, asyncio)                               child (engine/core/process.py)
+    parent (gRPC, asyncio)                               child (engine/core/child_process.py)
       ProcessEngineClient.submit/abort -> sender -->       reader thread -> Inbox
                      (a thread: never blocks the loop)     run_core_loop (as on a thread)
       link thread: starts the child, then  <----------     outbox thread: StepResult per step
@@ -50,9 +50,9 @@ import structlog
 
 from pie.engine.client.engine_client import EngineClientBase
 from pie.engine.config import EngineConfig
+from pie.engine.core.child_process import BOOT
 from pie.engine.core.engine_core import EngineCore
 from pie.engine.core.loop import Watchdog, heartbeat_interval
-from pie.engine.core.process import BOOT
 from pie.engine.errors import StartupError, StepTimeoutError
 from pie.engine.messages import Command, StepResult, StopCore, decode_result, encode
 from pie.engine.sample.structured import GrammarCompiler

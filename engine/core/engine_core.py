@@ -20,6 +20,7 @@ from pie.engine.core.build import make_speculator, smooth_kv, use_kernels
 from pie.engine.core.step_timer import StepTimer
 from pie.engine.device import TORCH_DTYPES, auto_dtype, resolve_device
 from pie.engine.errors import EngineDeadError
+from pie.engine.limits import check_request
 from pie.engine.messages import EngineInfo, EngineStats, RequestOutput, RequestStatus, StepTimes
 from pie.engine.model_check import check_vocab, read_model_config, read_tokenizer
 from pie.engine.runner.kv_cache import KVCache
@@ -36,7 +37,6 @@ from pie.engine.scheduling.request import Request, SampleGroup
 from pie.engine.scheduling.scheduler import Scheduler
 from pie.engine.scheduling.step import SchedulerOutput
 from pie.engine.spec_decode.draft import DraftModel, load_draft
-from pie.engine.validation import check_request
 from pie.model.config import ModelConfig
 from pie.model.loader import load_model
 from pie.model.parallel import TensorParallel, check_shardable

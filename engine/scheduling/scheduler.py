@@ -69,7 +69,7 @@ from pie.engine.messages import RequestOutput, RequestStatus, SampledToken
 from pie.engine.sample.structured import StructuredOutputs
 from pie.engine.scheduling.block_manager import BlockManager
 from pie.engine.scheduling.request import Request
-from pie.engine.scheduling.requests import RequestTable
+from pie.engine.scheduling.request_table import RequestTable
 from pie.engine.scheduling.stall import StallBound, StallBudget
 from pie.engine.scheduling.step import ScheduledRequest, SchedulerOutput, StepOutput
 

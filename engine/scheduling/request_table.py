@@ -43,7 +43,7 @@ class RequestTable:
 
     def add_request(self, group: SampleGroup) -> None:
         """Queue every sample of a new engine request (ValueError for an id in use). Whether it can
-        ever fit was checked where it entered the engine (engine.validation.check_request)."""
+        ever fit was checked where it entered the engine (engine.limits.check_request)."""
         if group.request_id in self.groups:
             raise ValueError(f"request id {group.request_id!r} is already in use")
         self.groups[group.request_id] = group

@@ -43,7 +43,7 @@ from multiprocessing.connection import Connection
 
 # What the parent runs with `python -c`; argv: parent pid, the socket's fd, then sys.path entries.
 BOOT = ("import sys; sys.path[:0] = sys.argv[3:]; "
-        "from pie.engine.core.process import main; main(int(sys.argv[1]), int(sys.argv[2]))")
+        "from pie.engine.core.child_process import main; main(int(sys.argv[1]), int(sys.argv[2]))")
 
 EXIT_ORPHANED = 70  # the parent went away before this process was told to stop
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -155,7 +155,7 @@ def main(parent_pid: int, fd: int) -> None:
     from pie.engine.errors import StartupError
     from pie.engine.messages import CoreDied
 
-    log = structlog.get_logger("pie.engine.core.process")
+    log = structlog.get_logger("pie.engine.core.child_process")
     inbox = Inbox()
     threading.Thread(target=_read_commands, args=(conn, inbox), name="engine-inbox", daemon=True).start()
     outbox = Outbox(conn)
