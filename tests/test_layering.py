@@ -260,3 +260,42 @@ def test_every_engine_and_service_file_fits_in_one_sitting() -> None:
     long = {str(p.relative_to(ROOT)): n for package in ("engine", "service") for p in sorted((ROOT / package).rglob("*.py"))
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, f"longer than {MAX_LINES} lines (split by concept): {long}"
+
+
+# tests/engine/ mirrors engine/: a test of engine/<room>/ lies in tests/engine/<room>/, a test of a
+# top-level module (engine/model_check.py) beside the rooms as test_<module>.py; the only other files
+# there are helpers that tests of several rooms share.
+ENGINE_TEST_HELPERS = {"invariants.py"}
+
+
+def mirror_faults(tests: Path, engine: Path) -> list[str]:
+    """Each file of `tests` (a tests/engine/) that is not where the mirror of `engine` puts it."""
+    rooms = {p.name for p in engine.iterdir() if (p / "__init__.py").is_file()}
+    modules = {p.stem for p in engine.glob("*.py")}
+    faults = []
+    for path in sorted(tests.rglob("*.py")):
+        parts = path.relative_to(tests).parts
+        if len(parts) == 1:
+            name = parts[0]
+            if name not in ENGINE_TEST_HELPERS and not (name.startswith("test_") and name[5:-3] in modules):
+                faults.append(f"{name}: a flat file that tests no top-level module of engine/ (move it to its room)")
+        elif len(parts) > 2 or parts[0] not in rooms:
+            faults.append(f"{'/'.join(parts)}: engine/ has no room {'/'.join(parts[:-1])}/")
+    return faults
+
+
+def test_engine_tests_mirror_the_engine(tmp_path: Path) -> None:
+    assert {p.name for p in (ROOT / "engine").iterdir() if (p / "__init__.py").is_file()} == set(ENGINE_ROOMS) - {""}
+    faults = mirror_faults(ROOT / "tests" / "engine", ROOT / "engine")
+    assert not faults, f"tests/engine/ does not mirror engine/: {faults}"
+
+    # and it finds what is out of place
+    (tmp_path / "engine" / "runner").mkdir(parents=True)
+    (tmp_path / "engine" / "runner" / "__init__.py").touch()
+    (tmp_path / "engine" / "config.py").touch()
+    for name in ("test_config.py", "invariants.py", "test_scheduler.py", "runner/test_pool.py", "sampler/test_x.py",
+                 "runner/deep/test_y.py"):
+        (tmp_path / "tests" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "tests" / name).touch()
+    assert [f.split(":")[0] for f in mirror_faults(tmp_path / "tests", tmp_path / "engine")] == [
+        "runner/deep/test_y.py", "sampler/test_x.py", "test_scheduler.py"]
