@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from pie.engine.config import MODEL_DTYPES
-from pie.engine.errors import StartupError
 from pie.model.config import ModelConfig
+
+from .config import MODEL_DTYPES
+from .errors import StartupError
 
 # Model dtype names (EngineConfig.dtype, --dtype) and the torch dtypes they stand for.
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

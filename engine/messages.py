@@ -19,11 +19,12 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from pie.engine.sampling_params import SamplingParams
+from .sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from pie.engine.config import EngineConfig
     from pie.model.config import ModelConfig
+
+    from .config import EngineConfig
 
 
 @dataclass(slots=True, frozen=True)

@@ -41,7 +41,7 @@ import functools
 
 import torch
 
-from pie.kernels.triton_gather import gather_pages
+from .triton_gather import gather_pages
 
 MAX_HEAD_DIM = 256
 # The largest gathered K and V together (bytes) this path takes on; more: the Triton extend kernel

@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pie.kernels.triton_tile import (
+from .triton_tile import (
     INT8_BIAS,
     cdiv,
     dot_types,

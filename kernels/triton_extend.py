@@ -39,8 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pie.kernels.reference import _check_cache
-from pie.kernels.triton_tile import (
+from .reference import _check_cache
+from .triton_tile import (
     INT8_BIAS,
     accumulate_pv,
     dot_types,

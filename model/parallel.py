@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from pie.model.config import ModelConfig
+from .config import ModelConfig
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,8 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pie.model.attention import DenseCausalAttention
-from pie.model.llama import LlamaForCausalLM
+from .attention import DenseCausalAttention
+from .llama import LlamaForCausalLM
 
 MIN_LOG2, MAX_LOG2 = -6, 10  # factors in [1/64, 1024]
 # With `choose`, a head's K (or V) factors are kept where they bring its int8 attention error

@@ -26,7 +26,7 @@ from typing import Any
 
 import tokenizers
 
-from pie.model.config import ModelConfig, as_token_ids
+from .config import ModelConfig, as_token_ids
 
 GIL_FREE_ENCODE_CHARS = 2048  # longer texts are encoded with the GIL released (see Tokenizer.encode)
 

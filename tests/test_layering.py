@@ -11,8 +11,9 @@ functions), so a lazy import cannot slip past:
 and checked once more by importing `pie.model` and `pie.kernels` in a fresh interpreter. Inside
 engine/, its rooms (sub-packages) import downward only, in ENGINE_ROOMS' order; no engine/ or
 service/ file is longer than MAX_LINES, and none carries a date or a GPU's name. Every
-import of ours goes through its `pie.` name (README "Import names"): a bare `import kernels` would
-be Hugging Face's package, or the checkout's folder imported a second time under another name."""
+import of ours goes through its `pie.` name (README "Import names"), or, inside engine/, kernels/,
+model/ and training/, is relative to its own folder: a bare `import kernels` would be Hugging
+Face's package, or the checkout's folder imported a second time under another name."""
 
 from __future__ import annotations
 
@@ -112,6 +113,43 @@ def test_clients_pie_links_each_package_to_its_folder() -> None:
         assert not (ROOT / name / "__init__.py").exists(), f"{name}/__init__.py would hide an installed {name!r}"
     assert {p.name for p in pie.iterdir() if p.is_dir()} == SERVER | {"v1"}
 
+
+# Inside each of these folders a module imports its neighbours relatively (`from ..config import
+# EngineConfig`), so the folder's structure shows in its imports; what crosses folders names
+# pie.<folder> (`from pie.model.llama import ...`). service/ is not converted yet.
+RELATIVE_INSIDE = ("engine", "kernels", "model", "training")
+
+
+def own_import_faults(source: str, module: str) -> list[str]:
+    """The imports of `module` (pie.engine.core.loop) that name its own top-level folder absolutely,
+    or that climb out of it relatively."""
+    folder = module.split(".")[:2]
+    package = module.split(".")[:-1]
+    faults = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            faults += [f"import {a.name}" for a in node.names if a.name.split(".")[:2] == folder]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level == 0 and node.module and node.module.split(".")[:2] == folder:
+                faults.append(f"from {node.module} import (make it relative)")
+            elif node.level and node.level > len(package) - 1:
+                faults.append(f"from {'.' * node.level}{node.module or ''} import (leaves {'.'.join(folder)})")
+    return faults
+
+
+def test_imports_inside_a_folder_are_relative() -> None:
+    found = {}
+    for folder in RELATIVE_INSIDE:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            module = _module_name(path) + (".__init__" if path.name == "__init__.py" else "")
+            if faults := own_import_faults(path.read_text(), module):
+                found[str(path.relative_to(ROOT))] = faults
+    assert not found, f"imports inside a folder: {found}"
+    # and it finds both kinds of fault
+    assert own_import_faults("from pie.engine.config import X\nfrom ..config import Y\nfrom pie.model import Z",
+                             "pie.engine.core.loop") == ["from pie.engine.config import (make it relative)"]
+    assert own_import_faults("from ...service import X\nimport pie.engine.errors", "pie.engine.core.loop") == [
+        "from ...service import (leaves pie.engine)", "import pie.engine.errors"]
 
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
 def test_package_imports_point_one_way(package: str) -> None:

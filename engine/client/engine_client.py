@@ -31,9 +31,9 @@ from typing import TYPE_CHECKING, Protocol
 import msgspec
 import structlog
 
-from pie.engine.errors import EngineDeadError, QueueFullError, RequestAbortedError
-from pie.engine.limits import check_request
-from pie.engine.messages import (
+from ..errors import EngineDeadError, QueueFullError, RequestAbortedError
+from ..limits import check_request
+from ..messages import (
     AbortRequest,
     AddRequest,
     Command,
@@ -43,8 +43,8 @@ from pie.engine.messages import (
     RequestStatus,
     StepResult,
 )
-from pie.engine.sample.structured import GrammarCompiler, StructuredOutputError
-from pie.engine.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputParams
+from ..sample.structured import GrammarCompiler, StructuredOutputError
+from ..sampling_params import SamplingParams, SamplingParamsError, StructuredOutputParams
 
 if TYPE_CHECKING:
     from pie.model.tokenizer import Tokenizer

@@ -48,15 +48,16 @@ from multiprocessing.connection import Connection
 
 import structlog
 
-from pie.engine.client.engine_client import EngineClientBase
-from pie.engine.config import EngineConfig
-from pie.engine.core.child_process import BOOT
-from pie.engine.core.engine_core import EngineCore
-from pie.engine.core.loop import Watchdog, heartbeat_interval
-from pie.engine.errors import StartupError, StepTimeoutError
-from pie.engine.messages import Command, StepResult, StopCore, decode_result, encode
-from pie.engine.sample.structured import GrammarCompiler
 from pie.model.tokenizer import Tokenizer
+
+from ..config import EngineConfig
+from ..core.child_process import BOOT
+from ..core.engine_core import EngineCore
+from ..core.loop import Watchdog, heartbeat_interval
+from ..errors import StartupError, StepTimeoutError
+from ..messages import Command, StepResult, StopCore, decode_result, encode
+from ..sample.structured import GrammarCompiler
+from .engine_client import EngineClientBase
 
 log = structlog.get_logger(__name__)
 

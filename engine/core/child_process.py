@@ -92,7 +92,7 @@ class Outbox:
         self._thread.join(timeout)
 
     def _run(self) -> None:
-        from pie.engine.messages import StepResult, encode, merge
+        from ..messages import StepResult, encode, merge
 
         q = self._queue
         try:
@@ -117,7 +117,7 @@ class Outbox:
 def _read_commands(conn: Connection, inbox) -> None:
     """Reader thread: the parent's commands into the inbox, from before the engine is built. The
     pipe's end without a StopCore means the parent died: nothing is left to serve."""
-    from pie.engine.messages import StopCore, decode_command
+    from ..messages import StopCore, decode_command
 
     try:
         while True:
@@ -150,10 +150,10 @@ def main(parent_pid: int, fd: int) -> None:
     # The engine's imports come only now: everything above is the standard library.
     import structlog
 
-    from pie.engine.core.engine_core import EngineCore
-    from pie.engine.core.loop import Inbox, StepClock, run_core_loop
-    from pie.engine.errors import StartupError
-    from pie.engine.messages import CoreDied
+    from ..errors import StartupError
+    from ..messages import CoreDied
+    from .engine_core import EngineCore
+    from .loop import Inbox, StepClock, run_core_loop
 
     log = structlog.get_logger("pie.engine.core.child_process")
     inbox = Inbox()

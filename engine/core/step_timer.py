@@ -15,10 +15,10 @@ import time
 
 import torch
 
-from pie.engine.messages import StepTimes
-from pie.engine.runner.pending import PendingStep
-from pie.engine.scheduling.stall import StallBound
-from pie.engine.scheduling.step import SchedulerOutput
+from ..messages import StepTimes
+from ..runner.pending import PendingStep
+from ..scheduling.stall import StallBound
+from ..scheduling.step import SchedulerOutput
 
 
 class StepTimer:

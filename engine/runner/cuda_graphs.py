@@ -49,10 +49,11 @@ import numpy as np
 import structlog
 import torch
 
-from pie.engine.runner.attention import AttentionMetadata, PagedAttention
-from pie.engine.runner.staging import Packed, StepStager
-from pie.engine.scheduling.step import SchedulerOutput
 from pie.model.llama import LlamaForCausalLM
+
+from ..scheduling.step import SchedulerOutput
+from .attention import AttentionMetadata, PagedAttention
+from .staging import Packed, StepStager
 
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE  # graph_pool_handle()'s type (a runtime import is a cycle)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pie.engine.sample.tensors import SamplingTensors, apply_logit_adds
+from .tensors import SamplingTensors, apply_logit_adds
 
 # splitmix64 constants (Steele, Lea, Flood 2014), as signed int64 since torch has no uint64 math.
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)

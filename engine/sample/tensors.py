@@ -13,8 +13,8 @@ from itertools import chain
 import numpy as np
 import torch
 
-from pie.engine.device import to_device
-from pie.engine.sampling_params import SamplingParams
+from ..device import to_device
+from ..sampling_params import SamplingParams
 
 
 @dataclass

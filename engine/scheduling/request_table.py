@@ -12,9 +12,9 @@ from collections.abc import Sequence
 
 import structlog
 
-from pie.engine.messages import RequestOutput, RequestStatus
-from pie.engine.scheduling.block_manager import BlockManager
-from pie.engine.scheduling.request import Request, SampleGroup
+from ..messages import RequestOutput, RequestStatus
+from .block_manager import BlockManager
+from .request import Request, SampleGroup
 
 log = structlog.get_logger(__name__)
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
-from pie.engine.scheduling.request import Request
-from pie.engine.scheduling.step import SchedulerOutput
+from .request import Request
+from .step import SchedulerOutput
 
 
 class StallBound:
