@@ -5,8 +5,8 @@ step's `RequestOutput`s with the engine's counts), and what the engine process s
 
 They are msgspec Structs: plain typed classes that the engine process encodes as MessagePack
 arrays (`encode`) and the client decodes straight into them (`decode_result`, `decode_command`),
-with no tuple form kept by hand beside them. A Struct builds 256 outputs faster than a dataclass,
-and the wire costs less than the hand-kept tuples it replaced (RESULTS.md).
+with no tuple form kept by hand beside them. A Struct builds faster than a dataclass, and the
+wire costs less than hand-kept tuples.
 On a thread the same objects are handed over without encoding.
 """
 

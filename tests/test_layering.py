@@ -18,9 +18,11 @@ Face's package, or the checkout's folder imported a second time under another na
 from __future__ import annotations
 
 import ast
+import io
 import re
 import subprocess
 import sys
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -256,12 +258,50 @@ LAB_NOTES = re.compile(r"\b20\d\d-\d\d-\d\d\b|\b(?:H100|H200|H800|A100|A800|B200
 def test_the_code_keeps_no_lab_notebook() -> None:
     """Comments and docstrings say what the code does and why, in the present tense: a dated
     measurement or a GPU's name rots the moment the code changes, so figures live in
-    benchmarks/RESULTS.md (current) and HISTORY.md (dated), which a comment may point to."""
+    benchmarks/RESULTS.md (current) and HISTORY.md (dated)."""
     found = {str(p.relative_to(ROOT)): [n for n, line in enumerate(p.read_text().splitlines(), 1) if LAB_NOTES.search(line)]
              for package in ("engine", "service", "kernels", "model") for p in sorted((ROOT / package).rglob("*.py"))}
     found = {path: lines for path, lines in found.items() if lines}
     assert not found, f"dates or GPU names in the code (move them to benchmarks/RESULTS.md or HISTORY.md): {found}"
     assert LAB_NOTES.search("measured on the H200 (2026-12-02)") and not LAB_NOTES.search("an H-shaped tile 2026")
+
+
+# A measurement quoted in prose (a time, a rate, a speed-up, a share) or a pointer to where one is
+# kept (HISTORY.md, RESULTS.md, an issue number): the comment states the rule, RESULTS.md the figure.
+MEASUREMENTS = re.compile(
+    r"\b(?:HISTORY|RESULTS)\.md\b|\bbenchmarks/(?:HISTORY|RESULTS)\b|\bissues? #?\d+\b|(?<![\w&])#\d+\b"
+    r"|\d(?:[\d.,]*\d)?\s?(?:ns|us|µs|ms|s|TB/s|GB/s|tokens?/s|tok/s)\b"
+    r"|\d(?:\.\d+)?\s?x\s(?:faster|slower|less|more|fewer|larger|smaller|the)\b"
+    r"|\d(?:\.\d+)?\s?%")
+NO_FIGURES = ("engine", "kernels", "model")  # service/ not yet
+
+
+def prose_lines(source: str) -> list[tuple[int, str]]:
+    """(line number, text) of every comment and every line of a module's, class's or function's
+    docstring."""
+    lines = [(t.start[0], t.string) for t in tokenize.generate_tokens(io.StringIO(source).readline)
+             if t.type == tokenize.COMMENT]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+                lines += [(first.lineno + i, text) for i, text in enumerate(first.value.value.splitlines())]
+    return lines
+
+
+def test_comments_state_rules_not_measurements() -> None:
+    found = {str(p.relative_to(ROOT)): [n for n, text in prose_lines(p.read_text()) if MEASUREMENTS.search(text)]
+             for package in NO_FIGURES for p in sorted((ROOT / package).rglob("*.py"))}
+    found = {path: sorted(lines) for path, lines in found.items() if lines}
+    assert not found, f"measurements or pointers to them in comments (state the rule; figures in RESULTS.md): {found}"
+    planted = '''"""Steps took 7 ms (benchmarks/HISTORY.md)."""
+x = 1  # 2.4x faster, issue 29
+y = "12% in a string is code, not prose"
+def f():
+    """Keeps 5% of RESULTS.md."""
+# the fixed split: 1024 keys, 16 splits, head dim 128
+'''
+    assert sorted(n for n, text in prose_lines(planted) if MEASUREMENTS.search(text)) == [1, 2, 5]
 
 
 # engine/'s rooms, lowest first: a module may import from its own room and the rooms before it,

@@ -1,8 +1,8 @@
 """The seam between the service and the engine core: `EngineClient`, what the service may use.
 
 Two implementations stand behind it: the core on a thread of the server process
-(`client_thread.ThreadEngineClient`) and the core in a process of its own
-(`client_process.ProcessEngineClient`). Both share `EngineClientBase`, the asyncio side:
+(`thread.ThreadEngineClient`) and the core in a process of its own
+(`process.ProcessEngineClient`). Both share `EngineClientBase`, the asyncio side:
 
     service (asyncio loop)                        core loop (engine/core/loop.py)
       submit(prompt, sampling, caller_id=...)

@@ -1,11 +1,11 @@
 """The engine core in a child process (`pie serve`'s default), so the gRPC loop and the engine
 stop sharing one GIL.
 
-With the core on a thread (client_thread.ThreadEngineClient), the asyncio loop that writes the
+With the core on a thread (thread.ThreadEngineClient), the asyncio loop that writes the
 streams' messages and the engine's per-request Python take turns on one interpreter lock. At a
-few hundred open streams the loop is busy most of the time and the engine's steps stretch with it
-(7 ms steps became 15 ms at 256 streams). In its own process the core steps at its own pace and
-the loop coalesces what it cannot send at once into larger messages.
+few hundred open streams the loop is busy most of the time and the engine's steps stretch with it.
+In its own process the core steps at its own pace and the loop coalesces what it cannot send at
+once into larger messages.
 
     parent (gRPC, asyncio)                               child (engine/core/child_process.py)
       ProcessEngineClient.submit/abort -> sender -->       reader thread -> Inbox

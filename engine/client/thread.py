@@ -5,7 +5,7 @@
       RequestStream.next_batch() <- _on_result <-------   publish: loop.call_soon_threadsafe
 
 Simple and quick to start (tests use it), but the engine and the asyncio loop share one GIL; at
-hundreds of streams `client_process.ProcessEngineClient` serves more.
+hundreds of streams `process.ProcessEngineClient` serves more.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The engine process: started by `client_process.ProcessEngineClient` as
+"""The engine process: started by `engine.client.process.ProcessEngineClient` as
 
     python -c "<BOOT>" PARENT_PID FD [SYS_PATH...]
 

@@ -85,7 +85,7 @@ class Watchdog:
 
     Two watch the engine: on a thread, `StepClock.step_started_at` (a step that runs too long);
     in a child process, the parent's time since it last heard from the child while requests are in
-    flight (client_process.py), which also sees a child that is stopped or frozen as a whole."""
+    flight (engine/client/process.py), which also sees a child that is stopped or frozen as a whole."""
 
     def __init__(self, timeout_s: float, waiting_since: Callable[[], float | None],
                  describe: Callable[[float], str], on_stall: Callable[[StepTimeoutError], None]) -> None:
