@@ -51,7 +51,7 @@
 #               the parts in .smol_keep/ (the GGUF's SHA-256 checked; the gguf wheel in .whl)
 #   seeds       benchmarks/seed_consistency.py (cold / cached / chunked / batch sizes on the GPU);
 #               SEEDS_ARGS adds flags (e.g. "--batch-invariant", "--shape qwen2-7b")
-#   structured  tests/kernels/test_triton_bitmask.py and tests/engine/test_structured.py on the GPU,
+#   structured  tests/kernels/test_triton_bitmask.py and tests/engine/sample/test_structured.py on the GPU,
 #               then benchmarks/structured.py (compile and mask-fill time, decode steps with token
 #               masks against free ones: 64 and 256 rows, Qwen3-4B shape, 152k vocabulary)
 #   tp          tensor parallelism: its GPU tests (the NCCL ones need 2 GPUs), throughput at N=1 and,
@@ -213,7 +213,7 @@ suite_realfidelity() {
 }
 suite_structured() {
   timeout "$(t structured)" python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_bitmask.py \
-    tests/engine/test_structured.py 2>&1 | tail -8 | tee -a "$D/structured.log"
+    tests/engine/sample/test_structured.py 2>&1 | tail -8 | tee -a "$D/structured.log"
   timeout "$(t structured)" python3 -m benchmarks.structured --out "$D/structured.json" 2>&1 | quiet \
     | tee -a "$D/structured.md"
 }
@@ -226,8 +226,8 @@ suite_tp() {
   local gpus
   gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
   nvidia-smi topo -m 2>&1 | tee -a "$D/tp.log"
-  timeout "$(t tp)" python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/engine/test_tensor_parallel.py \
-    tests/engine/test_cuda_graphs.py tests/model/test_parallel.py 2>&1 | tail -30 | tee -a "$D/tp.log"
+  timeout "$(t tp)" python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/engine/runner/test_tensor_parallel.py \
+    tests/engine/runner/test_cuda_graphs.py tests/model/test_parallel.py 2>&1 | tail -30 | tee -a "$D/tp.log"
   local sizes=(1)
   [ "$gpus" -ge 2 ] && sizes=(1 2)
   for shape in llama-1b 4b; do

@@ -3,7 +3,7 @@ requests run cold, again with their prefix cached, chunked (a 64-token step budg
 in batches of other requests (--batch-sizes); per KV cache dtype, the share of requests whose
 tokens equal the cold run's, and the first token where each one parted.
 
-On the CPU the logits of a token agree within float rounding (tests/engine/test_seed_consistency.py).
+On the CPU the logits of a token agree within float rounding (tests/engine/sample/test_seed_consistency.py).
 On a GPU the matrix products pick kernels by the number of rows in a step, and decode and extend
 attention are different kernels: a step of another shape rounds differently, and a token whose two
 best choices are that close may go either way. This says how often, on a random model.

@@ -32,7 +32,7 @@ leaves fewer to propose) whatever the model computes. Forcing it is what makes t
 function of a alone: a random bf16 model's greedy tokens are near-ties, and on the H200 the verify
 step's rounding (the extend kernel over 1 + K tokens, not the decode kernel) decided the first one
 the other way in every run (2026-12-02: 0.05 accepted per step where 3 were proposed right). The
-tokens of forced runs are therefore not plain decoding's; tests/engine/test_speculative.py checks
+tokens of forced runs are therefore not plain decoding's; tests/engine/spec_decode/test_speculative.py checks
 that the real verification's are. The engine has no public way to swap its proposer: the driver
 below replaces the Speculator that EngineCore and its Scheduler hold, per run.
 

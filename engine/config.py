@@ -29,7 +29,7 @@ class EngineConfig:
     model: str = DEFAULT_MODEL  # Hugging Face-layout folder: config.json, *.safetensors, tokenizer.json
     device: str = "auto"  # auto (cuda when available, else cpu), cpu, cuda, cuda:N
     # weights/activations: auto = bf16 on cuda; on the cpu bf16 for a bf16 checkpoint where the CPU
-    # has native bf16 (AVX512-BF16, AMX), else fp32 (engine.auto_dtype)
+    # has native bf16 (AVX512-BF16, AMX), else fp32 (engine.device.auto_dtype)
     dtype: str = "auto"
     kv_cache_dtype: str = "int8"  # int8: K/V quantized per (token, kv head); bf16/fp16/fp32 baselines
     block_size: int = 16  # tokens per KV block (page)
@@ -53,16 +53,14 @@ class EngineConfig:
     # they come) may take at most this many times the decode step of the batch it heads to
     # (engine/scheduling/stall.py, learnt from step times); it bounds the inter-token stalls a long
     # prompt causes the streams. Requests read whole (unary calls, offline work) are not bounded.
-    # 0 = only max_num_batched_tokens bounds a step. 3 kept a served burst's inter-token p99 under
-    # 3x its median for the fewest tokens/s lost among the factors tried (RESULTS.md, "Serving").
+    # 0 = only max_num_batched_tokens bounds a step. The default is the factor that kept a served
+    # burst's inter-token p99 within that many medians for the least throughput lost.
     decode_stall_factor: float = 3.0
     # Share of the streams' inter-token gaps that steps past that bound may stall while a backlog of
     # prompts waits (a burst): a few whole-budget steps early in the ramp, where they stall few
-    # streams, buy back the bound's cost in tokens/s (engine/scheduling/stall.py, StallBudget). Below
-    # 1%. Off by default: at 0.005 a served burst made 12% more tokens/s but its inter-token p99 rose
-    # from 2.7x to 3.5x the median, which the A/B gate calls a regression (benchmarks/RESULTS.md,
-    # "the A/B gate's served burst ... with --decode-stall-share"). 0 = every step with a streamed
-    # decode bounded.
+    # streams, buy back the bound's cost in throughput (engine/scheduling/stall.py, StallBudget).
+    # Below 0.01. Off by default: it buys a burst's throughput with a higher inter-token p99, a
+    # trade the A/B gate calls a regression. 0 = every step with a streamed decode bounded.
     decode_stall_share: float = 0.0
     max_model_len: int | None = None  # context served; default and cap: the model's
     max_waiting: int = 256  # waiting queue bound; beyond it the service answers RESOURCE_EXHAUSTED
@@ -70,13 +68,13 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto (triton on cuda, torch on cpu), triton, torch (reference)
     # torch intra-op threads when the model runs on the CPU; None = the cores this process may use
     # but one, which the gRPC loop needs: OpenMP threads that wait on a descheduled peer slow every
-    # step, and on 2 cores one thread serves as fast as two (RESULTS.md, "CPU").
+    # step, more than the extra thread gains.
     cpu_threads: int | None = None
     enable_prefix_caching: bool = True  # reuse K/V of full blocks shared by prompts (and n > 1 samples)
     # int8 caches: even out K/V channel magnitudes (a calibration pass at load, folded into the
     # weights; model/smoothing.py), so a few massive channels do not spend every token's int8 range.
     # auto: per layer and kv head, only where the calibration pass measures that it lowers the int8
-    # attention error (a trained checkpoint lost 5x the perplexity to smoothing everywhere); on:
+    # attention error (smoothing everywhere costs a trained checkpoint perplexity); on:
     # everywhere; off: never.
     kv_smoothing: str = "auto"
     # Ranks sharing the model (engine/runner/tensor_parallel.py): this engine is rank 0 and starts N - 1

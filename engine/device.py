@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from pie.engine.config import MODEL_DTYPES
-from pie.engine.errors import StartupError
 from pie.model.config import ModelConfig
+
+from .config import MODEL_DTYPES
+from .errors import StartupError
 
 # Model dtype names (EngineConfig.dtype, --dtype) and the torch dtypes they stand for.
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -25,9 +26,8 @@ def cpu_has_native_bf16() -> bool:
 
 def auto_dtype(device: torch.device, model_config: ModelConfig) -> str:
     """`--dtype auto`: bf16 on CUDA. On the CPU, a checkpoint stored in bf16 runs in bf16 where the
-    CPU computes bf16 natively (a bf16 matmul of the bundled model took 33 against 80 us in fp32
-    on such a 2-core machine; see benchmarks/RESULTS.md for serving); otherwise fp32, which plain
-    AVX2 computes faster than emulated bf16."""
+    CPU computes bf16 natively (AVX512-BF16, AMX: faster than fp32 there); otherwise fp32, which
+    plain AVX2 computes faster than emulated bf16."""
     if device.type == "cuda":
         return "bf16"
     stored = (model_config.dtype or "").replace("torch.", "")

@@ -5,8 +5,8 @@ step's `RequestOutput`s with the engine's counts), and what the engine process s
 
 They are msgspec Structs: plain typed classes that the engine process encodes as MessagePack
 arrays (`encode`) and the client decodes straight into them (`decode_result`, `decode_command`),
-with no tuple form kept by hand beside them. A Struct builds 256 outputs faster than a dataclass,
-and the wire costs less than the hand-kept tuples it replaced (RESULTS.md).
+with no tuple form kept by hand beside them. A Struct builds faster than a dataclass, and the
+wire costs less than hand-kept tuples.
 On a thread the same objects are handed over without encoding.
 """
 
@@ -19,11 +19,12 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from pie.engine.sampling_params import SamplingParams
+from .sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from pie.engine.config import EngineConfig
     from pie.model.config import ModelConfig
+
+    from .config import EngineConfig
 
 
 @dataclass(slots=True, frozen=True)
@@ -162,7 +163,7 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False):
 
 # ---- client -> core --------------------------------------------------------------------------------
 class AddRequest(msgspec.Struct, tag=True, array_like=True):
-    """Queue a request the client has validated (engine.validation.check_request)."""
+    """Queue a request the client has validated (engine.limits.check_request)."""
 
     request_id: str  # minted by the client: the engine's own id, never the caller's
     prompt_token_ids: list[int]

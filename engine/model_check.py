@@ -22,10 +22,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pie.engine.errors import StartupError
 from pie.model.chat_template import ChatTemplates, NoChatTemplate, read_templates
 from pie.model.config import ModelConfig
 from pie.model.tokenizer import Tokenizer
+
+from .errors import StartupError
 
 FOLDER_HINT = "give a Hugging Face-layout folder holding config.json, *.safetensors and tokenizer.json"
 

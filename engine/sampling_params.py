@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from pie.engine.errors import RequestError
+from .errors import RequestError
 
 # Caps that keep one request from costing unbounded work per step.
 MAX_LOGPROBS = 20  # top-n logprobs per token

@@ -14,11 +14,10 @@ everything the cache holds for it. Two steps:
    sliding window as (window - 1, 0).
 
 Over cached prefixes this path runs at about SDPA's speed, faster than the Triton extend kernel;
-on a long prompt with nothing cached it trails SDPA, which takes cuDNN's attention there (RESULTS.md,
-"Kernels": `benchmarks/attention.py --extend-only`). One SDPA call per such prompt was tried and
-dropped: no faster in the kernel benchmark (the per-call host work and copies), and served it came
-with occasional decode steps of 50-100 ms, as a per-shape plan build in cuDNN would give
-(benchmarks/HISTORY.md).
+on a long prompt with nothing cached it trails SDPA, which takes cuDNN's attention there
+(`benchmarks/attention.py --extend-only` measures both). One SDPA call per such prompt is not
+used: no faster in the kernel benchmark (the per-call host work and copies), and served it brings
+occasional long decode steps, as a per-shape plan build in cuDNN would.
 
 Why: the Triton paged extend kernel over int8 pages is slower than SDPA, and prefill is the
 compute-bound part of serving. The gathered copy makes any cache dtype a contiguous bf16/fp16 problem, which
@@ -41,7 +40,7 @@ import functools
 
 import torch
 
-from pie.kernels.triton_gather import gather_pages
+from .triton_gather import gather_pages
 
 MAX_HEAD_DIM = 256
 # The largest gathered K and V together (bytes) this path takes on; more: the Triton extend kernel

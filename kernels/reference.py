@@ -30,11 +30,11 @@ import torch
 import torch.nn.functional as F
 
 INT8_MAX = 127.0
-# Scales are stored in fp16 (2 bytes per (token, kv head): 1.97x the tokens of a bf16 cache at
-# head dim 128, against 1.94x with fp32 scales). The scale is rounded to fp16 before the values are
-# quantized against it, so the stored pair is exact; its floor is fp16's smallest normal number,
-# where the rounding is still relative (2^-11): vectors below 127 * 2^-14 = 0.0078 in absmax
-# are quantized in steps of 2^-14.
+# Scales are stored in fp16 (2 bytes per (token, kv head): nearly twice the tokens of a bf16 cache
+# at head dim 128, a little more than with fp32 scales). The scale is rounded to fp16 before the
+# values are quantized against it, so the stored pair is exact; its floor is fp16's smallest
+# normal number, where the rounding is still relative (2^-11): vectors below 127 * 2^-14 = 0.0078
+# in absmax are quantized in steps of 2^-14.
 SCALE_DTYPE = torch.float16
 SCALE_MIN = 2.0 ** -14
 
@@ -247,8 +247,8 @@ def paged_attention_decode(
     def gather(cache: torch.Tensor, scale: torch.Tensor | None):
         # One index_select per cache, then one pass that both converts to float32 and lays the
         # values out head-major (B, Hkv, S, D), so the two batched matmuls below read them without
-        # another copy (an einsum over the (B, S, Hkv, D) gather permuted K and V again: 2.4x
-        # slower on the CPU). An int8 cache's scales stay apart, (B, Hkv, 1, S), folded into the
+        # another copy (an einsum over the (B, S, Hkv, D) gather permuted K and V again: slower on
+        # the CPU). An int8 cache's scales stay apart, (B, Hkv, 1, S), folded into the
         # scores and the probabilities: cheaper than multiplying every element.
         vals = cache.view(cache.shape[0], -1).index_select(0, flat_blocks).view(b, s_len, hkv, d)
         vals = vals.permute(0, 2, 1, 3).to(torch.float32, memory_format=torch.contiguous_format)

@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pie.kernels.reference import CACHE_DTYPES, INT8_MAX, SCALE_MIN, _check_cache
-from pie.kernels.triton_tile import next_pow2
+from .reference import CACHE_DTYPES, INT8_MAX, SCALE_MIN, _check_cache
+from .triton_tile import next_pow2
 
 
 @triton.jit

@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pie.kernels.triton_tile import (
+from .triton_tile import (
     INT8_BIAS,
     cdiv,
     dot_types,
@@ -312,7 +312,7 @@ def default_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, sm_count
     return max(1, min(want, cap, MAX_SPLITS))
 
 
-SPLIT_TOKENS = 1024  # the engine's fixed split (fixed_split_tokens), measured in RESULTS.md (issue 26)
+SPLIT_TOKENS = 1024  # the engine's fixed split (fixed_split_tokens): the fastest of those measured
 MAX_FIXED_SPLITS = 16  # the most fixed splits the engine's grid holds (fixed_split_tokens)
 
 
@@ -328,12 +328,12 @@ def fixed_split_tokens(max_len: int, batch: int, num_kv_heads: int, sm_count: in
     batch-dependent split count.
 
     Fixed splits balance a ragged batch: one long context no longer runs alone on one SM while the
-    rest of the chip idles (RESULTS.md, "Kernels": ragged contexts), and a sequence's output does
+    rest of the chip idles, and a sequence's output does
     not depend on its companions. But the grid holds a program per split of the longest allowed
     context, and for short contexts most of them only read their length and leave (a measurable
     cost on a short-context decode step), so they are used up to
     MAX_FIXED_SPLITS (max_len <= 16,384). And a few sequences get more programs each from the batch
-    count (one 32k context: 64 splits, 0.034 ms, against 32 fixed ones, 0.047; eight: equal), so
+    count (one long context runs faster over the batch count's twice as many; eight: equal), so
     fixed splits need the batch to give at least half the SMs a program (batch x kv heads)."""
     if cdiv(max_len, SPLIT_TOKENS) > MAX_FIXED_SPLITS or 2 * batch * num_kv_heads < sm_count:
         return None
@@ -364,14 +364,15 @@ MANY_PROGRAMS = 8  # (sequence, kv head) pairs per SM from which head dim 64 run
 
 def _config(d_pad: int, page: int, cache_dtype: torch.dtype, on_gpu: bool, programs_per_sm: float = 0.0) -> DecodeConfig:
     """Launch table, by the padded head dim. Interpreter: small tiles keep masked work low. GPU:
-    measured with benchmarks/decode_variants.py (RESULTS.md, "Kernels": Hq 32, Hkv 8, page 16). int8 at head dim 128: 4 warps over 64-key tiles, the group's 4
-    query rows without padding registers (128 registers, 4 programs and 16 warps per SM; the old
-    2-warp table used 255 and spilled), scores on int8 tensor cores, V read as 1152 + V. Head dim
-    64: 2 warps over 128-key tiles (the 4-warp table lost at 400-token contexts), and with at least
+    the fastest of benchmarks/decode_variants.py's candidates (Hq 32, Hkv 8, page 16). int8 at
+    head dim 128: 4 warps over 64-key tiles, the group's 4 query rows without padding registers
+    (128 registers, 4 programs and 16 warps per SM; the old 2-warp table used 255 and spilled),
+    scores on int8 tensor cores, V read as 1152 + V. Head dim 64: 2 warps over 128-key tiles (the
+    4-warp table lost at 400-token contexts), and with at least
     MANY_PROGRAMS (sequence, kv head) pairs per SM (`programs_per_sm`, 0 = unknown) one warp over
-    32-key tiles (B256 ctx400: 0.044 against 0.054 ms; with few programs it starves the SMs: 0.24
-    against 0.10 ms at B64 ctx4096). Head dims past 128 keep the old table (halved tiles, not
-    measured again). 16-bit pages: BLOCK_N 64 / 2 stages (4.1-4.5 TB/s)."""
+    32-key tiles (faster on many short contexts; with few programs it starves the SMs). Head dims
+    past 128 keep the old table (halved tiles, not measured again). 16-bit pages: BLOCK_N 64 / 2
+    stages."""
     if not on_gpu:
         return DecodeConfig(block_n=max(16, min(page, 32)), num_stages=1, k_mode="cast", v_mode="cast")
     wide = d_pad > 128
@@ -383,8 +384,8 @@ def _config(d_pad: int, page: int, cache_dtype: torch.dtype, on_gpu: bool, progr
             return DecodeConfig(64, 4, 2, k_mode=k_mode, v_mode="bias", tight_m=True, k_t=False, per_sm=4)
         if programs_per_sm >= MANY_PROGRAMS:
             # 128 registers: 16 programs per SM (the B256 ctx400 grid in one wave); uncapped, the
-            # fixed-split paths take 145 (triton 3.6): 14 per SM and a second wave, measurably
-            # slower (RESULTS.md, the decode step's forward)
+            # fixed-split paths take more (triton 3.6): fewer programs per SM and a second wave,
+            # measurably slower
             return DecodeConfig(32, 1, 3, maxnreg=128, k_mode="bias", v_mode="bias", tight_m=True, k_t=False,
                                 per_sm=10)
         return DecodeConfig(128, 2, 2, k_mode=k_mode, v_mode="bias", tight_m=True)

@@ -39,8 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pie.kernels.reference import _check_cache
-from pie.kernels.triton_tile import (
+from .reference import _check_cache
+from .triton_tile import (
     INT8_BIAS,
     accumulate_pv,
     dot_types,
@@ -140,7 +140,7 @@ def _new_tile(acc, m_i, l_i, q, pos, j_start, j_end, ctx, q_start, kn_base, vn_b
 
 # Counts that change every step are not specialized on (== 1, divisible by 16), nor the alignment
 # of seq_lens and query_start_loc (slices of the runner's staging buffer at offsets that move with
-# the step's token count): each new combination was a fresh compile (~1 s) in the middle of
+# the step's token count): each new combination would be a fresh compile in the middle of
 # serving, several of them in an engine's first minutes.
 # bt_ptr too: a mixed step's prefill rows are the tables from row num_decodes on, whose alignment
 # moves with it (each variant would compile while serving, stalling the step that meets it)
@@ -274,8 +274,8 @@ def _default_config(d_pad: int, quant: bool, new_kv: bool, interpret: bool) -> t
     warps a multiple of 4). Measured at D=128 on 4k-token prompts (benchmarks/extend_check.py),
     every key from the cache: 16-bit caches are fastest at (128, 32, 4, 3); int8 caches at
     (128, 128, 8, 2) with K and V cast (int8_modes "cast"), ahead of (128, 64) with K on int8
-    tensor cores and (128, 32) with the 1152 + x reads, although (128, 128) spills 352 bytes a
-    thread and (128, 32) none (RESULTS.md, "Kernels").
+    tensor cores and (128, 32) with the 1152 + x reads, although (128, 128) spills registers and
+    (128, 32) does not.
     With the new keys read as computed (new_kv), a prefill without a cached prefix is 16-bit work:
     the 16-bit tiles. Head dims past 128 halve BLOCK_M so the accumulator keeps its register budget."""
     if interpret:
@@ -332,8 +332,8 @@ def paged_extend(
     reads whole and those it masks to round alike: with fusion on, an int8 tile's `s * k_scale - m`
     became one FMA in the whole tiles but not across the masked tiles' select, so a key's score
     rounded differently by the tile's kind and chunks differed from the whole prompt in the last
-    bits of the output. Off, they are bit-equal in every int8 mode, for 1-2% of the int8 kernel's
-    time and none of bf16's (RESULTS.md, "Kernels"; benchmarks/extend_check.py section 4).
+    bits of the output. Off, they are bit-equal in every int8 mode, for a little of the int8
+    kernel's time and none of bf16's (benchmarks/extend_check.py section 4 measures it).
     """
     _check_cache(k_cache, k_scale)
     _check_cache(v_cache, v_scale)

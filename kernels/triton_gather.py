@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pie.kernels.reference import _check_cache
-from pie.kernels.triton_tile import cdiv, next_pow2
+from .reference import _check_cache
+from .triton_tile import cdiv, next_pow2
 
 
 @triton.jit

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pie.kernels.triton_tile import cdiv, next_pow2
+from .triton_tile import cdiv, next_pow2
 
 BLOCK_T = 16  # rows per program: tl.dot's least M on the GPU
 MAX_RANK = 512  # R, padded: every rank row of a slot sits in one tile

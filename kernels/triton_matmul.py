@@ -55,7 +55,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pie.kernels.triton_tile import cdiv, dot_types
+from .triton_tile import cdiv, dot_types
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 PROGRAMS = 128  # programs an M = 1 call aims to launch: about one per SM of the largest GPUs

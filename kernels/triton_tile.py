@@ -219,8 +219,8 @@ def pad_head_dim(d: int) -> int:
 
 
 # Host arithmetic for the launch wrappers. triton.cdiv and triton.next_power_of_2 are constexpr
-# functions in triton 3.7: each host call unwraps its arguments (~3 us on a 2-core CI machine),
-# and the attention wrappers of an eager step make several per layer.
+# functions in triton 3.7: each host call unwraps its arguments, and the attention wrappers of an
+# eager step make several per layer.
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for ints, b > 0."""
     return -(-a // b)

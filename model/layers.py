@@ -8,11 +8,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pie.model.attention import AttentionBackend
-from pie.model.config import ModelConfig
-from pie.model.lora import LoraHook
-from pie.model.parallel import TensorParallel
-from pie.model.rope import apply_rotary
+from .attention import AttentionBackend
+from .config import ModelConfig
+from .lora import LoraHook
+from .parallel import TensorParallel
+from .rope import apply_rotary
 
 
 class FusedOps(Protocol):

@@ -13,12 +13,12 @@ import math
 import torch
 from torch import nn
 
-from pie.model.attention import AttentionBackend, BatchedCausalAttention
-from pie.model.config import ModelConfig
-from pie.model.layers import FusedOps, Linear, Matmul, RMSNorm, SelfAttention, SwiGLUMLP
-from pie.model.lora import LoraStep
-from pie.model.parallel import TensorParallel, local_config, vocab, vocab_per_rank
-from pie.model.rope import RotaryEmbedding
+from .attention import AttentionBackend, BatchedCausalAttention
+from .config import ModelConfig
+from .layers import FusedOps, Linear, Matmul, RMSNorm, SelfAttention, SwiGLUMLP
+from .lora import LoraStep
+from .parallel import TensorParallel, local_config, vocab, vocab_per_rank
+from .rope import RotaryEmbedding
 
 
 class DecoderLayer(nn.Module):

@@ -20,10 +20,10 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from pie.model.config import ModelConfig
-from pie.model.llama import LlamaForCausalLM
-from pie.model.parallel import TensorParallel, check_shardable, intermediate, kv_heads, q_heads, vocab, vocab_per_rank
-from pie.model.rope import RotaryEmbedding
+from .config import ModelConfig
+from .llama import LlamaForCausalLM
+from .parallel import TensorParallel, check_shardable, intermediate, kv_heads, q_heads, vocab, vocab_per_rank
+from .rope import RotaryEmbedding
 
 # transformers module inside a layer -> (our fused module, index of its part, number of parts)
 _FUSED = {

@@ -31,7 +31,7 @@ from typing import Protocol
 
 import torch
 
-from pie.model.config import ModelConfig
+from .config import ModelConfig
 
 # PEFT's module name -> (our projection, its part index)
 TARGETS = {

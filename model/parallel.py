@@ -12,8 +12,8 @@ Each of `size` ranks holds a slice of every layer and the whole of the rest:
 - the embedding and the LM head: split by vocabulary, ceil(V/N) rows per rank (the last rank's
   share padded with zero rows). A rank embeds the ids in its rows (zeros for the others) and one
   all-reduce sums the embedding; each rank's LM head gives its columns of the logits, gathered
-  on every rank (rank 0 samples). Replicated, they would add 21% to a rank's weights for a
-  70B Llama at N=8 and 92% for an 8B one;
+  on every rank (rank 0 samples). Replicated, they would add a large share to a rank's weights,
+  nearly its whole share again for an 8B Llama at N=8;
 - norms and RoPE: replicated (every rank computes the same hidden state).
 
 A rank's module is an ordinary LlamaForCausalLM built from `local_config` (its head and
@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from pie.model.config import ModelConfig
+from .config import ModelConfig
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,7 @@ import math
 import torch
 from torch import nn
 
-from pie.model.config import ModelConfig
+from .config import ModelConfig
 
 
 def _base_inv_freq(base: float, dim: int) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """K/V channel smoothing folded into the weights, for caches that quantize per (token, head).
 
-Real checkpoints have a few K channels 10-100x larger than the rest ("massive activations"). A
+Real checkpoints have a few K channels one or two orders of magnitude larger than the rest
+("massive activations"). A
 per-(token, head) int8 scale is set by the largest channel, so those few spend the range that the
 others need. Attention scores only see q . k, so dividing K channel c by s_c and multiplying the
 matching Q channel by s_c changes nothing, and the division can live in the weights (QServe's
@@ -21,12 +22,12 @@ power of two (so folding them into bf16 or fp16 weights is exact) and clamped. Q
 shared by all heads, so its factors are too (the RMS pooled over heads).
 
 Smoothing helps a model whose few massive K channels spend every token's int8 range, and costs one
-whose channels matter unevenly: a trained checkpoint (SmolLM2-135M-Instruct) lost 5x the perplexity
-of plain int8 pages to it (+0.137% against +0.027%), while random models with massive channels kept
-greedy agreement 0.82 with it against 0.45 without. So by default (`choose`) the calibration pass
-also decides, per layer and kv head, whether K's factors and V's are worth it: it attends the
-calibration tokens with K and V rounded to int8 as the cache stores them, plainly and smoothed, and
-keeps each factor only where the attention output comes closer to the exact one (K's factors per
+whose channels matter unevenly: a trained checkpoint (SmolLM2-135M-Instruct) lost more perplexity
+to it than to plain int8 pages, while random models with massive channels kept far more greedy
+agreement with it than without. So by default (`choose`) the calibration pass also decides, per
+layer and kv head, whether K's factors and V's are worth it: it attends the calibration tokens
+with K and V rounded to int8 as the cache stores them, plainly and smoothed, and keeps each factor
+only where the attention output comes closer to the exact one (K's factors per
 layer where they are shared). The choice is the measured error's, on this checkpoint's own
 activations.
 """
@@ -38,16 +39,15 @@ from dataclasses import dataclass
 
 import torch
 
-from pie.model.attention import DenseCausalAttention
-from pie.model.llama import LlamaForCausalLM
+from .attention import DenseCausalAttention
+from .llama import LlamaForCausalLM
 
 MIN_LOG2, MAX_LOG2 = -6, 10  # factors in [1/64, 1024]
 # With `choose`, a head's K (or V) factors are kept where they bring its int8 attention error
 # below this share of the error without them. The head's error is a proxy of the model's (the
-# output projection and the layers after it weigh the channels unevenly): on SmolLM2-135M most
-# heads' factors change it by a few percent either way and, kept at 0.75 (7 of 180), still cost
-# top-1 agreement end to end; massive K channels' factors cut it 15- to 60-fold (benchmarks/
-# HISTORY.md, issue 45).
+# output projection and the layers after it weigh the channels unevenly): most heads' factors
+# change it a little either way and, kept at a looser share, still cost top-1 agreement end to
+# end; massive K channels' factors cut it many-fold, far below this share.
 KEEP_BELOW = 0.5
 
 # What `calibrate` runs through the model when the caller brings no tokens of its own: ordinary

@@ -11,8 +11,8 @@ config.json `eos_token_id`, then tokenizer_config.json `eos_token`.
 
 Refusing a text that has too many tokens costs little: each token stands for at most
 `max_token_bytes` bytes of the normalized text, so `len(utf8) / max_token_bytes` tokens at least,
-found in one pass over the bytes instead of a tokenization (a 1M-character prompt to a 512-token
-model: ~2 ms instead of ~0.5 s and ~30 MB of Encoding). The bound holds where no piece of the text
+found in one pass over the bytes instead of a tokenization (for a very long prompt, a small
+part of the time and none of an Encoding's memory). The bound holds where no piece of the text
 is dropped and no token stands for an unbounded run (`_max_token_bytes` says which tokenizers).
 """
 
@@ -26,7 +26,7 @@ from typing import Any
 
 import tokenizers
 
-from pie.model.config import ModelConfig, as_token_ids
+from .config import ModelConfig, as_token_ids
 
 GIL_FREE_ENCODE_CHARS = 2048  # longer texts are encoded with the GIL released (see Tokenizer.encode)
 
@@ -169,11 +169,11 @@ class Tokenizer:
         that is tokenized and refused pays nothing for the list of ids.
 
         Long texts go through `encode_batch_fast`, which releases the GIL while it works and keeps
-        no offsets. For 1M characters of the bundled model's tokenizer: `encode` held the GIL for
-        0.53 s, during which no other thread of the process ran; `encode_batch` released it, but
-        freeing its result held it for 33-45 ms; the fast variant takes 0.25-0.35 s in all and
-        holds the GIL ~13 ms, to build the list of 400k ids (none when they are too many). So a
-        caller on a worker thread leaves the rest of the process running."""
+        no offsets. `encode` holds the GIL for the whole tokenization, during which no other
+        thread of the process runs; `encode_batch` releases it, but freeing its result holds it
+        again for a while; the fast variant holds it only to build the list of ids (not at all when
+        they are too many). So a caller on a worker thread leaves the rest of the process
+        running."""
         if max_tokens is not None and len(text) > max_tokens:  # the bound can refuse only long texts
             at_least = self.min_tokens(text)
             if at_least > max_tokens:
@@ -189,7 +189,7 @@ class Tokenizer:
             bos = int(not ids or ids[0] != self.bos_token_id)
         if max_tokens is not None and len(encoding) + bos > max_tokens:
             count = len(encoding) + bos
-            # The exception's traceback holds this frame: not the Encoding (~30 MB for 1M characters).
+            # The exception's traceback holds this frame: not the Encoding (large for a long text).
             encoding = ids = None
             raise TooManyTokens(count)
         if ids is None:

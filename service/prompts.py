@@ -11,8 +11,8 @@ import grpc
 
 from pie.engine.client.engine_client import EngineClient
 from pie.engine.errors import RequestError
+from pie.engine.limits import prompt_too_long
 from pie.engine.sampling_params import StructuredOutputParams
-from pie.engine.validation import prompt_too_long
 from pie.model.chat_template import ChatTemplateError, ChatTemplates, NoChatTemplate
 from pie.model.tokenizer import TooManyTokens
 from pie.service.errors import ServiceError

@@ -1,5 +1,5 @@
 """How closely the engine's greedy output follows transformers', per KV cache dtype: the measure
-behind tests/engine/test_kv_fidelity.py and benchmarks/kv_fidelity.py (not a test itself).
+behind tests/engine/runner/test_kv_fidelity.py and benchmarks/kv_fidelity.py (not a test itself).
 
 Two figures per (model, cache dtype), both against transformers in fp32 on the same weights:
 - agreement: the common prefix of the engine's greedy continuation and transformers', over the

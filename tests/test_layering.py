@@ -11,15 +11,18 @@ functions), so a lazy import cannot slip past:
 and checked once more by importing `pie.model` and `pie.kernels` in a fresh interpreter. Inside
 engine/, its rooms (sub-packages) import downward only, in ENGINE_ROOMS' order; no engine/ or
 service/ file is longer than MAX_LINES, and none carries a date or a GPU's name. Every
-import of ours goes through its `pie.` name (README "Import names"): a bare `import kernels` would
-be Hugging Face's package, or the checkout's folder imported a second time under another name."""
+import of ours goes through its `pie.` name (README "Import names"), or, inside engine/, kernels/,
+model/ and training/, is relative to its own folder: a bare `import kernels` would be Hugging
+Face's package, or the checkout's folder imported a second time under another name."""
 
 from __future__ import annotations
 
 import ast
+import io
 import re
 import subprocess
 import sys
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -101,16 +104,54 @@ def test_our_packages_are_imported_by_their_pie_names() -> None:
 
 
 def test_clients_pie_links_each_package_to_its_folder() -> None:
-    """clients/pie is the `pie` package of a checkout: its server subpackages are the top-level
+    """clients/pie is the `pie` namespace of a checkout: its server subpackages are the top-level
     folders themselves (links), the rest is the generated stubs. The folders are namespace packages
     (no __init__.py): from the checkout's root, where Python puts them on its path as `kernels`,
     `model`, ..., they never hide an installed package of that name."""
     pie = ROOT / "clients" / "pie"
+    assert not (pie / "__init__.py").exists(), "`pie` is a namespace package that neither distribution owns"
     for name in SERVER:
         assert (pie / name).is_symlink() and (pie / name).resolve() == ROOT / name, name
         assert not (ROOT / name / "__init__.py").exists(), f"{name}/__init__.py would hide an installed {name!r}"
     assert {p.name for p in pie.iterdir() if p.is_dir()} == SERVER | {"v1"}
 
+
+# Inside each of these folders a module imports its neighbours relatively (`from ..config import
+# EngineConfig`), so the folder's structure shows in its imports; what crosses folders names
+# pie.<folder> (`from pie.model.llama import ...`). service/ is not converted yet.
+RELATIVE_INSIDE = ("engine", "kernels", "model", "training")
+
+
+def own_import_faults(source: str, module: str) -> list[str]:
+    """The imports of `module` (pie.engine.core.loop) that name its own top-level folder absolutely,
+    or that climb out of it relatively."""
+    folder = module.split(".")[:2]
+    package = module.split(".")[:-1]
+    faults = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            faults += [f"import {a.name}" for a in node.names if a.name.split(".")[:2] == folder]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level == 0 and node.module and node.module.split(".")[:2] == folder:
+                faults.append(f"from {node.module} import (make it relative)")
+            elif node.level and node.level > len(package) - 1:
+                faults.append(f"from {'.' * node.level}{node.module or ''} import (leaves {'.'.join(folder)})")
+    return faults
+
+
+def test_imports_inside_a_folder_are_relative() -> None:
+    found = {}
+    for folder in RELATIVE_INSIDE:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            module = _module_name(path) + (".__init__" if path.name == "__init__.py" else "")
+            if faults := own_import_faults(path.read_text(), module):
+                found[str(path.relative_to(ROOT))] = faults
+    assert not found, f"imports inside a folder: {found}"
+    # and it finds both kinds of fault
+    assert own_import_faults("from pie.engine.config import X\nfrom ..config import Y\nfrom pie.model import Z",
+                             "pie.engine.core.loop") == ["from pie.engine.config import (make it relative)"]
+    assert own_import_faults("from ...service import X\nimport pie.engine.errors", "pie.engine.core.loop") == [
+        "from ...service import (leaves pie.engine)", "import pie.engine.errors"]
 
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
 def test_package_imports_point_one_way(package: str) -> None:
@@ -217,7 +258,7 @@ LAB_NOTES = re.compile(r"\b20\d\d-\d\d-\d\d\b|\b(?:H100|H200|H800|A100|A800|B200
 def test_the_code_keeps_no_lab_notebook() -> None:
     """Comments and docstrings say what the code does and why, in the present tense: a dated
     measurement or a GPU's name rots the moment the code changes, so figures live in
-    benchmarks/RESULTS.md (current) and HISTORY.md (dated), which a comment may point to."""
+    benchmarks/RESULTS.md (current) and HISTORY.md (dated)."""
     found = {str(p.relative_to(ROOT)): [n for n, line in enumerate(p.read_text().splitlines(), 1) if LAB_NOTES.search(line)]
              for package in ("engine", "service", "kernels", "model") for p in sorted((ROOT / package).rglob("*.py"))}
     found = {path: lines for path, lines in found.items() if lines}
@@ -225,10 +266,48 @@ def test_the_code_keeps_no_lab_notebook() -> None:
     assert LAB_NOTES.search("measured on the H200 (2026-12-02)") and not LAB_NOTES.search("an H-shaped tile 2026")
 
 
+# A measurement quoted in prose (a time, a rate, a speed-up, a share) or a pointer to where one is
+# kept (HISTORY.md, RESULTS.md, an issue number): the comment states the rule, RESULTS.md the figure.
+MEASUREMENTS = re.compile(
+    r"\b(?:HISTORY|RESULTS)\.md\b|\bbenchmarks/(?:HISTORY|RESULTS)\b|\bissues? #?\d+\b|(?<![\w&])#\d+\b"
+    r"|\d(?:[\d.,]*\d)?\s?(?:ns|us|µs|ms|s|TB/s|GB/s|tokens?/s|tok/s)\b"
+    r"|\d(?:\.\d+)?\s?x\s(?:faster|slower|less|more|fewer|larger|smaller|the)\b"
+    r"|\d(?:\.\d+)?\s?%")
+NO_FIGURES = ("engine", "kernels", "model")  # service/ not yet
+
+
+def prose_lines(source: str) -> list[tuple[int, str]]:
+    """(line number, text) of every comment and every line of a module's, class's or function's
+    docstring."""
+    lines = [(t.start[0], t.string) for t in tokenize.generate_tokens(io.StringIO(source).readline)
+             if t.type == tokenize.COMMENT]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+                lines += [(first.lineno + i, text) for i, text in enumerate(first.value.value.splitlines())]
+    return lines
+
+
+def test_comments_state_rules_not_measurements() -> None:
+    found = {str(p.relative_to(ROOT)): [n for n, text in prose_lines(p.read_text()) if MEASUREMENTS.search(text)]
+             for package in NO_FIGURES for p in sorted((ROOT / package).rglob("*.py"))}
+    found = {path: sorted(lines) for path, lines in found.items() if lines}
+    assert not found, f"measurements or pointers to them in comments (state the rule; figures in RESULTS.md): {found}"
+    planted = '''"""Steps took 7 ms (benchmarks/HISTORY.md)."""
+x = 1  # 2.4x faster, issue 29
+y = "12% in a string is code, not prose"
+def f():
+    """Keeps 5% of RESULTS.md."""
+# the fixed split: 1024 keys, 16 splits, head dim 128
+'''
+    assert sorted(n for n, text in prose_lines(planted) if MEASUREMENTS.search(text)) == [1, 2, 5]
+
+
 # engine/'s rooms, lowest first: a module may import from its own room and the rooms before it,
 # never from one after it. The top level is the contract every room shares (config, errors,
-# sampling parameters, the messages that cross the process boundary, validation, the device and
-# the model folder's checks).
+# sampling parameters, the messages that cross the process boundary, the limits a request is
+# checked against, the device and the model folder's checks).
 ENGINE_ROOMS = ["", "sample", "scheduling", "runner", "spec_decode", "core", "client"]
 
 
@@ -259,3 +338,42 @@ def test_every_engine_and_service_file_fits_in_one_sitting() -> None:
     long = {str(p.relative_to(ROOT)): n for package in ("engine", "service") for p in sorted((ROOT / package).rglob("*.py"))
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, f"longer than {MAX_LINES} lines (split by concept): {long}"
+
+
+# tests/engine/ mirrors engine/: a test of engine/<room>/ lies in tests/engine/<room>/, a test of a
+# top-level module (engine/model_check.py) beside the rooms as test_<module>.py; the only other files
+# there are helpers that tests of several rooms share.
+ENGINE_TEST_HELPERS = {"invariants.py"}
+
+
+def mirror_faults(tests: Path, engine: Path) -> list[str]:
+    """Each file of `tests` (a tests/engine/) that is not where the mirror of `engine` puts it."""
+    rooms = {p.name for p in engine.iterdir() if (p / "__init__.py").is_file()}
+    modules = {p.stem for p in engine.glob("*.py")}
+    faults = []
+    for path in sorted(tests.rglob("*.py")):
+        parts = path.relative_to(tests).parts
+        if len(parts) == 1:
+            name = parts[0]
+            if name not in ENGINE_TEST_HELPERS and not (name.startswith("test_") and name[5:-3] in modules):
+                faults.append(f"{name}: a flat file that tests no top-level module of engine/ (move it to its room)")
+        elif len(parts) > 2 or parts[0] not in rooms:
+            faults.append(f"{'/'.join(parts)}: engine/ has no room {'/'.join(parts[:-1])}/")
+    return faults
+
+
+def test_engine_tests_mirror_the_engine(tmp_path: Path) -> None:
+    assert {p.name for p in (ROOT / "engine").iterdir() if (p / "__init__.py").is_file()} == set(ENGINE_ROOMS) - {""}
+    faults = mirror_faults(ROOT / "tests" / "engine", ROOT / "engine")
+    assert not faults, f"tests/engine/ does not mirror engine/: {faults}"
+
+    # and it finds what is out of place
+    (tmp_path / "engine" / "runner").mkdir(parents=True)
+    (tmp_path / "engine" / "runner" / "__init__.py").touch()
+    (tmp_path / "engine" / "config.py").touch()
+    for name in ("test_config.py", "invariants.py", "test_scheduler.py", "runner/test_pool.py", "sampler/test_x.py",
+                 "runner/deep/test_y.py"):
+        (tmp_path / "tests" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "tests" / name).touch()
+    assert [f.split(":")[0] for f in mirror_faults(tmp_path / "tests", tmp_path / "engine")] == [
+        "runner/deep/test_y.py", "sampler/test_x.py", "test_scheduler.py"]

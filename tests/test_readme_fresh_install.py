@@ -1,6 +1,6 @@
 """The commands of README.md and docs/*.md, run as written in an environment made exactly as the
 README makes it: the tracked files copied to a new folder, the serve command's install steps
-(`python3 -m venv`, `pip install torch==2.13.0`, `pip install -e .`: no test extras, so no
+(`python3 -m venv`, `pip install torch==2.13.0`, `pip install -e ./clients -e .`: no test extras, so no
 transformers and no datasets), then each command through bash with that virtual environment active.
 
 Commands that train or benchmark run shortened (the flags that set their size are replaced, the

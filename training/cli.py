@@ -22,11 +22,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pie.training.documents import TXT_MODES, HubUnreachableError, MissingExtraError
+from .documents import TXT_MODES, HubUnreachableError, MissingExtraError
 
 if TYPE_CHECKING:
-    from pie.training.documents import Documents
-    from pie.training.train import TrainConfig
+    from .documents import Documents
+    from .train import TrainConfig
 
 _DTYPES = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
 
@@ -73,7 +73,7 @@ def add_train_parser(subparsers: argparse._SubParsersAction, *,
                      ) -> argparse.ArgumentParser:
     """Adds `train` to `subparsers`; `formatter_class` renders its --help (pie passes its own, which
     appends each flag's default)."""
-    from pie.training.train import TrainConfig  # light: no datasets/transformers import
+    from .train import TrainConfig  # light: no datasets/transformers import
 
     p = subparsers.add_parser("train", help="train a small Llama on stories and export it",
                               description="Corpus (generated offline, local files or a hub dataset) -> byte-level "
@@ -121,11 +121,11 @@ def add_train_parser(subparsers: argparse._SubParsersAction, *,
 
 def _documents(args, out: Path) -> tuple[Documents, Documents | None]:
     """(train documents, eval documents or None)."""
-    from pie.training.documents import load_documents, local_files
+    from .documents import load_documents, local_files
 
     common = {"text_field": args.text_field, "txt_mode": args.txt_mode}
     if args.generate_corpus is not None:
-        from pie.training.corpus import write_corpus
+        from .corpus import write_corpus
 
         corpus_dir = out / "corpus"
         paths = write_corpus(corpus_dir, num_stories=args.generate_corpus, seed=args.seed)
@@ -157,10 +157,10 @@ def run(args: argparse.Namespace) -> int:
     import tokenizers
     import torch
 
-    from pie.training.data import TokenSplits, iter_texts, prepare_tokens
-    from pie.training.export import export_hf
-    from pie.training.tokenizer import EOS_ID, train_bpe_tokenizer
-    from pie.training.train import TrainConfig, train
+    from .data import TokenSplits, iter_texts, prepare_tokens
+    from .export import export_hf
+    from .tokenizer import EOS_ID, train_bpe_tokenizer
+    from .train import TrainConfig, train
 
     out = Path(args.out)
     fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)

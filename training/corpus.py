@@ -20,7 +20,7 @@ import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from pie.training.lexicon import (  # the generator's vocabulary
+from .lexicon import (  # the generator's vocabulary
     BOYS,
     ELDERS,
     FEELINGS_BAD,

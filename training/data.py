@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pie.training.documents import Documents
+from .documents import Documents
 
 _TEXT_BATCH = 1000  # documents read (and tokenized) at a time
 

@@ -17,7 +17,8 @@ from safetensors.torch import save
 
 from pie.model.config import ModelConfig
 from pie.model.llama import LlamaForCausalLM
-from pie.training.tokenizer import BOS_ID, BOS_TOKEN, EOS_ID, EOS_TOKEN, PAD_ID, PAD_TOKEN
+
+from .tokenizer import BOS_ID, BOS_TOKEN, EOS_ID, EOS_TOKEN, PAD_ID, PAD_TOKEN
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 

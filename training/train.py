@@ -27,9 +27,10 @@ import torch.nn.functional as F
 
 from pie.model.config import ModelConfig
 from pie.model.llama import LlamaForCausalLM
-from pie.training.data import TokenSplits
-from pie.training.plot import plot_curves
-from pie.training.tokenizer import BOS_ID, EOS_ID, PAD_ID
+
+from .data import TokenSplits
+from .plot import plot_curves
+from .tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 
 @dataclass(slots=True)

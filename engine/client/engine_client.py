@@ -31,8 +31,11 @@ from typing import TYPE_CHECKING, Protocol
 import msgspec
 import structlog
 
-from pie.engine.errors import EngineDeadError, QueueFullError, RequestAbortedError
-from pie.engine.messages import (
+from pie.model.lora import AdapterError
+
+from ..errors import EngineDeadError, QueueFullError, RequestAbortedError
+from ..limits import check_request
+from ..messages import (
     AbortRequest,
     AdapterCommand,
     AdapterReply,
@@ -44,11 +47,9 @@ from pie.engine.messages import (
     RequestStatus,
     StepResult,
 )
-from pie.engine.sample.structured import GrammarCompiler
-from pie.engine.sampling_params import SamplingParams, StructuredOutputParams
-from pie.engine.scheduling.adapters import AdapterNotFoundError
-from pie.engine.validation import check_request
-from pie.model.lora import AdapterError
+from ..sample.structured import GrammarCompiler
+from ..sampling_params import SamplingParams, StructuredOutputParams
+from ..scheduling.adapters import AdapterNotFoundError
 
 if TYPE_CHECKING:
     from pie.model.tokenizer import Tokenizer

@@ -1,13 +1,13 @@
 """The engine core in a child process (`pie serve`'s default), so the gRPC loop and the engine
 stop sharing one GIL.
 
-With the core on a thread (client_thread.ThreadEngineClient), the asyncio loop that writes the
+With the core on a thread (thread.ThreadEngineClient), the asyncio loop that writes the
 streams' messages and the engine's per-request Python take turns on one interpreter lock. At a
-few hundred open streams the loop is busy most of the time and the engine's steps stretch with it
-(7 ms steps became 15 ms at 256 streams). In its own process the core steps at its own pace and
-the loop coalesces what it cannot send at once into larger messages.
+few hundred open streams the loop is busy most of the time and the engine's steps stretch with it.
+In its own process the core steps at its own pace and the loop coalesces what it cannot send at
+once into larger messages.
 
-    parent (gRPC, asyncio)                               child (engine/core/process.py)
+    parent (gRPC, asyncio)                               child (engine/core/child_process.py)
       ProcessEngineClient.submit/abort -> sender -->       reader thread -> Inbox
                      (a thread: never blocks the loop)     run_core_loop (as on a thread)
       link thread: starts the child, then  <----------     outbox thread: StepResult per step
@@ -48,15 +48,16 @@ from multiprocessing.connection import Connection
 
 import structlog
 
-from pie.engine.client.engine_client import EngineClientBase
-from pie.engine.config import EngineConfig
-from pie.engine.core.engine_core import EngineCore
-from pie.engine.core.loop import Watchdog, heartbeat_interval
-from pie.engine.core.process import BOOT
-from pie.engine.errors import StartupError, StepTimeoutError
-from pie.engine.messages import Command, StepResult, StopCore, decode_result, encode
-from pie.engine.sample.structured import GrammarCompiler
 from pie.model.tokenizer import Tokenizer
+
+from ..config import EngineConfig
+from ..core.child_process import BOOT
+from ..core.engine_core import EngineCore
+from ..core.loop import Watchdog, heartbeat_interval
+from ..errors import StartupError, StepTimeoutError
+from ..messages import Command, StepResult, StopCore, decode_result, encode
+from ..sample.structured import GrammarCompiler
+from .engine_client import EngineClientBase
 
 log = structlog.get_logger(__name__)
 

@@ -5,7 +5,7 @@
       RequestStream.next_batch() <- _on_result <-------   publish: loop.call_soon_threadsafe
 
 Simple and quick to start (tests use it), but the engine and the asyncio loop share one GIL; at
-hundreds of streams `client_process.ProcessEngineClient` serves more.
+hundreds of streams `process.ProcessEngineClient` serves more.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from collections.abc import Callable
 
 import structlog
 
-from pie.engine.client.engine_client import EngineClientBase
-from pie.engine.config import EngineConfig
-from pie.engine.core.engine_core import EngineCore
-from pie.engine.core.loop import Inbox, StepClock, Watchdog, run_core_loop, step_watchdog
-from pie.engine.messages import Command, StepResult
+from ..config import EngineConfig
+from ..core.engine_core import EngineCore
+from ..core.loop import Inbox, StepClock, Watchdog, run_core_loop, step_watchdog
+from ..messages import Command, StepResult
+from .engine_client import EngineClientBase
 
 log = structlog.get_logger(__name__)
 

@@ -9,21 +9,22 @@ from collections import Counter
 import structlog
 import torch
 
-from pie.engine.config import EngineConfig
-from pie.engine.errors import StartupError
-from pie.engine.messages import AdapterCommand, AdapterReply, AdapterState
-from pie.engine.runner.kv_cache import KVCache
-from pie.engine.runner.model_runner import ModelRunner
-from pie.engine.runner.tensor_parallel import Leader
-from pie.engine.runner.warm_up import warm_up
-from pie.engine.scheduling.adapters import Adapter, AdapterNotFoundError, Adapters
-from pie.engine.spec_decode.draft import DraftModel, DraftProposer
-from pie.engine.spec_decode.speculator import NgramProposer, Proposer, Speculator
 from pie.model import smoothing
 from pie.model.config import ModelConfig
 from pie.model.llama import LlamaForCausalLM
 from pie.model.lora import AdapterError, LoraBank
 from pie.model.tokenizer import Tokenizer
+
+from ..config import EngineConfig
+from ..errors import StartupError
+from ..messages import AdapterCommand, AdapterReply, AdapterState
+from ..runner.kv_cache import KVCache
+from ..runner.model_runner import ModelRunner
+from ..runner.tensor_parallel import Leader
+from ..runner.warm_up import warm_up
+from ..scheduling.adapters import Adapter, AdapterNotFoundError, Adapters
+from ..spec_decode.draft import DraftModel, DraftProposer
+from ..spec_decode.speculator import NgramProposer, Proposer, Speculator
 
 log = structlog.get_logger(__name__)
 

@@ -15,32 +15,33 @@ from collections.abc import Callable
 import structlog
 import torch
 
-from pie.engine.config import EngineConfig, usable_cores
-from pie.engine.core import build
-from pie.engine.core.build import make_speculator, smooth_kv, spec_stats, use_kernels
-from pie.engine.core.step_timer import StepTimer
-from pie.engine.device import TORCH_DTYPES, auto_dtype, resolve_device
-from pie.engine.errors import EngineDeadError
-from pie.engine.messages import EngineInfo, EngineStats, RequestOutput, RequestStatus, StepTimes
-from pie.engine.model_check import check_vocab, read_model_config, read_tokenizer
-from pie.engine.runner.kv_cache import KVCache
-from pie.engine.runner.kv_sizing import num_kv_blocks
-from pie.engine.runner.model_runner import ModelRunner
-from pie.engine.runner.pending import PendingStep
-from pie.engine.runner.tensor_parallel import Leader, check_devices
-from pie.engine.runner.warm_up import warm_up
-from pie.engine.sample.structured import GrammarCompiler, StructuredOutputs, TokenMasks
-from pie.engine.sampling_params import SamplingParams
-from pie.engine.scheduling.block_manager import BlockManager
-from pie.engine.scheduling.detokenizer import IncrementalDetokenizer
-from pie.engine.scheduling.request import Request, SampleGroup
-from pie.engine.scheduling.scheduler import Scheduler
-from pie.engine.scheduling.step import SchedulerOutput
-from pie.engine.spec_decode.draft import DraftModel, load_draft
-from pie.engine.validation import check_request
 from pie.model.config import ModelConfig
 from pie.model.loader import load_model
 from pie.model.parallel import TensorParallel, check_shardable
+
+from ..config import EngineConfig, usable_cores
+from ..device import TORCH_DTYPES, auto_dtype, resolve_device
+from ..errors import EngineDeadError
+from ..limits import check_request
+from ..messages import EngineInfo, EngineStats, RequestOutput, RequestStatus, StepTimes
+from ..model_check import check_vocab, read_model_config, read_tokenizer
+from ..runner.kv_cache import KVCache
+from ..runner.kv_sizing import num_kv_blocks
+from ..runner.model_runner import ModelRunner
+from ..runner.pending import PendingStep
+from ..runner.tensor_parallel import Leader, check_devices
+from ..runner.warm_up import warm_up
+from ..sample.structured import GrammarCompiler, StructuredOutputs, TokenMasks
+from ..sampling_params import SamplingParams
+from ..scheduling.block_manager import BlockManager
+from ..scheduling.detokenizer import IncrementalDetokenizer
+from ..scheduling.request import Request, SampleGroup
+from ..scheduling.scheduler import Scheduler
+from ..scheduling.step import SchedulerOutput
+from ..spec_decode.draft import DraftModel, load_draft
+from . import build
+from .build import make_speculator, smooth_kv, spec_stats, use_kernels
+from .step_timer import StepTimer
 
 log = structlog.get_logger(__name__)
 

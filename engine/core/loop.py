@@ -23,9 +23,9 @@ from collections.abc import Callable
 
 import structlog
 
-from pie.engine.core.engine_core import EngineCore
-from pie.engine.errors import StepTimeoutError
-from pie.engine.messages import AbortRequest, AdapterCommand, AdapterReply, AddRequest, Command, StepResult
+from ..errors import StepTimeoutError
+from ..messages import AbortRequest, AdapterCommand, AdapterReply, AddRequest, Command, StepResult
+from .engine_core import EngineCore
 
 log = structlog.get_logger(__name__)
 

@@ -5,8 +5,8 @@ A step's time is the time between its end and the previous step's, counted only 
 was busy in between, with the step's shape (decode rows, prompt tokens, the decodes' context)
 beside it. On CUDA both ends are events the steps recorded after their last work, read off the
 device: the host's clock sees a step end only when it reads it back, which under async scheduling
-can be long after (the next step's launch runs first), and so credited a long prompt step's time
-to the step before it (benchmarks/HISTORY.md, issue 29).
+can be long after (the next step's launch runs first), and so would credit a long prompt step's
+time to the step before it.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import time
 
 import torch
 
-from pie.engine.messages import StepTimes
-from pie.engine.runner.pending import PendingStep
-from pie.engine.scheduling.stall import StallBound
-from pie.engine.scheduling.step import SchedulerOutput
+from ..messages import StepTimes
+from ..runner.pending import PendingStep
+from ..scheduling.stall import StallBound
+from ..scheduling.step import SchedulerOutput
 
 
 class StepTimer:

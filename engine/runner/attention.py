@@ -30,9 +30,10 @@ from dataclasses import dataclass
 
 import torch
 
-from pie.engine.config import ATTENTION_BACKENDS
-from pie.engine.runner.kv_cache import KVCache
 from pie.kernels import reference
+
+from ..config import ATTENTION_BACKENDS
+from .kv_cache import KVCache
 
 # The extend kernel sizes its query tiles by the step's longest chunk (short chunks, fewer padded
 # rows); the batch-invariant mode gives it this bound instead, above any chunk, so the tiles are the

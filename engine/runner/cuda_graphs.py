@@ -29,8 +29,8 @@ replay piecewise graphs (`PiecewiseGraphs`): the model's forward pass cut at eve
 attention, one graph per piece, captured per bucket of token counts; attention runs eagerly
 between the pieces, so its kernels see the step's own lengths, split decodes from prefills as in an
 eager step, and nothing about attention has to fit a bucket. Eagerly such a step spends most of its
-time launching kernels, the GPU idle between them (RESULTS.md, "Engine offline"); the pieces leave
-four kernels a layer to launch.
+time launching kernels, the GPU idle between them; the pieces leave four kernels a layer to
+launch.
 
 Other steps (longer ones, whose GPU time hides their launches; prompt logprobs; batches beyond the
 largest bucket) run eagerly. Under tensor parallelism every rank captures the same decode buckets,
@@ -49,10 +49,11 @@ import numpy as np
 import structlog
 import torch
 
-from pie.engine.runner.attention import AttentionMetadata, PagedAttention
-from pie.engine.runner.staging import Packed, StepStager
-from pie.engine.scheduling.step import SchedulerOutput
 from pie.model.llama import LlamaForCausalLM
+
+from ..scheduling.step import SchedulerOutput
+from .attention import AttentionMetadata, PagedAttention
+from .staging import Packed, StepStager
 
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE  # graph_pool_handle()'s type (a runtime import is a cycle)

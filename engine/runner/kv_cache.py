@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from pie.engine.config import KV_CACHE_DTYPES
 from pie.kernels import reference
+
+from ..config import KV_CACHE_DTYPES
 
 TORCH_KV_DTYPES = {"int8": torch.int8, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 assert tuple(TORCH_KV_DTYPES) == KV_CACHE_DTYPES

@@ -18,10 +18,10 @@ from collections.abc import Callable
 import structlog
 import torch
 
-from pie.engine.config import EngineConfig
-from pie.engine.errors import StartupError
-from pie.engine.runner.model_runner import ModelRunner
-from pie.engine.runner.warm_up import profile
+from ..config import EngineConfig
+from ..errors import StartupError
+from .model_runner import ModelRunner
+from .warm_up import profile
 
 log = structlog.get_logger(__name__)
 

@@ -27,23 +27,24 @@ from typing import Protocol
 import structlog
 import torch
 
-from pie.engine.config import EngineConfig
-from pie.engine.device import to_device
-from pie.engine.runner.attention import AttentionMetadata, PagedAttention
-from pie.engine.runner.cuda_graphs import CudaGraphs, PiecewiseGraphs
-from pie.engine.runner.kv_cache import KVCache
-from pie.engine.runner.pending import PendingStep, StepLogits
-from pie.engine.runner.prompt_logprobs import PromptLogprobRows
-from pie.engine.runner.staging import LastSample, StepFacts, StepStager, adapter_slots
-from pie.engine.sample.rejection import DraftProbs, verify
-from pie.engine.sample.sampler import sample
-from pie.engine.sample.structured import TokenMasks
-from pie.engine.sample.tensors import SamplingTensors
-from pie.engine.sampling_params import MAX_LOGPROBS, SamplingParams
-from pie.engine.scheduling.request import Request
-from pie.engine.scheduling.step import SchedulerOutput, StepOutput
 from pie.kernels import reference
 from pie.model.llama import LlamaForCausalLM
+
+from ..config import EngineConfig
+from ..device import to_device
+from ..sample.rejection import DraftProbs, verify
+from ..sample.sampler import sample
+from ..sample.structured import TokenMasks
+from ..sample.tensors import SamplingTensors
+from ..sampling_params import MAX_LOGPROBS, SamplingParams
+from ..scheduling.request import Request
+from ..scheduling.step import SchedulerOutput, StepOutput
+from .attention import AttentionMetadata, PagedAttention
+from .cuda_graphs import CudaGraphs, PiecewiseGraphs
+from .kv_cache import KVCache
+from .pending import PendingStep, StepLogits
+from .prompt_logprobs import PromptLogprobRows
+from .staging import LastSample, StepFacts, StepStager, adapter_slots
 
 log = structlog.get_logger(__name__)
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from pie.engine.messages import SampledToken
-from pie.engine.runner.prompt_logprobs import PromptLogprobRows
-from pie.engine.scheduling.request import Request
-from pie.engine.scheduling.step import SchedulerOutput, StepOutput
+from ..messages import SampledToken
+from ..scheduling.request import Request
+from ..scheduling.step import SchedulerOutput, StepOutput
+from .prompt_logprobs import PromptLogprobRows
 
 
 class StepLogits:

@@ -29,10 +29,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pie.engine.device import to_device
-from pie.engine.messages import SampledToken
-from pie.engine.scheduling.request import Request
-from pie.engine.scheduling.step import SchedulerOutput
+from ..device import to_device
+from ..messages import SampledToken
+from ..scheduling.request import Request
+from ..scheduling.step import SchedulerOutput
 
 # Logit values (rows x vocabulary) made at once: 64 MiB of fp32.
 LOGITS_ELEMENTS = 1 << 24

@@ -52,9 +52,9 @@ from itertools import chain
 import numpy as np
 import torch
 
-from pie.engine.runner.attention import AttentionMetadata
-from pie.engine.scheduling.request import Request
-from pie.engine.scheduling.step import SchedulerOutput
+from ..scheduling.request import Request
+from ..scheduling.step import SchedulerOutput
+from .attention import AttentionMetadata
 
 
 @dataclass(slots=True)

@@ -51,13 +51,14 @@ import structlog
 import torch
 import torch.distributed as dist
 
-from pie.engine.device import to_device
 from pie.model.parallel import TensorParallel
 
+from ..device import to_device
+
 if TYPE_CHECKING:
-    from pie.engine.config import EngineConfig
-    from pie.engine.runner.model_runner import ModelRunner
-    from pie.engine.runner.staging import StepFacts
+    from ..config import EngineConfig
+    from .model_runner import ModelRunner
+    from .staging import StepFacts
 
 log = structlog.get_logger(__name__)
 
@@ -248,9 +249,9 @@ def follow(runner: ModelRunner, numbers: list[int], link: _Link) -> None:
     the forward pass and of the LM head (the logits are rank 0's). A step rank 0 replays from a
     graph replays this rank's graph of the same bucket, its inputs received into the staging
     buffers that graph reads."""
-    from pie.engine.runner.model_runner import last_tokens
-    from pie.engine.runner.prompt_logprobs import run_on_worker
-    from pie.engine.runner.staging import Packed, StepFacts
+    from .model_runner import last_tokens
+    from .prompt_logprobs import run_on_worker
+    from .staging import Packed, StepFacts
 
     n = len(StepFacts.__slots__)  # StepFacts.numbers(), then the header's own four
     facts = StepFacts(*numbers[:n])
@@ -287,12 +288,13 @@ def worker_main(parent_pid: int, rank: int, fd: int) -> None:
     conn = Connection(fd)
     init: WorkerInit = conn.recv()
     config = init.config
-    from pie.engine.config import usable_cores
-    from pie.engine.device import TORCH_DTYPES, resolve_device
-    from pie.engine.runner.kv_cache import KVCache
-    from pie.engine.runner.model_runner import ModelRunner
     from pie.model import smoothing
     from pie.model.loader import load_model
+
+    from ..config import usable_cores
+    from ..device import TORCH_DTYPES, resolve_device
+    from .kv_cache import KVCache
+    from .model_runner import ModelRunner
 
     device = device_of(resolve_device(config.device), rank)
     if device.type == "cpu":  # the ranks share the cores (rank 0 leaves one to the gRPC loop)

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import structlog
 
-from pie.engine.runner.cuda_graphs import graph_buckets
-from pie.engine.runner.model_runner import ModelRunner
-from pie.engine.sampling_params import MAX_LOGPROBS, SamplingParams
-from pie.engine.scheduling.request import Request
-from pie.engine.scheduling.step import ScheduledRequest, SchedulerOutput
+from ..sampling_params import MAX_LOGPROBS, SamplingParams
+from ..scheduling.request import Request
+from ..scheduling.step import ScheduledRequest, SchedulerOutput
+from .cuda_graphs import graph_buckets
+from .model_runner import ModelRunner
 
 log = structlog.get_logger(__name__)
 

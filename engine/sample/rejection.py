@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pie.engine.sample.sampler import SamplerOutput, choose, hash_uniform, logprobs_of, race
-from pie.engine.sample.tensors import SamplingTensors
+from .sampler import SamplerOutput, choose, hash_uniform, logprobs_of, race
+from .tensors import SamplingTensors
 
 # Salts of the random streams speculative decoding adds beside the sampler's (seed, step) stream.
 ACCEPT_SALT = 0x5DEECE66D  # the acceptance uniform of a draft proposal

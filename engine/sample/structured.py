@@ -42,9 +42,9 @@ from typing import TYPE_CHECKING, Protocol
 import llguidance
 import torch
 
-from pie.engine.config import usable_cores
-from pie.engine.errors import RequestError
-from pie.engine.sampling_params import StructuredOutputParams
+from ..config import usable_cores
+from ..errors import RequestError
+from ..sampling_params import StructuredOutputParams
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions

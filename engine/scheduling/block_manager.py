@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from pie.engine.scheduling.request import Request
+from .request import Request
 
 
 def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:

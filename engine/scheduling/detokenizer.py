@@ -5,8 +5,8 @@ tokens, and SentencePiece-style decoders drop or add a leading space depending o
 before. `tokenizers.decoders.DecodeStream` (the fast path of vLLM v1's detokenizer) handles both in
 Rust: it keeps a short window of ids, decodes it against the text of the window's prefix, and
 returns the new text, or None while the window ends inside a character. One call per step
-replaces the two window decodes and their Python bookkeeping this module did before (~4x less
-host time per token, which a 256-sequence decode step pays 256 times).
+replaces two window decodes and their Python bookkeeping: less host time per token, which a
+decode step pays once for every sequence in it.
 
 The stream starts on the last few prompt ids, so the first output token decodes in context; the
 prompt's own text is never emitted. Ids the stream holds back are tracked here too, for two

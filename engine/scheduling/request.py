@@ -17,13 +17,13 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from pie.engine.messages import RequestOutput, RequestStatus, SampledToken
-from pie.engine.sampling_params import SamplingParams
+from ..messages import RequestOutput, RequestStatus, SampledToken
+from ..sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from pie.engine.sample.structured import GrammarState
-    from pie.engine.scheduling.adapters import Adapter
-    from pie.engine.scheduling.detokenizer import IncrementalDetokenizer
+    from ..sample.structured import GrammarState
+    from .adapters import Adapter
+    from .detokenizer import IncrementalDetokenizer
 
 
 class SampleGroup:

@@ -65,14 +65,14 @@ from typing import Protocol
 
 import structlog
 
-from pie.engine.messages import RequestOutput, RequestStatus, SampledToken
-from pie.engine.sample.structured import StructuredOutputs
-from pie.engine.scheduling.adapters import Adapters
-from pie.engine.scheduling.block_manager import BlockManager
-from pie.engine.scheduling.request import Request
-from pie.engine.scheduling.requests import RequestTable
-from pie.engine.scheduling.stall import StallBound, StallBudget
-from pie.engine.scheduling.step import ScheduledRequest, SchedulerOutput, StepOutput
+from ..messages import RequestOutput, RequestStatus, SampledToken
+from ..sample.structured import StructuredOutputs
+from .adapters import Adapters
+from .block_manager import BlockManager
+from .request import Request
+from .request_table import RequestTable
+from .stall import StallBound, StallBudget
+from .step import ScheduledRequest, SchedulerOutput, StepOutput
 
 log = structlog.get_logger(__name__)
 

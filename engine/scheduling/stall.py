@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
-from pie.engine.scheduling.request import Request
-from pie.engine.scheduling.step import SchedulerOutput
+from .request import Request
+from .step import SchedulerOutput
 
 
 class StallBound:
@@ -27,7 +27,7 @@ class StallBound:
     tokens, never fewer than t_fixed / c_prompt (a step that pays the fixed part carries at least as
     much again) nor `min_tokens`; no bound before c_prompt is measured. A step counts at most SPIKE
     times what the model expects of it, so one stalled by something else (a compile, a collection)
-    moves the bound by little. benchmarks/HISTORY.md tells how each rule came from a measurement."""
+    moves the bound by little."""
 
     SPIKE = 2.0
     WINDOW = 32  # prompt-carrying steps the line is fitted to
@@ -124,14 +124,14 @@ class StallBound:
 class StallBudget:
     """Which steps may stall the streams anyway: the few that buy the most throughput.
 
-    A burst of streams, bounded chunk by chunk, is admitted over ~6x the steps whole budgets take;
-    its last arrivals start later and decode in a tail of small batches, and that costs the burst
-    5-8% of its tokens/s (benchmarks/HISTORY.md, "the stall bound's price"). But an inter-token
-    quantile tolerates a share of long gaps: p99 stays a bounded gap while fewer than 1% of the
-    gaps are stalls. So a step the bound would cut may take the whole budget instead when the
-    stalls of the streams in the engine, this step's included, stay within `share` of their gaps:
-    those made so far and those expected, each stream's min(tokens left to its max_tokens, the
-    mean output of the last HISTORY streams that finished). Early in a burst few streams decode,
+    A burst of streams, bounded chunk by chunk, is admitted over several times the steps whole
+    budgets take; its last arrivals start later and decode in a tail of small batches, and that
+    costs the burst throughput. But an inter-token quantile tolerates a share of long gaps: p99
+    stays a bounded gap while fewer than one gap in a hundred is a stall. So a step the bound would
+    cut may take the whole budget instead when the stalls of the streams in the engine, this
+    step's included, stay within `share` of their gaps: those made so far and those expected,
+    each stream's min(tokens left to its max_tokens, the mean output of the last HISTORY streams
+    that finished). Early in a burst few streams decode,
     so a whole-budget step stalls few gaps: the budget goes where it stalls least. Until a stream
     has finished there is no estimate and no stall: a cold server keeps the plain bound."""
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pie.engine.messages import SampledToken
-from pie.engine.scheduling.request import Request
+from ..messages import SampledToken
+from .request import Request
 
 
 @dataclass(slots=True)

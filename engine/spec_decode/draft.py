@@ -28,17 +28,18 @@ from dataclasses import dataclass
 import structlog
 import torch
 
-from pie.engine.config import EngineConfig
-from pie.engine.device import to_device
-from pie.engine.errors import StartupError
-from pie.engine.runner.kv_cache import KVCache
-from pie.engine.runner.model_runner import ModelRunner
-from pie.engine.sample.rejection import DraftProbs, draft_distribution, draft_draw
-from pie.engine.sample.tensors import SamplingTensors
-from pie.engine.scheduling.request import Request
-from pie.engine.scheduling.step import ScheduledRequest, SchedulerOutput
 from pie.model.llama import LlamaForCausalLM
 from pie.model.tokenizer import Tokenizer
+
+from ..config import EngineConfig
+from ..device import to_device
+from ..errors import StartupError
+from ..runner.kv_cache import KVCache
+from ..runner.model_runner import ModelRunner
+from ..sample.rejection import DraftProbs, draft_distribution, draft_draw
+from ..sample.tensors import SamplingTensors
+from ..scheduling.request import Request
+from ..scheduling.step import ScheduledRequest, SchedulerOutput
 
 log = structlog.get_logger(__name__)
 
@@ -62,8 +63,9 @@ def load_draft(config: EngineConfig, device: torch.device, dtype: torch.dtype, t
                max_model_len: int) -> DraftModel:
     """Loads `config.draft_model`; StartupError when it cannot serve as the target's draft (another
     tokenizer, a shorter context)."""
-    from pie.engine.model_check import read_tokenizer
     from pie.model.loader import load_model
+
+    from ..model_check import read_tokenizer
 
     path = config.draft_model
     assert path is not None

@@ -61,9 +61,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from pie.engine.sample.rejection import DraftProbs
-from pie.engine.scheduling.request import Request
-from pie.engine.scheduling.step import SchedulerOutput
+from ..sample.rejection import DraftProbs
+from ..scheduling.request import Request
+from ..scheduling.step import SchedulerOutput
 
 
 class Proposer(Protocol):

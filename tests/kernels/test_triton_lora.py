@@ -22,7 +22,7 @@ def test_matches_twin_on_mixed_rows(rng, rows, k, n, rank_rows):
     base = torch.randn(rows, n, generator=gen)
     want = lora_delta_reference_(base.clone(), x, a, b, slots)
     got = lora_delta_(base.clone(), x, a, b, slots)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     # base rows (-1) untouched, to the bit
     keep = slots < 0
     assert torch.equal(got[keep], base[keep])
@@ -38,7 +38,7 @@ def test_prompt_segments_and_decode_rows(rng):
     base = torch.randn(slots.numel(), 64, generator=gen)
     want = lora_delta_reference_(base.clone(), x, a, b, slots)
     got = lora_delta_(base.clone(), x, a, b, slots, slot_order(slots))
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_one_row_per_slot_is_its_own_product(rng):
@@ -50,7 +50,7 @@ def test_one_row_per_slot_is_its_own_product(rng):
     x = torch.randn(7, 32, generator=gen)
     got = lora_delta_(torch.zeros(7, 32), x, a, b, slots)
     for i, s in enumerate(slots.tolist()):
-        torch.testing.assert_close(got[i], (x[i] @ a[s].T) @ b[s].T, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got[i], (x[i] @ a[s].T) @ b[s].T, rtol=1e-4, atol=1e-4)
 
 
 def test_no_adapter_rows_and_empty_batch():

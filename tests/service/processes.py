@@ -60,7 +60,7 @@ def alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-def engine_children(pid: int, marker: str = "pie.engine.core.process") -> list[int]:
+def engine_children(pid: int, marker: str = "pie.engine.core.child_process") -> list[int]:
     """Ids of pid's engine processes (or of its children whose command line holds `marker`)."""
     out = []
     for entry in os.listdir("/proc"):

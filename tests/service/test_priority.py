@@ -41,7 +41,7 @@ async def _until(condition, what: str, timeout: float = 30.0) -> None:
 def test_an_urgent_request_sent_last_starts_before_the_queue(server, gate):
     """--max-num-seqs 2, 30 requests queued at priority 0, then one at priority -1: it starts at
     the first free slot, before every one of the 28 still waiting. (Their own order is the order
-    they reached the server, which 30 concurrent calls do not fix: tests/engine/test_scheduler.py
+    they reached the server, which 30 concurrent calls do not fix: tests/engine/scheduling/test_scheduler.py
     holds first come, first served within a priority.) The engine's steps wait for permits while
     the queue is built, so two run and 28 wait when the urgent call arrives and joins them, however
     fast or loaded the machine: polling for that queue while steps ran free once saw it never form

@@ -32,7 +32,7 @@ from pie.engine.messages import RequestStatus
 from pie.engine.sampling_params import SamplingParams
 from tests.helpers import make_hf_model_dir
 
-ENGINE = Path(__file__).resolve().parents[2] / "engine"
+ENGINE = Path(__file__).resolve().parents[3] / "engine"
 
 
 def synchronous_copies(source: str) -> list[str]:

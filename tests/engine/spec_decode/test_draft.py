@@ -14,7 +14,7 @@ from pie.engine.config import EngineConfig
 from pie.engine.core.engine_core import EngineCore
 from pie.engine.errors import StartupError
 from pie.engine.sampling_params import SamplingParams
-from tests.engine.test_speculative import _assert_equal_runs, _engine, _prompts, _run
+from tests.engine.spec_decode.test_speculative import _assert_equal_runs, _engine, _prompts, _run
 from tests.helpers import make_hf_model_dir
 
 
@@ -137,8 +137,8 @@ def test_draft_on_cuda_with_graphs_is_plain_decoding(dirs, kv, rng):
     """On CUDA (bf16 weights, async scheduling, decode and verify graphs, the draft's own decode
     graphs): the model as its own draft is mostly accepted, and the tokens are plain decoding's up
     to near-ties."""
-    from tests.engine.test_seed_consistency import Run
-    from tests.engine.test_verify_graphs import assert_plain_up_to_near_ties
+    from tests.engine.runner.test_verify_graphs import assert_plain_up_to_near_ties
+    from tests.engine.sample.test_seed_consistency import Run
 
     target, _ = dirs
     sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)

@@ -208,8 +208,8 @@ def test_on_cuda_beside_graph_replayed_decodes(model_dir, hf, rng):
 def test_entries_beyond_the_bound_are_refused_by_field():
     """prompt tokens x (1 + prompt_logprobs) is bounded, so one answer stays a sane message."""
     from pie.engine.errors import RequestError
+    from pie.engine.limits import check_request
     from pie.engine.sampling_params import MAX_PROMPT_LOGPROB_ENTRIES
-    from pie.engine.validation import check_request
 
     limits = dict(config=EngineConfig(), vocab_size=512, max_model_len=10**7, num_kv_blocks=10**7)
     n = MAX_PROMPT_LOGPROB_ENTRIES // 21

@@ -29,7 +29,7 @@ from pie.engine.core.engine_core import EngineCore
 from pie.engine.messages import RequestStatus
 from pie.engine.sampling_params import SamplingParams, StructuredOutputParams
 from tests.engine.invariants import assert_engine_invariants
-from tests.engine.test_seed_consistency import Run, assert_same
+from tests.engine.sample.test_seed_consistency import Run, assert_same
 from tests.helpers import ARCHS, make_hf_model_dir
 
 VOCAB = 512

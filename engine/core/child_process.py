@@ -1,4 +1,4 @@
-"""The engine process: started by `client_process.ProcessEngineClient` as
+"""The engine process: started by `engine.client.process.ProcessEngineClient` as
 
     python -c "<BOOT>" PARENT_PID FD [SYS_PATH...]
 
@@ -43,7 +43,7 @@ from multiprocessing.connection import Connection
 
 # What the parent runs with `python -c`; argv: parent pid, the socket's fd, then sys.path entries.
 BOOT = ("import sys; sys.path[:0] = sys.argv[3:]; "
-        "from pie.engine.core.process import main; main(int(sys.argv[1]), int(sys.argv[2]))")
+        "from pie.engine.core.child_process import main; main(int(sys.argv[1]), int(sys.argv[2]))")
 
 EXIT_ORPHANED = 70  # the parent went away before this process was told to stop
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -92,7 +92,7 @@ class Outbox:
         self._thread.join(timeout)
 
     def _run(self) -> None:
-        from pie.engine.messages import StepResult, encode, merge
+        from ..messages import StepResult, encode, merge
 
         q = self._queue
         try:
@@ -117,7 +117,7 @@ class Outbox:
 def _read_commands(conn: Connection, inbox) -> None:
     """Reader thread: the parent's commands into the inbox, from before the engine is built. The
     pipe's end without a StopCore means the parent died: nothing is left to serve."""
-    from pie.engine.messages import StopCore, decode_command
+    from ..messages import StopCore, decode_command
 
     try:
         while True:
@@ -150,12 +150,12 @@ def main(parent_pid: int, fd: int) -> None:
     # The engine's imports come only now: everything above is the standard library.
     import structlog
 
-    from pie.engine.core.engine_core import EngineCore
-    from pie.engine.core.loop import Inbox, StepClock, run_core_loop
-    from pie.engine.errors import StartupError
-    from pie.engine.messages import CoreDied
+    from ..errors import StartupError
+    from ..messages import CoreDied
+    from .engine_core import EngineCore
+    from .loop import Inbox, StepClock, run_core_loop
 
-    log = structlog.get_logger("pie.engine.core.process")
+    log = structlog.get_logger("pie.engine.core.child_process")
     inbox = Inbox()
     threading.Thread(target=_read_commands, args=(conn, inbox), name="engine-inbox", daemon=True).start()
     outbox = Outbox(conn)

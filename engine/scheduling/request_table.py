@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from pie.engine.messages import RequestOutput, RequestStatus
-from pie.engine.scheduling.block_manager import BlockManager
-from pie.engine.scheduling.request import Request, SampleGroup
+from ..messages import RequestOutput, RequestStatus
+from .block_manager import BlockManager
+from .request import Request, SampleGroup
 
 if TYPE_CHECKING:
-    from pie.engine.scheduling.adapters import Adapters
+    from .adapters import Adapters
 
 log = structlog.get_logger(__name__)
 
@@ -48,7 +48,7 @@ class RequestTable:
 
     def add_request(self, group: SampleGroup) -> None:
         """Queue every sample of a new engine request (ValueError for an id in use). Whether it can
-        ever fit was checked where it entered the engine (engine.validation.check_request)."""
+        ever fit was checked where it entered the engine (engine.limits.check_request)."""
         if group.request_id in self.groups:
             raise ValueError(f"request id {group.request_id!r} is already in use")
         self.groups[group.request_id] = group

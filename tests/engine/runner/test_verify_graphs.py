@@ -28,8 +28,8 @@ from pie.engine.runner.pending import StepLogits
 from pie.engine.sampling_params import SamplingParams
 from pie.engine.scheduling.request import Request
 from pie.engine.scheduling.step import ScheduledRequest, SchedulerOutput
-from tests.engine.test_seed_consistency import Run
-from tests.engine.test_speculative import _prompts
+from tests.engine.sample.test_seed_consistency import Run
+from tests.engine.spec_decode.test_speculative import _prompts
 from tests.helpers import make_hf_model_dir
 
 K = 4  # proposals per row at most: verify rows are 1 + K tokens wide

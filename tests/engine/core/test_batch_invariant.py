@@ -25,7 +25,7 @@ from pie.engine.core.engine_core import EngineCore
 from pie.engine.sampling_params import SamplingParams
 from pie.kernels import triton_matmul
 from pie.model.layers import Linear, RMSNorm
-from tests.engine.test_seed_consistency import Run, assert_same
+from tests.engine.sample.test_seed_consistency import Run, assert_same
 from tests.helpers import make_hf_model_dir
 
 BLOCK = 16

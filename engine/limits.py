@@ -5,9 +5,9 @@ sends. Field-level checks of sampling parameters are `SamplingParams.validate`'s
 
 from __future__ import annotations
 
-from pie.engine.config import EngineConfig
-from pie.engine.errors import RequestError
-from pie.engine.sampling_params import MAX_PROMPT_LOGPROB_ENTRIES, SamplingParams
+from .config import EngineConfig
+from .errors import RequestError
+from .sampling_params import MAX_PROMPT_LOGPROB_ENTRIES, SamplingParams
 
 
 def prompt_too_long(num_tokens: int, max_model_len: int, *, at_least: bool = False) -> RequestError:

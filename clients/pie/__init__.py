@@ -1,1 +1,0 @@
-"""Generated protobuf and gRPC code for the pie contract (see protos/ and clients/codegen.py)."""
