@@ -23,13 +23,14 @@ from pie.engine.sampling_params import SamplingParams
 from pie.engine.scheduling.adapters import AdapterNotFoundError
 from pie.model.chat_template import ChatTemplates
 from pie.model.lora import AdapterError
-from pie.service.aborts import InFlight
-from pie.service.errors import ServiceError
-from pie.service.metrics import ServiceMetrics
-from pie.service.prompts import check_structured, prompt_ids, render
-from pie.service.validation import ChatPrompt, Limits, prompt_from_proto, qualify, sampling_from_proto
-from pie.service.workers import Workers
 from pie.v1 import generate_pb2 as pb
+
+from .aborts import InFlight
+from .errors import ServiceError
+from .metrics import ServiceMetrics
+from .prompts import check_structured, prompt_ids, render
+from .validation import ChatPrompt, Limits, prompt_from_proto, qualify, sampling_from_proto
+from .workers import Workers
 
 log = structlog.get_logger(__name__)
 

@@ -7,10 +7,11 @@ from __future__ import annotations
 from pie.engine.messages import RequestOutput, RequestStatus, SampledToken
 from pie.engine.sampling_params import SamplingParams
 from pie.model.tokenizer import Tokenizer
-from pie.service.generation import Handoff
-from pie.service.logging import RequestSummary
-from pie.service.workers import Workers
 from pie.v1 import generate_pb2 as pb
+
+from .generation import Handoff
+from .logging import RequestSummary
+from .workers import Workers
 
 # A unary answer with more logprob entries than this is assembled on a worker thread: building
 # the messages is Python work the loop would otherwise do in one piece (4,096 entries take ~3 ms

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import grpc
 
-from pie.service.errors import ServiceError, send_error
+from .errors import ServiceError, send_error
 
 # Method prefixes that need no token.
 OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.v1alpha.ServerReflection/",

@@ -15,13 +15,14 @@ from typing import TYPE_CHECKING
 import structlog
 
 from pie.engine.errors import StartupError
-from pie.service.bench import run_bench
-from pie.service.help_format import HelpFormatter, OneLineErrorParser
-from pie.service.logging import configure_logging
-from pie.service.packages import check_own_packages
-from pie.service.serve_config import engine_config_from, in_flag_words, server_config_from
-from pie.service.serve_flags import add_serve_parser
-from pie.service.server import PieServer
+
+from .bench import run_bench
+from .help_format import HelpFormatter, OneLineErrorParser
+from .logging import configure_logging
+from .packages import check_own_packages
+from .serve_config import engine_config_from, in_flag_words, server_config_from
+from .serve_flags import add_serve_parser
+from .server import PieServer
 
 if TYPE_CHECKING:
     from pie.engine.core.engine_core import EngineCore

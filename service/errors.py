@@ -16,7 +16,8 @@ from google.protobuf import any_pb2, duration_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
 from pie.engine.errors import RequestError
-from pie.service.validation import valid_request_id
+
+from .validation import valid_request_id
 
 DOMAIN = "pie.v1"
 # ErrorInfo.reason -> (status code, when). docs/api.md's error table is checked against this.

@@ -25,12 +25,13 @@ import structlog
 from pie.engine.client.engine_client import EngineClient
 from pie.engine.errors import RequestAbortedError, RequestError
 from pie.engine.messages import RequestOutput, RequestStatus
-from pie.service.admission import Admission, Admitted
-from pie.service.errors import ServiceError, status_of
-from pie.service.logging import RequestSummary
-from pie.service.metrics import ServiceMetrics
-from pie.service.validation import request_id_from
 from pie.v1 import generate_pb2 as pb
+
+from .admission import Admission, Admitted
+from .errors import ServiceError, status_of
+from .logging import RequestSummary
+from .metrics import ServiceMetrics
+from .validation import request_id_from
 
 log = structlog.get_logger(__name__)
 

@@ -13,7 +13,7 @@ import inspect
 import grpc
 from google.protobuf.message import DecodeError
 
-from pie.service.errors import ServiceError, send_error
+from .errors import ServiceError, send_error
 
 
 class _Undecodable:

@@ -15,9 +15,10 @@ from pie.engine.limits import prompt_too_long
 from pie.engine.sampling_params import StructuredOutputParams
 from pie.model.chat_template import ChatTemplateError, ChatTemplates, NoChatTemplate
 from pie.model.tokenizer import TooManyTokens
-from pie.service.errors import ServiceError
-from pie.service.validation import ChatPrompt
-from pie.service.workers import Workers
+
+from .errors import ServiceError
+from .validation import ChatPrompt
+from .workers import Workers
 
 # Texts up to this many characters are tokenized on the event loop (~1 ms at most); longer ones on
 # a worker thread, with the GIL released (model.Tokenizer.encode), so the loop keeps serving.

@@ -9,10 +9,11 @@ import functools
 import re
 
 from pie.engine.config import EngineConfig
-from pie.service.auth import read_token_file
-from pie.service.logging import configure_logging
-from pie.service.server import ConnectionConfig, ServerConfig, TlsConfig
-from pie.service.validation import Limits
+
+from .auth import read_token_file
+from .logging import configure_logging
+from .server import ConnectionConfig, ServerConfig, TlsConfig
+from .validation import Limits
 
 # The flags of speculative decoding that mean nothing without --speculative (EngineConfig fields);
 # given alone they are refused rather than ignored. --draft-model is EngineConfig's to refuse.

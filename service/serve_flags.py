@@ -15,10 +15,11 @@ from pie.engine.config import (
     SPECULATIVE_METHODS,
     EngineConfig,
 )
-from pie.service.help_format import HelpFormatter
-from pie.service.http.tool_parsers import PARSERS
-from pie.service.server import ConnectionConfig
-from pie.service.validation import Limits
+
+from .help_format import HelpFormatter
+from .http.tool_parsers import PARSERS
+from .server import ConnectionConfig
+from .validation import Limits
 
 
 def _port(text: str) -> int:

@@ -23,17 +23,18 @@ from pie.engine.config import EngineConfig
 from pie.engine.core.engine_core import EngineCore
 from pie.engine.errors import StartupError, StepTimeoutError
 from pie.model.chat_template import ChatTemplates, NoChatTemplate
-from pie.service.admission import Admission
-from pie.service.auth import BearerTokenInterceptor
-from pie.service.interceptors import UndecodableRequestInterceptor
-from pie.service.metrics import ServiceMetrics
-from pie.service.servicer import SERVICE_NAME, GenerateServicer
-from pie.service.startup import bind_error, check_startup
-from pie.service.validation import Limits
 from pie.v1 import generate_pb2_grpc
 
+from .admission import Admission
+from .auth import BearerTokenInterceptor
+from .interceptors import UndecodableRequestInterceptor
+from .metrics import ServiceMetrics
+from .servicer import SERVICE_NAME, GenerateServicer
+from .startup import bind_error, check_startup
+from .validation import Limits
+
 if TYPE_CHECKING:
-    from pie.service.http.serve import HttpServer
+    from .http.serve import HttpServer
 
 log = structlog.get_logger(__name__)
 
@@ -143,8 +144,8 @@ class PieServer:
         self.servicer = GenerateServicer(self.admission, stream_interval=server_config.stream_interval)
         self.http: HttpServer | None = None  # the OpenAI-compatible door, with --http-port only
         if server_config.http_port is not None:  # (FastAPI and uvicorn load only then)
-            from pie.service.http.app import Door
-            from pie.service.http.serve import HttpServer
+            from .http.app import Door
+            from .http.serve import HttpServer
 
             self.http = HttpServer(Door(self.admission, server_config.auth_tokens, server_config.tool_call_parser))
         self.health = health.aio.HealthServicer()

@@ -19,16 +19,17 @@ import structlog
 
 from pie.engine.errors import RequestError
 from pie.engine.messages import AdapterState, EngineStats, RequestOutput
-from pie.service.aborts import caller_of
-from pie.service.admission import Admission
-from pie.service.answers import stream_messages, unary_response
-from pie.service.errors import ServiceError, send_error
-from pie.service.generation import generation
-from pie.service.logging import RequestSummary
-from pie.service.prompts import encode
-from pie.service.validation import abort_ids_from_proto, chat_from_proto, detokenize_ids_from_proto
 from pie.v1 import generate_pb2 as pb
 from pie.v1 import generate_pb2_grpc
+
+from .aborts import caller_of
+from .admission import Admission
+from .answers import stream_messages, unary_response
+from .errors import ServiceError, send_error
+from .generation import generation
+from .logging import RequestSummary
+from .prompts import encode
+from .validation import abort_ids_from_proto, chat_from_proto, detokenize_ids_from_proto
 
 log = structlog.get_logger(__name__)
 

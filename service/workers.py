@@ -10,7 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from pie.engine.config import usable_cores
-from pie.service.memory import release_free_memory
+
+from .memory import release_free_memory
 
 # After tokenizing a text this long the worker hands freed heap pages back (service/memory.py).
 RELEASE_MEMORY_CHARS = 65536

@@ -133,7 +133,7 @@ class EngineCore:
         self._timer = StepTimer(self.scheduler.stall, self.step_times)  # what the stall bound learns from
         # Everything alive now (model, tokenizer, modules: ~10^5-10^6 objects) lives as long as the
         # engine: out of the cyclic collector's sight, a collection under load scans only what
-        # requests create (HISTORY.md, gc.freeze; `gc.unfreeze()` undoes it, as the tests do).
+        # requests create (`gc.unfreeze()` undoes it, as the tests do).
         gc.collect()
         gc.freeze()
         log.info("engine_ready", model=config.model, architecture=mc.architecture, device=str(self.device),
@@ -314,8 +314,7 @@ class EngineCore:
           need the tokens, and how many were accepted decides where the next step starts.
         Structured output: the previous step is read back between the forward pass and the masks
         (`_launch`). Filling the masks on a thread from the moment the matchers took the tokens,
-        beside the rest of the bookkeeping, measured slower (benchmarks/HISTORY.md, structured
-        output)."""
+        beside the rest of the bookkeeping, is slower than filling them here."""
         early: list[RequestOutput] = []
         spec = self.speculator
         if spec is not None and self._pending is not None and (

@@ -19,8 +19,9 @@ ends its turn with the id it prefers (a chat model's end-of-turn, not end-of-tex
 
 Replicas: llguidance's deep copy of a matcher shares the original's lexer (its lazily built
 automaton) behind one lock, taken for each mask. Copies of one matcher therefore fill their masks
-one at a time whatever the executor's threads (a step of 256 rows costs 256 rows' fills, however
-many threads; RESULTS.md, "CPU"), and a batch constrained by one schema is the common case. So a constraint is compiled into as many independent matchers as the
+one at a time whatever the executor's threads (a step's rows cost as many fills in a row, however
+many threads), and a batch constrained by one schema is the common case. So a constraint is
+compiled into as many independent matchers as the
 executor has threads (the first on demand, the rest in the background), samples take copies of
 them in turn, and a fill orders its rows by replica.
 

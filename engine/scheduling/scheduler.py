@@ -251,8 +251,8 @@ class Scheduler(RequestTable):
         running prefills, and the waiting requests that rows (max_num_seqs) and free blocks would
         admit next, each at its length once computed. The stall bound measures a step against that
         batch's decode step, the inter-token time its streams will see, not the few rows decoding
-        so far: bounded by the first rows of a burst, chunks stay small while the batch builds up
-        (benchmarks/HISTORY.md, issue 29)."""
+        so far: bounded by the first rows of a burst, chunks would stay small while the batch
+        builds up."""
         if not self.stall.factor:
             return num_decodes, context
         rows = num_decodes + len(prefills)

@@ -42,12 +42,16 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
 from pie.engine.errors import RequestError
-from pie.service.admission import Admission
-from pie.service.errors import ServiceError
-from pie.service.generation import end_summary
-from pie.service.http.calls import Call, HttpChannel, collect, sse
-from pie.service.http.errors import HttpError, Params, body_problem, http_error, not_found, params_of
-from pie.service.http.requests import (
+from pie.v1 import generate_pb2 as pb
+
+from ..admission import Admission
+from ..errors import ServiceError
+from ..generation import end_summary
+from ..logging import RequestSummary
+from ..validation import request_id_from
+from .calls import Call, HttpChannel, collect, sse
+from .errors import HttpError, Params, body_problem, http_error, not_found, params_of
+from .requests import (
     ChatRequest,
     CompletionRequest,
     LoadLoraRequest,
@@ -55,7 +59,7 @@ from pie.service.http.requests import (
     chat_request,
     completion_requests,
 )
-from pie.service.http.responses import (
+from .responses import (
     Answer,
     chat_body,
     chat_chunk,
@@ -63,10 +67,7 @@ from pie.service.http.responses import (
     completion_chunk,
     usage_chunk,
 )
-from pie.service.http.tool_parsers import ToolParser
-from pie.service.logging import RequestSummary
-from pie.service.validation import request_id_from
-from pie.v1 import generate_pb2 as pb
+from .tool_parsers import ToolParser
 
 PLAYGROUND = Path(__file__).with_name("playground.html")
 # The generation routes, by the rpc label their summary lines and pie_requests_finished carry.

@@ -19,13 +19,14 @@ from fastapi.responses import StreamingResponse
 
 from pie.engine.errors import RequestError
 from pie.engine.messages import RequestOutput
-from pie.service.admission import Admission, Admitted
-from pie.service.errors import ServiceError
-from pie.service.generation import Generation, Handoff, start
-from pie.service.http.errors import HttpError, Params, http_error
-from pie.service.http.responses import Answer, Choice
-from pie.service.logging import RequestSummary
 from pie.v1 import generate_pb2 as pb
+
+from ..admission import Admission, Admitted
+from ..errors import ServiceError
+from ..generation import Generation, Handoff, start
+from ..logging import RequestSummary
+from .errors import HttpError, Params, http_error
+from .responses import Answer, Choice
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffers the events
 

@@ -15,8 +15,9 @@ from typing import Any
 import grpc
 
 from pie.engine.errors import RequestError
-from pie.service.errors import ServiceError
-from pie.service.http.requests import Sampling, structured_kinds
+
+from ..errors import ServiceError
+from .requests import Sampling, structured_kinds
 
 # gRPC status -> (HTTP status, OpenAI error type)
 _STATUS = {

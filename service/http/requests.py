@@ -19,8 +19,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from pie.engine.errors import RequestError
-from pie.service.http.tools import ForcedCall, forced_call
 from pie.v1 import generate_pb2 as pb
+
+from .tools import ForcedCall, forced_call
 
 
 class StreamOptions(BaseModel):

@@ -11,8 +11,9 @@ from typing import Any
 
 from pie.engine.messages import RequestOutput, RequestStatus, SampledToken
 from pie.model.tokenizer import Tokenizer
-from pie.service.http.tool_parsers import ToolParser
-from pie.service.http.tools import ForcedCall
+
+from .tool_parsers import ToolParser
+from .tools import ForcedCall
 
 FINISH_REASONS = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
                   RequestStatus.FINISHED_ABORTED: "abort"}

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import structlog
 import uvicorn
 
-from pie.service.http.app import Door, build_app
+from .app import Door, build_app
 
 log = structlog.get_logger(__name__)
 

@@ -19,7 +19,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from pie.service.http.tools import tool_call
+from .tools import tool_call
 
 PARSERS = ("hermes", "llama3_json")
 
