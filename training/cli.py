@@ -73,6 +73,7 @@ def add_train_parser(subparsers: argparse._SubParsersAction, *,
                      ) -> argparse.ArgumentParser:
     """Adds `train` to `subparsers`; `formatter_class` renders its --help (pie passes its own, which
     appends each flag's default)."""
+    from .lora import DEFAULT_TARGETS
     from .train import TrainConfig  # light: no datasets/transformers import
 
     p = subparsers.add_parser("train", help="train a small Llama on stories and export it",
@@ -116,6 +117,17 @@ def add_train_parser(subparsers: argparse._SubParsersAction, *,
             p.add_argument(flag, type=kind, default=default, dest=f.name, choices=_FIELD_CHOICES.get(f.name),
                            help=_FIELD_HELP[f.name])
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    lora = p.add_argument_group("LoRA fine-tuning (--lora BASE): the base model's weights stay frozen; --export "
+                                "writes PEFT's adapter folder, which pie serve --lora NAME=DIR loads")
+    lora.add_argument("--lora", default=None, metavar="BASE",
+                      help="fine-tune a LoRA adapter of this Hugging Face-layout model folder (its tokenizer is "
+                           "used; the model flags are its) instead of training a model (default: off)")
+    lora.add_argument("--lora-rank", type=int, default=8, metavar="R", help="the adapter's rank")
+    lora.add_argument("--lora-alpha", type=float, default=16.0, help="its scaling numerator (lora_alpha)")
+    lora.add_argument("--lora-targets", default=",".join(DEFAULT_TARGETS),
+                      help="comma-separated modules to adapt, of q_proj, k_proj, v_proj, o_proj, gate_proj, "
+                           "up_proj, down_proj")
+    lora.add_argument("--lora-rslora", action="store_true", help="rank-stabilised scaling: alpha / sqrt(r)")
     return p
 
 
@@ -174,6 +186,13 @@ def run(args: argparse.Namespace) -> int:
     if warning:
         print(f"pie train: warning: {warning}", file=sys.stderr)
 
+    if args.lora:
+        base_tokenizer = Path(args.lora) / "tokenizer.json"
+        if not base_tokenizer.is_file():
+            print(f"pie train: --lora {args.lora}: no tokenizer.json there (a Hugging Face-layout model folder)",
+                  file=sys.stderr)
+            return 2
+        args.tokenizer = str(base_tokenizer)  # the adapter reads the base model's tokens
     out.mkdir(parents=True, exist_ok=True)
     tok_path = out / "tokenizer.json"
     tokens_dir = out / "tokens"
@@ -207,15 +226,25 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"pie train: {e}", file=sys.stderr)
         return 2
+    model, adapter = None, None
+    if args.lora:
+        try:
+            model, adapter = _lora_model(args)
+        except (ValueError, OSError) as e:
+            print(f"pie train: {e}", file=sys.stderr)
+            return 2
     with _stop_on_signals() as stop:
-        result = train(cfg, splits, stop=stop.event)
+        result = train(cfg, splits, model=model, stop=stop.event)
     if result["interrupted"] and result["step"] == 0:
         print(f"pie train: stopped by {stop.name} before the first step; nothing to save or export", file=sys.stderr)
         return 128 + stop.signum
     print(f"step {result['step']}: train loss {result['train_loss']:.4f}, eval loss {result['eval_loss']:.4f} "
           f"(ppl {result['eval_ppl']:.2f}), {result['tokens_per_s']:,.0f} tok/s; run folder {out}",
           file=sys.stderr)
-    if args.export:
+    if args.export and adapter is not None:
+        path = adapter.export(args.export, base=str(args.lora))
+        print(f"exported the LoRA adapter (PEFT's format) to {path}", file=sys.stderr)
+    elif args.export:
         dtype = getattr(torch, _DTYPES[args.export_dtype])
         print(f"exporting step {result['step']} to {args.export} ({args.export_dtype})", file=sys.stderr)
         path = export_hf(result["model"], cfg, tok_path, args.export, dtype=dtype)
@@ -225,6 +254,20 @@ def run(args: argparse.Namespace) -> int:
               f"with: pie train ... --out {out} --resume", file=sys.stderr)
         return 128 + stop.signum
     return 0
+
+
+def _lora_model(args: argparse.Namespace):
+    """The base model of --lora (fp32, frozen) with a trainable adapter attached: (model, LoraTraining)."""
+    import torch
+
+    from pie.model.loader import load_model
+
+    from .lora import LoraTraining
+
+    model, _ = load_model(args.lora, dtype=torch.float32)
+    targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
+    return model, LoraTraining(model, targets, args.lora_rank, args.lora_alpha, rslora=args.lora_rslora,
+                               seed=args.seed)
 
 
 class _StopRequest:
