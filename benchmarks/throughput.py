@@ -114,12 +114,43 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run_ours(folder: Path, prompts, args, kv: str) -> dict:
+def random_adapters(folder: Path, n: int, rank: int) -> tuple[tuple[str, str], ...]:
+    """n random LoRA adapters of rank `rank` on every projection of the model in `folder`, in
+    PEFT's format (deltas of about a hundredth of the base's), as (name, folder) pairs."""
+    from safetensors.torch import save_file
+
+    from pie.model.lora import TARGETS, part_sizes
+
+    cfg = ModelConfig.from_hf(folder / "config.json")
+    gen = torch.Generator().manual_seed(0)
+    made = []
+    for i in range(n):
+        out = folder / f"lora-{n}-{i}"  # one set per count
+        out.mkdir()
+        tensors = {}
+        for layer in range(cfg.num_hidden_layers):
+            for module, (proj, part) in TARGETS.items():
+                width, outs = part_sizes(cfg)[proj]
+                block = "self_attn" if proj in ("qkv_proj", "o_proj") else "mlp"
+                name = f"base_model.model.model.layers.{layer}.{block}.{module}"
+                tensors[f"{name}.lora_A.weight"] = torch.randn(rank, width, generator=gen) / width ** 0.5
+                tensors[f"{name}.lora_B.weight"] = torch.randn(outs[part], rank, generator=gen) * 0.01
+        save_file(tensors, str(out / "adapter_model.safetensors"))
+        (out / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": rank,
+                                                             "target_modules": sorted(TARGETS)}))
+        made.append((f"lora-{i}", str(out)))  # (named alike in every set: the engine sees one set)
+    return tuple(made)
+
+
+def run_ours(folder: Path, prompts, args, kv: str, loras: tuple[tuple[str, str], ...] = ()) -> dict:
     eng = EngineCore(EngineConfig(model=str(folder), device=args.device, dtype="bf16" if args.device == "cuda" else "fp32",
                                  kv_cache_dtype=kv, gpu_memory_fraction=args.gpu_memory_fraction,
                                  kv_cache_memory_bytes=None if args.kv_gib is None else int(args.kv_gib * 2**30),
                                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,
-                                 enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size))
+                                 enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
+                                 max_loras=len(loras), max_lora_rank=args.lora_rank, loras=loras))
+    # with adapters: the requests spread over them uniformly, every step mixing them
+    names = [loras[i % len(loras)][0] for i in range(len(prompts))] if loras else None
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     eng.generate(prompts[:4], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
     steps = _record_steps(eng)
@@ -130,7 +161,7 @@ def run_ours(folder: Path, prompts, args, kv: str) -> dict:
         steps.clear()
         sync(args.device)
         t0 = time.perf_counter()
-        outs = eng.generate(prompts, sp)
+        outs = eng.generate(prompts, sp, names)
         sync(args.device)
         wall = time.perf_counter() - t0
         runs.append((wall, sum(len(o) for o in outs), eng.stats().num_preemptions - preempted, list(steps)))
@@ -139,6 +170,8 @@ def run_ours(folder: Path, prompts, args, kv: str) -> dict:
     del eng.step, eng.scheduler.schedule  # the timing wrappers hold the engine: let it go
     eng.close()  # tensor-parallel workers end here
     mode = " (eager)" if args.enforce_eager else ""
+    if loras:
+        mode += f", {len(loras)} LoRA adapters of rank {args.lora_rank}"
     if args.tensor_parallel_size > 1:
         mode += f" (tensor parallel {args.tensor_parallel_size})"
     return dict(name=f"pie, {kv} KV cache{mode}", wall_s=wall, tokens=tokens, tok_per_s=tokens / wall,
@@ -242,6 +275,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="processes (GPUs) sharing the model, as pie serve's flag")
     ap.add_argument("--skip-hf", action="store_true",
                     help="only our engine: no transformers run (and no transformers needed)")
+    ap.add_argument("--loras", default="", metavar="N,...",
+                    help="also run each KV dtype with N random LoRA adapters on every projection (the requests "
+                         "spread over them uniformly), for each N given, e.g. 1,8 (default: none)")
+    ap.add_argument("--lora-rank", type=int, default=16, help="rank of those adapters")
     ap.add_argument("--out", default=None, help="JSON file for every figure (default: none written)")
     args = ap.parse_args(argv)
     sized.fill(args, args.tiny)
@@ -262,14 +299,19 @@ def main(argv: list[str] | None = None) -> int:
               f"{copy_bw / 1e12:.2f} TB/s")
         if not args.skip_hf:
             rows.append(run_hf(folder, prompts, args))
+        counts = [0] + [int(n) for n in args.loras.split(",") if n]
+        adapters = {n: random_adapters(folder, n, args.lora_rank) if n else () for n in sorted(set(counts))}
         for kv in args.kv.split(","):
-            r = run_ours(folder, prompts, args, kv)
-            gc.unfreeze()  # the engine froze what was alive at its start, itself included
-            gc.collect()
-            if args.device == "cuda":
-                torch.cuda.empty_cache()  # the next engine sizes its pool from free memory
-            r["roofline_frac"] = r["tok_per_s"] / roofline_tok_per_s(params, shape, prompts, args, kv, copy_bw)
-            rows.append(r)
+            for n in counts:
+                r = run_ours(folder, prompts, args, kv, adapters[n])
+                gc.unfreeze()  # the engine froze what was alive at its start, itself included
+                gc.collect()
+                if args.device == "cuda":
+                    torch.cuda.empty_cache()  # the next engine sizes its pool from free memory
+                r["roofline_frac"] = r["tok_per_s"] / roofline_tok_per_s(params, shape, prompts, args, kv, copy_bw)
+                if n:
+                    r["vs_base"] = r["tok_per_s"] / rows[-1 - (counts.index(n) - 1)]["tok_per_s"]
+                rows.append(r)
     base = rows[0]["tok_per_s"] if not args.skip_hf else None
     print("| engine | tokens/s (median) | spread | x transformers | memory roofline | wall s | KV pool tokens | preemptions |")
     print("|---|---|---|---|---|---|---|---|")
@@ -281,6 +323,9 @@ def main(argv: list[str] | None = None) -> int:
                   if "all_tok_per_s" in r else "-")
         print(f"| {r['name']} | {r['tok_per_s']:,.0f} | {spread} | {ratio} | {frac} | {r['wall_s']:.1f} | {pool} | "
               f"{r.get('preemptions', '-')} |")
+    for r in rows:
+        if "vs_base" in r:
+            print(f"{r['name']}: {r['vs_base']:.3f}x the base model's tokens/s")
     for r in rows:
         if "timeline" in r:
             print(f"{r['name']}: {r['timeline']}")
