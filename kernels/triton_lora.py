@@ -33,6 +33,15 @@ MAX_RANK = 512  # R, padded: every rank row of a slot sits in one tile
 
 
 @triton.jit
+def _block_rows(slots_ptr, order_ptr, num_rows, BLOCK_T: tl.constexpr):
+    """This program's rows in slot order (int64 row indices) and their slots (-1 past the batch)."""
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    in_batch = offs_t < num_rows
+    rows = tl.load(order_ptr + offs_t, mask=in_batch, other=0).to(tl.int64)
+    return rows, tl.load(slots_ptr + rows, mask=in_batch, other=-1)
+
+
+@triton.jit
 def _next_slot(slot, prev):
     """The smallest slot id above `prev` among the block's rows (2**30: none left)."""
     return tl.min(tl.where(slot > prev, slot, 1 << 30), axis=0)
@@ -43,10 +52,7 @@ def _next_slot(slot, prev):
 def _shrink_kernel(x_ptr, a_ptr, t_ptr, slots_ptr, order_ptr, num_rows, stride_x,
                    K: tl.constexpr, R: tl.constexpr, R_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
                    BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
-    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    in_batch = offs_t < num_rows
-    rows = tl.load(order_ptr + offs_t, mask=in_batch, other=0).to(tl.int64)
-    slot = tl.load(slots_ptr + rows, mask=in_batch, other=-1)
+    rows, slot = _block_rows(slots_ptr, order_ptr, num_rows, BLOCK_T)
     offs_r = tl.arange(0, R_PAD)
     r_ok = offs_r < R
     cur = _next_slot(slot, -1)
@@ -70,12 +76,9 @@ def _shrink_kernel(x_ptr, a_ptr, t_ptr, slots_ptr, order_ptr, num_rows, stride_x
 def _expand_kernel(t_ptr, b_ptr, y_ptr, slots_ptr, order_ptr, num_rows, stride_y,
                    N: tl.constexpr, R: tl.constexpr, R_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
                    BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
-    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    rows, slot = _block_rows(slots_ptr, order_ptr, num_rows, BLOCK_T)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    in_batch = offs_t < num_rows
-    rows = tl.load(order_ptr + offs_t, mask=in_batch, other=0).to(tl.int64)
-    slot = tl.load(slots_ptr + rows, mask=in_batch, other=-1)
     offs_r = tl.arange(0, R_PAD)
     r_ok = offs_r < R
     cur = _next_slot(slot, -1)

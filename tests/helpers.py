@@ -355,3 +355,23 @@ def copy_tracked_files(dst: Path) -> None:
             out.symlink_to(os.readlink(src))
         else:
             shutil.copy2(src, out)
+
+
+def save_peft_adapter(base_dir: Path, out: Path, *, seed: int, scale: float, **lora_config: Any) -> Path:
+    """A LoRA adapter of the transformers model in `base_dir` as peft writes it, into `out`: A and B
+    random (init_lora_weights=False: both non-zero, nn.Linear's init), multiplied by `scale` so its
+    delta is of the base projections' size. lora_config: peft.LoraConfig's fields (r, lora_alpha,
+    target_modules, use_rslora, ...)."""
+    import peft
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    model = peft.get_peft_model(base, peft.LoraConfig(init_lora_weights=False, **lora_config))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.mul_(scale)
+    model.save_pretrained(out)
+    return out

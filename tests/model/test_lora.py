@@ -15,6 +15,7 @@ import torch
 from pie.kernels.triton_lora import lora_delta_, lora_delta_reference_
 from pie.model.loader import load_model
 from pie.model.lora import AdapterError, LoraBank, load_peft_adapter
+from tests.helpers import save_peft_adapter
 from tests.model.oracle import TOLERANCE, hf_logits, packed_logits, prompts, rel_error
 
 peft = pytest.importorskip("peft")
@@ -37,19 +38,6 @@ def _fresh_hf(folder: Path):
     return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
-def _save_adapter(base_dir: Path, out: Path, seed: int, **conf) -> Path:
-    """A peft adapter with random A and B (init_lora_weights=False: both non-zero), its weights
-    scaled so its delta is of the base projections' size."""
-    torch.manual_seed(seed)
-    model = peft.get_peft_model(_fresh_hf(base_dir), peft.LoraConfig(init_lora_weights=False, **conf))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.mul_(4.0)
-    model.save_pretrained(out)
-    return out
-
-
 @pytest.fixture(scope="module")
 def adapters(model_dir, tmp_path_factory):
     """adapters(case) -> {name: folder} of ADAPTERS for that case's base model."""
@@ -58,7 +46,7 @@ def adapters(model_dir, tmp_path_factory):
     def get(case: str) -> dict[str, Path]:
         if case not in built:
             root = tmp_path_factory.mktemp(f"lora-{case}")
-            built[case] = {name: _save_adapter(model_dir(case), root / name, seed=i, **conf)
+            built[case] = {name: save_peft_adapter(model_dir(case), root / name, seed=i, scale=4.0, **conf)
                            for i, (name, conf) in enumerate(ADAPTERS.items())}
         return built[case]
 

@@ -21,7 +21,7 @@ from pie.service.server import BackgroundServer, ServerConfig
 from pie.v1 import generate_pb2 as pb
 from pie.v1 import generate_pb2_grpc
 from tests.fidelity import reference_greedy
-from tests.helpers import make_hf_model_dir
+from tests.helpers import make_hf_model_dir, save_peft_adapter
 from tests.service.test_metrics import scrape
 
 peft = pytest.importorskip("peft")
@@ -45,14 +45,7 @@ def setup(tmp_path_factory):
     model_dir = make_hf_model_dir(root, "llama", seed=21, weight_scale=2.5)
     folders = {}
     for i, (name, conf) in enumerate(ADAPTERS.items()):
-        torch.manual_seed(200 + i)
-        m = peft.get_peft_model(_hf(model_dir), peft.LoraConfig(init_lora_weights=False, **conf))
-        with torch.no_grad():
-            for pname, p in m.named_parameters():
-                if "lora_" in pname:
-                    p.mul_(3.0)
-        m.save_pretrained(root / name)
-        folders[name] = root / name
+        folders[name] = save_peft_adapter(model_dir, root / name, seed=200 + i, scale=3.0, **conf)
     rng = random.Random(3)
     prompt = [rng.randrange(3, 200) for _ in range(12)]
     want = {None: reference_greedy(_hf(model_dir), [prompt], TOKENS)[0]}

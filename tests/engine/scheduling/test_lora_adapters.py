@@ -20,7 +20,7 @@ from pie.engine.scheduling.request import Request
 from pie.model.config import ModelConfig
 from pie.model.lora import AdapterError
 from tests.fidelity import common_prefix, reference_greedy
-from tests.helpers import make_hf_model_dir
+from tests.helpers import make_hf_model_dir, save_peft_adapter
 
 peft = pytest.importorskip("peft")
 
@@ -47,14 +47,7 @@ def lora_setup(tmp_path_factory):
     model_dir = make_hf_model_dir(root, "qwen2", seed=11, weight_scale=2.5)  # Qwen2: biased q/k/v
     folders = {}
     for i, (name, conf) in enumerate(ADAPTERS.items()):
-        torch.manual_seed(100 + i)
-        m = peft.get_peft_model(_hf(model_dir), peft.LoraConfig(init_lora_weights=False, **conf))
-        with torch.no_grad():
-            for pname, p in m.named_parameters():
-                if "lora_" in pname:
-                    p.mul_(3.0)
-        m.save_pretrained(root / name)
-        folders[name] = root / name
+        folders[name] = save_peft_adapter(model_dir, root / name, seed=100 + i, scale=3.0, **conf)
     rng = random.Random(7)
     vocab = ModelConfig.from_hf(model_dir / "config.json").vocab_size
     names: list[str | None] = [None, "qv8", "attn16", "mlp64", "all8", None, "qv8", "mlp64"]
