@@ -54,8 +54,10 @@ class _EngineCollector(Collector):
     """Scheduler and cache state, read from the engine when Prometheus scrapes (never cached)."""
 
     def __init__(self, model_name: str, stats: Callable[[], EngineStats | None],
-                 num_speculative_tokens: int | None = None, max_loras: int = 0) -> None:
+                 num_speculative_tokens: int | None = None, max_loras: int = 0,
+                 cache_config: dict[str, str] | None = None) -> None:
         self.model_name = model_name
+        self.cache_config = cache_config or {}  # vllm:cache_config_info's fixed labels (block_size, cache_dtype)
         self.max_loras = max_loras  # LoRA slots (--max-loras); 0: no adapters (no lora series)
         self.stats = stats  # None while the model is still loading
         self.num_speculative_tokens = num_speculative_tokens  # K; None: speculative decoding off (no series)
@@ -86,6 +88,12 @@ class _EngineCollector(Collector):
         used = stats.kv_blocks_total - stats.kv_blocks_free
         yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
                     used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0)
+        # vLLM's cache_config_info, which the Gateway API Inference Extension's prefix-cache scorer
+        # reads its block_size and num_gpu_blocks labels off (value 1, as an info metric)
+        info = GaugeMetricFamily("vllm:cache_config_info", "Information of the KV cache config.",
+                                 labels=[*self.cache_config, "num_gpu_blocks"])
+        info.add_metric([*self.cache_config.values(), str(stats.kv_blocks_total)], 1.0)
+        yield info
         yield gauge("pie_kv_blocks_cached", "Free KV blocks that still hold a cached prompt prefix (reusable).",
                     stats.kv_blocks_cached)
         by_priority = GaugeMetricFamily("pie_requests_waiting_by_priority",
@@ -128,13 +136,14 @@ class _EngineCollector(Collector):
             yield from self._spec_decode(stats, counter)
 
     def _lora_info(self, stats: EngineStats) -> GaugeMetricFamily:
-        """vLLM's `vllm:lora_requests_info`, as the Gateway API Inference Extension's endpoint
-        picker reads it: one sample whose labels name the slot count and the adapters with running
-        and waiting requests (comma-separated), whose value is when it was taken (the picker
-        keeps the newest)."""
+        """vLLM's `vllm:lora_requests_info`, as the Gateway API Inference Extension's model-server
+        protocol defines it: one sample whose labels name the GPU slots (`max_lora`), the adapters
+        loaded in GPU memory and ready to serve (`running_lora_adapters`) and those with requests
+        waiting (`waiting_lora_adapters`), comma-separated; its value is when it was taken (the
+        endpoint picker keeps the newest)."""
         g = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on LoRA requests.",
                               labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
-        g.add_metric([str(self.max_loras), ",".join(a.name for a in stats.adapters if a.running),
+        g.add_metric([str(self.max_loras), ",".join(a.name for a in stats.adapters if a.resident),
                       ",".join(a.name for a in stats.adapters if a.waiting)], time.time())
         return g
 
@@ -157,9 +166,11 @@ class ServiceMetrics:
     """The server's metrics and (optionally) the HTTP endpoint that serves them on /metrics."""
 
     def __init__(self, model_name: str, stats: Callable[[], EngineStats | None] = lambda: None, *,
-                 num_speculative_tokens: int | None = None, max_loras: int = 0) -> None:
+                 num_speculative_tokens: int | None = None, max_loras: int = 0,
+                 cache_config: dict[str, str] | None = None) -> None:
         """`num_speculative_tokens`: K of `--speculative`; None when it is off (no spec_decode series).
-        `max_loras`: LoRA slots (`--max-loras`); 0: no adapters (no lora series)."""
+        `max_loras`: LoRA slots (`--max-loras`); 0: no adapters (no lora series). `cache_config`:
+        vllm:cache_config_info's labels besides num_gpu_blocks (block_size, cache_dtype)."""
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
         r, m = self.registry, ["model_name"]
@@ -193,7 +204,7 @@ class ServiceMetrics:
                                                  registry=r)
         self.finished = Counter("pie_requests_finished", "Finished RPCs by method and gRPC status code.",
                                 [*m, "rpc", "code"], registry=r)
-        self.registry.register(_EngineCollector(model_name, stats, num_speculative_tokens, max_loras))
+        self.registry.register(_EngineCollector(model_name, stats, num_speculative_tokens, max_loras, cache_config))
         # Make the labelled series exist at 0 from the start, so rate() works from the first scrape.
         for reason in FINISHED_REASONS:
             self.request_success.labels(model_name, reason)

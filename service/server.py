@@ -135,7 +135,8 @@ class PieServer:
         name = server_config.model_name or Path(engine_config.model).resolve().name
         self.metrics = ServiceMetrics(name, self._engine_stats, num_speculative_tokens=(
             engine_config.num_speculative_tokens if engine_config.speculative else None),
-            max_loras=engine_config.max_loras)
+            max_loras=engine_config.max_loras,
+            cache_config={"block_size": str(engine_config.block_size), "cache_dtype": engine_config.kv_cache_dtype})
         self.metrics_port: int | None = None  # bound once start() served /metrics
         # The one admission both doors hold (service/admission.py): the engine client, chat
         # templates, limits, in-flight requests and the draining flags live there.
