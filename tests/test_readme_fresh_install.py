@@ -221,4 +221,6 @@ def test_train_command_shortened(fresh: FreshInstall, tmp_path: Path) -> None:
         assert out.returncode == 0, (shlex.join(argv), out.stdout[-2000:], out.stderr[-3000:])
         if "--export" in argv:
             exported = {p.name for p in (tmp_path / "export").iterdir()}
-            assert {"config.json", "model.safetensors", "tokenizer.json"} <= exported
+            want = ({"adapter_config.json", "adapter_model.safetensors"} if "--lora" in argv  # PEFT's adapter
+                    else {"config.json", "model.safetensors", "tokenizer.json"})
+            assert want <= exported, exported
