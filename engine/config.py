@@ -100,7 +100,7 @@ class EngineConfig:
     # earlier proposes what followed it (vLLM's prompt_lookup_max / prompt_lookup_min).
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
-    # LoRA adapters (engine/adapters.py): GPU slots for the adapters requests run on at once (0: no
+    # LoRA adapters (engine/scheduling/adapters.py): GPU slots for the adapters requests run on at once (0: no
     # adapters; the slots' memory is set aside before the KV pool is sized), the largest rank a
     # slot holds, and adapters loaded at start as (name, PEFT folder).
     max_loras: int = 0

@@ -170,7 +170,7 @@ class AddRequest(msgspec.Struct, tag=True, array_like=True):
     sampling: SamplingParams
     priority: int = 0  # lower is scheduled first
     streamed: bool = False  # its caller reads tokens as they come (the stall bound protects its decodes)
-    adapter: str | None = None  # the LoRA adapter it runs on (engine/adapters.py); None: the base model
+    adapter: str | None = None  # the LoRA adapter it runs on (engine/scheduling/adapters.py); None: the base model
 
 
 class AbortRequest(msgspec.Struct, tag=True, array_like=True):

@@ -118,7 +118,7 @@ class Request:
         # Structured output: this sample's matcher (None: free text). Not admitted before its
         # constraint is compiled; it advances with every token appended (Scheduler.update_from_output).
         self.grammar = grammar
-        # LoRA (engine/adapters.py): the adapter its tokens run through (None: the base model), and
+        # LoRA (engine/scheduling/adapters.py): the adapter its tokens run through (None: the base model), and
         # whether it holds the adapter's slot now (from admission until it leaves the running set).
         self.adapter = adapter
         self.holds_adapter = False

@@ -26,7 +26,7 @@ log = structlog.get_logger(__name__)
 class RequestTable:
     def __init__(self, block_manager: BlockManager, adapters: Adapters | None = None) -> None:
         self.block_manager = block_manager
-        self.adapters = adapters  # LoRA slots (engine/adapters.py); None: no adapters configured
+        self.adapters = adapters  # LoRA slots (engine/scheduling/adapters.py); None: no adapters configured
         # In (priority, arrival) order; preempted requests re-enter in their place.
         self.waiting: deque[Request] = deque()
         # Admission order; the least urgent, latest arrival is preempted first.

@@ -121,7 +121,7 @@ class Scheduler(RequestTable):
         # The batch-invariant mode (EngineConfig.batch_invariant): a request recomputed after
         # preemption runs its generated tokens one a step, each as the decode it first was.
         batch_invariant: bool = False,
-        adapters: Adapters | None = None,  # LoRA slots (engine/adapters.py); None: no adapters
+        adapters: Adapters | None = None,  # LoRA slots (engine/scheduling/adapters.py); None: no adapters
     ) -> None:
         if min(max_num_seqs, max_num_batched_tokens, max_model_len) < 1:
             raise ValueError("max_num_seqs, max_num_batched_tokens and max_model_len must be >= 1")
