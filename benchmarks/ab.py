@@ -35,7 +35,10 @@ measured in one call.
 `--variant FIELD=VALUE[,FIELD=VALUE]` (repeatable) adds the working tree once more with those
 EngineConfig fields set (the servers get them as flags: `batch_invariant=true` is
 `--batch-invariant`), labelled by them: what a setting costs, measured the same way. It takes the
-place of --base or goes beside it.
+place of --base or goes beside it. One field is not EngineConfig's: `loras=N` (offline workloads
+only) makes N random LoRA adapters of rank `max_lora_rank` (default 16) on every projection, loads
+them all, and spreads the long work's requests over them uniformly, so every step mixes them (issue
+61: `--variant loras=1 --variant loras=8` against the base model alone).
 
 It prints one table: per workload and figure, each tree's median and spread (min-max) over the
 rounds, the ratio to the working tree, and a verdict: REGRESSION where the working tree is worse
@@ -156,12 +159,16 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _run_long(eng, SamplingParams, prompts, outs, tag: str) -> dict:
+def _run_long(eng, SamplingParams, prompts, outs, tag: str, adapters: list[str] | None = None) -> dict:
     eng.block_manager.reset_prefix_cache()
     _sync()
     t0 = time.perf_counter()
     for i, (p, n) in enumerate(zip(prompts, outs)):
-        eng.add_request(f"{tag}-{i}", p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+        sampling = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        if adapters:  # (only the working tree's variants have them; older trees lack the keyword)
+            eng.add_request(f"{tag}-{i}", p, sampling, adapter=adapters[i % len(adapters)])
+        else:
+            eng.add_request(f"{tag}-{i}", p, sampling)
     tokens = 0
     while eng.has_unfinished():
         for o in eng.step():
@@ -235,6 +242,9 @@ def server_flags(fields: dict) -> list[str]:
     """EngineConfig fields as `pie serve` flags: True is the flag alone; False has none to give."""
     flags = []
     for key, value in fields.items():
+        if key == "loras":
+            raise ValueError("loras=N: the offline workloads' variant (the served ones would need the adapters "
+                             "made where the server runs)")
         flag = "--" + key.replace("_", "-")
         if value is False:
             raise ValueError(f"{key}=false: a server flag turns a setting on; compare without it instead")
@@ -257,7 +267,16 @@ def worker(spec: dict) -> int:
         cfg["dtype"] = "fp32"
     if spec["kv_gib"] is not None:
         cfg["kv_cache_memory_bytes"] = int(spec["kv_gib"] * 2**30)
-    cfg.update(spec.get("fields", {}))  # a --variant's settings
+    fields = dict(spec.get("fields", {}))  # a --variant's settings
+    adapters = None
+    if fields.get("loras"):  # N random adapters, made beside the worker's log (the module docstring)
+        from benchmarks.throughput import random_adapters
+
+        count, rank = fields.pop("loras"), fields.setdefault("max_lora_rank", 16)
+        made = random_adapters(Path(spec["model"]), count, rank, out=Path(tempfile.mkdtemp(prefix="pie-ab-lora-")))
+        fields.update(loras=made, max_loras=count)
+        adapters = [name for name, _ in made]
+    cfg.update(fields)
     eng = EngineCore(EngineConfig(**cfg))
     vocab = spec["vocab"]
     prompts, outs = spec["prompts"], spec["outs"]
@@ -269,7 +288,7 @@ def worker(spec: dict) -> int:
             break
         tag = f"r{n}"
         if what == "long":
-            result = _run_long(eng, SamplingParams, prompts, outs, tag)
+            result = _run_long(eng, SamplingParams, prompts, outs, tag, adapters)
         elif what == "stream":
             result = _run_stream(eng, SamplingParams, vocab, tag)
         elif what == "ttft":
@@ -643,7 +662,8 @@ def main(argv: list[str] | None = None) -> int:
     for text in args.variant:
         try:
             fields = parse_variant(text)
-            server_flags(fields)
+            if "loras" not in fields or any(n in SERVED for n in names):
+                server_flags(fields)  # (loras=N is refused here where a served workload runs)
         except ValueError as e:
             ap.error(str(e))
         trees["new+" + "+".join(f"{k}={v}" for k, v in fields.items())] = Arm(new_tree, fields)

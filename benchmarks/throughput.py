@@ -114,9 +114,10 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def random_adapters(folder: Path, n: int, rank: int) -> tuple[tuple[str, str], ...]:
+def random_adapters(folder: Path, n: int, rank: int, out: Path | None = None) -> tuple[tuple[str, str], ...]:
     """n random LoRA adapters of rank `rank` on every projection of the model in `folder`, in
-    PEFT's format (deltas of about a hundredth of the base's), as (name, folder) pairs."""
+    PEFT's format (deltas of about a hundredth of the base's), as (name, folder) pairs, written
+    under `out` (default: `folder`)."""
     from safetensors.torch import save_file
 
     from pie.model.lora import TARGETS, part_sizes
@@ -125,8 +126,8 @@ def random_adapters(folder: Path, n: int, rank: int) -> tuple[tuple[str, str], .
     gen = torch.Generator().manual_seed(0)
     made = []
     for i in range(n):
-        out = folder / f"lora-{n}-{i}"  # one set per count
-        out.mkdir()
+        where = (out or folder) / f"lora-{n}-{i}"  # one set per count
+        where.mkdir()
         tensors = {}
         for layer in range(cfg.num_hidden_layers):
             for module, (proj, part) in TARGETS.items():
@@ -135,10 +136,10 @@ def random_adapters(folder: Path, n: int, rank: int) -> tuple[tuple[str, str], .
                 name = f"base_model.model.model.layers.{layer}.{block}.{module}"
                 tensors[f"{name}.lora_A.weight"] = torch.randn(rank, width, generator=gen) / width ** 0.5
                 tensors[f"{name}.lora_B.weight"] = torch.randn(outs[part], rank, generator=gen) * 0.01
-        save_file(tensors, str(out / "adapter_model.safetensors"))
-        (out / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": rank,
+        save_file(tensors, str(where / "adapter_model.safetensors"))
+        (where / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": rank,
                                                              "target_modules": sorted(TARGETS)}))
-        made.append((f"lora-{i}", str(out)))  # (named alike in every set: the engine sees one set)
+        made.append((f"lora-{i}", str(where)))  # (named alike in every set: the engine sees one set)
     return tuple(made)
 
 
