@@ -11,6 +11,10 @@
 // unset `optional` one is absent (PromptLogprob.logprob of the first prompt token). A map field is
 // an object: sampling: { logit_bias: { 13: -100 } }.
 //
+// LoRA adapters (a server started with --lora NAME=DIR, or loaded at run time):
+//   await pie.loadAdapter({ name: 'support', path: '/models/support-lora' });
+//   const tuned = await pie.generate({ prompt: 'Hello', adapter: 'support' });
+//
 // Chats and structured output:
 //   const answer = await pie.chat([{ role: 'user', content: 'Name a color.' }],
 //     { sampling: { max_tokens: 16, structured: { choice: { choices: ['red', 'green'] } } } });
@@ -272,6 +276,28 @@ export class PieClient {
   /** GetModelInfo: the model, and the server's load now (`load`). */
   modelInfo(options) {
     return this.#unary(this.service, 'GetModelInfo', {}, options);
+  }
+
+  /**
+   * LoadAdapter: a LoRA adapter in PEFT's format, from a folder on the server's machine, under the
+   * name requests give as their `adapter` ({ name, path }); resolves to { adapter } (its name, path,
+   * rank, whether it holds a GPU slot). A folder that cannot be served, or a name in use, fails
+   * INVALID_ARGUMENT, reason ADAPTER_INVALID, with a message naming the adapter.
+   */
+  loadAdapter(request, options) {
+    return this.#unary(this.service, 'LoadAdapter', request, options);
+  }
+
+  /** UnloadAdapter ({ name }): requests running on it finish; new ones fail NOT_FOUND,
+   * reason ADAPTER_NOT_FOUND (as a name never loaded does here). */
+  unloadAdapter(request, options) {
+    return this.#unary(this.service, 'UnloadAdapter', request, options);
+  }
+
+  /** ListAdapters: { adapters, max_loras, max_lora_rank }, each adapter with its requests running
+   * and waiting. */
+  listAdapters(options) {
+    return this.#unary(this.service, 'ListAdapters', {}, options);
   }
 
   /** grpc.health.v1 Check: 'SERVING' or 'NOT_SERVING'. '' asks whether the process is up,

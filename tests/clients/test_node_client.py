@@ -19,6 +19,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from tests.chat_templates import make_chat_model_dir
+from tests.helpers import save_peft_adapter
 from tests.service.processes import ServerProcess, readiness
 
 # slow: runs node against a live server
@@ -75,11 +76,16 @@ def test_node_calls_a_live_server(tmp_path: Path) -> None:
 
     # A ChatML model: chat.test.mjs renders conversations with its template.
     model = make_chat_model_dir(tmp_path, "chatml", weight_scale=4.0, max_position_embeddings=CONTEXT)
-    server = ServerProcess(["--model", str(model), *SERVE_ARGS])
+    # adapters.test.mjs: one LoRA adapter loaded at start, two slots (it loads the same one again)
+    adapter = save_peft_adapter(model, tmp_path / "node-lora", seed=3, scale=3.0, r=8, lora_alpha=16,
+                                target_modules=["q_proj", "v_proj", "down_proj"])
+    server = ServerProcess(["--model", str(model), *SERVE_ARGS, "--lora", f"node-lora={adapter}", "--max-loras", "2",
+                            "--max-lora-rank", "16"])
     try:
         address = _ready_address(server)
         done = subprocess.run([node, "--test", "--test-concurrency=1", "--test-reporter=spec", str(NODE_TESTS)],
-                              cwd=ROOT, env={**os.environ, "PIE_ADDRESS": address}, capture_output=True, text=True,
+                              cwd=ROOT, env={**os.environ, "PIE_ADDRESS": address, "PIE_ADAPTER_DIR": str(adapter)},
+                              capture_output=True, text=True,
                               timeout=120)
         assert done.returncode == 0, (f"node --test exited with {done.returncode}:\n{done.stdout}\n{done.stderr}\n"
                                       f"--- pie serve's log ---\n{_log_tail(server)}")

@@ -7,11 +7,13 @@ full measurement, benchmarks/kv_fidelity.py --real)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pie.engine.config import EngineConfig
 from pie.engine.core.engine_core import EngineCore
 from pie.engine.sampling_params import SamplingParams
 from tests.fidelity import _chunks, consistency, docs_text, measure, text_fidelity, text_prompts
+from tests.helpers import save_peft_adapter
 from tests.smollm2 import build
 
 # slow: builds the checkpoint (~25 s the first time) and runs it for minutes on the CPU
@@ -40,6 +42,41 @@ def test_it_answers_and_ends_its_turn(smollm2):
             last = o
     assert "Paris" in tok.decode(out, skip_special_tokens=True)
     assert out[-1] == 2 and last.finished and last.stop_reason is None
+
+
+def test_a_random_adapter_equals_peft(smollm2, tmp_path):
+    """Multi-LoRA on a trained checkpoint (issue 61): a random, non-zero rank-16 adapter on all seven
+    projections (alpha 32), one batch of base and adapted chat requests through the engine (fp32
+    pages): every row's greedy answer, up to and with its end of turn, equals transformers + peft's,
+    and the adapter changes it."""
+    import transformers
+
+    peft = pytest.importorskip("peft")
+    adapter = save_peft_adapter(smollm2, tmp_path / "adapter", seed=5, scale=1.0, r=16, lora_alpha=32,
+                                target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                "down_proj"])
+    tok = transformers.AutoTokenizer.from_pretrained(smollm2)
+    questions = ["What is the capital of France?", "Name a color.", "Write one word about the sea."]
+    chats = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                     tokenize=True)["input_ids"] for q in questions]
+    prompts = [chats[0], chats[0], chats[1], chats[2], chats[1]]
+    names = [None, "sea", "sea", None, None]
+    engine = EngineCore(EngineConfig(model=str(smollm2), device="cpu", dtype="fp32", kv_cache_dtype="fp32",
+                                     num_kv_blocks=64, max_loras=1, max_lora_rank=16, loras=(("sea", str(adapter)),)))
+    got = engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0), names)
+
+    def greedy(model, ids: list[int]) -> list[int]:  # to its end of turn (kept), as the engine stops
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False,
+                                 attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+        return out[0, len(ids):].tolist()
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
+    want = {i: greedy(base, prompts[i]) for i in (0, 3, 4)}
+    adapted = peft.PeftModel.from_pretrained(base, adapter).eval()
+    want |= {i: greedy(adapted, prompts[i]) for i in (1, 2)}
+    assert got == [want[i] for i in range(len(prompts))]
+    assert got[1] != got[0]  # the same prompt, base against adapted: the comparison above can fail
 
 
 def test_int8_pages_as_faithful_as_plain_int8(smollm2):
