@@ -168,6 +168,7 @@ def run_ours(folder: Path, prompts, args, kv: str, loras: tuple[tuple[str, str],
         runs.append((wall, sum(len(o) for o in outs), eng.stats().num_preemptions - preempted, list(steps)))
     runs.sort(key=lambda r: r[0])
     wall, tokens, preemptions, timeline = runs[len(runs) // 2]  # the median run
+    kernels = _lora_kernel_time(eng, prompts[:64], names[:64]) if loras and args.device == "cuda" else None
     del eng.step, eng.scheduler.schedule  # the timing wrappers hold the engine: let it go
     eng.close()  # tensor-parallel workers end here
     mode = " (eager)" if args.enforce_eager else ""
@@ -179,7 +180,31 @@ def run_ours(folder: Path, prompts, args, kv: str, loras: tuple[tuple[str, str],
                 all_tok_per_s=[r[1] / r[0] for r in runs], preemptions=preemptions,
                 kv_blocks=eng.block_manager.num_total_blocks,
                 kv_tokens=eng.block_manager.num_total_blocks * eng.config.block_size,
-                timeline=_summarize(timeline, wall))
+                timeline=_summarize(timeline, wall) + (f"; {kernels}" if kernels else ""))
+
+
+def _lora_kernel_time(eng: EngineCore, prompts, names) -> str:
+    """The LoRA kernels' share of the GPU's kernel time per engine step, over a short run of these
+    requests under torch.profiler (kernels replayed from CUDA graphs included)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    steps, step = [0], eng.step
+
+    def counted():
+        steps[0] += 1
+        return step()
+
+    eng.step = counted
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        eng.generate(prompts, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True), names)
+        torch.cuda.synchronize()
+    eng.step = step
+    # self time: a kernel's own; an operator's excludes the kernels it launched (no double count)
+    times = [(e.key, e.self_device_time_total) for e in prof.key_averages()]
+    lora = sum(t for key, t in times if "_shrink_kernel" in key or "_expand_kernel" in key)
+    total = sum(t for _, t in times)
+    return (f"LoRA kernels {lora / steps[0]:.0f} us of {total / steps[0]:.0f} us GPU time per step "
+            f"({100 * lora / max(total, 1e-9):.1f}%, {steps[0]} steps of 64 requests x 32 tokens)")
 
 
 def _record_steps(eng: EngineCore) -> list[tuple[float, int, int]]:
