@@ -69,6 +69,21 @@ VARIANTS = {
     "imma-n16-w1-split512": C(16, 1, 4, k_mode="imma", v_mode="bias", tight_m=True, k_t=False),
     "imma-n32-w4-split512": C(32, 4, 3, k_mode="imma", v_mode="bias", tight_m=True, k_t=False),
     "imma-n64-w4-s3-split1024": C(64, 4, 3, k_mode="imma", v_mode="bias", tight_m=True, k_t=False),
+    # Sub-tiles (issue 59's redesign): a tile's keys cut into one sub-tile per warp, each with its
+    # own softmax state, merged once per split: no cross-warp reduction or exchange of P per tile.
+    "sub4-n64": C(64, 4, 2, k_mode="imma", v_mode="bias", tight_m=True, k_t=False, per_sm=4, sub_tiles=4),
+    "sub4-n64-split1024": C(64, 4, 2, k_mode="imma", v_mode="bias", tight_m=True, k_t=False, per_sm=4, sub_tiles=4),
+    "sub4-n128": C(128, 4, 2, k_mode="imma", v_mode="bias", tight_m=True, k_t=False, per_sm=4, sub_tiles=4),
+    "sub4-n128-split1024": C(128, 4, 2, k_mode="imma", v_mode="bias", tight_m=True, k_t=False, per_sm=4,
+                             sub_tiles=4),
+    "sub4-n64-s3": C(64, 4, 3, k_mode="imma", v_mode="bias", tight_m=True, k_t=False, per_sm=4, sub_tiles=4),
+    "sub2-n32-w2": C(32, 2, 3, k_mode="imma", v_mode="bias", tight_m=True, k_t=False, per_sm=8, sub_tiles=2),
+    "sub2-n64-w2": C(64, 2, 2, k_mode="imma", v_mode="bias", tight_m=True, k_t=False, per_sm=8, sub_tiles=2),
+    "sub4-n64-bias": C(64, 4, 2, k_mode="bias", v_mode="bias", tight_m=True, k_t=False, per_sm=4, sub_tiles=4),
+    "sub4-n64-r128": C(64, 4, 2, maxnreg=128, k_mode="imma", v_mode="bias", tight_m=True, k_t=False, per_sm=4,
+                       sub_tiles=4),
+    "sub4-n64-imma1": C(64, 4, 2, k_mode="imma1", v_mode="bias", tight_m=True, k_t=False, per_sm=4, sub_tiles=4),
+    "sub8-n128-w8": C(128, 8, 2, k_mode="imma", v_mode="bias", tight_m=True, k_t=False, per_sm=2, sub_tiles=8),
 }
 BF16 = {"bf16": None, "bf16-s512": None}
 

@@ -106,6 +106,7 @@ def compile_decode(cfg, d: int, group: int, int8: bool, page: int = 16, hkv: int
         V_MODE=td.V_MODES[cfg.v_mode], DOT_DTYPE=tl.bfloat16,
         QK_DTYPE=half if int8 and cfg.k_mode == "bias" else tl.bfloat16,
         PV_DTYPE=half if int8 and cfg.v_mode != "cast" else tl.bfloat16, PRECISION=None, ASM=True, WORKLIST=worklist,
+        W=cfg.sub_tiles,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, grid=(1,),
         **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}))
     return kernel, cfg
@@ -208,8 +209,11 @@ def main(argv: list[str] | None = None) -> int:
         if loops:
             n, counts = loops[0]
             top = " ".join(f"{op}:{c}" for op, c in sorted(counts.items(), key=lambda x: -x[1])[:8])
+            # what ties a tile's warps together or waits on shared memory: barriers, stores, loads, shuffles
+            family = {kind: sum(c for op, c in counts.items() if op.startswith(prefix))
+                      for kind, prefix in (("bar", "BAR"), ("sts", "STS"), ("lds", "LDS"), ("shfl", "SHFL"))}
             line += (f" | loop {n} instr/thread ({n * kernel.metadata.num_warps / cfg.block_n:.1f} warp-instr/key)"
-                     f" | {top}")
+                     f" | {' '.join(f'{k} {v}' for k, v in family.items())} | {top}")
         print(line)
     return 0
 

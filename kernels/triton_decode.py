@@ -24,6 +24,12 @@ programs per kv head take the (sequence, split) items from a work list instead o
 With a sliding window W the keys start at seq_len - W (every tile masked then). The caches must be
 contiguous (their strides are compile-time constants).
 
+Sub-tiles (`DecodeConfig.sub_tiles`, a launch candidate, not yet in the table): a tile's keys cut
+into one sub-tile per warp, each with its own running max, sum and accumulator, merged once per
+split. The shipped layout spreads a tile's keys over the warps, so each tile's row max, row sum and
+P cross warps through shared memory (sm_90 SASS: 14 barriers a tile; sub-tiles: 2), at the price
+of a whole accumulator per warp (165 registers against 128).
+
 int8 pages (`DecodeConfig.k_mode` / `v_mode`, triton_tile's int8_scores / int8_pv): QK^T on int8
 tensor cores with q quantized per head in two int8 terms (K never converted), or K read as the fp16
 number 1152 + K with 1152 * rowsum(q) taken off; V read as 1152 + V by 3 integer instructions per 4
@@ -44,9 +50,11 @@ from .triton_tile import (
     INT8_BIAS,
     cdiv,
     dot_types,
+    int8_biased,
     int8_pv,
     int8_query,
     int8_scores,
+    int8_to_f16,
     load,
     next_pow2,
     online_softmax,
@@ -107,6 +115,104 @@ def _decode_tile(acc, m_i, l_i, q, q2, qa, qa2, k_base, v_base, ks_base, vs_base
 
 
 @triton.jit
+def _decode_keys(q, q2, qa, qa2, k_base, v_base, ks_base, vs_base, bt_row, start, full_end, end, lo, offs_d, d_ok,
+                 HKV: tl.constexpr, D: tl.constexpr, K_T: tl.constexpr, WINDOW: tl.constexpr, PAGE: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr, IS_INT8: tl.constexpr,
+                 K_MODE: tl.constexpr, V_MODE: tl.constexpr, DOT_DTYPE: tl.constexpr, QK_DTYPE: tl.constexpr,
+                 PV_DTYPE: tl.constexpr, PRECISION: tl.constexpr, ASM: tl.constexpr, EVEN_D: tl.constexpr):
+    """A split's keys [start, end) tile by tile (`_decode_tile`; unmasked up to full_end): its query
+    rows' (acc, running max, running sum)."""
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, D_PAD), tl.float32)
+    if WINDOW > 0:  # the window's first tile starts mid-tile: mask every tile (a rare model kind)
+        for tile_start in range(start, end, BLOCK_N):
+            acc, m_i, l_i = _decode_tile(
+                acc, m_i, l_i, q, q2, qa, qa2, k_base, v_base, ks_base, vs_base, bt_row, tile_start, lo, end,
+                offs_d, d_ok, HKV, D, K_T,
+                PAGE, BLOCK_N, IS_INT8, K_MODE, V_MODE, DOT_DTYPE, QK_DTYPE, PV_DTYPE, PRECISION, ASM, True, EVEN_D)
+    else:
+        for tile_start in range(start, full_end, BLOCK_N):
+            acc, m_i, l_i = _decode_tile(
+                acc, m_i, l_i, q, q2, qa, qa2, k_base, v_base, ks_base, vs_base, bt_row, tile_start, lo, end,
+                offs_d, d_ok, HKV, D, K_T,
+                PAGE, BLOCK_N, IS_INT8, K_MODE, V_MODE, DOT_DTYPE, QK_DTYPE, PV_DTYPE, PRECISION, ASM, False, EVEN_D)
+        if full_end < end:
+            acc, m_i, l_i = _decode_tile(
+                acc, m_i, l_i, q, q2, qa, qa2, k_base, v_base, ks_base, vs_base, bt_row, full_end, lo, end,
+                offs_d, d_ok, HKV, D, K_T,
+                PAGE, BLOCK_N, IS_INT8, K_MODE, V_MODE, DOT_DTYPE, QK_DTYPE, PV_DTYPE, PRECISION, ASM, True, EVEN_D)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _warp_tile(acc, m_i, l_i, q, q2, qa, qa2, k_base, v_base, ks_base, vs_base, bt_row, tile_start, lo, end,
+               offs_d, d_ok, HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, W: tl.constexpr,
+               NW: tl.constexpr, IS_INT8: tl.constexpr, K_MODE: tl.constexpr, V_MODE: tl.constexpr,
+               DOT_DTYPE: tl.constexpr, QK_DTYPE: tl.constexpr, PV_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+               ASM: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr):
+    """`_decode_tile` with the tile's W * NW keys cut into W sub-tiles (key tile_start + w * NW + j in
+    sub-tile w), each with a running max, sum and accumulator of its own: m_i, l_i (W, BLOCK_M),
+    acc (W, BLOCK_M, D_PAD). The dots are batched over w, which Triton lays out one sub-tile per
+    warp: a row's max and sum reduce within a warp, and P reaches the P V dot without crossing
+    warps. `_merge_sub_tiles` combines the W states once per split."""
+    offs_n = tile_start + tl.arange(0, W)[:, None] * NW + tl.arange(0, NW)[None, :]  # (W, NW)
+    key_ok = (offs_n >= lo) & (offs_n < end)
+    page, slot = paged_slots(bt_row, offs_n, key_ok, PAGE, MASKED)
+    row = page * (PAGE * HKV * D) + slot * (HKV * D)  # (W, NW) element offset of each key
+    use_mask: tl.constexpr = MASKED or not EVEN_D
+    kv_off = row[:, :, None] + offs_d[None, None, :]  # (W, NW, D_PAD): K and V share their offsets
+    kv_ok = key_ok[:, :, None] & d_ok[None, None, :]
+    kt = tl.permute(load(k_base + kv_off, kv_ok, 0, use_mask), (0, 2, 1))  # (W, D_PAD, NW)
+    srow = page * (HKV * PAGE) + slot
+    if IS_INT8:
+        if K_MODE >= 2:  # int8 tensor cores, q in one or two int8 terms (int8_scores)
+            s = tl.dot(q, kt, out_dtype=tl.int32).to(tl.float32) * qa[None, :, None]
+            if K_MODE == 2:
+                s += tl.dot(q2, kt, out_dtype=tl.int32).to(tl.float32) * qa2[None, :, None]
+        elif K_MODE == 1:
+            s = tl.dot(q, int8_biased(kt, QK_DTYPE, ASM, True), input_precision=PRECISION) - qa[None, :, None]
+        else:
+            s = tl.dot(q, kt.to(QK_DTYPE), input_precision=PRECISION)
+        s = s * load(ks_base + srow, key_ok, 0.0, MASKED).to(tl.float32)[:, None, :]
+    else:
+        s = tl.dot(q, kt.to(DOT_DTYPE), input_precision=PRECISION)
+    if MASKED:  # a sub-tile may see no key: its row max stays -inf and its p must be 0 (the guard)
+        s = tl.where(key_ok[:, None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=2))
+    m_sub = tl.where(m_new == float("-inf"), 0.0, m_new) if MASKED else m_new
+    alpha = tl.exp2(m_i - m_sub)
+    p = tl.exp2(s - m_sub[:, :, None])
+    l_i = l_i * alpha + tl.sum(p, axis=2)
+    v = load(v_base + kv_off, kv_ok, 0, use_mask)  # (W, NW, D_PAD)
+    if IS_INT8:
+        v_s = load(vs_base + srow, key_ok, 0.0, MASKED).to(tl.float32)  # (W, NW)
+        if V_MODE == 0:
+            pv = tl.dot((p * v_s[:, None, :]).to(PV_DTYPE), v.to(PV_DTYPE), input_precision=PRECISION)
+        else:  # P * v_s / c in [0, 1] for the fp16 dot, c = the sub-tile's largest scale, put back after
+            vs_max = tl.maximum(tl.max(v_s, axis=1), 1e-30)  # (W,)
+            p16 = (p * (v_s / vs_max[:, None])[:, None, :]).to(PV_DTYPE)
+            if V_MODE == 1:
+                pv = tl.dot(p16, int8_to_f16(v), input_precision=PRECISION)
+            else:
+                pv = tl.dot(p16, int8_biased(v, PV_DTYPE, ASM, False), input_precision=PRECISION)
+                pv -= INT8_BIAS * tl.sum(p16.to(tl.float32), axis=2)[:, :, None]
+            pv = pv * vs_max[:, None, None]
+    else:
+        pv = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=PRECISION)
+    return acc * alpha[:, :, None] + pv, m_new, l_i
+
+
+@triton.jit
+def _merge_sub_tiles(acc, m_i, l_i):
+    """The W sub-tile states of `_warp_tile` as one: acc (BLOCK_M, D_PAD), m, l (BLOCK_M,), each
+    weighted by 2^(its max - the max); a sub-tile that saw no key (max -inf) weighs 0."""
+    m = tl.max(m_i, axis=0)
+    w = tl.exp2(m_i - tl.where(m == float("-inf"), 0.0, m)[None, :])
+    return tl.sum(acc * w[:, :, None], axis=0), m, tl.sum(l_i * w, axis=0)
+
+
+@triton.jit
 def _decode_split(
     h, b, split, q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, lse_ptr,
     qk_scale, stride_qb, stride_qh, stride_btb, stride_ob, stride_oh, num_splits,
@@ -114,9 +220,10 @@ def _decode_split(
     DIRECT: tl.constexpr, WINDOW: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_INT8: tl.constexpr, K_MODE: tl.constexpr,
     V_MODE: tl.constexpr, DOT_DTYPE: tl.constexpr, QK_DTYPE: tl.constexpr, PV_DTYPE: tl.constexpr,
-    PRECISION: tl.constexpr, ASM: tl.constexpr,
+    PRECISION: tl.constexpr, ASM: tl.constexpr, W: tl.constexpr,
 ):
-    """Split `split` of sequence b for kv head h: its keys, then `out` or its workspace row."""
+    """Split `split` of sequence b for kv head h: its keys, then `out` or its workspace row. W > 0:
+    each tile's keys in W sub-tiles of their own softmax state (`_warp_tile`)."""
     seq_len = tl.load(lens_ptr + b)
     # Fixed splits: the grid has room for the longest context the caller allows; a split past
     # this sequence's end (its programs are most of the grid for short contexts) exits here.
@@ -166,26 +273,36 @@ def _decode_split(
         vs_base = vs_ptr + h * PAGE
         bt_row = bt_ptr + b.to(tl.int64) * stride_btb
 
-        m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-        l_i = tl.zeros((BLOCK_M,), tl.float32)
-        acc = tl.zeros((BLOCK_M, D_PAD), tl.float32)
-        if WINDOW > 0:  # the window's first tile starts mid-tile: mask every tile (a rare model kind)
-            for tile_start in range(start, end, BLOCK_N):
-                acc, m_i, l_i = _decode_tile(
-                    acc, m_i, l_i, q, q2, qa, qa2, k_base, v_base, ks_base, vs_base, bt_row, tile_start, lo, end,
-                    offs_d, d_ok, HKV, D, K_T,
-                    PAGE, BLOCK_N, IS_INT8, K_MODE, V_MODE, DOT_DTYPE, QK_DTYPE, PV_DTYPE, PRECISION, ASM, True, EVEN_D)
+        if W > 0:
+            NW: tl.constexpr = BLOCK_N // W
+            q_w = tl.broadcast_to(q[None, :, :], (W, BLOCK_M, D_PAD))  # the same query rows for every sub-tile
+            q2_w = tl.broadcast_to(q2[None, :, :], (W, BLOCK_M, D_PAD))
+            m_w = tl.full((W, BLOCK_M), float("-inf"), tl.float32)
+            l_w = tl.zeros((W, BLOCK_M), tl.float32)
+            acc_w = tl.zeros((W, BLOCK_M, D_PAD), tl.float32)
+            if WINDOW > 0:
+                for tile_start in range(start, end, BLOCK_N):
+                    acc_w, m_w, l_w = _warp_tile(
+                        acc_w, m_w, l_w, q_w, q2_w, qa, qa2, k_base, v_base, ks_base, vs_base, bt_row, tile_start,
+                        lo, end, offs_d, d_ok, HKV, D, PAGE, W, NW, IS_INT8, K_MODE, V_MODE, DOT_DTYPE, QK_DTYPE,
+                        PV_DTYPE, PRECISION, ASM, True, EVEN_D)
+            else:
+                for tile_start in range(start, full_end, BLOCK_N):
+                    acc_w, m_w, l_w = _warp_tile(
+                        acc_w, m_w, l_w, q_w, q2_w, qa, qa2, k_base, v_base, ks_base, vs_base, bt_row, tile_start,
+                        lo, end, offs_d, d_ok, HKV, D, PAGE, W, NW, IS_INT8, K_MODE, V_MODE, DOT_DTYPE, QK_DTYPE,
+                        PV_DTYPE, PRECISION, ASM, False, EVEN_D)
+                if full_end < end:
+                    acc_w, m_w, l_w = _warp_tile(
+                        acc_w, m_w, l_w, q_w, q2_w, qa, qa2, k_base, v_base, ks_base, vs_base, bt_row, full_end,
+                        lo, end, offs_d, d_ok, HKV, D, PAGE, W, NW, IS_INT8, K_MODE, V_MODE, DOT_DTYPE, QK_DTYPE,
+                        PV_DTYPE, PRECISION, ASM, True, EVEN_D)
+            acc, m_i, l_i = _merge_sub_tiles(acc_w, m_w, l_w)
         else:
-            for tile_start in range(start, full_end, BLOCK_N):
-                acc, m_i, l_i = _decode_tile(
-                    acc, m_i, l_i, q, q2, qa, qa2, k_base, v_base, ks_base, vs_base, bt_row, tile_start, lo, end,
-                    offs_d, d_ok, HKV, D, K_T,
-                    PAGE, BLOCK_N, IS_INT8, K_MODE, V_MODE, DOT_DTYPE, QK_DTYPE, PV_DTYPE, PRECISION, ASM, False, EVEN_D)
-            if full_end < end:
-                acc, m_i, l_i = _decode_tile(
-                    acc, m_i, l_i, q, q2, qa, qa2, k_base, v_base, ks_base, vs_base, bt_row, full_end, lo, end,
-                    offs_d, d_ok, HKV, D, K_T,
-                    PAGE, BLOCK_N, IS_INT8, K_MODE, V_MODE, DOT_DTYPE, QK_DTYPE, PV_DTYPE, PRECISION, ASM, True, EVEN_D)
+            acc, m_i, l_i = _decode_keys(
+                q, q2, qa, qa2, k_base, v_base, ks_base, vs_base, bt_row, start, full_end, end, lo, offs_d, d_ok,
+                HKV, D, K_T, WINDOW, PAGE, BLOCK_M, BLOCK_N, D_PAD, IS_INT8, K_MODE, V_MODE, DOT_DTYPE, QK_DTYPE,
+                PV_DTYPE, PRECISION, ASM, EVEN_D)
 
         # An empty split (or a zero-length padding sequence) has l = 0: write 0 and lse = -inf.
         has = l_i > 0.0
@@ -242,7 +359,7 @@ def _decode_stage1(
     PAGE: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_INT8: tl.constexpr, K_MODE: tl.constexpr, V_MODE: tl.constexpr, DOT_DTYPE: tl.constexpr,
     QK_DTYPE: tl.constexpr, PV_DTYPE: tl.constexpr, PRECISION: tl.constexpr, ASM: tl.constexpr,
-    WORKLIST: tl.constexpr,
+    WORKLIST: tl.constexpr, W: tl.constexpr,
 ):
     h = tl.program_id(0)  # kv head: a sequence's Hkv programs launch side by side
     if WORKLIST:
@@ -255,12 +372,12 @@ def _decode_stage1(
             _decode_split(h, b, item - first_item, q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, out_ptr,
                           part_ptr, lse_ptr, qk_scale, stride_qb, stride_qh, stride_btb, stride_ob, stride_oh,
                           num_splits, G, HQ, HKV, K_T, SPLIT_TOKENS, DIRECT, WINDOW, PAGE, D, D_PAD, BLOCK_M,
-                          BLOCK_N, IS_INT8, K_MODE, V_MODE, DOT_DTYPE, QK_DTYPE, PV_DTYPE, PRECISION, ASM)
+                          BLOCK_N, IS_INT8, K_MODE, V_MODE, DOT_DTYPE, QK_DTYPE, PV_DTYPE, PRECISION, ASM, W)
     else:
         _decode_split(h, tl.program_id(1), tl.program_id(2), q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr,
                       out_ptr, part_ptr, lse_ptr, qk_scale, stride_qb, stride_qh, stride_btb, stride_ob, stride_oh,
                       num_splits, G, HQ, HKV, K_T, SPLIT_TOKENS, DIRECT, WINDOW, PAGE, D, D_PAD, BLOCK_M,
-                      BLOCK_N, IS_INT8, K_MODE, V_MODE, DOT_DTYPE, QK_DTYPE, PV_DTYPE, PRECISION, ASM)
+                      BLOCK_N, IS_INT8, K_MODE, V_MODE, DOT_DTYPE, QK_DTYPE, PV_DTYPE, PRECISION, ASM, W)
 
 
 @triton.jit(do_not_specialize=["num_splits"], do_not_specialize_on_alignment=["lens_ptr"])
@@ -357,6 +474,9 @@ class DecodeConfig:
     tight_m: bool = False  # dot rows = the GQA group (padded to a power of two), not >= 16
     k_t: bool = True  # K loaded as (D, N) (its own addresses) rather than (N, D) like V
     per_sm: float = WAVES  # stage-1 programs resident per SM, for the split-count heuristic
+    # > 0: each tile's keys in this many sub-tiles with a softmax state of their own, one per warp
+    # (`_warp_tile`; block_n // sub_tiles keys each, >= 16), merged once per split
+    sub_tiles: int = 0
 
 
 MANY_PROGRAMS = 8  # (sequence, kv head) pairs per SM from which head dim 64 runs one warp per program
@@ -489,6 +609,8 @@ def paged_decode(
     assert cfg.k_mode in K_MODES and cfg.v_mode in V_MODES, f"unknown int8 modes {cfg.k_mode}, {cfg.v_mode}"
     assert not (is_int8 and cfg.k_mode.startswith("imma") and d_pad < 32), "int8 tensor-core scores need D >= 32"
     assert on_gpu or cfg.v_mode != "asm", "v_mode 'asm' is inline PTX: GPU only"
+    assert cfg.sub_tiles == 0 or (cfg.block_n % cfg.sub_tiles == 0 and cfg.block_n // cfg.sub_tiles >= 16), (
+        f"block_n {cfg.block_n} not {cfg.sub_tiles} sub-tiles of >= 16 keys")
     # int8 V cast to bf16 in the dot-operand layout fails the kernel tests on the GPU (cause not
     # found; no launch table uses it): refused there
     assert not (on_gpu and is_int8 and cfg.v_mode == "cast"), "v_mode 'cast' is not for int8 pages on the GPU"
@@ -540,7 +662,7 @@ def paged_decode(
         IS_INT8=is_int8, K_MODE=K_MODES[cfg.k_mode], V_MODE=V_MODES[cfg.v_mode], DOT_DTYPE=dot_dtype,
         QK_DTYPE=half if is_int8 and cfg.k_mode == "bias" else dot_dtype,
         PV_DTYPE=half if is_int8 and cfg.v_mode != "cast" else dot_dtype, PRECISION=precision, ASM=on_gpu,
-        WORKLIST=programs is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
+        WORKLIST=programs is not None, W=cfg.sub_tiles, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
     )
     if num_splits > 1:
         _decode_stage2[(b, hq)](

@@ -253,6 +253,33 @@ def test_int8_modes(mode, group, d, page, q_dtype, gen):
         assert err < MODE_TOL[q.dtype], f"relative max error {err:.2e}"
 
 
+# Sub-tiles (DecodeConfig.sub_tiles, a candidate of issue 59): each tile's keys cut into sub-tiles of
+# their own softmax state, merged once per split. Short sequences leave whole sub-tiles without a
+# key (their max stays -inf and they must weigh nothing); a window masks every tile.
+SUB_MODES = [("imma", "bias"), ("bias", "bias")] + ([("cast", "cast")] if not HAS_CUDA else [])
+
+
+@pytest.mark.parametrize("mode", SUB_MODES, ids=lambda m: f"k{m[0]}-v{m[1]}")
+@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float32 if not HAS_CUDA else torch.bfloat16], ids=str)
+def test_sub_tiles(mode, cache_dtype, gen):
+    k_mode, v_mode = mode
+    q_dtype = Q_DTYPES[-1]  # 16-bit queries: the dots' rounding as the GPU has it
+    kernel_args, ref_args = make_case(gen, [1, 37, 70, 130], 2, 4, 64, 16, cache_dtype, q_dtype,
+                                      outliers=cache_dtype == torch.int8)  # (30x channels: int8 K's real shape)
+    q = kernel_args[0]
+    block_n, sub_tiles, warps = (64, 4, 4) if HAS_CUDA else (32, 2, 1)
+    cfg = DecodeConfig(block_n, warps, 2 if HAS_CUDA else 1, k_mode=k_mode, v_mode=v_mode, tight_m=True, k_t=False,
+                       sub_tiles=sub_tiles)
+    for window, kw in ((None, dict(num_splits=1)), (None, dict(num_splits=3)), (None, dict(split_tokens=64)),
+                       (20, dict(num_splits=2))):
+        ref = paged_attention_decode(*ref_args, q.shape[-1] ** -0.5, window=window)
+        out = torch.full_like(q, float("nan"))
+        paged_decode(*kernel_args, q.shape[-1] ** -0.5, out=out, config=cfg, window=window, **kw)
+        assert torch.isfinite(out).all(), ("unwritten or NaN output", window, kw)
+        err = (out.float() - ref).abs().max().item() / ref.abs().max().item()
+        assert err < MODE_TOL[q.dtype], (f"relative max error {err:.2e}", window, kw)
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float32 if not HAS_CUDA else torch.bfloat16], ids=str)
 def test_split_tokens_same_bits_in_any_batch(cache_dtype, gen):
     """With split_tokens the splits sit at fixed key positions and merge in a fixed order: each
