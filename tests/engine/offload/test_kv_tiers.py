@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import shutil
 import struct
+import threading
 from pathlib import Path
 
 import pytest
@@ -63,6 +64,8 @@ def drain(engine: EngineCore) -> None:
     for _, _, f in list(engine.kv_tiers._writes):
         f.exception()
     engine.kv_tiers.poll()
+    if engine.kv_tiers.disk is not None:  # and the files it evicted are gone
+        engine.kv_tiers.disk._io.submit(lambda: None).result()
 
 
 def hits(engine: EngineCore) -> dict[str, int]:
@@ -169,6 +172,7 @@ def test_every_tier_is_bounded_lru_and_reset_clears_them(model_dir, tmp_path, rn
     assert hits(engine) == {"host": 2 * BLOCK, "disk": 0}
     engine.block_manager.reset_prefix_cache()  # every tier
     drain(engine)
+    assert not list(disk.glob("*.kv"))
     stats = engine.stats()
     assert stats.kv_host_blocks_used == 0 and stats.kv_disk_blocks_used == 0 and stats.kv_blocks_cached == 0
     serve(engine, prompts[0], "after-reset")
@@ -192,3 +196,99 @@ def test_bad_settings_fail_at_start(model_dir, tmp_path):
         EngineConfig(model=str(model_dir), kv_host_gib=1.0, kv_disk_dir=str(tmp_path))
     with pytest.raises(ValueError, match="prefix cache"):
         EngineConfig(model=str(model_dir), kv_host_gib=1.0, enable_prefix_caching=False)
+
+
+def test_other_rows_decode_while_a_read_back_is_in_flight(model_dir, tmp_path, rng):
+    """The copy worker is held: the request whose prefix is read back waits, unscheduled, while a
+    running request decodes every step; once the blocks land it is admitted as a pool hit."""
+    engine = make_engine(model_dir, None)
+    prompt = prompt_of(rng)
+    expected = serve(engine, prompt, "cold")
+    drain(engine)
+    engine.block_manager.reset_prefix_cache(lower_tiers=False)
+    # (it ends with the read-back's third step: "again" then runs alone, as "cold" did, to the bit)
+    engine.add_request("decoding", prompt_of(rng, blocks=1, extra=2),
+                       SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+    while not engine.scheduler.running or engine.scheduler.running[0].num_output_tokens < 2:
+        engine.step()
+    gate = threading.Event()
+    engine.kv_tiers.copier._worker.submit(gate.wait)  # the worker copies in order: the read-back waits
+    engine.add_request("again", prompt, SamplingParams(max_tokens=6, temperature=0.0, logprobs=3, ignore_eos=True))
+    tokens: list[int] = []
+    logprobs: list[SampledToken] = []
+    for _ in range(3):
+        outputs = engine.step()
+        assert_engine_invariants(engine)
+        assert [o.request_id for o in outputs] == ["decoding"]  # it advanced; "again" waits
+        (again,) = engine.scheduler.waiting
+        assert again.kv_load is not None and not again.block_ids
+    assert len(engine.kv_tiers.held_blocks()) == 3 and not engine.scheduler.running
+    gate.set()
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.request_id == "again":
+                tokens += o.new_token_ids
+                logprobs += o.new_logprobs
+                if o.num_output_tokens == 1:
+                    assert o.num_cached_tokens == 3 * BLOCK
+        assert_engine_invariants(engine)
+    assert (tokens, logprobs) == expected
+    assert hits(engine)["host"] == 3 * BLOCK and engine.stats().kv_readbacks == 1
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_total_blocks
+    engine.close()
+
+
+@pytest.mark.parametrize("speculative", [None, "ngram"])
+def test_a_crowded_pool_preempts_reads_back_and_leaks_nothing(model_dir, rng, speculative):
+    """Conversations sharing a system prompt, each turn re-sending its history, with priorities,
+    in a pool too small for them (preemption), prefilled in chunks: the invariants hold after every
+    step, blocks come back from the host tier, and every block is free at the end."""
+    engine = make_engine(model_dir, None, num_kv_blocks=14, max_num_batched_tokens=2 * BLOCK, speculative=speculative)
+    system = prompt_of(rng, blocks=2, extra=0)
+    histories = {f"c{i}": system + prompt_of(rng, blocks=0, extra=9) for i in range(4)}
+    for turn in range(3):
+        for i, (cid, history) in enumerate(histories.items()):
+            engine.add_request(f"{cid}-{turn}", history, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+                               priority=i % 2)
+        replies: dict[str, list[int]] = {cid: [] for cid in histories}
+        while engine.has_unfinished():
+            for o in engine.step():
+                replies[o.request_id.split("-")[0]] += o.new_token_ids
+            assert_engine_invariants(engine)
+        for cid in histories:
+            assert len(replies[cid]) == 12
+            histories[cid] = histories[cid] + replies[cid] + prompt_of(rng, blocks=0, extra=5)
+    stats = engine.stats()
+    assert stats.kv_tier_hit_tokens["host"] > 0 and stats.kv_readbacks > 0 and stats.num_preemptions > 0
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_total_blocks
+    assert not engine.kv_tiers.held_blocks()
+    engine.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv", ["int8", "bf16"])
+def test_on_cuda_pool_host_and_disk_hits_agree_to_the_bit(model_dir, tmp_path, kv, rng):
+    """The same on CUDA: pinned host rows, copies on the side stream, CUDA graphs and async
+    scheduling on (the defaults). A hit from the pool, the host tier and the disk tier (also after a
+    restart) give the same tokens and logprobs to the bit."""
+    disk = tmp_path / "disk"
+    kw = dict(device="cuda", dtype="bf16", num_kv_blocks=64, max_num_batched_tokens=256)
+    engine = make_engine(model_dir, disk, kv, **kw)
+    prompt = prompt_of(rng, blocks=6)
+    serve(engine, prompt, "cold")
+    pool = serve(engine, prompt, "pool")
+    drain(engine)
+    engine.block_manager.reset_prefix_cache(lower_tiers=False)
+    host = serve(engine, prompt, "host")
+    assert hits(engine) == {"host": 6 * BLOCK, "disk": 0}
+    drain(engine)
+    engine.block_manager.reset_prefix_cache(lower_tiers=False)
+    engine.kv_tiers.host.clear()
+    from_disk = serve(engine, prompt, "disk")
+    assert hits(engine) == {"host": 6 * BLOCK, "disk": 6 * BLOCK}
+    engine.close()
+    again = make_engine(model_dir, disk, kv, **kw)
+    restarted = serve(again, prompt, "restarted")
+    assert hits(again)["disk"] == 6 * BLOCK
+    assert pool == host == from_disk == restarted
+    again.close()
