@@ -97,7 +97,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="a disk tier below --kv-host-gib: blocks are also written to files in DIR (LRU within "
                         "--kv-disk-gib), which a restarted server of the same model, dtypes and block size serves "
                         "again; files of another model or failing their checksum are skipped (default: none)")
-    p.add_argument("--kv-disk-gib", type=_gib, default=None, help="the disk tier's size in GiB (with --kv-disk-dir)")
+    p.add_argument("--kv-disk-gib", type=_gib, default=None,
+                   help="the disk tier's size in GiB (with --kv-disk-dir) (default: none)")
     p.add_argument("--gpu-memory-fraction", type=float, default=d.gpu_memory_fraction,
                    help="share of the GPU's memory for weights, activations and the KV pool, which gets "
                         "what the weights and a profiling step leave")

@@ -73,6 +73,27 @@ def model_fingerprint(model_dir: str, **facts: object) -> str:
     return h.hexdigest()
 
 
+def check_disk(directory: str, capacity_bytes: int, held: int | None) -> None:
+    """StartupError unless `directory` can be made and written and its disk has room for
+    `capacity_bytes` (counting `held` bytes of blocks already there as room; None: every block
+    file there, whoever made it)."""
+    folder = Path(directory)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".probe-{os.getpid()}"
+        probe.write_bytes(b"pie")
+        probe.unlink()
+    except OSError as e:
+        raise StartupError(f"--kv-disk-dir {directory}: cannot write there ({e.strerror or e}); give a folder this "
+                           "user can write") from e
+    if held is None:
+        held = sum(p.stat().st_size for p in folder.glob("*" + SUFFIX))
+    free = shutil.disk_usage(folder).free
+    if free + held < capacity_bytes:
+        raise StartupError(f"--kv-disk-gib {capacity_bytes / 2**30:.3g}: {directory} has {free / 2**30:.3g} GiB free "
+                           f"(and {held / 2**30:.3g} GiB of blocks there): lower --kv-disk-gib or free the disk")
+
+
 class DiskTier:
     def __init__(self, directory: str, capacity_bytes: int, identity: DiskIdentity, host_rows: torch.Tensor) -> None:
         self.dir = Path(directory)
@@ -80,21 +101,11 @@ class DiskTier:
         self.identity = identity
         self.rows = host_rows
         self._header = asdict(identity)
-        try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            probe = self.dir / f".probe-{os.getpid()}"
-            probe.write_bytes(b"pie")
-            probe.unlink()
-        except OSError as e:
-            raise StartupError(f"--kv-disk-dir {directory}: cannot write there ({e.strerror or e})") from e
+        check_disk(directory, capacity_bytes, held=None)
         self._index: OrderedDict[bytes, int] = OrderedDict()  # digest -> file bytes, least recently used first
         self.used_bytes = 0
         self._scan()
-        free = shutil.disk_usage(self.dir).free
-        if free + self.used_bytes < capacity_bytes:
-            raise StartupError(f"--kv-disk-gib {capacity_bytes / 2**30:.3g}: {directory} has {free / 2**30:.3g} GiB "
-                               f"free (and {self.used_bytes / 2**30:.3g} GiB of this model's blocks): lower "
-                               f"--kv-disk-gib or free the disk")
+        check_disk(directory, capacity_bytes, held=self.used_bytes)
         self._evict()
         self._io = ThreadPoolExecutor(1, thread_name_prefix="kv-disk")
 

@@ -41,13 +41,18 @@ def available_host_bytes() -> int | None:
     return None
 
 
+def check_host_memory(need: int) -> None:
+    """StartupError when `need` bytes are more than the host has available."""
+    avail = available_host_bytes()
+    if avail is not None and need > avail:
+        raise StartupError(f"--kv-host-gib {need / 2**30:.3g} asks for more host memory than is available "
+                           f"({avail / 2**30:.3g} GiB): lower --kv-host-gib")
+
+
 class HostTier:
     def __init__(self, num_slots: int, block_bytes: int, *, pin_memory: bool) -> None:
         need = num_slots * block_bytes
-        avail = available_host_bytes()
-        if avail is not None and need > avail:
-            raise StartupError(f"--kv-host-gib {need / 2**30:.3g} asks for more host memory than is available "
-                               f"({avail / 2**30:.3g} GiB): lower --kv-host-gib")
+        check_host_memory(need)
         try:
             self.rows = torch.empty((num_slots, block_bytes), dtype=torch.uint8, pin_memory=pin_memory)
         except RuntimeError as e:  # pinning can fail below MemAvailable (ulimit -l, containers)
