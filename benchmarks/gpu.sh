@@ -43,6 +43,9 @@
 #               MIXED_ARGS="--shape llama-1b --kv int8 --repeats 1 --requests 32 --single")
 #   long        benchmarks/mixed.py --workload long (8B-class long-context work, memory ample and an
 #               8 GiB pool); LONG_ARGS adds flags (e.g. "--repeats 2")
+#   chat        benchmarks/mixed.py --workload chat (the Qwen2-7B shape: multi-turn chat in a pool a
+#               quarter of the working set, KV tiers off / host / host+disk, int8 and bf16 pages);
+#               CHAT_ARGS adds flags (e.g. "--repeats 1")
 #   fidelity    benchmarks/kv_fidelity.py --device cuda (greedy agreement, teacher-forced, KL)
 #   smolpart    copies the carried .smol/part-N (tests/smollm2.py --split .smol) aside into
 #               .smol_keep/, where it stays while the machine is held: one part a call, carry
@@ -196,6 +199,10 @@ suite_long() {
   # shellcheck disable=SC2086
   timeout "$(t long)" python3 -m benchmarks.mixed --workload long --out "$D/long.json" ${LONG_ARGS:-} 2>&1 | quiet | tee -a "$D/long.md"
 }
+suite_chat() {
+  # shellcheck disable=SC2086
+  timeout "$(t chat)" python3 -m benchmarks.mixed --workload chat --out "$D/chat.json" ${CHAT_ARGS:-} 2>&1 | quiet | tee -a "$D/chat.md"
+}
 # The table scripts below keep their whole output in SUITE.log and show the table and any error's
 # last line (a table that stopped after its header once hid the traceback that stopped it).
 suite_fidelity() {
@@ -254,7 +261,7 @@ suite_ab() {
       --model-cache /tmp/pie-ab-models --out "$D/ab-${base/#-/variant}.json" 2>&1 | quiet | tee -a "$D/ab.md"
   done
 }
-SUITES=" tests alltests kernels variants ncu roofline extend engine profile host offline hf capacity serving mixed long fidelity smolpart realfidelity seeds structured tp spec ab "
+SUITES=" tests alltests kernels variants ncu roofline extend engine profile host offline hf capacity serving mixed long chat fidelity smolpart realfidelity seeds structured tp spec ab "
 
 g() { git -c safe.directory="$ROOT" -C "$ROOT" "$@"; }  # files copied to a machine may belong to another user
 baseline_tree() {  # check BASELINE out outside the repo (or take a carried .baseline); prints its folder

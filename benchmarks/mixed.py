@@ -5,6 +5,7 @@ with the spread.
     python -m benchmarks.mixed [--shape qwen3-4b|llama-1b] [--requests 384] [--repeats 3]
     python -m benchmarks.mixed --workload long [--kv-gib ample,8]   # long-context work, two pools
     python -m benchmarks.mixed --tiny [--workload long]            # CPU-sized smoke run of the same code
+    python -m benchmarks.mixed --workload chat [--tiny]            # multi-turn chat, KV tiers off/host/disk
 
 Workloads (--workload; fixed seed, greedy, EOS ignored, all requests queued at once): prompt lengths
 log-normal with median --prompt-median (sigma 0.8), clipped to [16, --prompt-max]; every
@@ -33,6 +34,18 @@ Optional parts, in the same run on the same model:
   --single         one user: decode tokens/s (128-token prompt, 512 out) and the TTFT of a
                    2,000-token prompt, against the weight-bandwidth bound (weights / copy bw)
 --no-prefix-caching runs the same work without the prefix cache: what the shared prefix saves.
+
+--workload chat (issue 62, the host and disk tiers below the KV pool): --conversations chats of
+--turns turns each after one shared --system-len-token system prompt; each turn re-sends its whole
+history (system, earlier turns and the replies the engine gave) plus --user-len new tokens and is
+answered with --reply-len tokens. Turns arrive interleaved, round-robin over the conversations, with
+--in-flight turns at once (a conversation's next turn only after its reply), so a conversation's
+prefix waits for the others' turns between two of its own. The pool holds --pool-share (a quarter)
+of the working set (the system prompt and every conversation's final history), the host tier
+--host-gib (default: 1.1x the working set in int8 pages; bf16 pages get the same GiB), the disk
+tier the whole working set. Per KV dtype and tier setting (off, host, host+disk), --repeats runs
+on a fresh engine (a fresh disk folder): TTFT p50/p99 (arrival to first token), generated tokens/s,
+and the prompt tokens served from the pool, the host and the disk.
 """
 
 from __future__ import annotations
@@ -42,6 +55,7 @@ import gc
 import json
 import math
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -69,6 +83,10 @@ SHAPES = {
     "llama-1b": ("llama", dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
                                num_key_value_heads=8, intermediate_size=8192, vocab_size=32000,
                                tie_word_embeddings=True)),
+    # Qwen2-7B: head dim 128, GQA 7:1 (4 KV heads), q/k/v biases, untied embeddings.
+    "qwen2-7b": ("qwen2", dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
+                               num_key_value_heads=4, intermediate_size=18944, vocab_size=152064,
+                               tie_word_embeddings=False)),
     "tiny": ("qwen3", dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                            head_dim=64, intermediate_size=512, vocab_size=4096, tie_word_embeddings=True)),
 }
@@ -343,8 +361,143 @@ FLAGS = {"shape": ("model shape", str), "requests": ("requests, all queued at on
          "kv_gib": ("KV pools in GiB, one pass each; ample: what 0.9 of the GPU's memory leaves (1 GiB on the CPU)", str)}
 
 
+CHAT = dict(shape=("qwen2-7b", "tiny"), conversations=(128, 24), turns=(6, 4), system_len=(2048, 96),
+            user_len=(256, 24), reply_len=(128, 16), in_flight=(16, 3))
+TIER_SETTINGS = ("off", "host", "host+disk")
+
+
+def chat_turns(args, vocab: int) -> tuple[list[int], list[list[list[int]]]]:
+    """The system prompt and each conversation's user messages (fixed seed)."""
+    rng = random.Random(0)
+    system = [rng.randrange(3, vocab) for _ in range(args.system_len)]
+    users = [[[rng.randrange(3, vocab) for _ in range(args.user_len)] for _ in range(args.turns)]
+             for _ in range(args.conversations)]
+    return system, users
+
+
+def run_chat(folder: Path, kv: str, tiers: str, args, system: list[int], users, pool_blocks: int,
+             disk: Path) -> dict:
+    """One run of the chat work on a fresh engine (module docstring)."""
+    shutil.rmtree(disk, ignore_errors=True)
+    ws_bytes = args.working_set_tokens * args.kv_bytes[kv]
+    eng = EngineCore(EngineConfig(
+        model=str(folder), device=args.device, dtype="bf16" if args.device == "cuda" else "fp32",
+        kv_cache_dtype=kv, num_kv_blocks=pool_blocks, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_batched_tokens, decode_stall_factor=0.0,
+        kv_host_gib=0.0 if tiers == "off" else args.host_gib,
+        kv_disk_dir=str(disk) if tiers == "host+disk" else None,
+        kv_disk_gib=1.5 * ws_bytes / 2**30 if tiers == "host+disk" else None))
+    eng.generate([system[:32]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    eng.block_manager.reset_prefix_cache()
+    sp = SamplingParams(max_tokens=args.reply_len, temperature=0, ignore_eos=True)
+    history = [system + users[c][0] for c in range(args.conversations)]
+    order = [(c, t) for t in range(args.turns) for c in range(args.conversations)]
+    busy: dict[str, tuple[int, int, float]] = {}  # request id -> (conversation, turn, arrival)
+    active, replies, ttft = set(), {}, []
+    generated, next_item = 0, 0
+    before = eng.stats()
+    sync(args.device)
+    t0 = time.perf_counter()
+    while next_item < len(order) or busy:
+        while len(busy) < args.in_flight and next_item < len(order) and order[next_item][0] not in active:
+            c, t = order[next_item]
+            next_item += 1
+            rid = f"c{c}-t{t}"
+            busy[rid] = (c, t, time.perf_counter())
+            active.add(c)
+            replies[rid] = []
+            eng.add_request(rid, history[c], sp)
+        for o in eng.step():
+            c, t, arrival = busy[o.request_id]
+            if not replies[o.request_id]:
+                ttft.append(time.perf_counter() - arrival)
+            replies[o.request_id] += o.new_token_ids
+            generated += len(o.new_token_ids)
+            if o.finished:
+                del busy[o.request_id]
+                active.discard(c)
+                if t + 1 < args.turns:
+                    history[c] = history[c] + replies[o.request_id] + users[c][t + 1]
+    sync(args.device)
+    wall = time.perf_counter() - t0
+    after = eng.stats()
+    tier_hits = {k: v - before.kv_tier_hit_tokens.get(k, 0) for k, v in after.kv_tier_hit_tokens.items()}
+    eng.close()
+    del eng
+    gc.unfreeze()
+    gc.collect()
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    ttft.sort()
+    return dict(wall_s=wall, tok_per_s=generated / wall, ttft_p50_ms=1e3 * ttft[len(ttft) // 2],
+                ttft_p99_ms=1e3 * ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))],
+                pool_hit_tokens=after.prefix_cache_hits - before.prefix_cache_hits - sum(tier_hits.values()),
+                host_hit_tokens=tier_hits.get("host", 0), disk_hit_tokens=tier_hits.get("disk", 0),
+                prompt_tokens=after.prefix_cache_queries - before.prefix_cache_queries,
+                preemptions=after.num_preemptions - before.num_preemptions)
+
+
+def chat_main(args) -> int:
+    for dest, values in CHAT.items():
+        if getattr(args, dest, None) is None:
+            setattr(args, dest, type(values[0])(values[int(args.tiny)]))
+    args.device = args.device or default_device()
+    arch, shape = SHAPES[args.shape]
+    system, users = chat_turns(args, shape["vocab_size"])
+    history_end = args.turns * (args.user_len + args.reply_len)  # each conversation's own tokens at its end
+    args.working_set_tokens = args.system_len + args.conversations * history_end
+    bs = EngineConfig().block_size
+    pool_blocks = max(-(-args.working_set_tokens // bs) * args.pool_share,
+                      args.in_flight * -(-(args.system_len + history_end) // bs) + 1)
+    pool_blocks = int(pool_blocks)
+    kvs = args.kv.split(",")
+    with tempfile.TemporaryDirectory() as tmp:
+        params = build_model(Path(tmp) / "model", arch, shape, torch.bfloat16 if args.device == "cuda" else torch.float32,
+                             max_len=max(4096, args.system_len + history_end + 16))
+        cfg = json.loads((Path(tmp) / "model" / "config.json").read_text())
+        heads, layers = cfg["num_key_value_heads"], cfg["num_hidden_layers"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        args.kv_bytes = {kv: KVCache.bytes_per_block(num_layers=layers, block_size=1, num_kv_heads=heads,
+                                                     head_dim=head_dim, kv_cache_dtype=kv) for kv in kvs}
+        if args.host_gib is None:
+            args.host_gib = 1.1 * args.working_set_tokens * args.kv_bytes["int8"] / 2**30
+        print(f"# {args.device}: chat work, {args.shape}-shaped random {arch} ({params / 1e9:.2f}B params); "
+              f"{args.conversations} conversations x {args.turns} turns, system {args.system_len}, user "
+              f"{args.user_len}, reply {args.reply_len} tokens, {args.in_flight} turns in flight; working set "
+              f"{args.working_set_tokens:,} tokens, pool {pool_blocks * bs:,} tokens ({pool_blocks} blocks), host tier "
+              f"{args.host_gib:.4g} GiB (int8: {args.host_gib * 2**30 / args.kv_bytes['int8']:,.0f} tokens, bf16: "
+              f"{args.host_gib * 2**30 / args.kv_bytes.get('bf16', 2 * args.kv_bytes['int8']):,.0f})")
+        print("| KV | tiers | TTFT p50 ms | TTFT p99 ms | tok/s | prompt tokens from pool / host / disk | preempted |")
+        print("|---|---|---|---|---|---|---|")
+        figures: dict = {}
+        for kv in kvs:
+            for tiers in TIER_SETTINGS:
+                runs = [run_chat(Path(tmp) / "model", kv, tiers, args, system, users, pool_blocks, Path(tmp) / "disk")
+                        for _ in range(args.repeats)]
+                med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+                spread = {k: (min(r[k] for r in runs), max(r[k] for r in runs))
+                          for k in ("ttft_p50_ms", "ttft_p99_ms", "tok_per_s")}
+                figures[f"{kv} {tiers}"] = dict(median=med, spread=spread, runs=runs)
+                print(f"| {kv} | {tiers} | {med['ttft_p50_ms']:.1f} ({spread['ttft_p50_ms'][0]:.1f}-"
+                      f"{spread['ttft_p50_ms'][1]:.1f}) | {med['ttft_p99_ms']:.1f} ({spread['ttft_p99_ms'][0]:.1f}-"
+                      f"{spread['ttft_p99_ms'][1]:.1f}) | {med['tok_per_s']:,.0f} ({spread['tok_per_s'][0]:,.0f}-"
+                      f"{spread['tok_per_s'][1]:,.0f}) | {med['pool_hit_tokens']:,.0f} / {med['host_hit_tokens']:,.0f} "
+                      f"/ {med['disk_hit_tokens']:,.0f} of {med['prompt_tokens']:,.0f} | {med['preemptions']:.0f} |",
+                      flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(dict(workload="chat", shape=args.shape, figures=figures), indent=2))
+    return 0
+
+
+CHAT_FLAGS = {"conversations": ("conversations", int), "turns": ("turns per conversation", int),
+              "system_len": ("tokens of the shared system prompt", int),
+              "user_len": ("new tokens of each user turn", int), "reply_len": ("tokens of each reply", int),
+              "in_flight": ("turns in flight at once", int), "host_gib": ("the host tier in GiB", float)}
+
+
 def add_workload_flags(ap) -> None:
-    ap.add_argument("--workload", choices=sorted(PRESETS), default="mixed", help="the work and its defaults (above)")
+    ap.add_argument("--workload", choices=sorted([*PRESETS, "chat"]), default="mixed",
+                    help="the work and its defaults (above)")
     for dest, (text, kind) in FLAGS.items():
         shown = "; ".join(f"{w} {PRESETS[w][dest][0]} ({PRESETS[w][dest][1]} with --tiny)" for w in PRESETS)
         ap.add_argument("--" + dest.replace("_", "-"), type=kind, default=None, help=f"{text} (default: {shown})",
@@ -372,8 +525,18 @@ def main(argv: list[str] | None = None) -> int:
                     help="transformers generate_batch on this many requests x 256 (default: 0, no transformers run)")
     ap.add_argument("--single", action="store_true", help="one-user decode tokens/s and TTFT of a 2k prompt")
     ap.add_argument("--out", default=None, help="JSON file for every figure (default: none written)")
+    for dest, (text, kind) in CHAT_FLAGS.items():
+        shown = f"{CHAT[dest][0]} ({CHAT[dest][1]} with --tiny)" if dest in CHAT else "1.1x the working set in int8 pages"
+        ap.add_argument("--" + dest.replace("_", "-"), type=kind, default=None,
+                        help=f"--workload chat: {text} (default: {shown})")
+    ap.add_argument("--pool-share", type=float, default=0.25,
+                    help="--workload chat: the KV pool's share of the working set (at least the turns in flight)")
     args = ap.parse_args(argv)
     sized.fill(args, args.tiny)
+    if args.workload == "chat":
+        if args.shape is None:
+            args.shape = CHAT["shape"][int(args.tiny)]
+        return chat_main(args)
     for dest, (_, kind) in FLAGS.items():
         if getattr(args, dest) is None:
             setattr(args, dest, kind(PRESETS[args.workload][dest][int(args.tiny)]))

@@ -106,6 +106,14 @@ class EngineConfig:
     max_loras: int = 0
     max_lora_rank: int = 16
     loras: tuple[tuple[str, str], ...] = ()
+    # Tiers below the pool (engine/offload/): full prefix-cache blocks the pool lets go of are
+    # copied, as stored (int8 data with its scales), into this much host memory (pinned on CUDA;
+    # 0 = no tiers) and, with kv_disk_dir, into files there of at most kv_disk_gib in all, which a
+    # restarted server of the same model, dtypes and block size reads again. A prompt whose prefix
+    # is found there is read back instead of computed.
+    kv_host_gib: float = 0.0
+    kv_disk_dir: str | None = None
+    kv_disk_gib: float | None = None
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -146,6 +154,7 @@ class EngineConfig:
             raise ValueError("max_model_len must be >= 2")
         self._check_speculative()
         self._check_loras()
+        self._check_kv_tiers()
         if self.batch_invariant:
             if self.attention_backend == "torch":
                 raise ValueError("batch_invariant runs the Triton kernels: not with attention_backend='torch'")
@@ -155,6 +164,23 @@ class EngineConfig:
             if self.speculative is not None:
                 raise ValueError("batch_invariant is not for speculative decoding (a verify step computes a "
                                  "token with the prompt kernel, a decode step with the decode kernel)")
+
+    def _check_kv_tiers(self) -> None:
+        if not 0.0 <= self.kv_host_gib < float("inf"):
+            raise ValueError(f"kv_host_gib must be a number of GiB >= 0 (0 = no host tier), got {self.kv_host_gib}")
+        if self.kv_disk_gib is not None and not 0.0 < self.kv_disk_gib < float("inf"):
+            raise ValueError(f"kv_disk_gib must be a positive number of GiB, got {self.kv_disk_gib}")
+        if (self.kv_disk_dir is None) != (self.kv_disk_gib is None):
+            raise ValueError("kv_disk_dir and kv_disk_gib go together (the disk tier's folder and its size)")
+        if self.kv_disk_dir is not None and not self.kv_host_gib:
+            raise ValueError("kv_disk_dir needs kv_host_gib: blocks pass through the host tier on their way to disk")
+        if not self.kv_host_gib:
+            return
+        if not self.enable_prefix_caching:
+            raise ValueError("kv_host_gib extends the prefix cache: not with enable_prefix_caching off")
+        if self.tensor_parallel_size > 1:
+            raise ValueError("kv_host_gib: the host and disk tiers do not run with tensor parallelism yet (each rank "
+                             "holds its own share of every block)")
 
     def _check_loras(self) -> None:
         if self.max_loras < 0:

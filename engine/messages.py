@@ -159,6 +159,20 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False):
     stall_fixed_s: float = 0.0
     stall_prompt_token_s: float = 0.0
     stall_decode_ratio: float = 1.0
+    # Host and disk tiers below the pool (engine/offload/; all 0 without --kv-host-gib): host rows
+    # and those holding a block, disk blocks and bytes (held, and the budget), and cumulative, by
+    # tier ("host", "disk"): tokens read back into the pool, bytes read and written, failures.
+    kv_host_blocks_total: int = 0
+    kv_host_blocks_used: int = 0
+    kv_disk_blocks_used: int = 0
+    kv_disk_bytes_total: int = 0
+    kv_disk_bytes_used: int = 0
+    kv_tier_hit_tokens: dict[str, int] = {}
+    kv_tier_read_bytes: dict[str, int] = {}
+    kv_tier_write_bytes: dict[str, int] = {}
+    kv_tier_errors: dict[str, int] = {}
+    kv_readbacks: int = 0  # read-backs that landed (cumulative)
+    kv_readback_seconds: float = 0.0  # their time from lookup to landing, summed
 
 
 # ---- client -> core --------------------------------------------------------------------------------

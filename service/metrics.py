@@ -27,7 +27,12 @@ from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    SummaryMetricFamily,
+)
 from prometheus_client.registry import Collector
 
 from pie.engine.messages import STEP_BUCKETS, STEP_KINDS, EngineStats
@@ -90,9 +95,10 @@ class _EngineCollector(Collector):
                     used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0)
         # vLLM's cache_config_info, which the Gateway API Inference Extension's prefix-cache scorer
         # reads its block_size and num_gpu_blocks labels off (value 1, as an info metric)
+        # (num_cpu_blocks as vLLM's: the host tier's blocks, 0 without one)
         info = GaugeMetricFamily("vllm:cache_config_info", "Information of the KV cache config.",
-                                 labels=[*self.cache_config, "num_gpu_blocks"])
-        info.add_metric([*self.cache_config.values(), str(stats.kv_blocks_total)], 1.0)
+                                 labels=[*self.cache_config, "num_gpu_blocks", "num_cpu_blocks"])
+        info.add_metric([*self.cache_config.values(), str(stats.kv_blocks_total), str(stats.kv_host_blocks_total)], 1.0)
         yield info
         yield gauge("pie_kv_blocks_cached", "Free KV blocks that still hold a cached prompt prefix (reusable).",
                     stats.kv_blocks_cached)
@@ -130,10 +136,38 @@ class _EngineCollector(Collector):
                     "step (0 until measured).", stats.stall_prompt_token_s)
         yield gauge("pie_stall_bound_decode_ratio", "Measured decode-only steps over the stall bound's model of "
                     "them (CUDA graphs timed at start; 1 until measured).", stats.stall_decode_ratio)
+        if stats.kv_host_blocks_total:
+            yield from self._kv_tiers(stats, gauge)
         if self.max_loras:
             yield self._lora_info(stats)
         if self.num_speculative_tokens is not None:
             yield from self._spec_decode(stats, counter)
+
+    def _kv_tiers(self, stats: EngineStats, gauge: Callable[[str, str, float], GaugeMetricFamily]):
+        """The host and disk tiers below the KV pool (--kv-host-gib, --kv-disk-dir): their fill,
+        and per tier the tokens read back into the pool, bytes moved and failures; the read-backs'
+        time from lookup to landing."""
+        yield gauge("pie_kv_host_blocks", "KV blocks the host tier holds.", stats.kv_host_blocks_used)
+        yield gauge("pie_kv_host_blocks_total", "KV blocks the host tier can hold.", stats.kv_host_blocks_total)
+        yield gauge("pie_kv_disk_blocks", "KV blocks the disk tier holds.", stats.kv_disk_blocks_used)
+        yield gauge("pie_kv_disk_bytes", "Bytes of the disk tier's files.", stats.kv_disk_bytes_used)
+        yield gauge("pie_kv_disk_bytes_total", "The disk tier's budget in bytes.", stats.kv_disk_bytes_total)
+        for name, doc, values in (
+                ("pie_kv_tier_hit_tokens", "Prompt tokens read back into the KV pool from a tier below it.",
+                 stats.kv_tier_hit_tokens),
+                ("pie_kv_tier_read_bytes", "Bytes read back from a tier below the KV pool.", stats.kv_tier_read_bytes),
+                ("pie_kv_tier_write_bytes", "Bytes written down into a tier below the KV pool.",
+                 stats.kv_tier_write_bytes),
+                ("pie_kv_tier_errors", "Failed reads and writes of a tier below the KV pool (a miss, or a block "
+                 "kept only above).", stats.kv_tier_errors)):
+            c = CounterMetricFamily(name, doc, labels=["model_name", "tier"])
+            for tier in ("host", "disk"):
+                c.add_metric([self.model_name, tier], values.get(tier, 0))
+            yield c
+        s = SummaryMetricFamily("pie_kv_readback_seconds", "Read-backs from the host or disk tier: time from the "
+                                "lookup to the blocks landing in the KV pool.", labels=["model_name"])
+        s.add_metric([self.model_name], stats.kv_readbacks, stats.kv_readback_seconds)
+        yield s
 
     def _lora_info(self, stats: EngineStats) -> GaugeMetricFamily:
         """vLLM's `vllm:lora_requests_info`, as the Gateway API Inference Extension's model-server

@@ -41,6 +41,7 @@ def engine_config_from(args: argparse.Namespace) -> EngineConfig:
         logprobs_mode=args.logprobs_mode, batch_invariant=args.batch_invariant, speculative=args.speculative,
         draft_model=args.draft_model, loras=tuple(args.lora), max_lora_rank=args.max_lora_rank,
         max_loras=args.max_loras if args.max_loras is not None else (min(len(args.lora), 8)),
+        kv_host_gib=args.kv_host_gib, kv_disk_dir=args.kv_disk_dir, kv_disk_gib=args.kv_disk_gib,
         **given)
 
 

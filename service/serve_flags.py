@@ -53,6 +53,17 @@ def _gib(text: str) -> float:
 _gib.__name__ = "GiB"
 
 
+def _gib_or_zero(text: str) -> float:
+    """argparse type of --kv-host-gib: a finite number of GiB, 0 for none."""
+    value = float(text)
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of GiB >= 0, got {text}")
+    return value
+
+
+_gib_or_zero.__name__ = "GiB"
+
+
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     """`pie serve` and its flags, each with its help (the flag table `pie serve --help` prints)."""
     p = sub.add_parser("serve", help="serve a model over gRPC", formatter_class=HelpFormatter)
@@ -78,6 +89,16 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-cache-memory", type=_gib, default=None,
                    help="KV pool budget in GiB (default: from --gpu-memory-fraction on CUDA; on the CPU what "
                         "--max-num-seqs sequences of the whole context can use, at most 1 GiB)")
+    p.add_argument("--kv-host-gib", type=_gib_or_zero, default=d.kv_host_gib,
+                   help="host memory (GiB; pinned on CUDA) below the KV pool: full prefix blocks the pool lets go "
+                        "of are copied there as stored (int8 pages with their scales) and read back on a later hit "
+                        "instead of computed; LRU (default: 0, no host tier)")
+    p.add_argument("--kv-disk-dir", default=None, metavar="DIR",
+                   help="a disk tier below --kv-host-gib: blocks are also written to files in DIR (LRU within "
+                        "--kv-disk-gib), which a restarted server of the same model, dtypes and block size serves "
+                        "again; files of another model or failing their checksum are skipped (default: none)")
+    p.add_argument("--kv-disk-gib", type=_gib, default=None,
+                   help="the disk tier's size in GiB (with --kv-disk-dir) (default: none)")
     p.add_argument("--gpu-memory-fraction", type=float, default=d.gpu_memory_fraction,
                    help="share of the GPU's memory for weights, activations and the KV pool, which gets "
                         "what the weights and a profiling step leave")

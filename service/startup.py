@@ -33,6 +33,8 @@ from pie.engine.model_check import (
     read_model_config,
     read_tokenizer,
 )
+from pie.engine.offload.disk import check_disk
+from pie.engine.offload.host import check_host_memory
 from pie.engine.runner.kv_cache import KVCache
 from pie.engine.runner.kv_sizing import budget_blocks
 from pie.model.config import ModelConfig
@@ -65,6 +67,10 @@ def check_startup(engine: EngineConfig, *, host: str, ports: dict[str, int | Non
             num_kv_heads=model_config.num_key_value_heads, head_dim=model_config.head_dim,
             kv_cache_dtype=engine.kv_cache_dtype)
         budget_blocks(engine, device, block_bytes, max_len)  # None on CUDA without a budget: sized at load
+    if engine.kv_host_gib:  # the tiers below the KV pool: memory and folder (engine/offload/)
+        check_host_memory(int(engine.kv_host_gib * 2**30))
+        if engine.kv_disk_dir is not None:
+            check_disk(engine.kv_disk_dir, int((engine.kv_disk_gib or 0) * 2**30), held=None)
     check_ports(host, ports)
     # Logged once all is known good, so that a refusal is the only line (the engine process reads
     # the folder again, silently).

@@ -308,7 +308,7 @@ def f():
 # never from one after it. The top level is the contract every room shares (config, errors,
 # sampling parameters, the messages that cross the process boundary, the limits a request is
 # checked against, the device and the model folder's checks).
-ENGINE_ROOMS = ["", "sample", "scheduling", "runner", "spec_decode", "core", "client"]
+ENGINE_ROOMS = ["", "sample", "scheduling", "runner", "offload", "spec_decode", "core", "client"]
 
 
 def _engine_room(module: str) -> str | None:

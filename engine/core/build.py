@@ -5,6 +5,7 @@ smoothing folded into the weights before int8 pages quantize anything, and specu
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 
 import structlog
 import torch
@@ -18,11 +19,15 @@ from pie.model.tokenizer import Tokenizer
 from ..config import EngineConfig
 from ..errors import StartupError
 from ..messages import AdapterCommand, AdapterReply, AdapterState
+from ..offload.copier import BlockLayout
+from ..offload.disk import DiskIdentity, model_fingerprint
+from ..offload.tiers import KVTiers
 from ..runner.kv_cache import KVCache
 from ..runner.model_runner import ModelRunner
 from ..runner.tensor_parallel import Leader
 from ..runner.warm_up import warm_up
 from ..scheduling.adapters import Adapter, AdapterNotFoundError, Adapters
+from ..scheduling.block_manager import BlockManager
 from ..spec_decode.draft import DraftModel, DraftProposer
 from ..spec_decode.speculator import NgramProposer, Proposer, Speculator
 
@@ -171,3 +176,23 @@ def _draft_runner(config: EngineConfig, draft: DraftModel, device: torch.device,
         if not config.enforce_eager:
             runner.capture_cuda_graphs()
     return runner
+
+
+def make_kv_tiers(config: EngineConfig, kv_cache: KVCache, block_manager: BlockManager, device: torch.device,
+                  dtype_name: str) -> KVTiers | None:
+    """The host and disk tiers below the pool (engine/offload/), attached to `block_manager`; None
+    without --kv-host-gib. A disk file must match the identity made here to be served: the model's
+    files and everything else that decides a block's stored bits."""
+    if not config.kv_host_gib:
+        return None
+    identity = None
+    if config.kv_disk_dir is not None:
+        k = kv_cache.k
+        facts = dict(dtype=dtype_name, kv_cache_dtype=config.kv_cache_dtype, block_size=config.block_size,
+                     layout=[k.shape[0], *k.shape[2:]], kv_smoothing=config.kv_smoothing, device=device.type,
+                     attention_backend=config.attention_backend, batch_invariant=config.batch_invariant)
+        identity = DiskIdentity(fingerprint=model_fingerprint(config.model, **facts), model=Path(config.model).name,
+                                dtype=dtype_name, kv_cache_dtype=config.kv_cache_dtype, block_size=config.block_size,
+                                block_bytes=BlockLayout(kv_cache).block_bytes)
+    return KVTiers(block_manager, kv_cache, device, host_bytes=int(config.kv_host_gib * 2**30),
+                   disk_dir=config.kv_disk_dir, disk_bytes=int((config.kv_disk_gib or 0) * 2**30), identity=identity)

@@ -102,8 +102,8 @@ class EngineCore:
         num_blocks = num_kv_blocks(config, self.device, block_bytes, self.max_model_len,
                                    lambda n: self._make_runner(self._make_kv_cache(n)))
         self.kv_cache = self._make_kv_cache(num_blocks)
-        self.block_manager = BlockManager(num_blocks, config.block_size,
-                                          enable_caching=config.enable_prefix_caching)
+        self.block_manager = BlockManager(num_blocks, config.block_size, enable_caching=config.enable_prefix_caching)
+        self.kv_tiers = build.make_kv_tiers(config, self.kv_cache, self.block_manager, self.device, dtype_name)
         # Structured output (engine/sample/structured.py): llguidance over the model's vocabulary.
         self.structured = StructuredOutputs(
             GrammarCompiler(self.tokenizer.backend.to_str(), self.vocab_size, self.eos_token_ids),
@@ -155,10 +155,10 @@ class EngineCore:
                                      tp_leader=self._tp)
 
     def close(self) -> None:
-        """Stops the tensor-parallel workers (nothing to do without them); the engine serves no
-        more steps after this."""
-        if getattr(self, "structured", None) is not None:
-            self.structured.close()
+        """Stops its workers (the KV tiers' copies land first); it serves no more steps after this."""
+        for part in ("structured", "kv_tiers"):  # (a half-built engine may lack them)
+            if getattr(self, part, None) is not None:
+                getattr(self, part).close()
         if self._tp is not None:
             self.runner.drop_cuda_graphs()  # before the process group their collectives belong to
             self._tp.close()
@@ -243,7 +243,7 @@ class EngineCore:
             stall_fixed_s=self.scheduler.stall.fixed_s,
             stall_prompt_token_s=self.scheduler.stall.per_prompt_token_s or 0.0,
             stall_decode_ratio=self.scheduler.stall.decode_ratio,
-            **spec_stats(self.speculator),
+            **spec_stats(self.speculator), **(self.kv_tiers.stats() if self.kv_tiers is not None else {}),
         )
 
     # ---- the step ------------------------------------------------------------------------

@@ -14,20 +14,67 @@ request lets go of it, it stays in the free queue with its contents (evictable):
 prefix chain matches takes it back out of the middle of the queue, and only when allocation reaches
 it at the head is its hash dropped (LRU eviction). Hits compare the stored (parent hash, tokens) too,
 so a hash collision is a miss, not a wrong answer. Blocks with ref_count > 1 are shared.
+
+Below the pool (engine/offload/, when host or disk tiers are attached: `attach`): each hashed
+block also gets a digest, chained the same way but stable across processes (`block_digest`), which
+names it in the lower tiers. A hashed block that goes back to the free queue is reported to them
+(`LowerTiers.freed`: they copy it down while it waits there), and so is one about to lose its
+content to a new owner (`LowerTiers.evicting`: a copy still in flight must land first). Blocks read
+back from below are taken without a request (`take_blocks`) and published as cached free blocks
+once their K/V have landed (`publish`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import hashlib
+from array import array
 from dataclasses import dataclass, field
+from typing import Protocol
 
+from .free_queue import FreeBlockQueue
 from .request import Request
+
+__all__ = ["BlockManager", "CachedPrefix", "FreeBlockQueue", "LowerTiers", "block_digest", "hash_block",
+           "root_digest"]
 
 
 def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
     """The chained hash of a full block (Python's hash: salted per process, fine in-process).
     Looked up through the module at each call, so tests can monkeypatch it to force collisions."""
     return hash((parent_hash, token_ids))
+
+
+def root_digest(salt: int | None) -> bytes:
+    """The parent digest of a request's first block: fixed for the base model (so a restarted
+    server finds its disk tier again); a LoRA adapter's salt is drawn per process and load, so its
+    blocks never outlive the adapter they were computed with."""
+    return hashlib.blake2b(b"pie-kv" if salt is None else salt.to_bytes(8, "little", signed=True),
+                           digest_size=16).digest()
+
+
+def block_digest(parent: bytes, token_ids: tuple[int, ...]) -> bytes:
+    """The stable chained name of a full block in the lower tiers: 128 bits of BLAKE2b over the
+    parent's digest and the block's token ids."""
+    return hashlib.blake2b(parent + array("q", token_ids).tobytes(), digest_size=16).digest()
+
+
+class LowerTiers(Protocol):
+    """What the block manager and the scheduler ask of the tiers below the pool
+    (engine.offload.tiers.KVTiers, which imports this module: hence a protocol here)."""
+
+    def freed(self, block_id: int) -> None: ...  # a hashed block went back to the free queue, content intact
+
+    def evicting(self, block_id: int) -> None: ...  # a hashed block is about to be handed out (content lost)
+
+    def poll(self) -> None: ...  # start of a step's schedule: finished read-backs become cached blocks
+
+    def fetch(self, request: Request, cached: CachedPrefix) -> bool: ...  # True: it waits for a read-back
+
+    def flush(self) -> None: ...  # end of a step's schedule: copies of freed blocks go down
+
+    def reset(self) -> None: ...  # forget every block held below
+
+    def held_blocks(self) -> list[int]: ...  # pool blocks that read-backs in flight hold
 
 
 @dataclass(slots=True)
@@ -41,63 +88,6 @@ class CachedPrefix:
     @property
     def num_blocks(self) -> int:
         return len(self.block_ids)
-
-
-class FreeBlockQueue:
-    """The free block ids, in eviction order: allocation pops the head, freeing appends at the tail.
-
-    Why a doubly linked list over block ids and not a deque: with prefix caching, a freed block
-    keeps its cached contents until it is reused, and a later request that hits that cache takes
-    the block back out of the *middle* of the free list. Linked through two int arrays indexed by
-    block id, that removal is O(1) (a deque would be O(n)), and nothing is allocated per operation.
-    Freeing at the tail and allocating at the head makes the queue an LRU: the blocks freed longest
-    ago are reused first.
-    """
-
-    def __init__(self, num_blocks: int) -> None:
-        # Ids 0..num_blocks-1 are blocks; `num_blocks` is the sentinel that closes the ring.
-        self._sentinel = num_blocks
-        self._next = list(range(1, num_blocks + 1)) + [0]
-        self._prev = [num_blocks] + list(range(num_blocks))
-        self._in_queue = [True] * num_blocks
-        self._len = num_blocks
-
-    def __len__(self) -> int:
-        return self._len
-
-    def __contains__(self, block_id: int) -> bool:
-        return self._in_queue[block_id]
-
-    def __iter__(self) -> Iterator[int]:
-        node = self._next[self._sentinel]
-        while node != self._sentinel:
-            yield node
-            node = self._next[node]
-
-    def popleft(self) -> int:
-        if self._len == 0:
-            raise IndexError("no free blocks")
-        block_id = self._next[self._sentinel]
-        self.remove(block_id)
-        return block_id
-
-    def remove(self, block_id: int) -> None:
-        assert self._in_queue[block_id], f"block {block_id} is not free"
-        prev, nxt = self._prev[block_id], self._next[block_id]
-        self._next[prev] = nxt
-        self._prev[nxt] = prev
-        self._in_queue[block_id] = False
-        self._len -= 1
-
-    def append(self, block_id: int) -> None:
-        assert not self._in_queue[block_id], f"block {block_id} is already free"
-        last = self._prev[self._sentinel]
-        self._next[last] = block_id
-        self._prev[block_id] = last
-        self._next[block_id] = self._sentinel
-        self._prev[self._sentinel] = block_id
-        self._in_queue[block_id] = True
-        self._len += 1
 
 
 class BlockManager:
@@ -121,6 +111,14 @@ class BlockManager:
         self.prefix_cache_queries = 0  # tokens looked up in the cache on admission (cumulative)
         self.prefix_cache_hits = 0  # of those, tokens found cached (cumulative)
         self.num_cached_free_blocks = 0  # free blocks still holding reusable cached content
+        # Host and disk tiers below the pool (`attach`); each hashed block's stable digest for them.
+        self.lower: LowerTiers | None = None
+        self._digests: list[bytes | None] = [None] * num_blocks
+
+    def attach(self, lower: LowerTiers) -> None:
+        """Puts tiers below the pool: from now on hashed blocks get digests and are reported."""
+        assert self.enable_caching, "lower tiers extend the prefix cache"
+        self.lower = lower
 
     @property
     def num_free_blocks(self) -> int:
@@ -139,6 +137,14 @@ class BlockManager:
 
     def block_hash(self, block_id: int) -> int | None:
         return self._hashes[block_id]
+
+    def block_digest(self, block_id: int) -> bytes | None:
+        """The stable digest of a hashed block (None: unhashed, or no tiers attached)."""
+        return self._digests[block_id]
+
+    def block_key(self, block_id: int) -> tuple[int | None, tuple[int, ...]] | None:
+        """(parent hash, token ids) of a hashed block, else None."""
+        return self._keys[block_id]
 
     def free_queue(self) -> list[int]:
         """Free block ids in eviction order (head first); for tests and debugging."""
@@ -167,11 +173,16 @@ class BlockManager:
             parent = h
         return result
 
-    def reset_prefix_cache(self) -> int:
-        """Forgets the cached content of every free block (blocks held by requests keep theirs),
-        e.g. so that a benchmark's repeat computes its prompts again. Returns the blocks dropped."""
+    def reset_prefix_cache(self, lower_tiers: bool = True) -> int:
+        """Forgets the cached content of every free block (blocks held by requests keep theirs)
+        and, unless `lower_tiers` is False, every block of the host and disk tiers, e.g. so that a
+        benchmark's repeat computes its prompts again. Returns the pool's blocks dropped."""
+        if self.lower is not None:
+            self.lower.flush()  # blocks freed since the last step go down first (or are dropped next)
         dropped = sum(self._forget_content(block_id) for block_id in self._free)
         self.num_cached_free_blocks -= dropped
+        if lower_tiers and self.lower is not None:
+            self.lower.reset()
         return dropped
 
     def _forget_content(self, block_id: int) -> bool:
@@ -183,6 +194,7 @@ class BlockManager:
             del self._cached[h]
         self._hashes[block_id] = None
         self._keys[block_id] = None
+        self._digests[block_id] = None
         return True
 
     def cache_full_blocks(self, request: Request) -> None:
@@ -208,13 +220,52 @@ class BlockManager:
                 self._cached[h] = block_id
                 self._hashes[block_id] = h
                 self._keys[block_id] = (parent, tokens)
+                if self.lower is not None:
+                    self._digests[block_id] = self._child_digest(parent if i else None, request.cache_salt, tokens)
+
+    def _child_digest(self, parent_hash: int | None, salt: int | None, tokens: tuple[int, ...]) -> bytes | None:
+        """The digest of a block under the block cached as `parent_hash` (None: the first block,
+        under `salt`'s root); None when the parent's digest is unknown (it left the pool)."""
+        if parent_hash is None:
+            return block_digest(root_digest(salt), tokens)
+        parent_id = self._cached.get(parent_hash)
+        parent = None if parent_id is None else self._digests[parent_id]
+        return None if parent is None else block_digest(parent, tokens)
 
     def _take_free(self) -> int:
         """Pop the head of the free queue (the least recently freed), evicting its cached content."""
         block_id = self._free.popleft()
+        if self.lower is not None and self._hashes[block_id] is not None:
+            self.lower.evicting(block_id)
         if self._forget_content(block_id):
             self.num_cached_free_blocks -= 1
         return block_id
+
+    # ---- read-backs from the lower tiers -------------------------------------------------------
+    def take_blocks(self, n: int) -> list[int]:
+        """Up to n blocks off the free queue for a read-back, held (ref 1) by no request."""
+        taken = []
+        for _ in range(min(n, len(self._free))):
+            block_id = self._take_free()
+            self._ref_counts[block_id] = 1
+            taken.append(block_id)
+        return taken
+
+    def publish(self, block_ids: list[int], keys: list[tuple[int, int | None, tuple[int, ...], bytes]]) -> None:
+        """Blocks of a read-back, their K/V landed: each (hash, parent hash, tokens, digest) of
+        `keys` names the block at the same place (a shorter `keys` leaves the rest unnamed); all
+        go back to the free queue, the named ones as cached blocks (the first ones last, so they
+        are evicted last). A hash cached meanwhile under another block stays with that one."""
+        for i in reversed(range(len(block_ids))):
+            block_id = block_ids[i]
+            self._ref_counts[block_id] -= 1
+            assert self._ref_counts[block_id] == 0, f"block {block_id} of a read-back is shared"
+            self._free.append(block_id)
+            if i < len(keys) and keys[i][0] not in self._cached:
+                h, parent, tokens, digest = keys[i]
+                self._cached[h] = block_id
+                self._hashes[block_id], self._keys[block_id], self._digests[block_id] = h, (parent, tokens), digest
+                self.num_cached_free_blocks += 1
 
     # ---- allocation ----------------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int,
@@ -269,6 +320,8 @@ class BlockManager:
                 self._free.append(block_id)
                 if self._hashes[block_id] is not None:
                     self.num_cached_free_blocks += 1
+                    if self.lower is not None:
+                        self.lower.freed(block_id)
         table.clear()
 
     def trim(self, request: Request) -> int:

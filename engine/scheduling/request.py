@@ -50,6 +50,7 @@ class Request:
         "seed", "detokenizer", "block_ids", "block_hashes", "group", "priority", "streamed", "num_stalls", "prompt_logprobs",
         "grammar", "adapter", "holds_adapter",
         "spec_token_ids", "ngram", "draft_computed", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
+        "kv_load",
     )
 
     def __init__(
@@ -132,6 +133,9 @@ class Request:
         self.num_drafts = 0  # verify steps of this request that carried proposals
         self.num_draft_tokens = 0  # proposals verified
         self.num_accepted_tokens = 0  # of those, accepted
+        # A read-back of its prefix from the host or disk tier in flight (engine/offload/tiers.py):
+        # it waits, unadmitted, until the blocks have landed in the pool. None: no read-back.
+        self.kv_load: Any = None
         if group is None:
             group = SampleGroup(self.parent_id)
         self.group = group
@@ -174,6 +178,17 @@ class Request:
             ids = self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
         missing = end - start - len(ids)
         return ids + [0] * missing if missing > 0 else ids
+
+    def collect_prompt_logprobs(self, first: int, entries: list[SampledToken]) -> None:
+        """A step's prompt logprobs of this request, entries from prompt position `first` on, less
+        those already collected (a request preempted while a step of its was in flight computes
+        those positions again)."""
+        collected = self.prompt_logprobs
+        if collected is None or self.finished:
+            return
+        have = len(collected) + 1  # entry 0 (the first prompt token) has none
+        if first <= have < first + len(entries):
+            collected.extend(entries[have - first:])
 
     def input_slice(self, start: int, end: int) -> list[int]:
         """`token_slice` going on into the proposals in flight (`spec_token_ids`): the input ids of

@@ -22,7 +22,8 @@ budget), then admissions. So a long prompt arriving mid-stream never stalls the 
 decoding: each step holds one decode per running stream and a chunk of the prompt.
 
 Admission looks up the request's longest cached prefix (block_manager.py): those tokens count as
-computed and are never scheduled. A request collecting prompt logprobs skips that lookup (cached
+computed and are never scheduled. Where the host or disk tier holds more of it (engine/offload/), the
+request waits for those blocks to be read back while the others run, and then hits them. A request collecting prompt logprobs skips that lookup (cached
 positions have no logits) until it has them all; its chunks are listed in
 `SchedulerOutput.prompt_logprobs` so the runner computes the logits of their prompt positions. For n > 1, samples 1..n-1 wait (skipped, not blocking the queue)
 until sample 0 has computed the prompt; then they hit the cache for every full prompt block and
@@ -137,6 +138,9 @@ class Scheduler(RequestTable):
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        lower = self.block_manager.lower  # host and disk tiers (engine/offload/): read-backs land first
+        if lower is not None:
+            lower.poll()
         budget = self.max_num_batched_tokens
         scheduled: dict[str, ScheduledRequest] = {}
 
@@ -223,6 +227,10 @@ class Scheduler(RequestTable):
             cached = None
             if request.num_computed_tokens == 0 and request.prompt_logprobs is None:
                 cached = self.block_manager.find_cached_prefix(request)
+                if lower is not None and lower.fetch(request, cached):  # more of it below: read back first
+                    self._release_adapter(request)
+                    i += 1
+                    continue
             num_cached = 0 if cached is None else cached.num_blocks * self.block_manager.block_size
             num_new = min(request.num_remaining_tokens - num_cached, budget)
             if self.batch_invariant:
@@ -244,6 +252,8 @@ class Scheduler(RequestTable):
             out.scheduled.sort(key=lambda s: s.at_prompt)
         if cut is not None and bound is None:  # let past the bound: its streamed decodes may stall
             self.stall_budget.charge(out, [r for r, _ in decodes], cut)
+        if lower is not None:
+            lower.flush()  # copies of blocks freed since, before this step may write them
         return out
 
     def _heading(self, num_decodes: int, context: int, prefills: list[tuple[Request, int]]) -> tuple[int, int]:
@@ -326,7 +336,8 @@ class Scheduler(RequestTable):
 
         The step's prompt logprobs are collected first, so that a request whose last prompt chunk
         samples its first token hands them all over with that token."""
-        self._collect_prompt_logprobs(step.prompt_logprobs)
+        for request, first, entries in step.prompt_logprobs:
+            request.collect_prompt_logprobs(first, entries)
         assert len(step.tokens) == len(step.requests) and (step.proposed is None or len(step.proposed) == len(step.requests))
         if self.structured is not None:
             self.structured.consume([(r.grammar, tokens[0].token_id) for r, tokens in zip(step.requests, step.tokens)
@@ -350,17 +361,6 @@ class Scheduler(RequestTable):
                 self.block_manager.cache_full_blocks(request)
                 request.draft_computed = min(request.draft_computed, request.num_computed_tokens)
         return outputs
-
-    def _collect_prompt_logprobs(self, prompt_logprobs: list[tuple[Request, int, list[SampledToken]]]) -> None:
-        for request, first, entries in prompt_logprobs:
-            collected = request.prompt_logprobs
-            if collected is None or request.finished:
-                continue
-            # Entries from `first` on, less those already collected: a request preempted while a
-            # step of its was in flight computes those positions again.
-            have = len(collected) + 1  # entry 0 (the first prompt token) has none
-            if first <= have < first + len(entries):
-                collected.extend(entries[have - first:])
 
     def _settle_proposals(self, request: Request, k: int, accepted: int) -> None:
         """A row verified k proposals and accepted the first `accepted`: those count as computed

@@ -30,6 +30,8 @@ def assert_engine_invariants(engine: EngineCore) -> None:
     # Blocks: a block's reference count is the number of block tables holding it; the free queue
     # holds exactly the blocks nobody references; running requests' tables cover their K/V.
     held = Counter(b for req in unfinished for b in req.block_ids)
+    if bm.lower is not None:  # blocks of read-backs in flight from the host or disk tier
+        held.update(bm.lower.held_blocks())
     for block_id in range(bm.num_total_blocks):
         assert bm.ref_count(block_id) == held[block_id], f"block {block_id}: ref count {bm.ref_count(block_id)}, " \
                                                          f"held by {held[block_id]} tables"

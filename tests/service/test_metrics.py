@@ -197,3 +197,32 @@ def test_inter_token_gap_is_split_over_coalesced_tokens():
     assert get("vllm:inter_token_latency_seconds_count", {"model_name": "m"}) == 4
     assert get("vllm:inter_token_latency_seconds_sum", {"model_name": "m"}) == pytest.approx(0.4)
     assert get("vllm:inter_token_latency_seconds_bucket", {"model_name": "m", "le": "0.1"}) == 4
+
+
+def test_kv_tier_series_come_with_a_host_tier():
+    """With --kv-host-gib the tiers' series appear (by tier), and cache_config_info names the host
+    tier's blocks as vLLM's num_cpu_blocks; without it, no tier series and num_cpu_blocks 0."""
+    from pie.engine.messages import EngineStats
+
+    stats = EngineStats(kv_blocks_total=100, kv_blocks_free=60, requests_running=1, requests_waiting=0,
+                        kv_host_blocks_total=400, kv_host_blocks_used=120, kv_disk_blocks_used=300,
+                        kv_disk_bytes_total=1 << 30, kv_disk_bytes_used=3 << 20,
+                        kv_tier_hit_tokens={"host": 64, "disk": 32}, kv_tier_read_bytes={"host": 8, "disk": 4},
+                        kv_tier_write_bytes={"host": 16, "disk": 12}, kv_tier_errors={"host": 0, "disk": 1},
+                        kv_readbacks=3, kv_readback_seconds=0.25)
+    m = ServiceMetrics("m", lambda: stats, cache_config={"block_size": "16", "cache_dtype": "int8"})
+    get = m.registry.get_sample_value
+    info = {"block_size": "16", "cache_dtype": "int8", "num_gpu_blocks": "100",
+            "num_cpu_blocks": "400"}
+    assert get("vllm:cache_config_info", info) == 1.0
+    assert get("vllm:kv_cache_usage_perc", {"model_name": "m"}) == pytest.approx(0.4)
+    assert get("pie_kv_host_blocks", {"model_name": "m"}) == 120
+    assert get("pie_kv_disk_bytes", {"model_name": "m"}) == 3 << 20
+    assert get("pie_kv_tier_hit_tokens_total", {"model_name": "m", "tier": "disk"}) == 32
+    assert get("pie_kv_tier_errors_total", {"model_name": "m", "tier": "disk"}) == 1
+    assert get("pie_kv_readback_seconds_count", {"model_name": "m"}) == 3
+    assert get("pie_kv_readback_seconds_sum", {"model_name": "m"}) == 0.25
+    plain = EngineStats(kv_blocks_total=100, kv_blocks_free=60, requests_running=1, requests_waiting=0)
+    m = ServiceMetrics("m", lambda: plain, cache_config={"block_size": "16", "cache_dtype": "int8"})
+    assert m.registry.get_sample_value("vllm:cache_config_info", {**info, "num_cpu_blocks": "0"}) == 1.0
+    assert m.registry.get_sample_value("pie_kv_host_blocks", {"model_name": "m"}) is None

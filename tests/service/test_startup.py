@@ -241,3 +241,16 @@ def test_config_errors_name_the_flag_not_the_field(tmp_path):
     (tmp_path / "tokens").write_text("# none yet\n")
     with pytest.raises(ValueError, match=f"^--auth-token-file {tmp_path}/tokens: no tokens"):
         server_config_from(parser.parse_args(["serve", "--auth-token-file", str(tmp_path / "tokens")]))
+
+
+def test_kv_tiers_refused_before_binding(model_dir, tmp_path):
+    """The host and disk tiers' settings are checked before the server binds, in the flags' words."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    line = one_line(serve("--model", str(model_dir), *ARGS, "--kv-host-gib", "0.01", "--kv-disk-dir",
+                          str(blocker / "kv"), "--kv-disk-gib", "0.01"))
+    assert line.startswith(f"--kv-disk-dir {blocker}/kv: cannot write there"), line
+    line = one_line(serve("--model", str(model_dir), *ARGS, "--kv-disk-dir", str(tmp_path), "--kv-disk-gib", "1"))
+    assert line.startswith("--kv-disk-dir needs --kv-host-gib"), line
+    line = one_line(serve("--model", str(model_dir), *ARGS, "--kv-host-gib", "1048576"))
+    assert "more host memory than is available" in line, line

@@ -1,0 +1,171 @@
+"""Copies of whole KV blocks between the pool and the host tier's rows, off the step's path.
+
+A block's record is its bytes in every tensor of the pool, as stored, one tensor after the other
+(K, V, and for int8 pages their scales): never re-quantized, so a block read back holds the bits it
+was written with.
+
+    pool tensor t: (num_layers, num_blocks, *rest)   ->   record part: t[:, b] as bytes
+    record:        k | v | k_scale | v_scale          (block_bytes in all; one row of the host pool)
+
+On CUDA the copies run on a side stream of their own, ordered after the main stream's work so far
+by an event (the K/V of the blocks saved, or pending writes to the blocks a read-back fills), and
+report through an event the engine polls: steps keep running meanwhile. A step that reuses a block
+whose copy is still in flight makes the main stream wait for that event (a device-side wait). On
+the CPU a worker thread does the same copies (torch releases the GIL), and a reused block's copy is
+waited for on the host.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Protocol
+
+import torch
+
+from ..runner.kv_cache import KVCache
+
+
+class BlockLayout:
+    """Where a block's bytes are in the pool, and the gather/scatter of n blocks as (n, block_bytes)."""
+
+    def __init__(self, kv_cache: KVCache) -> None:
+        self.tensors = [t for t in (kv_cache.k, kv_cache.v, kv_cache.k_scale, kv_cache.v_scale) if t is not None]
+        self.sizes = [t[:, 0].numel() * t.element_size() for t in self.tensors]
+        self.block_bytes = sum(self.sizes)
+
+    def gather(self, ids: torch.Tensor) -> torch.Tensor:
+        """The records of blocks `ids` (n,) int64: (n, block_bytes) uint8 on the pool's device."""
+        n = ids.numel()
+        return torch.cat([t.index_select(1, ids).transpose(0, 1).reshape(n, -1).view(torch.uint8)
+                          for t in self.tensors], dim=1)
+
+    def scatter(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Writes records `rows` (n, block_bytes) uint8 into blocks `ids` (n,) of the pool."""
+        n, at = ids.numel(), 0
+        for t, size in zip(self.tensors, self.sizes):
+            part = rows[:, at:at + size].contiguous().view(t.dtype).view(n, t.shape[0], *t.shape[2:])
+            t.index_copy_(1, ids, part.transpose(0, 1))
+            at += size
+
+
+class Transfer(Protocol):
+    """A copy in flight."""
+
+    def done(self) -> bool: ...  # landed (never blocks)
+
+    def wait(self) -> None: ...  # blocks the calling thread until it landed
+
+    def before_next_step(self) -> None: ...  # the next step's device work waits for it
+
+
+class Copier(Protocol):
+    def save(self, block_ids: list[int], slots: list[int]) -> Transfer: ...  # pool blocks -> host rows
+
+    def load(self, slots: list[int], block_ids: list[int]) -> Transfer: ...  # host rows -> pool blocks
+
+    def close(self) -> None: ...
+
+
+class _ThreadTransfer:
+    __slots__ = ("future",)
+
+    def __init__(self, future: Future) -> None:
+        self.future = future
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def wait(self) -> None:
+        self.future.result()
+
+    def before_next_step(self) -> None:
+        self.future.result()  # the CPU's steps run on this host: wait here
+
+
+class CpuCopier:
+    """The CPU's copies, on one worker thread (in submission order, as a stream's)."""
+
+    def __init__(self, layout: BlockLayout, host_rows: torch.Tensor) -> None:
+        self.layout = layout
+        self.host_rows = host_rows  # (capacity, block_bytes) uint8
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="kv-copy")
+
+    def save(self, block_ids: list[int], slots: list[int]) -> Transfer:
+        ids, dst = torch.tensor(block_ids, dtype=torch.int64), torch.tensor(slots, dtype=torch.int64)
+        return _ThreadTransfer(self._worker.submit(lambda: self.host_rows.index_copy_(0, dst, self.layout.gather(ids))))
+
+    def load(self, slots: list[int], block_ids: list[int]) -> Transfer:
+        src, ids = torch.tensor(slots, dtype=torch.int64), torch.tensor(block_ids, dtype=torch.int64)
+        return _ThreadTransfer(self._worker.submit(lambda: self.layout.scatter(ids, self.host_rows.index_select(0, src))))
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=True)
+
+
+class _CudaTransfer:
+    __slots__ = ("event", "keep")
+
+    def __init__(self, event: torch.cuda.Event, keep: tuple[torch.Tensor, ...]) -> None:
+        self.event = event
+        self.keep: tuple[torch.Tensor, ...] | None = keep  # the copy's device buffers, alive until it lands
+
+    def done(self) -> bool:
+        if self.keep is not None and self.event.query():
+            self.keep = None
+        return self.keep is None
+
+    def wait(self) -> None:
+        self.event.synchronize()
+        self.keep = None
+
+    def before_next_step(self) -> None:
+        torch.cuda.current_stream().wait_event(self.event)
+
+
+class CudaCopier:
+    """CUDA's copies: a side stream, pinned host rows, events (module docstring)."""
+
+    def __init__(self, layout: BlockLayout, host_rows: torch.Tensor, device: torch.device) -> None:
+        assert host_rows.is_pinned(), "device <-> host copies overlap compute only from pinned memory"
+        self.layout = layout
+        self.host_rows = host_rows
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+
+    def _ordered(self) -> torch.cuda.Event:
+        """An event after the main stream's work so far (what the side stream waits for)."""
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def save(self, block_ids: list[int], slots: list[int]) -> Transfer:
+        after = self._ordered()
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(after)
+            ids = torch.tensor(block_ids, dtype=torch.int64).pin_memory().to(self.device, non_blocking=True)
+            rows = self.layout.gather(ids)
+            for i, slot in enumerate(slots):
+                self.host_rows[slot].copy_(rows[i], non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return _CudaTransfer(done, (ids, rows))
+
+    def load(self, slots: list[int], block_ids: list[int]) -> Transfer:
+        after = self._ordered()  # writes still queued to these (reused) blocks land first
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(after)
+            rows = torch.empty((len(slots), self.layout.block_bytes), dtype=torch.uint8, device=self.device)
+            for i, slot in enumerate(slots):
+                rows[i].copy_(self.host_rows[slot], non_blocking=True)
+            ids = torch.tensor(block_ids, dtype=torch.int64).pin_memory().to(self.device, non_blocking=True)
+            self.layout.scatter(ids, rows)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return _CudaTransfer(done, (ids, rows))
+
+    def close(self) -> None:
+        self.stream.synchronize()
+
+
+def make_copier(layout: BlockLayout, host_rows: torch.Tensor, device: torch.device) -> Copier:
+    return CudaCopier(layout, host_rows, device) if device.type == "cuda" else CpuCopier(layout, host_rows)
