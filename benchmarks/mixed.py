@@ -395,6 +395,7 @@ def run_chat(folder: Path, kv: str, tiers: str, args, system: list[int], users, 
     busy: dict[str, tuple[int, int, float]] = {}  # request id -> (conversation, turn, arrival)
     active, replies, ttft = set(), {}, []
     generated, next_item = 0, 0
+    steps: dict[bool, list[float]] = {False: [], True: []}  # step times, by whether a read-back was in flight
     before = eng.stats()
     sync(args.device)
     t0 = time.perf_counter()
@@ -407,7 +408,12 @@ def run_chat(folder: Path, kv: str, tiers: str, args, system: list[int], users, 
             active.add(c)
             replies[rid] = []
             eng.add_request(rid, history[c], sp)
-        for o in eng.step():
+        loading = eng.kv_tiers is not None and eng.kv_tiers.loading
+        t_step = time.perf_counter()
+        outs = eng.step()
+        if outs:  # (a step with every request waiting on a read-back runs nothing: not a step's cost)
+            steps[loading].append(time.perf_counter() - t_step)
+        for o in outs:
             c, t, arrival = busy[o.request_id]
             if not replies[o.request_id]:
                 ttft.append(time.perf_counter() - arrival)
@@ -434,7 +440,10 @@ def run_chat(folder: Path, kv: str, tiers: str, args, system: list[int], users, 
                 pool_hit_tokens=after.prefix_cache_hits - before.prefix_cache_hits - sum(tier_hits.values()),
                 host_hit_tokens=tier_hits.get("host", 0), disk_hit_tokens=tier_hits.get("disk", 0),
                 prompt_tokens=after.prefix_cache_queries - before.prefix_cache_queries,
-                preemptions=after.num_preemptions - before.num_preemptions)
+                preemptions=after.num_preemptions - before.num_preemptions,
+                # a read-back overlaps the steps that run meanwhile: their median time against the others'
+                step_ms=1e3 * statistics.median(steps[False]) if steps[False] else float("nan"),
+                readback_step_ms=1e3 * statistics.median(steps[True]) if steps[True] else float("nan"))
 
 
 def chat_main(args) -> int:
@@ -467,8 +476,9 @@ def chat_main(args) -> int:
               f"{args.working_set_tokens:,} tokens, pool {pool_blocks * bs:,} tokens ({pool_blocks} blocks), host tier "
               f"{args.host_gib:.4g} GiB (int8: {args.host_gib * 2**30 / args.kv_bytes['int8']:,.0f} tokens, bf16: "
               f"{args.host_gib * 2**30 / args.kv_bytes.get('bf16', 2 * args.kv_bytes['int8']):,.0f})")
-        print("| KV | tiers | TTFT p50 ms | TTFT p99 ms | tok/s | prompt tokens from pool / host / disk | preempted |")
-        print("|---|---|---|---|---|---|---|")
+        print("| KV | tiers | TTFT p50 ms | TTFT p99 ms | tok/s | prompt tokens from pool / host / disk | preempted "
+              "| step ms, without / with a read-back in flight |")
+        print("|---|---|---|---|---|---|---|---|")
         figures: dict = {}
         for kv in kvs:
             for tiers in TIER_SETTINGS:
@@ -482,8 +492,8 @@ def chat_main(args) -> int:
                       f"{spread['ttft_p50_ms'][1]:.1f}) | {med['ttft_p99_ms']:.1f} ({spread['ttft_p99_ms'][0]:.1f}-"
                       f"{spread['ttft_p99_ms'][1]:.1f}) | {med['tok_per_s']:,.0f} ({spread['tok_per_s'][0]:,.0f}-"
                       f"{spread['tok_per_s'][1]:,.0f}) | {med['pool_hit_tokens']:,.0f} / {med['host_hit_tokens']:,.0f} "
-                      f"/ {med['disk_hit_tokens']:,.0f} of {med['prompt_tokens']:,.0f} | {med['preemptions']:.0f} |",
-                      flush=True)
+                      f"/ {med['disk_hit_tokens']:,.0f} of {med['prompt_tokens']:,.0f} | {med['preemptions']:.0f} | "
+                      f"{med['step_ms']:.2f} / {med['readback_step_ms']:.2f} |", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(dict(workload="chat", shape=args.shape, figures=figures), indent=2))
     return 0

@@ -313,6 +313,11 @@ class KVTiers:
         if self.disk is not None:
             self.disk.clear()
 
+    @property
+    def loading(self) -> bool:
+        """A read-back is in flight (its request waits; the steps meanwhile run without it)."""
+        return bool(self._loads)
+
     def held_blocks(self) -> list[int]:
         return [b for load in self._loads for b in load.block_ids]
 
