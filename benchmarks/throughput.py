@@ -201,10 +201,13 @@ def _lora_kernel_time(eng: EngineCore, prompts, names) -> str:
     eng.step = step
     # self time: a kernel's own; an operator's excludes the kernels it launched (no double count)
     times = [(e.key, e.self_device_time_total) for e in prof.key_averages()]
-    lora = sum(t for key, t in times if "_shrink_kernel" in key or "_expand_kernel" in key)
+    shrink = sum(t for key, t in times if "_shrink_kernel" in key)
+    expand = sum(t for key, t in times if "_expand_kernel" in key)
     total = sum(t for _, t in times)
-    return (f"LoRA kernels {lora / steps[0]:.0f} us of {total / steps[0]:.0f} us GPU time per step "
-            f"({100 * lora / max(total, 1e-9):.1f}%, {steps[0]} steps of 64 requests x 32 tokens)")
+    n = steps[0]
+    return (f"LoRA kernels {(shrink + expand) / n:.0f} us (shrink {shrink / n:.0f}, expand {expand / n:.0f}) of "
+            f"{total / n:.0f} us GPU time per step ({100 * (shrink + expand) / max(total, 1e-9):.1f}%, {n} steps "
+            f"of 64 requests x 32 tokens)")
 
 
 def _record_steps(eng: EngineCore) -> list[tuple[float, int, int]]:
