@@ -13,10 +13,15 @@ rows come in few distinct slots (a prompt chunk is one; a block of decode rows s
 or two), and it runs one `tl.dot` per distinct slot over the rows that use it, loading that slot's
 weights once for all of them:
 
-    shrink  grid (cdiv(T, BLOCK_T),):               t[rows] = x[rows] . A[s]^T          (T, R) fp32
+    shrink  grid (cdiv(T, BLOCK_T), C):             part[c, rows] = x[rows, chunk c] . A[s, :, chunk c]^T
+    reduce  (C > 1)                                  t = part[0] + part[1] + ... + part[C-1]   (T, R) fp32
     expand  grid (cdiv(T, BLOCK_T), cdiv(N, BLOCK_N)): y[rows, n] += t[rows] . B[s][n]^T
 
-The intermediate t is rounded to x's dtype before the expand, as a LoRA layer computing
+The shrink cuts K into C = cdiv(K, K_CHUNK) chunks of a fixed width, a program each: a 256-row
+decode step has only 16 blocks of rows, and with the whole K in one program each (28 tiles in
+sequence at K = 3,584, 148 for a down projection's 18,944) 16 programs would run on a chip of 132
+SMs. The chunks' partial sums add up in chunk order whatever T is, so a row's t is the same bits in
+any batch. The intermediate t is rounded to x's dtype before the expand, as a LoRA layer computing
 `lora_B(lora_A(x))` in the model's dtype does. Rows with slot -1 are never written.
 """
 
@@ -30,6 +35,7 @@ from .triton_tile import cdiv, next_pow2
 
 BLOCK_T = 16  # rows per program: tl.dot's least M on the GPU
 MAX_RANK = 512  # R, padded: every rank row of a slot sits in one tile
+K_CHUNK = 512  # input columns per shrink program (a multiple of every BLOCK_K); fixed: batch-invariant sums
 
 
 @triton.jit
@@ -49,10 +55,14 @@ def _next_slot(slot, prev):
 
 # One compile for every batch: T, the row strides and the slot tensor's offset change every step.
 @triton.jit(do_not_specialize=["num_rows"], do_not_specialize_on_alignment=["slots_ptr", "order_ptr"])
-def _shrink_kernel(x_ptr, a_ptr, t_ptr, slots_ptr, order_ptr, num_rows, stride_x,
+def _shrink_kernel(x_ptr, a_ptr, part_ptr, slots_ptr, order_ptr, num_rows, stride_x,
                    K: tl.constexpr, R: tl.constexpr, R_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
-                   BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+                   BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+    """The partial t of this program's rows over input columns [c K_CHUNK, (c + 1) K_CHUNK), c =
+    program_id(1), into part[c] (T, R) fp32."""
     rows, slot = _block_rows(slots_ptr, order_ptr, num_rows, BLOCK_T)
+    chunk = tl.program_id(1)
+    t_ptr = part_ptr + chunk.to(tl.int64) * num_rows * R
     offs_r = tl.arange(0, R_PAD)
     r_ok = offs_r < R
     cur = _next_slot(slot, -1)
@@ -60,7 +70,7 @@ def _shrink_kernel(x_ptr, a_ptr, t_ptr, slots_ptr, order_ptr, num_rows, stride_x
         use = slot == cur
         acc = tl.zeros((BLOCK_T, R_PAD), tl.float32)
         a_base = a_ptr + cur.to(tl.int64) * (R * K)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(chunk * K_CHUNK, tl.minimum((chunk + 1) * K_CHUNK, K), BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_ok = offs_k < K
             xs = tl.load(x_ptr + rows[:, None] * stride_x + offs_k[None, :], mask=use[:, None] & k_ok[None, :],
@@ -70,6 +80,17 @@ def _shrink_kernel(x_ptr, a_ptr, t_ptr, slots_ptr, order_ptr, num_rows, stride_x
             acc = tl.dot(xs.to(DOT_DTYPE), a.to(DOT_DTYPE), acc, input_precision=PRECISION)
         tl.store(t_ptr + rows[:, None] * R + offs_r[None, :], acc, mask=use[:, None] & r_ok[None, :])
         cur = _next_slot(slot, cur)
+
+
+@triton.jit(do_not_specialize=["size"])
+def _reduce_kernel(part_ptr, t_ptr, size, CHUNKS: tl.constexpr, BLOCK: tl.constexpr):
+    """t = part[0] + ... + part[CHUNKS - 1], in that order (part: (CHUNKS, size) fp32)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < size
+    acc = tl.load(part_ptr + offs, mask=ok, other=0.0)
+    for c in tl.static_range(1, CHUNKS):
+        acc += tl.load(part_ptr + c * size + offs, mask=ok, other=0.0)
+    tl.store(t_ptr + offs, acc, mask=ok)
 
 
 @triton.jit(do_not_specialize=["num_rows"], do_not_specialize_on_alignment=["slots_ptr", "order_ptr"])
@@ -132,11 +153,17 @@ def lora_delta_(y: torch.Tensor, x: torch.Tensor, a_bank: torch.Tensor, b_bank: 
     on_gpu = x.is_cuda
     dot_dtype, precision = _dot_types(x.dtype, on_gpu)
     r_pad = max(16, next_pow2(r))
-    t = torch.empty((t_rows, r), dtype=torch.float32, device=x.device)
-    blocks = cdiv(t_rows, BLOCK_T)
-    _shrink_kernel[(blocks,)](x, a_bank, t, slots, order, t_rows, x.stride(0), K=k, R=r, R_PAD=r_pad,
-                              BLOCK_T=BLOCK_T, BLOCK_K=max(16, min(128, next_pow2(k))) if on_gpu else 32,
-                              DOT_DTYPE=dot_dtype, PRECISION=precision, num_warps=4)
+    blocks, chunks = cdiv(t_rows, BLOCK_T), cdiv(k, K_CHUNK)
+    part = torch.empty((chunks, t_rows, r), dtype=torch.float32, device=x.device)
+    block_k = max(16, min(128, next_pow2(k))) if on_gpu else 32  # (each divides K_CHUNK)
+    _shrink_kernel[(blocks, chunks)](x, a_bank, part, slots, order, t_rows, x.stride(0), K=k, R=r, R_PAD=r_pad,
+                                     BLOCK_T=BLOCK_T, BLOCK_K=block_k, K_CHUNK=K_CHUNK, DOT_DTYPE=dot_dtype,
+                                     PRECISION=precision, num_warps=4)
+    if chunks == 1:
+        t = part[0]
+    else:
+        t = torch.empty((t_rows, r), dtype=torch.float32, device=x.device)
+        _reduce_kernel[(cdiv(t_rows * r, 1024),)](part, t, t_rows * r, CHUNKS=chunks, BLOCK=1024, num_warps=4)
     block_n = max(16, min(128 if on_gpu else 32, next_pow2(n)))
     _expand_kernel[(blocks, cdiv(n, block_n))](t, b_bank, y, slots, order, t_rows, y.stride(0), N=n, R=r,
                                                R_PAD=r_pad, BLOCK_T=BLOCK_T, BLOCK_N=block_n,

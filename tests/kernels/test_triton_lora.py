@@ -4,7 +4,7 @@ slots and base rows (-1) in any order, poisoned outputs, every rank shape the ba
 import pytest
 import torch
 
-from pie.kernels.triton_lora import lora_delta_, lora_delta_reference_, slot_order
+from pie.kernels.triton_lora import K_CHUNK, lora_delta_, lora_delta_reference_, slot_order
 
 
 def _banks(slots: int, rank_rows: int, k: int, n: int, dtype, device, gen):
@@ -53,6 +53,25 @@ def test_one_row_per_slot_is_its_own_product(rng):
         torch.testing.assert_close(got[i], (x[i] @ a[s].T) @ b[s].T, rtol=1e-4, atol=1e-4)
 
 
+def test_input_cut_in_chunks(rng):
+    """K past K_CHUNK (the shrink's programs over input columns; the last chunk partial): the same
+    deltas as the twin, and a row's delta the same alone as among other rows and slots (to the bit
+    on the GPU, test_gpu_matches_twin; the interpreter's numpy dots round a row by its place in
+    the block)."""
+    gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    k = 2 * K_CHUNK + 76
+    a, b = _banks(3, 16, k, 40, torch.float32, "cpu", gen)
+    a /= k ** 0.5
+    slots = torch.tensor([1, -1, 0, 2, 1, 0, 0, 2, 1, -1, 2, 0, 1, 1, 0, 2, 2, 1, 0], dtype=torch.int32)
+    x = torch.randn(slots.numel(), k, generator=gen)
+    base = torch.randn(slots.numel(), 40, generator=gen)
+    got = lora_delta_(base.clone(), x, a, b, slots)
+    torch.testing.assert_close(got, lora_delta_reference_(base.clone(), x, a, b, slots), rtol=1e-4, atol=1e-4)
+    for i in (0, 3, 17):
+        alone = lora_delta_(base[i:i + 1].clone(), x[i:i + 1], a, b, slots[i:i + 1])
+        torch.testing.assert_close(alone[0], got[i], rtol=1e-5, atol=1e-5)
+
+
 def test_no_adapter_rows_and_empty_batch():
     a = torch.ones(2, 8, 16)
     b = torch.ones(2, 16, 8)
@@ -89,3 +108,7 @@ def test_gpu_matches_twin(rng, dtype):
     assert bool(torch.isfinite(got).all())
     err = (got.float() - want.float()).abs().max() / want.float().abs().max()
     assert err < 2e-2, err
+    # K = 3,584 in 7 chunks summed in a fixed order: a row's delta is the same bits in any batch
+    for i in (0, 1, 150, 299):
+        alone = lora_delta_(base[i:i + 1].clone(), x[i:i + 1], a, b, slots[i:i + 1])
+        assert torch.equal(alone[0], got[i]), i
