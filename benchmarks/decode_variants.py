@@ -102,7 +102,8 @@ def split_kw(name: str, max_len: int = 0) -> dict:
 # (name, batch, ctx, head dim): the issue's rows (Hq 32, Hkv 8, page 16)
 SHAPES = [("B64 ctx4096 D128", 64, 4096, 128), ("B256 ctx4096 D128", 256, 4096, 128),
           ("B8 ctx32k D128", 8, 32768, 128), ("B256 ctx512 D128", 256, 512, 128),
-          ("B256 ctx400 D64", 256, 400, 64), ("B64 ctx4096 D64", 64, 4096, 64)]
+          ("B256 ctx400 D64", 256, 400, 64), ("B64 ctx4096 D64", 64, 4096, 64),
+          ("B1 ctx32k D128", 1, 32768, 128)]  # (one long stream: issue 59's 75%-of-copy row)
 HKV, GROUP, PAGE = 8, 4, 16
 LINES: list[str] = []
 
