@@ -64,6 +64,9 @@
 #               a of K accepted (K = 4, 8) at batch 1, 8, 64, 256, the default speculative_max_batch and
 #               speculation forced on; rows starting after SPEC_BUDGET_S (default 200) s are skipped, so
 #               the suite ends within 5 minutes; SPEC_ARGS adds flags (e.g. "--shape 4b")
+#   lora        benchmarks/lora_kernels.py (issue 61): the LoRA kernels (shrink, reduce, expand) beside
+#               the base projections they ride on, per projection and per step, at a decode batch
+#               and a prefill chunk; LORA_ARGS adds flags (e.g. "--whole-k", "--slots 1,8,32")
 #   ab          benchmarks/ab.py: the A/B gate, this tree against each base tree carried in .ab/
 #               (`git archive <commit> | tar -x -C .ab/<commit>` here, then carry [".whl", ".ab"]) on
 #               the 7B-class long work at the defaults, alternating rounds; AB_ARGS adds flags
@@ -245,6 +248,10 @@ suite_tp() {
     done
   done
 }
+suite_lora() {
+  # shellcheck disable=SC2086
+  timeout "$(t lora)" python3 -m benchmarks.lora_kernels ${LORA_ARGS:-} 2>&1 | quiet | tee -a "$D/lora.md"
+}
 suite_spec() {
   # shellcheck disable=SC2086
   timeout "$(t spec)" python3 -m benchmarks.speculative --only cost,speed --budget-s "${SPEC_BUDGET_S:-200}" \
@@ -261,7 +268,7 @@ suite_ab() {
       --model-cache /tmp/pie-ab-models --out "$D/ab-${base/#-/variant}.json" 2>&1 | quiet | tee -a "$D/ab.md"
   done
 }
-SUITES=" tests alltests kernels variants ncu roofline extend engine profile host offline hf capacity serving mixed long chat fidelity smolpart realfidelity seeds structured tp spec ab "
+SUITES=" tests alltests kernels variants ncu roofline extend engine profile host offline hf capacity serving mixed long chat fidelity smolpart realfidelity seeds structured tp spec lora ab "
 
 g() { git -c safe.directory="$ROOT" -C "$ROOT" "$@"; }  # files copied to a machine may belong to another user
 baseline_tree() {  # check BASELINE out outside the repo (or take a carried .baseline); prints its folder

@@ -20,7 +20,7 @@ import sys
 
 import torch
 
-from benchmarks.common import make_parser
+from benchmarks.common import make_parser, require_cuda
 
 NEEDS_GPU = True  # read by `pie bench` (with ast, without importing this file)
 # name: (hidden, intermediate, q heads, kv heads, head dim, layers)
@@ -61,8 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rank", type=int, default=16, help="LoRA rank")
     ap.add_argument("--whole-k", action="store_true", help="also time the shrink with the whole K in one program")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        ap.exit(2, "lora_kernels.py times CUDA kernels: no CUDA device here\n")
+    require_cuda(ap)
     from pie.kernels import triton_lora as tlo
 
     layers = SHAPES[args.shape][-1]

@@ -22,6 +22,7 @@ from typing import Protocol
 
 import torch
 
+from ..device import to_device
 from ..runner.kv_cache import KVCache
 
 
@@ -142,7 +143,7 @@ class CudaCopier:
         after = self._ordered()
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(after)
-            ids = torch.tensor(block_ids, dtype=torch.int64).pin_memory().to(self.device, non_blocking=True)
+            ids = to_device(torch.tensor(block_ids, dtype=torch.int64), self.device)
             rows = self.layout.gather(ids)
             for i, slot in enumerate(slots):
                 self.host_rows[slot].copy_(rows[i], non_blocking=True)
@@ -157,7 +158,7 @@ class CudaCopier:
             rows = torch.empty((len(slots), self.layout.block_bytes), dtype=torch.uint8, device=self.device)
             for i, slot in enumerate(slots):
                 rows[i].copy_(self.host_rows[slot], non_blocking=True)
-            ids = torch.tensor(block_ids, dtype=torch.int64).pin_memory().to(self.device, non_blocking=True)
+            ids = to_device(torch.tensor(block_ids, dtype=torch.int64), self.device)
             self.layout.scatter(ids, rows)
             done = torch.cuda.Event()
             done.record(self.stream)
