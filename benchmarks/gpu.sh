@@ -74,6 +74,12 @@
 #               folders under .ab/ to compare with, one at a time (default: all of them; "-": none,
 #               for AB_ARGS="--variant batch_invariant=true ...", a setting against the defaults);
 #               "--resume .ab/ab-BASE.json" (an earlier call's JSON, carried) runs only what it lacks
+#   aiperf      benchmarks/aiperf_http.py: aiperf against `pie serve --http-port` on the Llama-1B shape
+#               (the bundled tokenizer's vocabulary, bf16, int8 pages) at 16, 64 and 256 concurrent
+#               streams, 300 prompt tokens and 256 out; aiperf's wheels the machine lacks are carried
+#               in .whl-aiperf (`bash benchmarks/gpu_prep.sh --aiperf`) and go into .site-aiperf, beside
+#               .site, which an earlier call on the held machine installed (benchmarks/README.md says
+#               why two calls); AIPERF_CONCURRENCY sets the levels, AIPERF_ARGS adds flags
 #
 # BASELINE=<commit> runs every suite a second time on that commit, checked out with `git worktree
 # add` (else `git archive`) outside the repo, and writes its files under $OUT/baseline/. The device
@@ -268,7 +274,30 @@ suite_ab() {
       --model-cache /tmp/pie-ab-models --out "$D/ab-${base/#-/variant}.json" 2>&1 | quiet | tee -a "$D/ab.md"
   done
 }
-SUITES=" tests alltests kernels variants ncu roofline extend engine profile host offline hf capacity serving mixed long chat fidelity smolpart realfidelity seeds structured tp spec lora ab "
+suite_aiperf() {
+  # aiperf runs on the image's numpy, pandas, transformers, aiohttp, ... and the carried rest, in a
+  # folder of its own so that nothing of it shadows what pie imports
+  if [ -d "$ROOT/.whl-aiperf" ] && [ ! -x "$ROOT/.site-aiperf/aiperf" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$ROOT/.site-aiperf" \
+      "$ROOT"/.whl-aiperf/*.whl || return 1
+    printf '#!/bin/sh\nPYTHONPATH=%s${PYTHONPATH:+:$PYTHONPATH} exec python3 -c "import sys; from aiperf.cli import app; sys.exit(app())" "$@"\n' \
+      "$ROOT/.site-aiperf" > "$ROOT/.site-aiperf/aiperf" && chmod +x "$ROOT/.site-aiperf/aiperf"
+  fi
+  [ -x "$ROOT/.site-aiperf/aiperf" ] || { echo "no aiperf: carry .whl-aiperf (bash benchmarks/gpu_prep.sh --aiperf)"; return 1; }
+  python3 -c 'from pathlib import Path; import torch
+from benchmarks.throughput import LLAMA_1B, build_model
+Path("/tmp/llama1b-aiperf").mkdir(exist_ok=True)
+build_model(Path("/tmp/llama1b-aiperf"), {**LLAMA_1B, "vocab_size": 2560}, torch.bfloat16)' 2>&1 | quiet
+  # shellcheck disable=SC2086
+  timeout "$(t aiperf)" python3 -m benchmarks.aiperf_http --model /tmp/llama1b-aiperf --aiperf "$ROOT/.site-aiperf/aiperf" \
+    --server-args="--max-num-seqs 256 --max-num-batched-tokens 8192 --kv-cache-dtype int8" \
+    --concurrency "${AIPERF_CONCURRENCY:-16,64,256}" --isl 300 --osl 256 --out /tmp/pie-aiperf ${AIPERF_ARGS:-} 2>&1 | quiet \
+    | tee -a "$D/aiperf.log" | grep "^|\|Error" | tee -a "$D/aiperf.md"
+  # a call brings back 8 files: the levels' figures, not aiperf's ~10 files per level
+  cp /tmp/pie-aiperf/levels.json "$D/aiperf.json" 2>/dev/null
+}
+
+SUITES=" tests alltests kernels variants ncu roofline extend engine profile host offline hf capacity serving mixed long chat fidelity smolpart realfidelity seeds structured tp spec lora ab aiperf "
 
 g() { git -c safe.directory="$ROOT" -C "$ROOT" "$@"; }  # files copied to a machine may belong to another user
 baseline_tree() {  # check BASELINE out outside the repo (or take a carried .baseline); prints its folder

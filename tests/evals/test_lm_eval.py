@@ -3,7 +3,11 @@
 ships here (tests/evals/stories_mc: YAML over local JSON, no hub), beside lm-eval's own transformers
 backend on the same items and the same checkpoint (the bundled model). fp32 pages: every choice's
 loglikelihood within 1e-4 and the same generations; int8 and bf16 pages: the accuracy within the
-harness's standard error."""
+harness's standard error. Its `local-chat-completions` model on a chat checkpoint (SmolLM2-135M-
+Instruct, tests/smollm2.py) in its template, with a system prompt and a worked example as earlier
+turns (tests/evals/chat_qa), beside the transformers backend with `apply_chat_template`: the same
+answers, each cut by pie at its stop strings (the harness leaves chat answers as the server sends
+them). benchmarks/lm_eval_pie.py is the larger run, with SmolLM2 and more items."""
 
 from __future__ import annotations
 
@@ -18,6 +22,8 @@ lm_eval = pytest.importorskip("lm_eval")
 pytestmark = pytest.mark.slow  # starts servers
 
 TASKS = Path(__file__).parent / "stories_mc"
+CHAT_TASKS = Path(__file__).parent / "chat_qa"
+STORIES = ("pie_stories_mc", "pie_stories_gen")
 
 
 @pytest.fixture(scope="module")
@@ -26,28 +32,28 @@ def reference(tmp_path_factory):
     return _evaluate("hf", dict(pretrained=DEFAULT_MODEL, dtype="float32", device="cpu"))
 
 
-def _evaluate(model: str, args: dict) -> dict:
+def _evaluate(model: str, args: dict, folder: Path = TASKS, tasks: tuple[str, ...] = STORIES, **options) -> dict:
     import os
 
     from lm_eval.tasks import TaskManager
 
     cwd = os.getcwd()
-    os.chdir(TASKS)  # the task YAMLs name their data files relative to it
+    os.chdir(folder)  # the task YAMLs name their data files relative to it
     try:
-        return lm_eval.simple_evaluate(model=model, model_args=args, tasks=["pie_stories_mc", "pie_stories_gen"],
-                                       task_manager=TaskManager(include_path=str(TASKS)), log_samples=True)
+        return lm_eval.simple_evaluate(model=model, model_args=args, tasks=list(tasks),
+                                       task_manager=TaskManager(include_path=str(folder)), log_samples=True, **options)
     finally:
         os.chdir(cwd)
 
 
-def _through_pie(kv: str) -> dict:
+def _through_pie(kv: str, tasks: tuple[str, ...] = STORIES) -> dict:
     config = ServerConfig(port=0, http_port=0, grace_s=2)
     with BackgroundServer(config, EngineConfig(device="cpu", kv_cache_dtype=kv, num_kv_blocks=256)) as server:
         # token ids sent as they are (tokenized_requests), with the BOS the transformers backend adds
         return _evaluate("local-completions", dict(
             model=server.pie.admission.model_name, base_url=f"{server.http_url}/v1/completions",
             tokenizer_backend="huggingface", tokenizer=DEFAULT_MODEL, tokenized_requests=True, add_bos_token=True,
-            num_concurrent=2, max_retries=1))
+            num_concurrent=2, max_retries=1), tasks=tasks)
 
 
 def _choices(result: dict) -> list[list[float]]:
@@ -67,6 +73,35 @@ def test_fp32_pages_score_as_transformers(reference):
 
 @pytest.mark.parametrize("kv", ["int8", "bf16"])
 def test_rounded_pages_keep_the_accuracy(reference, kv):
-    ours = _through_pie(kv)["results"]["pie_stories_mc"]
+    ours = _through_pie(kv, ("pie_stories_mc",))["results"]["pie_stories_mc"]
     want = reference["results"]["pie_stories_mc"]
     assert abs(ours["acc,none"] - want["acc,none"]) <= want["acc_stderr,none"]
+
+
+def _chat(model: str, args: dict) -> dict:
+    """pie_chat_qa in the checkpoint's chat template: a system prompt, then the task's worked
+    example as an earlier user and assistant turn, then the question."""
+    return _evaluate(model, args, CHAT_TASKS, ("pie_chat_qa",), apply_chat_template=True, num_fewshot=1,
+                     fewshot_as_multiturn=True, system_instruction="Answer in a word.")
+
+
+def test_chat_completions_answer_as_transformers():
+    from tests.smollm2 import build
+
+    folder = str(build())
+    config = ServerConfig(port=0, http_port=0, grace_s=2)
+    with BackgroundServer(config, EngineConfig(model=folder, device="cpu", kv_cache_dtype="fp32", num_kv_blocks=64)) as server:
+        ours = _chat("local-chat-completions", dict(
+            model=server.pie.admission.model_name, base_url=f"{server.http_url}/v1/chat/completions",
+            num_concurrent=2, max_retries=1))
+    ref = _chat("hf", dict(pretrained=folder, dtype="float32", device="cpu"))
+    got = [s["resps"][0][0] for s in ours["samples"]["pie_chat_qa"]]
+    want = [s["resps"][0][0] for s in ref["samples"]["pie_chat_qa"]]
+    assert len(got) == 8
+    # The transformers backend cuts its text at the task's stops itself; local-chat-completions
+    # sends them as `stop` and keeps what the server returns: pie must cut there, leaving them out.
+    assert got == want
+    assert not any("." in g or "\n" in g for g in got)
+    score = ours["results"]["pie_chat_qa"]["exact_match,none"]
+    assert score == ref["results"]["pie_chat_qa"]["exact_match,none"] > 0  # some answers right: the check can fail
+    assert "Paris" in got  # in one word, as the system prompt and the worked example asked

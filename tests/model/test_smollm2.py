@@ -112,7 +112,9 @@ def test_what_holds_across_chunks_and_the_prefix_cache(smollm2, kv):
     import transformers
 
     ids = transformers.AutoTokenizer.from_pretrained(smollm2)(docs_text(), add_special_tokens=False)["input_ids"]
-    got = consistency(smollm2, kv, _chunks(ids, 512)[:3], step=128)
+    # 12 generated tokens, not the benchmark's 32: one-row decode steps were most of this test's CPU
+    # time; the prompt positions' logprobs are the main check, the continuations a second one
+    got = consistency(smollm2, kv, _chunks(ids, 512)[:3], step=128, tokens=12)
     cached, chunked = got["cached"], got["chunked"]
     assert cached.max_diff == 0.0 and cached.greedy_equal == cached.greedy_total, cached
     assert chunked.mean_diff <= CHUNKED_MEAN[kv] and chunked.top1_differs <= CHUNKED_TOP1[kv], chunked
