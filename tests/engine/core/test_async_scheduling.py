@@ -183,26 +183,42 @@ def test_incremental_staging_equals_a_full_rebuild(rng, model_dir, async_schedul
     engine = _engine(model_dir, async_scheduling, num_kv_blocks=40, block_size=4)
     stager = engine.runner.stager
     stage = stager.stage
-    incremental = 0
+    incremental = reused = 0
+    previous: list = []  # the last step's input ids (a view)
 
     def checked(out, tables, graph_batch, last, **kw):
-        nonlocal incremental
+        nonlocal incremental, reused
         incremental += stager.prev is not None
         step = stage(out, tables, graph_batch, last, **kw)
         got_ints, got_tables = stager.host_ints.numpy().copy(), stager.host_tables.numpy().copy()
-        stager.prev = None  # the full path, into the same buffers
+        stager.prev = stager._views = None  # the full path, into the same buffers, with views made anew
         full = stage(out, tables, graph_batch, last, **kw)
         b, w = step.metadata.block_tables.shape
         n = int(step.metadata.query_start_loc[-1]) * 3 + 2 * b + 1
         assert (got_ints[:n] == stager.host_ints.numpy()[:n]).all()
         assert (got_tables[:b * w] == stager.host_tables.numpy()[:b * w]).all()
+        # the step's inputs: the same numbers, and views of the same places of the buffers (the
+        # views of a step shaped as the last one are that step's, taken again)
+        assert step.facts == full.facts
+        for name in ("max_query_len", "max_seq_len", "num_decodes", "decode_max_seq_len", "prefill_kv_tokens"):
+            assert getattr(step.metadata, name) == getattr(full.metadata, name), name
+        pairs = [(step.input_ids, full.input_ids), (step.positions, full.positions), (step.ints, full.ints)]
+        for name in ("slot_mapping", "block_tables", "seq_lens", "query_start_loc", "prefill_query_start_loc",
+                     "prefill_key_start_loc"):
+            pairs.append((getattr(step.metadata, name), getattr(full.metadata, name)))
+        for a, f in pairs:
+            assert (a is None) == (f is None)
+            if a is not None:
+                assert (a.data_ptr(), a.shape, a.stride()) == (f.data_ptr(), f.shape, f.stride())
+        reused += step.input_ids is previous[0] if previous else 0
+        previous[:] = [full.input_ids]
         return full
 
     stager.stage = checked
     reqs = [(f"g{i}", p, SamplingParams(max_tokens=rng.randint(5, 30), temperature=0, ignore_eos=True))
             for i, p in enumerate(_prompts(10, rng))]
     _run(engine, reqs)
-    assert incremental > 10  # the fast path really ran
+    assert incremental > 10 and reused > 10  # the fast paths really ran
 
 
 def test_staged_key_starts_sum_the_prompt_rows_lengths(rng, model_dir):
