@@ -64,6 +64,16 @@ def test_every_script_has_its_line_in_the_benchmarks_readme() -> None:
     assert scripts == listed, f"not in benchmarks/README.md: {scripts - listed}; listed, not scripts: {listed - scripts}"
 
 
+def test_benchmarks_no_larger_than_the_engine() -> None:
+    """Issue 60's rule for the house: benchmarks/ (its code: scripts and shell) stays no larger than
+    engine/, so that new studies fold into the lasting tools instead of piling up beside them."""
+    def lines(folder: str, *patterns: str) -> int:
+        return sum(len(p.read_text().splitlines()) for pattern in patterns for p in (ROOT / folder).rglob(pattern))
+
+    bench, engine = lines("benchmarks", "*.py", "*.sh"), lines("engine", "*.py")
+    assert bench <= engine, f"benchmarks/ has {bench} lines of code, engine/ {engine}: fold or retire a script"
+
+
 def test_nothing_points_at_the_per_issue_scripts() -> None:
     assert not [name for name in REPLACED if (ROOT / "benchmarks" / name).exists()]
     files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
