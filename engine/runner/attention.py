@@ -1,8 +1,8 @@
 """The attention backend handed to the model: writes each layer's new K/V into the paged KV pool
 (engine/runner/kv_cache.py), then attends from it.
 
-Per step the runner fills `AttentionMetadata` for the packed batch (engine/runner/staging.py). For
-sequence i:
+Per step the runner fills `AttentionMetadata` for the packed batch (engine/runner/staging.py; the
+layout: engine/runner/step_layout.py). For sequence i:
 
     |<------------- seq_lens[i] (tokens in the cache after this step's write) ------------->|
     |<------ already computed (num_computed_tokens) ------>|<--- query_len_i (new) --->|

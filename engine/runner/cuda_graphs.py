@@ -3,7 +3,7 @@ verify steps, captured at start.
 
 Decode graphs are captured for bucketed batch sizes (1, 2, 4, 8, then multiples of 16 up to
 max_num_seqs); each reads its inputs from the staging buffers' device copies at the offsets of
-its bucket's layout (engine/runner/staging.py). A batch of B rows replays the smallest bucket >= B; its
+its bucket's layout (engine/runner/step_layout.py). A batch of B rows replays the smallest bucket >= B; its
 padding rows write no slot and attend to nothing.
 
 Verify graphs (only with speculative decoding on) are captured for buckets of B rows up to
@@ -53,7 +53,8 @@ from pie.model.llama import LlamaForCausalLM
 
 from ..scheduling.step import SchedulerOutput
 from .attention import AttentionMetadata, PagedAttention
-from .staging import Packed, StepStager
+from .staging import StepStager
+from .step_layout import Packed
 
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE  # graph_pool_handle()'s type (a runtime import is a cycle)
@@ -75,7 +76,7 @@ def graph_inputs(stager: StepStager, rows: int, width: int,
                  max_model_len: int) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
     """What the graph of `rows` rows of `width` tokens each (1: decode) reads: the attention
     metadata, input ids and positions as views of the staging buffers' device copies, at the
-    offsets of its layout (engine/runner/staging.py), with the block tables' whole-width rows."""
+    offsets of its layout (engine/runner/step_layout.py), with the block tables' whole-width rows."""
     assert stager.dev_tables is not None, "graphs read the staging buffers' device copies"
     layout = Packed(n_tok=rows * width, rows=rows)
     dev = stager.dev_ints[:layout.end]

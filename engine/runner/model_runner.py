@@ -44,7 +44,8 @@ from .cuda_graphs import CudaGraphs, PiecewiseGraphs
 from .kv_cache import KVCache
 from .pending import PendingStep, StepLogits
 from .prompt_logprobs import PromptLogprobRows
-from .staging import LastSample, StepFacts, StepStager, adapter_slots
+from .staging import StepStager, adapter_slots
+from .step_layout import LastSample, StepFacts
 
 log = structlog.get_logger(__name__)
 

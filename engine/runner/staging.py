@@ -5,38 +5,7 @@ Inputs are built on the host with numpy (a loop over requests, never over tokens
 pinned staging buffer, then go to the device in two asynchronous copies (the int32 scalars packed
 end to end, and the block tables).
 
-Packed int32 layout, for T tokens and B sequences (decode: T = B):
-
-    | input ids (T) | positions (T) | slots (T) | seq lens (B) | query start loc (B + 1) |
-    | query start loc of a mixed step's prefill part (B - nd + 1, rebased to 0; mixed steps only) |
-    | key start loc of the prefill part: cumulative seq lens of rows nd.. (B - nd + 1; any prompt) |
-    | (token index, row of the last sample) of up to B placeholder inputs (async scheduling)     |
-
-A mixed step's first nd sequences are running decodes (the scheduler orders them first): they
-attend through the decode kernel, the rest through the extend kernel. A row of one token counts as
-a decode, a prompt's last token too (its chunk's remainder, or the token after a cached prefix),
-except in the batch-invariant mode (`prompt_rows_decode` off): there a prompt token is always
-attended by the extend kernel, as it is when its whole prompt runs in one step, since the two
-kernels round the same query differently. The key starts of those
-rest are where each one's keys begin once gathered from the pages (kernels/flash_prefill.py):
-summed here on the host, once per step, instead of on the device in every layer.
-
-For a decode step replayed from a CUDA graph (engine/runner/cuda_graphs.py) the sections are laid out
-for its bucket's size: rows past the batch are padding, with slot -1 (the cache write skips them)
-and length 0 (attention reads nothing).
-
-A verify step replayed from a CUDA graph (`stage_verify`) is strided instead of packed: each of the
-bucket's B rows is W = 1 + K tokens wide, row i at [i W, (i + 1) W), T = B W:
-
-    ids, positions, slots:  | row 0: newest, proposals 1..k0, pad | row 1: ... | padding rows |
-    seq lens (B):           start_i + W (padding rows: W), so the W queries end where the row's
-                            real ones would and `start_i` tokens are cached before them
-    query start loc (B+1):  0, W, 2W, ..., BW
-    then the logits rows the step keeps: i W + j for j = 0..k_i, row by row
-
-Padding tokens have id 0, position 0 and slot -1; they come after the row's real tokens, so no real
-query sees them, and their logits are never taken. The block tables are staged wide enough for
-every key position below start_i + W, zero (block 0, read but not written) past a row's blocks.
+The layouts they are written in: engine/runner/step_layout.py.
 
 Steady decode (the same requests as the last step, each one token further) costs the host little:
 the staging buffers still hold the last step's inputs, so only positions, slots, lengths and the
@@ -56,55 +25,7 @@ import torch
 from ..scheduling.request import Request
 from ..scheduling.step import SchedulerOutput
 from .attention import AttentionMetadata
-
-
-@dataclass(slots=True)
-class LastSample:
-    """The previous step's sampled ids, left on the device: the inputs of tokens sampled and not
-    read back yet (async scheduling's placeholders)."""
-
-    ids: torch.Tensor  # (R,) int64 on the device
-    requests: list[Request]  # the requests of its rows, in row order
-    rows: dict[str, int]  # request id -> row of `ids` (rebuilt with every sample that is not steady)
-
-
-@dataclass(slots=True, frozen=True)
-class Packed:
-    """Offsets of the packed int32 sections (module docstring) for n_tok tokens and rows sequences;
-    the one place that layout is written down, for `_stage` and `capture_cuda_graphs`."""
-
-    n_tok: int
-    rows: int
-
-    @property
-    def ids(self) -> slice:
-        return slice(0, self.n_tok)
-
-    @property
-    def positions(self) -> slice:
-        return slice(self.n_tok, 2 * self.n_tok)
-
-    @property
-    def slots(self) -> slice:
-        return slice(2 * self.n_tok, 3 * self.n_tok)
-
-    @property
-    def seq_lens(self) -> slice:
-        return slice(3 * self.n_tok, 3 * self.n_tok + self.rows)
-
-    @property
-    def query_start_loc(self) -> slice:
-        return slice(3 * self.n_tok + self.rows, self.end)
-
-    @property
-    def end(self) -> int:
-        """Where the optional sections (a mixed step's prefill query starts, pending ids) begin."""
-        return 3 * self.n_tok + 2 * self.rows + 1
-
-    def metadata(self, dev: torch.Tensor, block_tables: torch.Tensor, **facts) -> AttentionMetadata:
-        """AttentionMetadata viewing `dev` (the packed ints on the device) in this layout."""
-        return AttentionMetadata(slot_mapping=dev[self.slots], block_tables=block_tables,
-                                 seq_lens=dev[self.seq_lens], query_start_loc=dev[self.query_start_loc], **facts)
+from .step_layout import LastSample, Packed, StepFacts, StepInputs
 
 
 @dataclass(slots=True)
@@ -136,52 +57,6 @@ class _Views:
     positions: torch.Tensor
 
 
-@dataclass(slots=True)
-class StepFacts:
-    """The numbers that, with the packed ints and the block tables, make a step's inputs: what
-    tensor-parallel workers receive to run the same forward pass (engine/runner/tensor_parallel.py)."""
-
-    n_tok: int  # the layout's token count (T, or the graph bucket)
-    rows: int  # the layout's sequence rows
-    n_ints: int  # packed ints in use: the layout's sections plus the prefill part's query and key starts
-    n_prefill_ints: int
-    n_key_ints: int  # the prefill part's key starts (0: none staged)
-    max_query_len: int
-    max_seq_len: int
-    num_decodes: int
-    decode_max_seq_len: int
-    prefill_kv_tokens: int  # keys in the cache of the rows from num_decodes on (0 for verify steps)
-
-    def numbers(self) -> tuple[int, ...]:
-        return (self.n_tok, self.rows, self.n_ints, self.n_prefill_ints, self.n_key_ints, self.max_query_len,
-                self.max_seq_len, self.num_decodes, self.decode_max_seq_len, self.prefill_kv_tokens)
-
-    def metadata(self, ints: torch.Tensor, block_tables: torch.Tensor) -> AttentionMetadata:
-        layout = Packed(n_tok=self.n_tok, rows=self.rows)
-        qsl_end = layout.end + self.n_prefill_ints
-        return layout.metadata(ints, block_tables, max_query_len=self.max_query_len, max_seq_len=self.max_seq_len,
-                               num_decodes=self.num_decodes, decode_max_seq_len=self.decode_max_seq_len,
-                               prefill_kv_tokens=self.prefill_kv_tokens,
-                               prefill_query_start_loc=ints[layout.end:qsl_end] if self.n_prefill_ints else None,
-                               prefill_key_start_loc=ints[qsl_end:qsl_end + self.n_key_ints] if self.n_key_ints else None)
-
-
-@dataclass(slots=True)
-class StepInputs:
-    """One step's inputs on the device (views of the runner's buffers) and its host facts."""
-
-    input_ids: torch.Tensor  # (T,) int32
-    positions: torch.Tensor  # (T,) int32
-    metadata: AttentionMetadata
-    num_seqs: int
-    graph_batch: int | None  # bucket whose graph runs this step; None = eager
-    facts: StepFacts
-    ints: torch.Tensor  # the packed ints on the device (n_ints)
-    # A verify step in the strided layout (`stage_verify`): the rows of its graph's logits the
-    # step keeps, (sum of 1 + k_i,) int32 on the device, in the eager step's order; else None.
-    logits_index: torch.Tensor | None = None
-
-
 class StepStager:
     """The staging buffers (host, pinned on CUDA; and their device copies, which the kernels and the
     captured graphs read) and the step that fills them. On the CPU the host buffers serve directly."""
@@ -189,7 +64,7 @@ class StepStager:
     def __init__(self, *, block_size: int, max_num_seqs: int, max_tokens: int, max_blocks: int,
                  device: torch.device, verify_tokens: int = 0, prompt_rows_decode: bool = True) -> None:
         self.block_size = block_size
-        # A one-token row at a prompt position attends as a decode (the module docstring).
+        # A one-token row at a prompt position attends as a decode (engine/runner/step_layout.py).
         self.prompt_rows_decode = prompt_rows_decode
         # + the query and key starts of a step's prefill part (2 (B + 1)) + (dst, src) of up to B
         # placeholder ids
@@ -362,7 +237,7 @@ class StepStager:
 
     def stage_verify(self, out: SchedulerOutput, block_tables: list[list[int]], bucket: int,
                      width: int) -> StepInputs:
-        """Writes a verify step's inputs in the strided layout of its CUDA graph (module docstring):
+        """Writes a verify step's inputs in the strided layout of its CUDA graph (engine/runner/step_layout.py):
         `bucket` rows of `width` (= 1 + K) tokens, row i's newest token and its k_i proposals at
         [i width, i width + 1 + k_i), the rest padding; starts their copy to the device. Every
         row must be a decode (it samples; 1 + num_spec tokens, at most `width`) whose newest id is

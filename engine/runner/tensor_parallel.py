@@ -58,7 +58,7 @@ from ..device import to_device
 if TYPE_CHECKING:
     from ..config import EngineConfig
     from .model_runner import ModelRunner
-    from .staging import StepFacts
+    from .step_layout import StepFacts
 
 log = structlog.get_logger(__name__)
 
@@ -251,7 +251,7 @@ def follow(runner: ModelRunner, numbers: list[int], link: _Link) -> None:
     buffers that graph reads."""
     from .model_runner import last_tokens
     from .prompt_logprobs import run_on_worker
-    from .staging import Packed, StepFacts
+    from .step_layout import Packed, StepFacts
 
     n = len(StepFacts.__slots__)  # StepFacts.numbers(), then the header's own four
     facts = StepFacts(*numbers[:n])

@@ -21,7 +21,7 @@ from pie.engine.runner.cuda_graphs import graph_buckets, mixed_buckets
 from pie.engine.runner.kv_cache import KVCache
 from pie.engine.runner.kv_sizing import CPU_KV_CACHE_BYTES, num_kv_blocks
 from pie.engine.runner.model_runner import ModelRunner
-from pie.engine.runner.staging import StepFacts
+from pie.engine.runner.step_layout import StepFacts
 from pie.engine.runner.tensor_parallel import OP_FORWARD, Leader, destroy_group, follow
 from pie.engine.runner.warm_up import profile, warm_up
 from pie.engine.sampling_params import SamplingParams
