@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from benchmarks.common import make_parser
-from benchmarks.serving import free_port
+from benchmarks.serving import free_port, start_server
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_AIPERF = ROOT / ".venv-aiperf" / "bin" / "aiperf"
@@ -110,21 +110,14 @@ def served_name(url: str) -> str:
 
 
 @contextmanager
-def serve(model: str, server_args: list[str], ready_s: float = 300) -> Iterator[str]:
-    """`pie serve --http-port` in a child process until the block ends; yields its HTTP door's URL
-    once /health says it serves."""
+def serve(model: str, server_args: list[str]) -> Iterator[str]:
+    """`pie serve --http-port` in a child process until the block ends (serving.start_server: ready
+    once its gRPC readiness says so, by which time the HTTP door, bound first, serves too); yields
+    the HTTP door's URL."""
     port = free_port()
-    cmd = [sys.executable, "-m", "pie.service.cli", "serve", "--port", "0", "--http-port", str(port),
-           "--model", model, "--log-level", "warning", *server_args]
-    proc = subprocess.Popen(cmd, cwd=ROOT)
-    url = f"http://127.0.0.1:{port}"
+    proc, _ = start_server(model, ["--http-port", str(port), *server_args])
     try:
-        deadline = time.monotonic() + ready_s
-        while _get(f"{url}/health")[0] != 200:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"pie serve did not become ready (exit status {proc.poll()})")
-            time.sleep(0.25)
-        yield url
+        yield f"http://127.0.0.1:{port}"
     finally:
         proc.terminate()
         try:

@@ -158,7 +158,9 @@ def write_tasks(folder: Path, items: int) -> None:
         (folder / f"{task}.yaml").write_text(template.format(task=task))
 
 
-def evaluate(folder: Path, model: str, args: dict[str, Any], tasks: list[str], chat: bool) -> dict[str, Any]:
+def evaluate(folder: Path, model: str, args: dict[str, Any], tasks: list[str], **options: Any) -> dict[str, Any]:
+    """lm-eval's `simple_evaluate` of `tasks` (YAMLs in `folder`) with the samples logged; `options`
+    go to it as they are (apply_chat_template, num_fewshot, ...)."""
     import lm_eval
     from lm_eval.tasks import TaskManager
 
@@ -166,8 +168,7 @@ def evaluate(folder: Path, model: str, args: dict[str, Any], tasks: list[str], c
     os.chdir(folder)  # the YAMLs name their data files relative to it
     try:
         return lm_eval.simple_evaluate(model=model, model_args=args, tasks=tasks, log_samples=True,
-                                       task_manager=TaskManager(include_path=str(folder)),
-                                       apply_chat_template=chat)
+                                       task_manager=TaskManager(include_path=str(folder)), **options)
     finally:
         os.chdir(cwd)
 
@@ -175,8 +176,8 @@ def evaluate(folder: Path, model: str, args: dict[str, Any], tasks: list[str], c
 def transformers_run(folder: Path, model: str, tasks: list[str]) -> dict[str, Any]:
     args = dict(pretrained=model, dtype="float32", device="cpu", batch_size=4)
     mc = [t for t in tasks if t in MC_TASKS]
-    return _merge(evaluate(folder, "hf", args, mc, chat=False) if mc else None,
-                  evaluate(folder, "hf", args, [CHAT_TASK], chat=True) if CHAT_TASK in tasks else None)
+    return _merge(evaluate(folder, "hf", args, mc, apply_chat_template=False) if mc else None,
+                  evaluate(folder, "hf", args, [CHAT_TASK], apply_chat_template=True) if CHAT_TASK in tasks else None)
 
 
 def pie_run(folder: Path, model: str, kv: str, concurrent: int, tasks: list[str]) -> dict[str, Any]:
@@ -190,10 +191,10 @@ def pie_run(folder: Path, model: str, kv: str, concurrent: int, tasks: list[str]
         mc = evaluate(folder, "local-completions", dict(
             model=name, base_url=f"{server.http_url}/v1/completions", tokenizer_backend="huggingface",
             tokenizer=model, tokenized_requests=True, add_bos_token=True, num_concurrent=concurrent,
-            max_retries=1), mc_tasks, chat=False) if mc_tasks else None
+            max_retries=1), mc_tasks, apply_chat_template=False) if mc_tasks else None
         chat = evaluate(folder, "local-chat-completions", dict(
             model=name, base_url=f"{server.http_url}/v1/chat/completions", num_concurrent=concurrent,
-            max_retries=1), [CHAT_TASK], chat=True) if CHAT_TASK in tasks else None
+            max_retries=1), [CHAT_TASK], apply_chat_template=True) if CHAT_TASK in tasks else None
     return _merge(mc, chat)
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.lm_eval_pie import evaluate
 from pie.engine.config import DEFAULT_MODEL, EngineConfig
 from pie.service.server import BackgroundServer, ServerConfig
 
@@ -33,17 +34,7 @@ def reference(tmp_path_factory):
 
 
 def _evaluate(model: str, args: dict, folder: Path = TASKS, tasks: tuple[str, ...] = STORIES, **options) -> dict:
-    import os
-
-    from lm_eval.tasks import TaskManager
-
-    cwd = os.getcwd()
-    os.chdir(folder)  # the task YAMLs name their data files relative to it
-    try:
-        return lm_eval.simple_evaluate(model=model, model_args=args, tasks=list(tasks),
-                                       task_manager=TaskManager(include_path=str(folder)), log_samples=True, **options)
-    finally:
-        os.chdir(cwd)
+    return evaluate(folder, model, args, list(tasks), **options)
 
 
 def _through_pie(kv: str, tasks: tuple[str, ...] = STORIES) -> dict:
