@@ -1,6 +1,7 @@
 """Where the time of one decode step goes (issue 5): host phases, GPU kernels, synchronization.
 
     python -m benchmarks.profile_step                # GPU: Llama-3.2-1B-shaped model, 256 sequences decoding
+    python -m benchmarks.profile_step --shape 4b --batch 1   # GPU: the Qwen3-4B shape, one stream
     python -m benchmarks.profile_step --tiny         # CPU smoke run
     python -m benchmarks.profile_step --micro --stub-forward --batch 256 --extra async_scheduling=true
         # CPU: the forward pass returns a constant, so a step is the engine's host work alone
@@ -34,7 +35,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import DEVICE_HELP, default_device, host_facts, make_parser, pin_to_gpu_node
-from benchmarks.throughput import LLAMA_1B, MICRO, TINY, build_model
+from benchmarks.throughput import MICRO, SHAPES, TINY, build_model
 from pie.engine.config import EngineConfig
 from pie.engine.core.engine_core import EngineCore
 from pie.engine.messages import SampledToken
@@ -57,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stub-forward", action="store_true",
                     help="the model's forward returns zeros at once: time the engine's host work alone")
     ap.add_argument("--device", default=None, help=DEVICE_HELP)
+    ap.add_argument("--shape", default="llama-1b", choices=sorted(SHAPES),
+                    help="the model's shape without --tiny or --micro (benchmarks/throughput.py)")
     ap.add_argument("--batch", type=int, default=None,
                     help="sequences decoding together (default: 256; 16 with --tiny or --micro)")
     ap.add_argument("--ctx", type=int, default=None,
@@ -77,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     big = not (args.tiny or args.micro)
     batch = args.batch or (256 if big else 16)
     ctx = args.ctx or (400 if big else 32)
-    shape = LLAMA_1B if big else MICRO if args.micro else TINY
+    shape = SHAPES[args.shape] if big else MICRO if args.micro else TINY
     extra = {}
     for kv in filter(None, args.extra.split(",")):
         k, v = kv.split("=")
