@@ -26,7 +26,8 @@
 #               int8 pages; the phases synchronized); the figure a before/after comparison reads.
 #               PROFILE_ARGS adds flags: "--prompt-tokens 512" makes each step a mixed one, and its
 #               last line says how much of the step the host left the GPU idle; "--pin-gpu-node"
-#               keeps the host on the GPU's NUMA node (its `host:` line says where a run was)
+#               keeps the host on the GPU's NUMA node (its `host:` line says where a run was); "--shape
+#               4b --batch 1" is one stream of the Qwen3-4B shape (profile.md keeps the top kernels)
 #   host        benchmarks/profile_step.py --micro --stub-forward --batch 256 (the engine's host work
 #               per step alone: the forward returns zeros at once)
 #   offline     benchmarks/throughput.py --skip-hf (256 requests x 256 tokens, int8 and bf16 pages);
@@ -163,8 +164,9 @@ suite_engine() {
 }
 suite_profile() {
   # shellcheck disable=SC2086
+  # profile.md keeps the whole table, kernels included; the call shows its headline lines
   timeout "$(t profile)" python3 -m benchmarks.profile_step --steps 30 ${PROFILE_ARGS:-} 2>&1 | quiet \
-    | grep -v "^void\|nvjet\|^---\|Self CUDA" | tee -a "$D/profile.md" | grep -i "wall per\|forward\|median\|busy\|^host:\|pinned"
+    | tee -a "$D/profile.md" | grep -i "wall per\|forward\|median\|busy\|^host:\|pinned"
 }
 suite_host() {
   timeout "$(t host)" python3 -m benchmarks.profile_step --micro --stub-forward --batch 256 --ctx 400 --steps 50 \
