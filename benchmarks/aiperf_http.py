@@ -1,6 +1,6 @@
 """The HTTP door under aiperf (NVIDIA's serving benchmark, the load tool users run against
-OpenAI-compatible servers): closed-loop levels of concurrency, streaming chat completions with
-synthetic prompts of --isl tokens and exactly --osl tokens out (ignore_eos), one aiperf run per
+OpenAI-compatible servers): closed-loop levels of concurrency, streaming chat completions (plain
+completions for a model without a chat template, --endpoint) with synthetic prompts of --isl tokens and exactly --osl tokens out (ignore_eos), one aiperf run per
 level; TTFT and ITL percentiles, output tokens/s and requests/s as aiperf reports them, and pie's
 own count of the tokens it generated over each run (its /metrics, which aiperf scrapes) beside
 aiperf's. The gRPC door has its own benchmark (benchmarks/serving.py): aiperf does not speak
@@ -32,6 +32,7 @@ from pathlib import Path
 
 from benchmarks.common import make_parser
 from benchmarks.serving import free_port, start_server
+from pie.model.chat_template import read_templates
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_AIPERF = ROOT / ".venv-aiperf" / "bin" / "aiperf"
@@ -56,8 +57,8 @@ class Level:
 
 
 def aiperf_command(aiperf: Path, url: str, model_name: str, tokenizer: str, concurrency: int, requests: int,
-                   isl: int, osl: int, out: Path, *, warmup: int, seed: int = 0) -> list[str]:
-    return [str(aiperf), "profile", "--model", model_name, "--url", url, "--endpoint-type", "chat", "--streaming",
+                   isl: int, osl: int, out: Path, *, warmup: int, seed: int = 0, endpoint: str = "chat") -> list[str]:
+    return [str(aiperf), "profile", "--model", model_name, "--url", url, "--endpoint-type", endpoint, "--streaming",
             "--tokenizer", tokenizer, "--concurrency", str(concurrency), "--request-count", str(requests),
             *(["--warmup-request-count", str(warmup)] if warmup else []),
             "--isl", str(isl), "--isl-stddev", "0", "--osl", str(osl), "--extra-inputs", "ignore_eos:true",
@@ -65,10 +66,12 @@ def aiperf_command(aiperf: Path, url: str, model_name: str, tokenizer: str, conc
 
 
 def profile(aiperf: Path, url: str, model_name: str, tokenizer: str, concurrency: int, requests: int,
-            isl: int, osl: int, out: Path, *, warmup: int = 0, timeout_s: float = 600) -> Level:
-    """One aiperf run; raises RuntimeError with the end of its output where it fails or writes no report."""
+            isl: int, osl: int, out: Path, *, warmup: int = 0, timeout_s: float = 600, endpoint: str = "chat") -> Level:
+    """One aiperf run; raises RuntimeError with the end of its output where it fails or writes no
+    report, and the first request error the server answered (aiperf's own last lines do not say)."""
     out.mkdir(parents=True, exist_ok=True)
-    cmd = aiperf_command(aiperf, url, model_name, tokenizer, concurrency, requests, isl, osl, out, warmup=warmup)
+    cmd = aiperf_command(aiperf, url, model_name, tokenizer, concurrency, requests, isl, osl, out, warmup=warmup,
+                         endpoint=endpoint)
     # aiperf 0.13 in Hugging Face's offline mode looks a tokenizer folder up as a cached hub
     # snapshot and fails; out of it, a folder is read as it is (no hub call).
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
@@ -77,7 +80,8 @@ def profile(aiperf: Path, url: str, model_name: str, tokenizer: str, concurrency
     wall = time.perf_counter() - started
     report = out / "profile_export_aiperf.json"
     if done.returncode != 0 or not report.is_file():
-        raise RuntimeError(f"aiperf exited {done.returncode}: {(done.stdout + done.stderr)[-3000:]}")
+        raise RuntimeError(f"aiperf exited {done.returncode}: {(done.stdout + done.stderr)[-3000:]}"
+                           f"{first_error(out / 'profile_export.jsonl')}")
     r = json.loads(report.read_text())
     metrics = json.loads((out / "server_metrics_export.json").read_text())["metrics"]
     generated = sum(s["stats"]["total"] for s in metrics["vllm:generation_tokens"]["series"])
@@ -92,6 +96,26 @@ def profile(aiperf: Path, url: str, model_name: str, tokenizer: str, concurrency
                  ttft_ms=(r["time_to_first_token"]["p50"], r["time_to_first_token"]["p99"]),
                  itl_ms=(r["inter_token_latency"]["p50"], r["inter_token_latency"]["p99"]),
                  duration_s=avg("benchmark_duration"), wall_s=wall)
+
+
+def first_error(records: Path) -> str:
+    """The first failed request's error in aiperf's per-request records, as a line to append ('' if none)."""
+    if not records.is_file():
+        return ""
+    for line in records.read_text().splitlines():
+        error = json.loads(line).get("error") if line.strip() else None
+        if error:
+            return f"\nthe first failed request: {error.get('code')} {error.get('message')}"
+    return ""
+
+
+def endpoint_for(model: str, server_args: list[str]) -> str:
+    """aiperf's endpoint for a model served here: chat where there is a chat template (the folder's,
+    or --chat-template among the server's flags), else plain completions (pie refuses chat for a
+    base model without one, with 400 no_chat_template)."""
+    if "--chat-template" in server_args or read_templates(Path(model)):
+        return "chat"
+    return "completions"
 
 
 def _get(url: str) -> tuple[int, bytes]:
@@ -149,21 +173,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--osl", type=int, default=64, help="output tokens per request (ignore_eos)")
     ap.add_argument("--aiperf", default=str(DEFAULT_AIPERF), help="the aiperf executable")
     ap.add_argument("--out", default=None, help="folder for aiperf's files and levels.json (default: a temporary one)")
+    ap.add_argument("--endpoint", choices=("auto", "chat", "completions"), default="auto",
+                    help="aiperf's endpoint type (default: auto, chat where the served model has a chat template, "
+                         "else completions; chat with --url)")
     args = ap.parse_args(argv)
     aiperf = Path(args.aiperf)
     if not aiperf.is_file():
         ap.exit(2, f"{aiperf} not found: make it with `bash benchmarks/aiperf_venv.sh`\n")
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="aiperf-"))
     tokenizer = str(Path(args.tokenizer or args.model).resolve())
+    endpoint = args.endpoint
+    if endpoint == "auto":
+        endpoint = "chat" if args.url else endpoint_for(args.model, args.server_args.split())
     with serve(args.model, args.server_args.split()) if args.url is None else _given(args.url) as url:
         name = served_name(url)
         levels = []
         for c in (int(x) for x in args.concurrency.split(",")):
             n = max(args.min_requests, args.requests_per_level * c)
-            levels.append(profile(aiperf, url, name, tokenizer, c, n, args.isl, args.osl, out / f"c{c}", warmup=c))
+            levels.append(profile(aiperf, url, name, tokenizer, c, n, args.isl, args.osl, out / f"c{c}", warmup=c,
+                                  endpoint=endpoint))
             sys.stdout.write(table(levels[-1:]).splitlines()[-1] + "\n")
     (out / "levels.json").write_text(json.dumps([asdict(v) for v in levels], indent=1))
-    sys.stdout.write(f"{name} via {url}, isl {args.isl}, osl {args.osl}; aiperf's files in {out}\n{table(levels)}\n")
+    sys.stdout.write(f"{name} via {url} ({endpoint}), isl {args.isl}, osl {args.osl}; aiperf's files in {out}\n{table(levels)}\n")
     return 0
 
 

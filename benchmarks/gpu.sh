@@ -8,7 +8,8 @@
 # Suites (each writes SUITE.md or SUITE.log, and JSON where the script makes one, into $OUT):
 #   tests       pytest -m gpu tests/kernels (the Triton kernels against their torch twins), and the
 #               unmarked kernel tests of the int8 modes, split_tokens and chunk invariance
-#   alltests    pytest -m gpu tests: every GPU-marked test (kernels, engine, model, tensor parallel)
+#   alltests    pytest -m gpu tests: every GPU-marked test (kernels, engine, model, tensor parallel); a
+#               call of its own (its time limit 570 s)
 #   kernels     benchmarks/attention.py --graphs (decode vs SDPA and the copy bandwidth, extend,
 #               fidelity); KERNELS_ARGS adds flags (e.g. "--repeats 3")
 #   variants    benchmarks/decode_variants.py (decode launch variants, checked then timed);
@@ -136,7 +137,8 @@ suite_alltests() {
   # lacks (openai, kubernetes_validate).
   # -rfs: the summary names every failure (the tail alone showed only the last one's traceback);
   # the whole output stays in alltests-full.log.
-  timeout "$(t alltests)" python3 -m pytest -q -m gpu -p no:cacheprovider -rfs tests --ignore=tests/deploy \
+  # (~4-7 minutes on an H100 with Triton's compiles: a call of its own; 260 s stopped it at ~70%)
+  timeout "${TIMEOUT_alltests:-${SUITE_TIMEOUT:-570}}" python3 -m pytest -q -m gpu -p no:cacheprovider -rfs tests --ignore=tests/deploy \
     --ignore=tests/service/http --ignore=tests/service/test_one_path.py 2>&1 | tee "$D/alltests-full.log" | tail -40 | tee -a "$D/alltests.log"
 }
 suite_kernels() {
@@ -187,7 +189,7 @@ suite_capacity() {
 }
 suite_serving() {
   python3 -c 'from pathlib import Path; import torch
-from benchmarks.throughput import LLAMA_1B, build_model; Path("/tmp/llama1b").mkdir(exist_ok=True); build_model(Path("/tmp/llama1b"), LLAMA_1B, torch.bfloat16)' 2>&1 | quiet
+from benchmarks.throughput import LLAMA_1B, build_model; Path("/tmp/llama1b").mkdir(exist_ok=True); build_model(Path("/tmp/llama1b"), LLAMA_1B, torch.bfloat16, made_by="pie")' 2>&1 | quiet
   # the engine in its own process (with 1 and 4 tokens per message), then on a thread
   local modes=("--engine-process" "--engine-process --stream-interval 4" "--no-engine-process")
   [ -n "${SERVING_MODE:-}" ] && modes=("$SERVING_MODE")
@@ -279,19 +281,19 @@ suite_ab() {
 suite_aiperf() {
   # aiperf runs on the image's numpy, pandas, transformers, aiohttp, ... and the carried rest, in a
   # folder of its own so that nothing of it shadows what pie imports
-  if [ -d "$ROOT/.whl-aiperf" ] && [ ! -x "$ROOT/.site-aiperf/aiperf" ]; then
+  if [ -d "$ROOT/.whl-aiperf" ] && [ ! -x "$ROOT/.site-aiperf/run-aiperf" ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$ROOT/.site-aiperf" \
       "$ROOT"/.whl-aiperf/*.whl || return 1
     printf '#!/bin/sh\nPYTHONPATH=%s${PYTHONPATH:+:$PYTHONPATH} exec python3 -c "import sys; from aiperf.cli import app; sys.exit(app())" "$@"\n' \
-      "$ROOT/.site-aiperf" > "$ROOT/.site-aiperf/aiperf" && chmod +x "$ROOT/.site-aiperf/aiperf"
+      "$ROOT/.site-aiperf" > "$ROOT/.site-aiperf/run-aiperf" && chmod +x "$ROOT/.site-aiperf/run-aiperf"
   fi
-  [ -x "$ROOT/.site-aiperf/aiperf" ] || { echo "no aiperf: carry .whl-aiperf (bash benchmarks/gpu_prep.sh --aiperf)"; return 1; }
+  [ -x "$ROOT/.site-aiperf/run-aiperf" ] || { echo "no aiperf: carry .whl-aiperf (bash benchmarks/gpu_prep.sh --aiperf)"; return 1; }
   python3 -c 'from pathlib import Path; import torch
 from benchmarks.throughput import LLAMA_1B, build_model
 Path("/tmp/llama1b-aiperf").mkdir(exist_ok=True)
-build_model(Path("/tmp/llama1b-aiperf"), {**LLAMA_1B, "vocab_size": 2560}, torch.bfloat16)' 2>&1 | quiet
+build_model(Path("/tmp/llama1b-aiperf"), {**LLAMA_1B, "vocab_size": 2560}, torch.bfloat16, made_by="pie")' 2>&1 | quiet
   # shellcheck disable=SC2086
-  timeout "$(t aiperf)" python3 -m benchmarks.aiperf_http --model /tmp/llama1b-aiperf --aiperf "$ROOT/.site-aiperf/aiperf" \
+  timeout "$(t aiperf)" python3 -m benchmarks.aiperf_http --model /tmp/llama1b-aiperf --aiperf "$ROOT/.site-aiperf/run-aiperf" \
     --server-args="--max-num-seqs 256 --max-num-batched-tokens 8192 --kv-cache-dtype int8" \
     --concurrency "${AIPERF_CONCURRENCY:-16,64,256}" --isl 300 --osl 256 --out /tmp/pie-aiperf ${AIPERF_ARGS:-} 2>&1 | quiet \
     | tee -a "$D/aiperf.log" | grep "^|\|Error" | tee -a "$D/aiperf.md"
