@@ -41,6 +41,9 @@ wheel() {  # wheel PACKAGE...: Python 3.12 x86_64 wheels into .whl, without thei
     --platform any -d .whl "$@"
 }
 [ -d ../shared/tools ] || { echo "../shared/tools/gpu-wheels.sh not found (run from a checkout beside shared/)" >&2; exit 2; }
+# A fresh .whl each time: a wheel left from an earlier run beside a newer one of the same package
+# (annotated-types 0.7.0 and 0.8.0) stops the GPU machine's pip at once (ResolutionImpossible).
+rm -rf .whl
 ../shared/tools/gpu-wheels.sh >/dev/null
 if compgen -G ".whl/llguidance-1.6*" >/dev/null; then
   rm -f .whl/llguidance-1.6*
