@@ -69,6 +69,9 @@
 #   lora        benchmarks/lora_kernels.py (issue 61): the LoRA kernels (shrink, reduce, expand) beside
 #               the base projections they ride on, per projection and per step, at a decode batch
 #               and a prefill chunk; LORA_ARGS adds flags (e.g. "--whole-k", "--slots 1,8,32")
+#   gemv        benchmarks/gemv.py (issue 64): one row through each projection, cuBLAS against the Triton
+#               matrix-vector kernel's launch configs (Llama-1B and Qwen3-4B shapes); GEMV_ARGS adds flags
+#               (e.g. "--shapes qwen2-7b --configs 16x512x1,8x256x4")
 #   ab          benchmarks/ab.py: the A/B gate, this tree against each base tree carried in .ab/
 #               (`git archive <commit> | tar -x -C .ab/<commit>` here, then carry [".whl", ".ab"]) on
 #               the 7B-class long work at the defaults, alternating rounds; AB_ARGS adds flags
@@ -262,6 +265,11 @@ suite_lora() {
   # shellcheck disable=SC2086
   timeout "$(t lora)" python3 -m benchmarks.lora_kernels ${LORA_ARGS:-} 2>&1 | quiet | tee -a "$D/lora.md"
 }
+suite_gemv() {
+  # shellcheck disable=SC2086
+  timeout "$(t gemv)" python3 -m benchmarks.gemv --budget-s "$(( $(t gemv) - 40 ))" --out "$D/gemv.json" ${GEMV_ARGS:-} 2>&1 \
+    | quiet | tee -a "$D/gemv.md"
+}
 suite_spec() {
   # shellcheck disable=SC2086
   timeout "$(t spec)" python3 -m benchmarks.speculative --only cost,speed --budget-s "${SPEC_BUDGET_S:-200}" \
@@ -301,7 +309,7 @@ build_model(Path("/tmp/llama1b-aiperf"), {**LLAMA_1B, "vocab_size": 2560}, torch
   cp /tmp/pie-aiperf/levels.json "$D/aiperf.json" 2>/dev/null
 }
 
-SUITES=" tests alltests kernels variants ncu roofline extend engine profile host offline hf capacity serving mixed long chat fidelity smolpart realfidelity seeds structured tp spec lora ab aiperf "
+SUITES=" tests alltests kernels variants ncu roofline extend engine profile host offline hf capacity serving mixed long chat fidelity smolpart realfidelity seeds structured tp spec lora gemv ab aiperf "
 
 g() { git -c safe.directory="$ROOT" -C "$ROOT" "$@"; }  # files copied to a machine may belong to another user
 baseline_tree() {  # check BASELINE out outside the repo (or take a carried .baseline); prints its folder

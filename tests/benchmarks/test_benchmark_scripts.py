@@ -30,7 +30,7 @@ from tests.helpers import help_problems
 ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT / "benchmarks"
 # What needs a CUDA GPU: the kernel benchmarks. The rest run on the CPU (some with --tiny).
-GPU_ONLY = {"attention", "decode_variants", "extend_check", "lora_kernels"}
+GPU_ONLY = {"attention", "decode_variants", "extend_check", "gemv", "lora_kernels"}
 NO_GPU_MESSAGE = "this benchmark needs a CUDA GPU and none is visible"
 
 
