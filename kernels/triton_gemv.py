@@ -1,10 +1,9 @@
-"""One row through a linear layer: out = x @ weight.T + bias for x of one row, in Triton (issue 64).
+"""One row through a linear layer: out = x @ weight.T + bias for x of one row, in Triton.
 
 A user alone decodes one row a step, and each step reads every weight once: the step is a chain
-of matrix-vector products whose bound is the weights' bytes over the copy bandwidth. cuBLAS at
-one row reaches 80-86% of the H100's copy bandwidth on the Llama-1B and Qwen3-4B shapes, and
-splits K with a reduce kernel of its own on two of the four projections (benchmarks/HISTORY.md,
-tenth session). This kernel streams the weight rows with no tensor cores (one row of x gives
+of matrix-vector products whose bound is the weights' bytes over the copy bandwidth. A GEMM
+library's kernels at one row leave part of that bandwidth unused and may split K with a reduce
+kernel of their own. This kernel streams the weight rows with no tensor cores (one row of x gives
 nothing to share):
 
     grid (cdiv(N, BLOCK_N), SPLIT_K)
