@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
                        for _ in range(copies)]
             bias = torch.randn(n, device="cuda", generator=gen, dtype=torch.bfloat16) if has_bias else None
             x = torch.randn(1, k, device="cuda", generator=gen, dtype=torch.bfloat16)
-            out = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)  # the candidates' (F.linear's: the graph's pool)
+            out = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)  # the candidates write here
             want = torch.nn.functional.linear(x, weights[0], bias)
             turn = iter(range(1 << 62))
 

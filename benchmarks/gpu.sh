@@ -168,8 +168,8 @@ suite_engine() {
   suite_profile
 }
 suite_profile() {
-  # shellcheck disable=SC2086
   # profile.md keeps the whole table, kernels included; the call shows its headline lines
+  # shellcheck disable=SC2086
   timeout "$(t profile)" python3 -m benchmarks.profile_step --steps 30 ${PROFILE_ARGS:-} 2>&1 | quiet \
     | tee -a "$D/profile.md" | grep -i "wall per\|forward\|median\|busy\|^host:\|pinned"
 }
