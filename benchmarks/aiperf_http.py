@@ -3,8 +3,8 @@ OpenAI-compatible servers): closed-loop levels of concurrency, streaming chat co
 completions for a model without a chat template, --endpoint) with synthetic prompts of --isl
 tokens and exactly --osl tokens out (ignore_eos), one aiperf run per level; TTFT and ITL
 percentiles, output tokens/s and requests/s as aiperf reports them, and pie's own count of the
-tokens it generated over each run (its /metrics, which aiperf scrapes) beside aiperf's. The gRPC door has its own benchmark (benchmarks/serving.py): aiperf does not speak
-pie's proto.
+tokens it generated over each run (its /metrics, which aiperf scrapes) beside aiperf's. The gRPC
+door has its own benchmark (benchmarks/serving.py): aiperf does not speak pie's proto.
 
     bash benchmarks/aiperf_venv.sh      # aiperf 0.13.0 in .venv-aiperf, once (its pins clash with ours)
     python -m benchmarks.aiperf_http [--concurrency 1,4,16] [--isl 128] [--osl 64] [--model DIR] [--out DIR]
