@@ -68,7 +68,7 @@
 #               the suite ends within 5 minutes; SPEC_ARGS adds flags (e.g. "--shape 4b")
 #   lora        benchmarks/lora_kernels.py (issue 61): the LoRA kernels (shrink, reduce, expand) beside
 #               the base projections they ride on, per projection and per step, at a decode batch
-#               and a prefill chunk; LORA_ARGS adds flags (e.g. "--whole-k", "--slots 1,8,32")
+#               and a prefill chunk, per launch variant; LORA_ARGS adds flags (e.g. "--variants chunks,gemm", "--slots 1,8,32")
 #   gemv        benchmarks/gemv.py (issue 64): one row through each projection, cuBLAS against the Triton
 #               matrix-vector kernel's launch configs (Llama-1B and Qwen3-4B shapes); GEMV_ARGS adds flags
 #               (e.g. "--shapes qwen2-7b --configs 16x512x1,8x256x4")

@@ -1,14 +1,21 @@
 """The gathered LoRA kernels on the GPU (issue 61): their time per projection and per step, beside
-the base projections they add to.
+the base projections they add to, for each way of launching them.
 
     python -m benchmarks.lora_kernels                      # qwen2-7b shape, 256 and 8,192 rows, 1 and 8 slots
-    python -m benchmarks.lora_kernels --whole-k            # also the shrink without its K chunks (before them)
+    python -m benchmarks.lora_kernels --variants chunks,gemm
     python -m benchmarks.lora_kernels --shape llama-1b --tokens 64,256 --rank 64
 
 For each projection of the shape (qkv, o, gate_up, down: the fused ones' banks hold a rank's rows
 per part, as LoraBank does) and each step of T rows spread round-robin over S slots: the base GEMM
-(x W^T, cuBLAS) and `lora_delta_` (shrink, reduce, expand), each timed by `attention.bench_graph`
-(back-to-back calls replayed from one CUDA graph), the deltas first checked against the torch twin.
+(x W^T, cuBLAS) and `lora_delta_`, each timed by `attention.bench_graph` (back-to-back calls
+replayed from one CUDA graph), the deltas first checked against the torch twin. The variants
+(`--variants`, the kernels' own options, kernels/triton_lora.py):
+
+    chunks     the shipped launch: shrink over K chunks, reduce, expand; 16 rows a program
+    whole-k    the shrink with the whole K in one program (no reduce): what the chunks replaced
+    gemm       t of every slot from one library GEMM, then the expand
+    chunks-t64, gemm-t64   the same with 64 rows a program
+
 The table gives the microseconds of each and, per step, the layers' sum: the LoRA kernels' time as
 a share of the base projections' (the ≤ 5% that issue 61's throughput target leaves them).
 """
@@ -34,31 +41,43 @@ def projections(shape: str, rank: int) -> dict[str, tuple[int, int, int]]:
             "gate_up": (hidden, 2 * inter, 2 * rank), "down": (inter, hidden, rank)}
 
 
+# variant: (K_CHUNK or None for the whole K, shrink, rows per program)
+VARIANTS = {"chunks": (512, "chunks", 16), "whole-k": (None, "chunks", 16), "gemm": (512, "gemm", 16),
+            "chunks-t64": (512, "chunks", 64), "gemm-t64": (512, "gemm", 64)}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = make_parser(__doc__)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen2-7b", help="model shape (benchmarks/mixed.py)")
     ap.add_argument("--tokens", default="256,8192", help="rows per step (a decode batch, a prefill chunk)")
     ap.add_argument("--slots", default="1,8", help="adapters the rows are spread over")
     ap.add_argument("--rank", type=int, default=16, help="LoRA rank")
-    ap.add_argument("--whole-k", action="store_true", help="also time the shrink with the whole K in one program")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="launch variants to time, comma-separated: "
+                    + ", ".join(VARIANTS))
     args = ap.parse_args(argv)
+    variants = args.variants.split(",")
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        ap.error(f"--variants: unknown {', '.join(unknown)} (known: {', '.join(VARIANTS)})")
     require_cuda(ap)
     from benchmarks.attention import bench_graph
     from pie.kernels import triton_lora as tlo
 
     layers = SHAPES[args.shape][1]["num_hidden_layers"]
     gen = torch.Generator(device="cuda").manual_seed(0)
-    chunkings = [("chunks", tlo.K_CHUNK)] + ([("whole K", 1 << 20)] if args.whole_k else [])
+    shipped_chunk = tlo.K_CHUNK
     print(f"# {torch.cuda.get_device_name()}, {args.shape}, rank {args.rank}, bf16; microseconds per call "
-          f"(CUDA graph replay), K_CHUNK {tlo.K_CHUNK}")
-    print("| T | slots | shrink | qkv base / LoRA | o base / LoRA | gate_up base / LoRA | down base / LoRA "
+          f"(CUDA graph replay), K_CHUNK {shipped_chunk}")
+    print("| T | slots | variant | qkv base / LoRA | o base / LoRA | gate_up base / LoRA | down base / LoRA "
           "| per step: base / LoRA (LoRA / base) |")
     print("|---|---|---|---|---|---|---|---|")
     for t in (int(v) for v in args.tokens.split(",")):
         for s in (int(v) for v in args.slots.split(",")):
             slots = (torch.arange(t, device="cuda", dtype=torch.int32) % s).contiguous()
-            for label, chunk in chunkings:
-                tlo.K_CHUNK = chunk
+            for label in variants:
+                chunk, shrink, block_t = VARIANTS[label]
+                tlo.K_CHUNK = chunk or 1 << 20
+                kw = dict(shrink=shrink, block_t=block_t)
                 cells, base_sum, lora_sum = [], 0.0, 0.0
                 for k, n, rows in projections(args.shape, args.rank).values():
                     x = torch.randn(t, k, device="cuda", generator=gen, dtype=torch.bfloat16)
@@ -67,17 +86,19 @@ def main(argv: list[str] | None = None) -> int:
                     b = torch.randn(s, n, rows, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.01
                     y = x @ w.T
                     want = tlo.lora_delta_reference_(y.clone(), x, a, b, slots)
-                    got = tlo.lora_delta_(y.clone(), x, a, b, slots)
+                    got = tlo.lora_delta_(y.clone(), x, a, b, slots, **kw)
                     err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
                     assert err < 2e-2, f"{k}x{n}, T {t}, {s} slots: relative error {err:.2e} against the twin"
                     order = tlo.slot_order(slots)
                     base_us = 1e3 * bench_graph(lambda x=x, w=w, y=y: torch.matmul(x, w.T, out=y))
-                    lora_us = 1e3 * bench_graph(lambda y=y, x=x, a=a, b=b: tlo.lora_delta_(y, x, a, b, slots, order))
+                    lora_us = 1e3 * bench_graph(lambda y=y, x=x, a=a, b=b, kw=kw: tlo.lora_delta_(
+                        y, x, a, b, slots, order, **kw))
                     cells.append(f"{base_us:.1f} / {lora_us:.1f}")
                     base_sum += base_us
                     lora_sum += lora_us
                 print(f"| {t} | {s} | {label} | {' | '.join(cells)} | {layers * base_sum / 1e3:.2f} / "
                       f"{layers * lora_sum / 1e3:.2f} ms ({100 * lora_sum / base_sum:.1f}%) |", flush=True)
+    tlo.K_CHUNK = shipped_chunk
     return 0
 
 

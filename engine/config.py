@@ -22,6 +22,7 @@ KV_SMOOTHING = ("auto", "on", "off")  # kv_smoothing: model/smoothing.py
 SPECULATIVE_METHODS = ("ngram", "draft")
 MAX_SPECULATIVE_TOKENS = 16  # proposals per step at most: a verify row is 1 + K tokens
 MAX_LORA_RANK = 512  # kernels/triton_lora.py keeps a slot's rank rows in one tile
+LORA_SHRINKS = ("chunks", "gemm")  # kernels/triton_lora.py SHRINKS (not imported: the CPU path needs no triton)
 
 
 @dataclass(slots=True)
@@ -106,6 +107,10 @@ class EngineConfig:
     max_loras: int = 0
     max_lora_rank: int = 16
     loras: tuple[tuple[str, str], ...] = ()
+    # How the Triton path makes each row's x . A^T (kernels/triton_lora.py SHRINKS): "chunks" (its
+    # own kernels, batch-invariant) or "gemm" (one library GEMM over every slot's A; not with
+    # batch_invariant).
+    lora_shrink: str = "chunks"
     # Tiers below the pool (engine/offload/): full prefix-cache blocks the pool lets go of are
     # copied, as stored (int8 data with its scales), into this much host memory (pinned on CUDA;
     # 0 = no tiers) and, with kv_disk_dir, into files there of at most kv_disk_gib in all, which a
@@ -183,6 +188,11 @@ class EngineConfig:
                              "holds its own share of every block)")
 
     def _check_loras(self) -> None:
+        if self.lora_shrink not in LORA_SHRINKS:
+            raise ValueError(f"lora_shrink must be one of {LORA_SHRINKS}, got {self.lora_shrink!r}")
+        if self.lora_shrink == "gemm" and self.batch_invariant:
+            raise ValueError("lora_shrink='gemm' is not batch-invariant (the library GEMM's sums depend on the batch): "
+                             "leave it 'chunks' with batch_invariant")
         if self.max_loras < 0:
             raise ValueError(f"max_loras must be >= 0, got {self.max_loras}")
         if not 1 <= self.max_lora_rank <= MAX_LORA_RANK:

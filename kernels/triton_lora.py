@@ -23,6 +23,16 @@ sequence at K = 3,584, 148 for a down projection's 18,944) 16 programs would run
 SMs. The chunks' partial sums add up in chunk order whatever T is, so a row's t is the same bits in
 any batch. The intermediate t is rounded to x's dtype before the expand, as a LoRA layer computing
 `lora_B(lora_A(x))` in the model's dtype does. Rows with slot -1 are never written.
+
+`shrink="gemm"` is the other way to make t: one dense product of x with every slot's A at once,
+
+    shrink  t_all = x . [A[0]; A[1]; ...; A[S-1]]^T      (T, S R) in x's dtype (the library GEMM)
+    expand  as above, each row reading its own slot's R columns of t_all
+
+S times the shrink's multiply-adds, which are few beside the base projection's when S R is a
+small fraction of N, in one library call instead of two launches of small programs. The library
+picks its own reduction by T, so t is not batch-invariant this way: the chunked shrink stays for
+the batch-invariant mode.
 """
 
 from __future__ import annotations
@@ -94,9 +104,11 @@ def _reduce_kernel(part_ptr, t_ptr, size, CHUNKS: tl.constexpr, BLOCK: tl.conste
 
 
 @triton.jit(do_not_specialize=["num_rows"], do_not_specialize_on_alignment=["slots_ptr", "order_ptr"])
-def _expand_kernel(t_ptr, b_ptr, y_ptr, slots_ptr, order_ptr, num_rows, stride_y,
+def _expand_kernel(t_ptr, b_ptr, y_ptr, slots_ptr, order_ptr, num_rows, stride_y, stride_t, slot_cols,
                    N: tl.constexpr, R: tl.constexpr, R_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
                    BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+    """y[rows, n tile] += t . B^T for this program's rows; a row's t at t[row, slot * slot_cols:]
+    (slot_cols 0: t holds the row's own R columns only; R: t_all of every slot, shrink="gemm")."""
     rows, slot = _block_rows(slots_ptr, order_ptr, num_rows, BLOCK_T)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -106,7 +118,8 @@ def _expand_kernel(t_ptr, b_ptr, y_ptr, slots_ptr, order_ptr, num_rows, stride_y
     while cur < (1 << 30):
         use = slot == cur
         # t rounded to the activations' dtype first (y's element type), as lora_B(lora_A(x)) is
-        t = tl.load(t_ptr + rows[:, None] * R + offs_r[None, :], mask=use[:, None] & r_ok[None, :], other=0.0)
+        t = tl.load(t_ptr + rows[:, None] * stride_t + cur * slot_cols + offs_r[None, :],
+                    mask=use[:, None] & r_ok[None, :], other=0.0)
         t = t.to(y_ptr.dtype.element_ty).to(DOT_DTYPE)
         b = tl.load(b_ptr + cur.to(tl.int64) * (N * R) + offs_n[None, :] * R + offs_r[:, None],
                     mask=n_ok[None, :] & r_ok[:, None], other=0.0)  # (R_PAD, BLOCK_N): B^T
@@ -131,10 +144,15 @@ def slot_order(slots: torch.Tensor) -> torch.Tensor:
     return torch.argsort(slots, stable=True).to(torch.int32)
 
 
+SHRINKS = ("chunks", "gemm")  # how t is made (module docstring)
+
+
 def lora_delta_(y: torch.Tensor, x: torch.Tensor, a_bank: torch.Tensor, b_bank: torch.Tensor,
-                slots: torch.Tensor, order: torch.Tensor | None = None) -> torch.Tensor:
+                slots: torch.Tensor, order: torch.Tensor | None = None, *, shrink: str = "chunks",
+                block_t: int = BLOCK_T) -> torch.Tensor:
     """y += the LoRA delta of each row's slot (module docstring); the Triton twin of
-    `lora_delta_reference_`. order: `slot_order(slots)` when the caller has it. Returns y."""
+    `lora_delta_reference_`. order: `slot_order(slots)` when the caller has it. shrink: one of
+    SHRINKS. block_t: rows per program (a power of two, at least 16). Returns y."""
     t_rows, k = x.shape
     s, r, k_a = a_bank.shape
     assert k_a == k, f"A's input width {k_a} vs x's {k}"
@@ -146,6 +164,8 @@ def lora_delta_(y: torch.Tensor, x: torch.Tensor, a_bank: torch.Tensor, b_bank: 
     assert a_bank.is_contiguous() and b_bank.is_contiguous(), "the banks must be contiguous"
     assert a_bank.dtype == b_bank.dtype == x.dtype == y.dtype, "x, y and the banks share one dtype"
     assert 1 <= r <= MAX_RANK, f"rank rows {r} outside 1..{MAX_RANK}"
+    assert shrink in SHRINKS, f"shrink must be one of {SHRINKS}, got {shrink!r}"
+    assert block_t >= 16 and block_t & (block_t - 1) == 0, f"block_t {block_t}: a power of two >= 16"
     if t_rows == 0:
         return y
     if order is None:
@@ -153,21 +173,28 @@ def lora_delta_(y: torch.Tensor, x: torch.Tensor, a_bank: torch.Tensor, b_bank: 
     on_gpu = x.is_cuda
     dot_dtype, precision = _dot_types(x.dtype, on_gpu)
     r_pad = max(16, next_pow2(r))
-    blocks, chunks = cdiv(t_rows, BLOCK_T), cdiv(k, K_CHUNK)
-    part = torch.empty((chunks, t_rows, r), dtype=torch.float32, device=x.device)
-    block_k = max(16, min(128, next_pow2(k))) if on_gpu else 32  # (each divides K_CHUNK)
-    _shrink_kernel[(blocks, chunks)](x, a_bank, part, slots, order, t_rows, x.stride(0), K=k, R=r, R_PAD=r_pad,
-                                     BLOCK_T=BLOCK_T, BLOCK_K=block_k, K_CHUNK=K_CHUNK, DOT_DTYPE=dot_dtype,
-                                     PRECISION=precision, num_warps=4)
-    if chunks == 1:
-        t = part[0]
+    blocks = cdiv(t_rows, block_t)
+    if shrink == "gemm":  # every slot's t at once, rounded to x's dtype by the product itself
+        t = torch.mm(x, a_bank.view(s * r, k).T)  # (T, S R)
+        slot_cols = r
     else:
-        t = torch.empty((t_rows, r), dtype=torch.float32, device=x.device)
-        _reduce_kernel[(cdiv(t_rows * r, 1024),)](part, t, t_rows * r, CHUNKS=chunks, BLOCK=1024, num_warps=4)
+        chunks = cdiv(k, K_CHUNK)
+        part = torch.empty((chunks, t_rows, r), dtype=torch.float32, device=x.device)
+        block_k = max(16, min(128, next_pow2(k))) if on_gpu else 32  # (each divides K_CHUNK)
+        _shrink_kernel[(blocks, chunks)](x, a_bank, part, slots, order, t_rows, x.stride(0), K=k, R=r,
+                                         R_PAD=r_pad, BLOCK_T=block_t, BLOCK_K=block_k, K_CHUNK=K_CHUNK,
+                                         DOT_DTYPE=dot_dtype, PRECISION=precision, num_warps=4)
+        if chunks == 1:
+            t = part[0]
+        else:
+            t = torch.empty((t_rows, r), dtype=torch.float32, device=x.device)
+            _reduce_kernel[(cdiv(t_rows * r, 1024),)](part, t, t_rows * r, CHUNKS=chunks, BLOCK=1024, num_warps=4)
+        slot_cols = 0
     block_n = max(16, min(128 if on_gpu else 32, next_pow2(n)))
-    _expand_kernel[(blocks, cdiv(n, block_n))](t, b_bank, y, slots, order, t_rows, y.stride(0), N=n, R=r,
-                                               R_PAD=r_pad, BLOCK_T=BLOCK_T, BLOCK_N=block_n,
-                                               DOT_DTYPE=dot_dtype, PRECISION=precision, num_warps=4)
+    _expand_kernel[(blocks, cdiv(n, block_n))](t, b_bank, y, slots, order, t_rows, y.stride(0), t.stride(0),
+                                               slot_cols, N=n, R=r, R_PAD=r_pad, BLOCK_T=block_t,
+                                               BLOCK_N=block_n, DOT_DTYPE=dot_dtype, PRECISION=precision,
+                                               num_warps=4)
     return y
 
 

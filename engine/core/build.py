@@ -5,6 +5,7 @@ smoothing folded into the weights before int8 pages quantize anything, and specu
 from __future__ import annotations
 
 from collections import Counter
+from functools import partial
 from pathlib import Path
 
 import structlog
@@ -62,11 +63,12 @@ def make_adapters(model: LlamaForCausalLM, config: EngineConfig, device: torch.d
                     max_tokens=max(config.max_num_batched_tokens, config.max_num_seqs))  # a step's rows at most
     if factors is not None:
         bank.fold_smoothing(factors.k, factors.v)
+    from pie.kernels import triton_lora
+
     if device.type == "cuda" or config.attention_backend == "triton":
-        from pie.kernels.triton_lora import lora_delta_ as ops
+        bank.attach(model, partial(triton_lora.lora_delta_, shrink=config.lora_shrink))
     else:
-        from pie.kernels.triton_lora import lora_delta_reference_ as ops
-    bank.attach(model, ops)
+        bank.attach(model, triton_lora.lora_delta_reference_)
     adapters = Adapters(bank, mc)
     for name, folder in config.loras:
         try:

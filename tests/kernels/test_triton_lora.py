@@ -72,6 +72,25 @@ def test_input_cut_in_chunks(rng):
         torch.testing.assert_close(alone[0], got[i], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(("shrink", "block_t"), [("gemm", 16), ("chunks", 32), ("gemm", 64)])
+def test_other_shrinks_and_row_blocks(rng, shrink, block_t):
+    """t from one product over every slot (each row reading its own slot's columns), and blocks of
+    more rows than tl.dot's least: the twin's deltas for decode rows of mixed slots, base rows and
+    prompt segments, with K past K_CHUNK; base rows untouched to the bit."""
+    gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    k = K_CHUNK + 40
+    a, b = _banks(4, 24, k, 56, torch.float32, "cpu", gen)
+    a /= k ** 0.5
+    slots = torch.tensor([3, -1, 0, 2, 1, 3, -1] + [1] * 27 + [-1] * 5 + [2] * 30, dtype=torch.int32)
+    x = torch.randn(slots.numel(), k, generator=gen)
+    base = torch.randn(slots.numel(), 56, generator=gen)
+    want = lora_delta_reference_(base.clone(), x, a, b, slots)
+    got = lora_delta_(base.clone(), x, a, b, slots, slot_order(slots), shrink=shrink, block_t=block_t)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    keep = slots < 0
+    assert torch.equal(got[keep], base[keep])
+
+
 def test_no_adapter_rows_and_empty_batch():
     a = torch.ones(2, 8, 16)
     b = torch.ones(2, 16, 8)
@@ -89,11 +108,16 @@ def test_refuses_mismatched_shapes():
         lora_delta_(torch.zeros(3, 16), torch.ones(3, 12), a, b, torch.zeros(3, dtype=torch.int32))
     with pytest.raises(AssertionError, match="int32"):
         lora_delta_(torch.zeros(3, 16), torch.ones(3, 16), a, b, torch.zeros(3, dtype=torch.int64))
+    with pytest.raises(AssertionError, match="shrink must be one of"):
+        lora_delta_(torch.zeros(3, 16), torch.ones(3, 16), a, b, torch.zeros(3, dtype=torch.int32), shrink="mm")
+    with pytest.raises(AssertionError, match="block_t 24"):
+        lora_delta_(torch.zeros(3, 16), torch.ones(3, 16), a, b, torch.zeros(3, dtype=torch.int32), block_t=24)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_matches_twin(rng, dtype):
+@pytest.mark.parametrize(("shrink", "block_t"), [("chunks", 16), ("gemm", 64)])
+def test_gpu_matches_twin(rng, dtype, shrink, block_t):
     gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
     a, b = _banks(9, 48, 3584, 4608, dtype, "cuda", gen)
     rows = 300
@@ -104,11 +128,12 @@ def test_gpu_matches_twin(rng, dtype):
     got = base.clone()
     got[slots >= 0] = float("nan")  # poisoned: every adapter row must be written...
     got = torch.where(slots[:, None] >= 0, base, got)  # ...from the base it had (restored here)
-    lora_delta_(got, x, a, b, slots)
+    lora_delta_(got, x, a, b, slots, shrink=shrink, block_t=block_t)
     assert bool(torch.isfinite(got).all())
     err = (got.float() - want.float()).abs().max() / want.float().abs().max()
     assert err < 2e-2, err
-    # K = 3,584 in 7 chunks summed in a fixed order: a row's delta is the same bits in any batch
-    for i in (0, 1, 150, 299):
-        alone = lora_delta_(base[i:i + 1].clone(), x[i:i + 1], a, b, slots[i:i + 1])
-        assert torch.equal(alone[0], got[i]), i
+    if shrink == "chunks":
+        # K = 3,584 in 7 chunks summed in a fixed order: a row's delta is the same bits in any batch
+        for i in (0, 1, 150, 299):
+            alone = lora_delta_(base[i:i + 1].clone(), x[i:i + 1], a, b, slots[i:i + 1])
+            assert torch.equal(alone[0], got[i]), i

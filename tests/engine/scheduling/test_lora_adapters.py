@@ -129,6 +129,10 @@ def test_config_refusals(lora_setup):
         EngineConfig(max_loras=1, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="given twice"):
         EngineConfig(max_loras=1, loras=(("a", "/x"), ("a", "/y")))
+    with pytest.raises(ValueError, match="lora_shrink must be one of"):
+        EngineConfig(max_loras=1, lora_shrink="mm")
+    with pytest.raises(ValueError, match="not batch-invariant"):
+        EngineConfig(max_loras=1, lora_shrink="gemm", batch_invariant=True)
     with pytest.raises(StartupError, match="--lora mlp64=.*: rank 64 is above the server's --max-lora-rank 16"):
         EngineCore(EngineConfig(model=str(model_dir), device="cpu", dtype="fp32", num_kv_blocks=32, max_loras=1,
                                 max_lora_rank=16, loras=(("mlp64", str(folders["mlp64"])),)))
@@ -180,19 +184,22 @@ def test_slots_lru_and_unload(lora_setup):
 @pytest.mark.gpu
 def test_cuda_graphs_carry_the_slots(lora_setup):
     """On CUDA the slots are graph inputs: decode graphs and piecewise prompt graphs give the
-    eager engine's ids, and both keep peft's (fp32; TF32 attention dots may flip a near tie)."""
+    eager engine's ids, and both keep peft's (fp32; TF32 attention dots may flip a near tie); so
+    does the shrink by one GEMM over every slot (lora_shrink="gemm")."""
     model_dir, folders, prompts, names, want = lora_setup
     sampling = SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True)
     got = {}
-    for eager in (True, False):
+    for eager, shrink in ((True, "chunks"), (False, "chunks"), (False, "gemm")):
         engine = EngineCore(EngineConfig(model=str(model_dir), device="cuda", dtype="fp32", kv_cache_dtype="fp32",
                                          num_kv_blocks=128, max_num_seqs=8, max_loras=2, max_lora_rank=64,
-                                         loras=tuple((n, str(f)) for n, f in folders.items()), enforce_eager=eager))
-        got[eager] = engine.generate(prompts, sampling, names)
+                                         loras=tuple((n, str(f)) for n, f in folders.items()), enforce_eager=eager,
+                                         lora_shrink=shrink))
+        got[eager, shrink] = engine.generate(prompts, sampling, names)
         del engine
-    assert got[False] == got[True]
-    agree = sum(common_prefix(g, w) / TOKENS for g, w in zip(got[False], want, strict=True)) / len(want)
-    assert agree >= 0.9, agree
+    assert got[False, "chunks"] == got[True, "chunks"]
+    for key in ((False, "chunks"), (False, "gemm")):
+        agree = sum(common_prefix(g, w) / TOKENS for g, w in zip(got[key], want, strict=True)) / len(want)
+        assert agree >= 0.9, (key, agree)
 
 
 def test_load_and_unload_at_run_time(lora_setup):
