@@ -141,8 +141,11 @@ suite_alltests() {
   # -rfs: the summary names every failure (the tail alone showed only the last one's traceback);
   # the whole output stays in alltests-full.log.
   # (~4-7 minutes on an H100 with Triton's compiles: a call of its own; 260 s stopped it at ~70%)
-  timeout "${TIMEOUT_alltests:-${SUITE_TIMEOUT:-570}}" python3 -m pytest -q -m gpu -p no:cacheprovider -rfs tests --ignore=tests/deploy \
-    --ignore=tests/service/http --ignore=tests/service/test_one_path.py 2>&1 | tee "$D/alltests-full.log" | tail -40 | tee -a "$D/alltests.log"
+  # The time limit interrupts it as Ctrl-C would (SIGINT), so that pytest still prints its summary
+  # and the slowest tests (-k: killed 20 s later if it does not stop).
+  timeout -s INT -k 20 "${TIMEOUT_alltests:-${SUITE_TIMEOUT:-570}}" python3 -m pytest -q -m gpu -p no:cacheprovider -rfs \
+    --durations=40 tests --ignore=tests/deploy --ignore=tests/service/http --ignore=tests/service/test_one_path.py 2>&1 \
+    | tee "$D/alltests-full.log" | tail -90 | tee -a "$D/alltests.log"
 }
 suite_kernels() {
   # shellcheck disable=SC2086
@@ -360,3 +363,12 @@ for suite in "$@"; do
     [ -n "$BASE" ] && D=$OUT/baseline run_suite "$suite" "$BASE" " (baseline ${BASELINE})$r"
   done
 done
+# Triton's compiled kernels for the next session (gpu_env.sh says how they come back); only the
+# files Triton loads (a kernel's binary and metadata), and only under the 16 MiB a file may bring back
+if [ -n "${TRITON_CACHE_DIR:-}" ] && [ -d "$TRITON_CACHE_DIR" ]; then
+  (cd "$TRITON_CACHE_DIR" && find . -type f \( -name '*.cubin' -o -name '*.json' -o -name '*.so' \) -print0 \
+    | tar -czf "$OUT/triton-cache.tgz" --null -T - 2>/dev/null)
+  size=$(stat -c %s "$OUT/triton-cache.tgz" 2>/dev/null || echo 0)
+  if [ "$size" -gt $((15 * 1024 * 1024)) ] || [ "$size" -lt 1024 ]; then rm -f "$OUT/triton-cache.tgz"; fi
+  [ -f "$OUT/triton-cache.tgz" ] && echo "triton cache: $((size / 1024)) KiB in triton-cache.tgz (save as .triton-cache.tgz, carry it)"
+fi
