@@ -218,6 +218,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, metavar="DIR", help="folder for variants.md/json (default: $OUT, else /tmp)")
     ap.add_argument("--ragged", action="store_true",
                     help="only the engine-like cases: ragged lengths, a large shuffled pool, split policies")
+    ap.add_argument("--one-stream", action="store_true",
+                    help="only a few streams at short and long contexts in the grid a CUDA graph captures (splits "
+                         "for --max-model-len), the launch table against it with DecodeConfig.min_split")
+    ap.add_argument("--max-model-len", type=int, default=32768, help="--one-stream: the context the graph's grid is for")
     args = ap.parse_args(argv)
     require_cuda(ap)
     out_dir = args.out or os.environ.get("OUT", "/tmp")
@@ -230,6 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     results: dict = {"copy_tbs": bw / 1e12, "check": {}, "rows": [], "long": [], "ragged": []}
     if args.ragged:
         ragged(bw, args.repeats, results)
+        return write(out_dir, results)
+    if args.one_stream:
+        one_stream(bw, args.repeats, args.max_model_len, results)
         return write(out_dir, results)
 
     log("\n## correctness: max |err| / max |ref| vs the fp32 reference (ragged lens, splits None/1/7, G 4 p16 and G 8 p32)")
@@ -285,6 +292,47 @@ def main(argv: list[str] | None = None) -> int:
                 results["long"].append(dict(variant=name, splits=n, graph_ms=g, copy_frac=frac))
                 log(f"| {name} | {n} | {g:.4f} | {100 * frac:.0f}% |")
     return write(out_dir, results)
+
+
+def one_stream(bw: float, repeats: int, max_model_len: int, results: dict) -> None:
+    """Issue 64's one stream: B rows (1, 4) over a context of 128 to 16k keys, D128, replayed from
+    a CUDA graph whose split count was set by max_model_len (what the engine's decode graphs of few
+    rows launch: `default_num_splits` of the longest allowed context), for the launch table as
+    shipped and with min_split = MIN_SPLIT_TOKENS (a short context then does its work in the
+    splits its keys fill); beside them the split count an eager step would pick for the context at
+    hand. Each config checked against the reference first."""
+    results["one_stream"] = []
+    log(f"\n## a few streams in a graph's grid (splits for max_model_len {max_model_len}), D128, graph replay")
+    log("| rows | ctx | pages | grid splits | table ms | min_split ms | eager splits | eager ms | min_split / table |")
+    log("|---|---|---|---|---|---|---|---|---|")
+    sms = td._sm_count(0)
+    for b in (1, 4):
+        for ctx in (128, 512, 2048, 16384):
+            for int8 in (True, False):
+                kargs, nbytes = make([ctx] * b, 128, int8)
+                out = torch.empty_like(kargs[0])
+                table = td._config(128, PAGE, kargs[1].dtype, True)
+                cfgs = {"table": table, "min_split": dataclasses.replace(table, min_split=td.MIN_SPLIT_TOKENS)}
+                grid = td.default_num_splits(b, HKV, max_model_len, sms, table.per_sm)
+                eager = td.default_num_splits(b, HKV, ctx, sms, table.per_sm)
+                ref = paged_attention_decode(kargs[0].float(), *kargs[1:], 128 ** -0.5)
+                row = dict(rows=b, ctx=ctx, pages="int8" if int8 else "bf16", grid_splits=grid, eager_splits=eager)
+                for label, cfg, n in (("table", table, grid), ("min_split", cfgs["min_split"], grid),
+                                      ("eager", table, eager)):
+                    fn = lambda cfg=cfg, n=n, kargs=kargs, out=out: td.paged_decode(  # noqa: E731
+                        *kargs, 128 ** -0.5, num_splits=n, out=out, config=cfg)
+                    out.fill_(float("nan"))
+                    fn()
+                    err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+                    row[f"{label}_err"] = err
+                    row[f"{label}_ms"] = statistics.median(bench_graph(fn) for _ in range(max(1, repeats)))
+                results["one_stream"].append(row)
+                bad = [k for k in ("table", "min_split", "eager") if not row[f"{k}_err"] < 2.5e-2]
+                log(f"| {b} | {ctx} | {row['pages']} | {grid} | {row['table_ms']:.4f} | {row['min_split_ms']:.4f} | "
+                    f"{eager} | {row['eager_ms']:.4f} | {row['min_split_ms'] / row['table_ms']:.3f} |"
+                    + (f" FAIL check: {', '.join(bad)}" if bad else ""))
+                del kargs, out
+                torch.cuda.empty_cache()
 
 
 def write(out_dir: str, results: dict) -> int:

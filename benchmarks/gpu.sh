@@ -13,7 +13,7 @@
 #   kernels     benchmarks/attention.py --graphs (decode vs SDPA and the copy bandwidth, extend,
 #               fidelity); KERNELS_ARGS adds flags (e.g. "--repeats 3")
 #   variants    benchmarks/decode_variants.py (decode launch variants, checked then timed);
-#               VARIANTS_ARGS adds flags (e.g. "--only old,bias-w4 --repeats 3", "--engine")
+#               VARIANTS_ARGS adds flags (e.g. "--only old,bias-w4 --repeats 3", "--one-stream")
 #   ncu         benchmarks/ncu_decode.py --profile (Nsight Compute on _decode_stage1); NCU_CASES
 #               overrides its cases
 #   roofline    benchmarks/int8_roofline.py --stream --buildup (issue 46: the streaming kernels, the

@@ -213,6 +213,25 @@ def _merge_sub_tiles(acc, m_i, l_i):
 
 
 @triton.jit
+def _used_splits(seq_len, num_splits, SPLIT_TOKENS: tl.constexpr, WINDOW: tl.constexpr, BLOCK_N: tl.constexpr,
+                 MIN_TILES: tl.constexpr):
+    """How many of the grid's num_splits hold keys of a sequence of seq_len, as stage 1 shares
+    them out (stage 2 merges those): with fixed splits, those up to its end; on the batch-count
+    path, all of them (MIN_TILES 1: an empty split writes an empty part) or, with MIN_TILES > 1,
+    as many as its tiles fill at MIN_TILES or more each (0 for an empty sequence)."""
+    used = num_splits
+    if SPLIT_TOKENS > 0:
+        used = tl.minimum(tl.cdiv(seq_len, SPLIT_TOKENS), num_splits)
+    elif MIN_TILES > 1:
+        lo = 0
+        if WINDOW > 0:
+            lo = tl.maximum(seq_len - WINDOW, 0)
+        num_tiles = tl.cdiv(seq_len - lo // BLOCK_N * BLOCK_N, BLOCK_N)
+        used = tl.cdiv(num_tiles, tl.maximum(tl.cdiv(num_tiles, num_splits), MIN_TILES))
+    return used
+
+
+@triton.jit
 def _decode_split(
     h, b, split, q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, lse_ptr,
     qk_scale, stride_qb, stride_qh, stride_btb, stride_ob, stride_oh, num_splits,
@@ -220,27 +239,30 @@ def _decode_split(
     DIRECT: tl.constexpr, WINDOW: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_INT8: tl.constexpr, K_MODE: tl.constexpr,
     V_MODE: tl.constexpr, DOT_DTYPE: tl.constexpr, QK_DTYPE: tl.constexpr, PV_DTYPE: tl.constexpr,
-    PRECISION: tl.constexpr, ASM: tl.constexpr, W: tl.constexpr,
+    PRECISION: tl.constexpr, ASM: tl.constexpr, W: tl.constexpr, MIN_TILES: tl.constexpr,
 ):
     """Split `split` of sequence b for kv head h: its keys, then `out` or its workspace row. W > 0:
-    each tile's keys in W sub-tiles of their own softmax state (`_warp_tile`)."""
+    each tile's keys in W sub-tiles of their own softmax state (`_warp_tile`). MIN_TILES: the
+    fewest tiles a split of the batch-count path holds (`_used_splits`)."""
     seq_len = tl.load(lens_ptr + b)
-    # Fixed splits: the grid has room for the longest context the caller allows; a split past
-    # this sequence's end (its programs are most of the grid for short contexts) exits here.
+    lo = 0
+    if WINDOW > 0:
+        lo = tl.maximum(seq_len - WINDOW, 0)  # the oldest key the query still sees
+    first = lo // BLOCK_N * BLOCK_N
+    num_tiles = tl.cdiv(seq_len - first, BLOCK_N)
+    tiles_per_split = tl.maximum(tl.cdiv(num_tiles, num_splits), MIN_TILES)  # (the batch-count path's)
+    # The grid has room for the longest context the caller allows; a split past this sequence's
+    # end (its programs are most of the grid for short contexts) exits here.
     run = True
     if SPLIT_TOKENS > 0:
         run = (split == 0) | (split * SPLIT_TOKENS < seq_len)
+    elif MIN_TILES > 1:
+        run = (split == 0) | (split * tiles_per_split < num_tiles)
     if run:
-        lo = 0
-        if WINDOW > 0:
-            lo = tl.maximum(seq_len - WINDOW, 0)  # the oldest key the query still sees
-        first = lo // BLOCK_N * BLOCK_N
-        num_tiles = tl.cdiv(seq_len - first, BLOCK_N)
         if SPLIT_TOKENS > 0:  # splits at fixed key positions: the same for a sequence in any batch
             start = tl.maximum(split * SPLIT_TOKENS, first)
             end = tl.minimum((split + 1) * SPLIT_TOKENS, seq_len)
-        else:  # the sequence's tiles shared out evenly over num_splits
-            tiles_per_split = tl.cdiv(num_tiles, num_splits)
+        else:  # the sequence's tiles shared out evenly over its splits
             start = first + split * tiles_per_split * BLOCK_N
             end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
         full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N  # unmasked tiles stop here
@@ -311,12 +333,10 @@ def _decode_split(
             o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
             tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
         else:
-            # With fixed splits a sequence uses its first cdiv(seq_len, SPLIT_TOKENS) of them: one
-            # split writes `out` itself (what stage 2 would make of it: weight 2^0 = 1, the bits of
-            # acc / l), and splits past the sequence's end write nothing (stage 2 reads only the used ones).
-            used = num_splits
-            if SPLIT_TOKENS > 0:
-                used = tl.minimum(tl.cdiv(seq_len, SPLIT_TOKENS), num_splits)
+            # A sequence may use only its first splits (`_used_splits`): one split writes `out`
+            # itself (what stage 2 would make of it: weight 2^0 = 1, the bits of acc / l), and
+            # splits past the sequence's end write nothing (stage 2 reads only the used ones).
+            used = _used_splits(seq_len, num_splits, SPLIT_TOKENS, WINDOW, BLOCK_N, MIN_TILES)
             if used <= 1:
                 if split == 0:
                     o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
@@ -359,7 +379,7 @@ def _decode_stage1(
     PAGE: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_INT8: tl.constexpr, K_MODE: tl.constexpr, V_MODE: tl.constexpr, DOT_DTYPE: tl.constexpr,
     QK_DTYPE: tl.constexpr, PV_DTYPE: tl.constexpr, PRECISION: tl.constexpr, ASM: tl.constexpr,
-    WORKLIST: tl.constexpr, W: tl.constexpr,
+    WORKLIST: tl.constexpr, W: tl.constexpr, MIN_TILES: tl.constexpr,
 ):
     h = tl.program_id(0)  # kv head: a sequence's Hkv programs launch side by side
     if WORKLIST:
@@ -372,12 +392,12 @@ def _decode_stage1(
             _decode_split(h, b, item - first_item, q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, out_ptr,
                           part_ptr, lse_ptr, qk_scale, stride_qb, stride_qh, stride_btb, stride_ob, stride_oh,
                           num_splits, G, HQ, HKV, K_T, SPLIT_TOKENS, DIRECT, WINDOW, PAGE, D, D_PAD, BLOCK_M,
-                          BLOCK_N, IS_INT8, K_MODE, V_MODE, DOT_DTYPE, QK_DTYPE, PV_DTYPE, PRECISION, ASM, W)
+                          BLOCK_N, IS_INT8, K_MODE, V_MODE, DOT_DTYPE, QK_DTYPE, PV_DTYPE, PRECISION, ASM, W, MIN_TILES)
     else:
         _decode_split(h, tl.program_id(1), tl.program_id(2), q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr,
                       out_ptr, part_ptr, lse_ptr, qk_scale, stride_qb, stride_qh, stride_btb, stride_ob, stride_oh,
                       num_splits, G, HQ, HKV, K_T, SPLIT_TOKENS, DIRECT, WINDOW, PAGE, D, D_PAD, BLOCK_M,
-                      BLOCK_N, IS_INT8, K_MODE, V_MODE, DOT_DTYPE, QK_DTYPE, PV_DTYPE, PRECISION, ASM, W)
+                      BLOCK_N, IS_INT8, K_MODE, V_MODE, DOT_DTYPE, QK_DTYPE, PV_DTYPE, PRECISION, ASM, W, MIN_TILES)
 
 
 @triton.jit(do_not_specialize=["num_splits"], do_not_specialize_on_alignment=["lens_ptr"])
@@ -385,12 +405,14 @@ def _decode_stage2(
     part_ptr, lse_ptr, out_ptr, lens_ptr,
     stride_ob, stride_oh, num_splits,
     HQ: tl.constexpr, SPLIT_TOKENS: tl.constexpr, SPLITS_P2: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    WINDOW: tl.constexpr, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr,
 ):
     b = tl.program_id(0)
     hq = tl.program_id(1)
+    # the splits the sequence reaches (stage 1 wrote `out` itself for one)
     used = num_splits
-    if SPLIT_TOKENS > 0:  # the splits the sequence reaches (stage 1 wrote `out` itself for one)
-        used = tl.minimum(tl.cdiv(tl.load(lens_ptr + b), SPLIT_TOKENS), num_splits)
+    if SPLIT_TOKENS > 0 or MIN_TILES > 1:
+        used = _used_splits(tl.load(lens_ptr + b), num_splits, SPLIT_TOKENS, WINDOW, BLOCK_N, MIN_TILES)
     if used > 1:
         offs_s = tl.arange(0, SPLITS_P2)
         offs_d = tl.arange(0, D_PAD)
@@ -477,6 +499,12 @@ class DecodeConfig:
     # > 0: each tile's keys in this many sub-tiles with a softmax state of their own, one per warp
     # (`_warp_tile`; block_n // sub_tiles keys each, >= 16), merged once per split
     sub_tiles: int = 0
+    # Splits by the batch count (no split_tokens): > 0, a sequence's keys go to as many of the
+    # grid's splits as hold at least this many keys each (the rule `default_num_splits` applies to
+    # the batch's longest context, applied per sequence on the device), the rest exit at once and
+    # one used split writes `out` itself; 0, its tiles spread over every split. The grid a graph
+    # captures for the longest allowed context then does a short context's work in one split.
+    min_split: int = 0
 
 
 MANY_PROGRAMS = 8  # (sequence, kv head) pairs per SM from which head dim 64 runs one warp per program
@@ -643,6 +671,7 @@ def paged_decode(
     # itself, without registers for the padding), or at least BLOCK_M (the old layout).
     block_m = next_pow2(group) if cfg.tight_m else max(BLOCK_M, next_pow2(group))
 
+    min_tiles = cdiv(cfg.min_split, cfg.block_n) if split_tokens is None and cfg.min_split > 0 else 1
     if num_splits == 1:
         part = lse = out  # unused by the kernel
     else:
@@ -662,12 +691,16 @@ def paged_decode(
         IS_INT8=is_int8, K_MODE=K_MODES[cfg.k_mode], V_MODE=V_MODES[cfg.v_mode], DOT_DTYPE=dot_dtype,
         QK_DTYPE=half if is_int8 and cfg.k_mode == "bias" else dot_dtype,
         PV_DTYPE=half if is_int8 and cfg.v_mode != "cast" else dot_dtype, PRECISION=precision, ASM=on_gpu,
-        WORKLIST=programs is not None, W=cfg.sub_tiles, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
+        WORKLIST=programs is not None, W=cfg.sub_tiles, MIN_TILES=min_tiles, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **extra,
     )
     if num_splits > 1:
         _decode_stage2[(b, hq)](
             part, lse, out, seq_lens, out.stride(0), out.stride(1), num_splits,
             HQ=hq, SPLIT_TOKENS=split_tokens or 0, SPLITS_P2=max(MAX_SPLITS, next_pow2(num_splits)),
+            # (the window and tile read only with MIN_TILES > 1: no other compile without it)
+            WINDOW=(window or 0) if min_tiles > 1 else 0, BLOCK_N=cfg.block_n if min_tiles > 1 else 16,
+            MIN_TILES=min_tiles,
             D=d, D_PAD=d_pad,
             num_warps=4 if d_pad >= 128 else 2,
         )

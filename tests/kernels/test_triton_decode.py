@@ -11,6 +11,7 @@ from the `gen` fixture (tests/kernels/conftest.py), seeded from `rng`.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -26,6 +27,7 @@ from pie.kernels.triton_decode import (  # noqa: E402
     MAX_FIXED_SPLITS,
     SPLIT_TOKENS,
     DecodeConfig,
+    _config,
     default_num_splits,
     fixed_split_tokens,
     paged_decode,
@@ -210,7 +212,7 @@ def test_default_num_splits():
 def test_launch_table():
     """The GPU launch table (no GPU needed): int8 at head dim 128 on 4 warps without padding
     registers; head dim 64 on one warp only with many programs per SM; 16-bit pages unchanged."""
-    from pie.kernels.triton_decode import MANY_PROGRAMS, _config
+    from pie.kernels.triton_decode import MANY_PROGRAMS
 
     d128 = _config(128, 16, torch.int8, True)
     assert (d128.block_n, d128.num_warps, d128.k_mode, d128.v_mode, d128.tight_m) == (64, 4, "imma", "bias", True)
@@ -344,6 +346,40 @@ def test_split_tokens_with_room_for_longer_contexts(cache_dtype, gen, rng):
         assert err < TOL[q_dtype], f"relative max error {err:.2e} with room for {room} keys"
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float32 if not HAS_CUDA else torch.bfloat16], ids=str)
+def test_min_split_fills_only_the_splits_a_sequence_needs(cache_dtype, gen, rng):
+    """DecodeConfig.min_split on the batch-count path: a grid of many splits (a graph's, sized for
+    the longest allowed context) gives each sequence only the splits its keys fill at min_split
+    keys or more; the rest exit and stage 2 merges only those. The output matches the reference
+    (a sliding window too) whatever the unused workspace holds, and a sequence that fills one
+    split is the same bits as the one-split call (no stage 2)."""
+    q_dtype = Q_DTYPES[0]
+    block_n = 32 if not HAS_CUDA else 64
+    min_split = 2 * block_n
+    lens = [1, block_n - 3, min_split, min_split + 1, rng.randint(3 * min_split, 5 * min_split), 0]
+    kernel_args, ref_args = make_case(gen, lens[:-1] + [1], 2, 4, 64, 16, cache_dtype, q_dtype)
+    kernel_args[-1][-1] = 0  # a padding row: no keys at all
+    ref_args[-1][-1] = 0
+    scale = 64 ** -0.5
+    base = _config(64, 16, kernel_args[1].dtype, HAS_CUDA)
+    cfg = dataclasses.replace(base, block_n=block_n, min_split=min_split)
+    for window in (None, min_split + 5):
+        ref = paged_attention_decode(*ref_args, scale, window=window)
+        ref[-1] = 0.0  # (the reference's empty softmax: the kernel writes zeros)
+        poison = torch.full((len(lens) * 8 * 16 * 64 * 2,), float("nan"), device=kernel_args[0].device)
+        del poison  # the workspace comes from freed memory that held NaNs (CUDA's caching allocator)
+        out = torch.full_like(kernel_args[0], float("nan"))
+        paged_decode(*kernel_args, scale, num_splits=16, out=out, config=cfg, window=window)
+        assert torch.isfinite(out).all(), ("unwritten or NaN output", window)
+        err = (out.float() - ref).abs().max().item() / ref.abs().max().item()
+        assert err < TOL[q_dtype], (f"relative max error {err:.2e}", window)
+        one = torch.full_like(out, float("nan"))
+        paged_decode(*kernel_args, scale, num_splits=1, out=one, config=cfg, window=window)
+        for i, n in enumerate(lens):
+            if n <= min_split:  # one split of the sixteen holds its keys
+                assert torch.equal(out[i], one[i]), (i, n, window)
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float32 if not HAS_CUDA else torch.bfloat16], ids=str)
