@@ -17,12 +17,19 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+# torch's intra-op threads as the process starts (the machine's cores)
+THREADS = torch.get_num_threads()
+
+
 @pytest.fixture(autouse=True)
 def _unfreeze_gc():
     """EngineCore freezes the objects alive at its start (gc.freeze); hand them back to the
-    collector after each test so that engines of finished tests are freed."""
+    collector after each test so that engines of finished tests are freed. An EngineCore built on
+    the test's thread also set that thread's torch threads to its own count (one core short of the
+    machine, by default): the next test starts with the machine's again."""
     yield
     gc.unfreeze()
+    torch.set_num_threads(THREADS)
 
 
 def pytest_collection_modifyitems(config, items):

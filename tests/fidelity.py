@@ -20,10 +20,16 @@ from pathlib import Path
 
 import torch
 
-from pie.engine.config import EngineConfig
+from pie.engine.config import EngineConfig, usable_cores
 from pie.engine.core.engine_core import EngineCore
 from pie.engine.sampling_params import SamplingParams
 from tests.helpers import make_hf_model_dir
+
+
+def _threads(device: str) -> dict:
+    """An engine here runs in the test's own process with no gRPC loop beside it: on the CPU it
+    takes every core (the default leaves one to that loop, halving these runs on two cores)."""
+    return {"cpu_threads": usable_cores()} if device == "cpu" else {}
 
 BLOCK = next(f.default for f in fields(EngineConfig) if f.name == "block_size")  # tokens a KV block holds
 
@@ -120,7 +126,7 @@ def measure(model_dir: Path, kv_dtypes: tuple[str, ...], *, prompts: int | list[
     out = {}
     for kv in kv_dtypes:
         engine = EngineCore(EngineConfig(model=str(model_dir), device=device, dtype="fp32", kv_cache_dtype=kv,
-                                        num_kv_blocks=256, max_num_seqs=32, **engine_kwargs))
+                                        num_kv_blocks=256, max_num_seqs=32, **{**_threads(device), **engine_kwargs}))
         logits = _recording_logits(engine)
         ids = [f"fid-{i}" for i in range(len(ps))]
         for rid, p in zip(ids, ps):
@@ -207,7 +213,7 @@ def text_fidelity(model_dir: Path, kv_dtypes: tuple[str, ...], text: str, *, chu
     for kv in kv_dtypes:
         engine = EngineCore(EngineConfig(model=str(model_dir), device=device, dtype="fp32", kv_cache_dtype=kv,
                                         max_num_seqs=len(chunks), max_num_batched_tokens=chunk * len(chunks),
-                                        **pool))
+                                        **{**_threads(device), **pool}))
         entries: dict[str, list] = {}
         for i, c in enumerate(chunks):
             engine.add_request(f"ppl-{i}", c, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1))
@@ -277,7 +283,7 @@ def consistency(model_dir: Path, kv: str, prompts: list[list[int]], *, step: int
 
     def engine(budget: int) -> EngineCore:
         return EngineCore(EngineConfig(model=str(model_dir), device=device, dtype="fp32", kv_cache_dtype=kv,
-                                       max_num_seqs=4, max_num_batched_tokens=budget, **pool))
+                                       max_num_seqs=4, max_num_batched_tokens=budget, **{**_threads(device), **pool}))
 
     whole = engine(longest + tokens)
     # cold first, on an empty cache: a prompt-logprobs run reads no cache but fills it

@@ -73,9 +73,9 @@ def full_logits(model_dir: Path, rng) -> tuple[list[int], list[int], torch.Tenso
     return ids, lens, want
 
 
-CASES = [  # (arch, overrides, size): GQA everywhere; size 4 > 2 KV heads replicates them; a prime
-    # vocabulary pads the last rank's embedding and LM head rows, tied or not
-    ("llama", {}, 2), ("llama", {}, 4), ("mistral", {}, 2), ("qwen2", {}, 2), ("qwen2", {}, 4),
+CASES = [  # (arch, overrides, size): GQA everywhere; size 4 > 2 KV heads replicates them (Llama's
+    # with a prime vocabulary, which pads the last rank's embedding and LM head rows, tied or not)
+    ("llama", {}, 2), ("mistral", {}, 2), ("qwen2", {}, 2), ("qwen2", {}, 4),
     ("qwen3", {}, 2), ("llama", {"num_key_value_heads": 1}, 2),
     ("llama", {"vocab_size": 509}, 4), ("qwen2", {"vocab_size": 509, "tie_word_embeddings": True}, 2),
 ]
