@@ -106,7 +106,7 @@ def compile_decode(cfg, d: int, group: int, int8: bool, page: int = 16, hkv: int
         V_MODE=td.V_MODES[cfg.v_mode], DOT_DTYPE=tl.bfloat16,
         QK_DTYPE=half if int8 and cfg.k_mode == "bias" else tl.bfloat16,
         PV_DTYPE=half if int8 and cfg.v_mode != "cast" else tl.bfloat16, PRECISION=None, ASM=True, WORKLIST=worklist,
-        W=cfg.sub_tiles,
+        W=cfg.sub_tiles, MIN_TILES=1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, grid=(1,),
         **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}))
     return kernel, cfg
