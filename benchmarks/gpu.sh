@@ -7,7 +7,8 @@
 #
 # Suites (each writes SUITE.md or SUITE.log, and JSON where the script makes one, into $OUT):
 #   tests       pytest -m gpu tests/kernels (the Triton kernels against their torch twins), and the
-#               unmarked kernel tests of the int8 modes, split_tokens and chunk invariance
+#               unmarked kernel tests of the int8 modes, split_tokens, chunk invariance and the decode
+#               kernel's options (min_split, sub-tiles)
 #   alltests    pytest -m gpu tests: every GPU-marked test (kernels, engine, model, tensor parallel); a
 #               call of its own (its time limit 570 s)
 #   kernels     benchmarks/attention.py --graphs (decode vs SDPA and the copy bandwidth, extend,
@@ -130,9 +131,9 @@ quiet() {
 
 suite_tests() {
   # the GPU-marked kernel tests, then the unmarked ones that exercise the int8 modes, split_tokens
-  # and chunk invariance (on a GPU they run with bf16 queries and the PTX conversions)
+  # chunk invariance and the decode options (on a GPU they run with bf16 queries and the PTX conversions)
   timeout "$(t tests)" python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels 2>&1 | tail -15 | tee -a "$D/tests.log"
-  timeout "$(t tests)" python3 -m pytest -q -p no:cacheprovider tests/kernels -k "int8_modes or split_tokens or chunks_give" 2>&1 \
+  timeout "$(t tests)" python3 -m pytest -q -p no:cacheprovider tests/kernels -k "int8_modes or split_tokens or chunks_give or min_split or sub_tiles" 2>&1 \
     | tail -15 | tee -a "$D/tests.log"
 }
 suite_alltests() {
