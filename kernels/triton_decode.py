@@ -213,6 +213,17 @@ def _merge_sub_tiles(acc, m_i, l_i):
 
 
 @triton.jit
+def _key_tiles(seq_len, WINDOW: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A sequence's keys as tiles: the oldest key its query still sees (lo), the first tile's start
+    (lo rounded down to a tile) and how many BLOCK_N-key tiles cover the keys from there."""
+    lo = 0
+    if WINDOW > 0:
+        lo = tl.maximum(seq_len - WINDOW, 0)
+    first = lo // BLOCK_N * BLOCK_N
+    return lo, first, tl.cdiv(seq_len - first, BLOCK_N)
+
+
+@triton.jit
 def _used_splits(seq_len, num_splits, SPLIT_TOKENS: tl.constexpr, WINDOW: tl.constexpr, BLOCK_N: tl.constexpr,
                  MIN_TILES: tl.constexpr):
     """How many of the grid's num_splits hold keys of a sequence of seq_len, as stage 1 shares
@@ -223,10 +234,7 @@ def _used_splits(seq_len, num_splits, SPLIT_TOKENS: tl.constexpr, WINDOW: tl.con
     if SPLIT_TOKENS > 0:
         used = tl.minimum(tl.cdiv(seq_len, SPLIT_TOKENS), num_splits)
     elif MIN_TILES > 1:
-        lo = 0
-        if WINDOW > 0:
-            lo = tl.maximum(seq_len - WINDOW, 0)
-        num_tiles = tl.cdiv(seq_len - lo // BLOCK_N * BLOCK_N, BLOCK_N)
+        _, _, num_tiles = _key_tiles(seq_len, WINDOW, BLOCK_N)
         used = tl.cdiv(num_tiles, tl.maximum(tl.cdiv(num_tiles, num_splits), MIN_TILES))
     return used
 
@@ -245,11 +253,7 @@ def _decode_split(
     each tile's keys in W sub-tiles of their own softmax state (`_warp_tile`). MIN_TILES: the
     fewest tiles a split of the batch-count path holds (`_used_splits`)."""
     seq_len = tl.load(lens_ptr + b)
-    lo = 0
-    if WINDOW > 0:
-        lo = tl.maximum(seq_len - WINDOW, 0)  # the oldest key the query still sees
-    first = lo // BLOCK_N * BLOCK_N
-    num_tiles = tl.cdiv(seq_len - first, BLOCK_N)
+    lo, first, num_tiles = _key_tiles(seq_len, WINDOW, BLOCK_N)
     tiles_per_split = tl.maximum(tl.cdiv(num_tiles, num_splits), MIN_TILES)  # (the batch-count path's)
     # The grid has room for the longest context the caller allows; a split past this sequence's
     # end (its programs are most of the grid for short contexts) exits here.

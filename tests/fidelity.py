@@ -25,13 +25,13 @@ from pie.engine.core.engine_core import EngineCore
 from pie.engine.sampling_params import SamplingParams
 from tests.helpers import make_hf_model_dir
 
+BLOCK = next(f.default for f in fields(EngineConfig) if f.name == "block_size")  # tokens a KV block holds
+
 
 def _threads(device: str) -> dict:
     """An engine here runs in the test's own process with no gRPC loop beside it: on the CPU it
     takes every core (the default leaves one to that loop, halving these runs on two cores)."""
     return {"cpu_threads": usable_cores()} if device == "cpu" else {}
-
-BLOCK = next(f.default for f in fields(EngineConfig) if f.name == "block_size")  # tokens a KV block holds
 
 
 def _sized_pool(lengths: list[int], engine_kwargs: dict) -> dict:
