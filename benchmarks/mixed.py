@@ -99,7 +99,7 @@ def build_model(folder: Path, arch: str, shape: dict, dtype: torch.dtype, max_le
 
     import transformers
 
-    cls = {"qwen3": transformers.Qwen3Config, "llama": transformers.LlamaConfig}[arch]
+    cls = {"qwen3": transformers.Qwen3Config, "qwen2": transformers.Qwen2Config, "llama": transformers.LlamaConfig}[arch]
     cfg = cls(**shape, max_position_embeddings=max_len, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
               pad_token_id=0)
     torch.manual_seed(0)
