@@ -45,7 +45,9 @@ of the working set (the system prompt and every conversation's final history), t
 --host-gib (default: 1.1x the working set in int8 pages; bf16 pages get the same GiB), the disk
 tier the whole working set. Per KV dtype and tier setting (off, host, host+disk), --repeats runs
 on a fresh engine (a fresh disk folder): TTFT p50/p99 (arrival to first token), generated tokens/s,
-and the prompt tokens served from the pool, the host and the disk.
+the prompt tokens served from the pool, the host and the disk, a decode-only step's median time
+with and without a read-back in flight, a read-back's mean time from lookup to landing, and how many blocks
+a step reused while their copy down was still in flight (each makes that step's work wait for it).
 """
 
 from __future__ import annotations
@@ -395,8 +397,11 @@ def run_chat(folder: Path, kv: str, tiers: str, args, system: list[int], users, 
     busy: dict[str, tuple[int, int, float]] = {}  # request id -> (conversation, turn, arrival)
     active, replies, ttft = set(), {}, []
     generated, next_item = 0, 0
-    steps: dict[bool, list[float]] = {False: [], True: []}  # step times, by whether a read-back was in flight
+    # decode-only steps' times, by whether a read-back was in flight (a step that carries prompt
+    # tokens is left out: the step after a read-back lands prefills its request's new tokens)
+    steps: dict[bool, list[float]] = {False: [], True: []}
     before = eng.stats()
+    waits_before = eng.kv_tiers.counts.reuse_waits if eng.kv_tiers is not None else 0
     sync(args.device)
     t0 = time.perf_counter()
     while next_item < len(order) or busy:
@@ -409,10 +414,13 @@ def run_chat(folder: Path, kv: str, tiers: str, args, system: list[int], users, 
             replies[rid] = []
             eng.add_request(rid, history[c], sp)
         loading = eng.kv_tiers is not None and eng.kv_tiers.loading
+        prompt_before = eng.stats().step_prompt_tokens
         t_step = time.perf_counter()
         outs = eng.step()
-        if outs:  # (a step with every request waiting on a read-back runs nothing: not a step's cost)
-            steps[loading].append(time.perf_counter() - t_step)
+        dt = time.perf_counter() - t_step
+        # (a step with every request waiting on a read-back runs nothing: not a step's cost)
+        if outs and eng.stats().step_prompt_tokens == prompt_before:
+            steps[loading].append(dt)
         for o in outs:
             c, t, arrival = busy[o.request_id]
             if not replies[o.request_id]:
@@ -428,6 +436,8 @@ def run_chat(folder: Path, kv: str, tiers: str, args, system: list[int], users, 
     wall = time.perf_counter() - t0
     after = eng.stats()
     tier_hits = {k: v - before.kv_tier_hit_tokens.get(k, 0) for k, v in after.kv_tier_hit_tokens.items()}
+    readbacks = after.kv_readbacks - before.kv_readbacks
+    reuse_waits = (eng.kv_tiers.counts.reuse_waits - waits_before) if eng.kv_tiers is not None else 0
     eng.close()
     del eng
     gc.unfreeze()
@@ -443,7 +453,11 @@ def run_chat(folder: Path, kv: str, tiers: str, args, system: list[int], users, 
                 preemptions=after.num_preemptions - before.num_preemptions,
                 # a read-back overlaps the steps that run meanwhile: their median time against the others'
                 step_ms=1e3 * statistics.median(steps[False]) if steps[False] else float("nan"),
-                readback_step_ms=1e3 * statistics.median(steps[True]) if steps[True] else float("nan"))
+                readback_step_ms=1e3 * statistics.median(steps[True]) if steps[True] else float("nan"),
+                # a read-back's time from its start to its blocks landing, on average
+                readback_ms=1e3 * (after.kv_readback_seconds - before.kv_readback_seconds) / readbacks
+                if readbacks else float("nan"),
+                reuse_waits=reuse_waits)  # blocks a step reused while their copy down was in flight
 
 
 def chat_main(args) -> int:
@@ -477,8 +491,8 @@ def chat_main(args) -> int:
               f"{args.host_gib:.4g} GiB (int8: {args.host_gib * 2**30 / args.kv_bytes['int8']:,.0f} tokens, bf16: "
               f"{args.host_gib * 2**30 / args.kv_bytes.get('bf16', 2 * args.kv_bytes['int8']):,.0f})")
         print("| KV | tiers | TTFT p50 ms | TTFT p99 ms | tok/s | prompt tokens from pool / host / disk | preempted "
-              "| step ms, without / with a read-back in flight |")
-        print("|---|---|---|---|---|---|---|---|")
+              "| decode step ms, without / with a read-back in flight | read-back ms | blocks reused mid-copy |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         figures: dict = {}
         for kv in kvs:
             for tiers in TIER_SETTINGS:
@@ -493,7 +507,8 @@ def chat_main(args) -> int:
                       f"{spread['ttft_p99_ms'][1]:.1f}) | {med['tok_per_s']:,.0f} ({spread['tok_per_s'][0]:,.0f}-"
                       f"{spread['tok_per_s'][1]:,.0f}) | {med['pool_hit_tokens']:,.0f} / {med['host_hit_tokens']:,.0f} "
                       f"/ {med['disk_hit_tokens']:,.0f} of {med['prompt_tokens']:,.0f} | {med['preemptions']:.0f} | "
-                      f"{med['step_ms']:.2f} / {med['readback_step_ms']:.2f} |", flush=True)
+                      f"{med['step_ms']:.2f} / {med['readback_step_ms']:.2f} | {med['readback_ms']:.2f} | "
+                      f"{med['reuse_waits']:.0f} |", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(dict(workload="chat", shape=args.shape, figures=figures), indent=2))
     return 0

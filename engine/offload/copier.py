@@ -7,12 +7,15 @@ was written with.
     pool tensor t: (num_layers, num_blocks, *rest)   ->   record part: t[:, b] as bytes
     record:        k | v | k_scale | v_scale          (block_bytes in all; one row of the host pool)
 
-On CUDA the copies run on a side stream of their own, ordered after the main stream's work so far
-by an event (the K/V of the blocks saved, or pending writes to the blocks a read-back fills), and
-report through an event the engine polls: steps keep running meanwhile. A step that reuses a block
-whose copy is still in flight makes the main stream wait for that event (a device-side wait). On
-the CPU a worker thread does the same copies (torch releases the GIL), and a reused block's copy is
-waited for on the host.
+On CUDA the copies run on two side streams, one each way, ordered after the main stream's work so
+far by an event (the K/V of the blocks saved, or pending writes to the blocks a read-back fills),
+and report through an event the engine polls: steps keep running meanwhile. A step that reuses a
+block whose copy down is still in flight makes the main stream wait for that event (a device-side
+wait). Copies down never queue behind a read-back (the link carries both directions at once), so
+that wait is for copies down alone; a read-back waits for the copies down issued before it (they
+may fill the host rows it reads, or read the pool blocks it overwrites). Rows of consecutive host
+slots move in one copy. On the CPU a worker thread does the same copies in issue order (torch
+releases the GIL), and a reused block's copy is waited for on the host.
 """
 
 from __future__ import annotations
@@ -47,6 +50,18 @@ class BlockLayout:
             part = rows[:, at:at + size].contiguous().view(t.dtype).view(n, t.shape[0], *t.shape[2:])
             t.index_copy_(1, ids, part.transpose(0, 1))
             at += size
+
+
+def slot_runs(slots: list[int]) -> list[tuple[int, int, int]]:
+    """`slots` cut into runs of consecutive host slots: (position in `slots`, first slot, length)."""
+    runs: list[tuple[int, int, int]] = []
+    for i, slot in enumerate(slots):
+        if runs and slot == runs[-1][1] + runs[-1][2]:
+            at, first, n = runs[-1]
+            runs[-1] = (at, first, n + 1)
+        else:
+            runs.append((i, slot, 1))
+    return runs
 
 
 class Transfer(Protocol):
@@ -124,48 +139,51 @@ class _CudaTransfer:
 
 
 class CudaCopier:
-    """CUDA's copies: a side stream, pinned host rows, events (module docstring)."""
+    """CUDA's copies: a stream each way, pinned host rows, events (module docstring)."""
 
     def __init__(self, layout: BlockLayout, host_rows: torch.Tensor, device: torch.device) -> None:
         assert host_rows.is_pinned(), "device <-> host copies overlap compute only from pinned memory"
         self.layout = layout
         self.host_rows = host_rows
         self.device = device
-        self.stream = torch.cuda.Stream(device)
+        self.down = torch.cuda.Stream(device)  # pool -> host
+        self.up = torch.cuda.Stream(device)  # host -> pool
 
     def _ordered(self) -> torch.cuda.Event:
-        """An event after the main stream's work so far (what the side stream waits for)."""
+        """An event after the main stream's work so far (what a side stream waits for)."""
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))
         return event
 
     def save(self, block_ids: list[int], slots: list[int]) -> Transfer:
         after = self._ordered()
-        with torch.cuda.stream(self.stream):
-            self.stream.wait_event(after)
+        with torch.cuda.stream(self.down):
+            self.down.wait_event(after)
             ids = to_device(torch.tensor(block_ids, dtype=torch.int64), self.device)
             rows = self.layout.gather(ids)
-            for i, slot in enumerate(slots):
-                self.host_rows[slot].copy_(rows[i], non_blocking=True)
+            for at, first, n in slot_runs(slots):
+                self.host_rows[first:first + n].copy_(rows[at:at + n], non_blocking=True)
             done = torch.cuda.Event()
-            done.record(self.stream)
+            done.record(self.down)
         return _CudaTransfer(done, (ids, rows))
 
     def load(self, slots: list[int], block_ids: list[int]) -> Transfer:
         after = self._ordered()  # writes still queued to these (reused) blocks land first
-        with torch.cuda.stream(self.stream):
-            self.stream.wait_event(after)
+        with torch.cuda.stream(self.up):
+            self.up.wait_event(after)
+            self.up.wait_stream(self.down)  # the copies down so far: rows it reads, blocks it overwrites
             rows = torch.empty((len(slots), self.layout.block_bytes), dtype=torch.uint8, device=self.device)
-            for i, slot in enumerate(slots):
-                rows[i].copy_(self.host_rows[slot], non_blocking=True)
+            for at, first, n in slot_runs(slots):
+                rows[at:at + n].copy_(self.host_rows[first:first + n], non_blocking=True)
             ids = to_device(torch.tensor(block_ids, dtype=torch.int64), self.device)
             self.layout.scatter(ids, rows)
             done = torch.cuda.Event()
-            done.record(self.stream)
+            done.record(self.up)
         return _CudaTransfer(done, (ids, rows))
 
     def close(self) -> None:
-        self.stream.synchronize()
+        self.down.synchronize()
+        self.up.synchronize()
 
 
 def make_copier(layout: BlockLayout, host_rows: torch.Tensor, device: torch.device) -> Copier:

@@ -52,6 +52,7 @@ class TierCounts:
     errors: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
     readbacks: int = 0  # read-backs that landed
     readback_s: float = 0.0  # their time from start to landing, summed
+    reuse_waits: int = 0  # pool blocks handed out while their copy down was in flight (the step waits for it)
 
 
 @dataclass(slots=True)
@@ -108,6 +109,7 @@ class KVTiers:
         transfer = self._saving.pop(block_id, None)
         if transfer is not None and not transfer.done():
             self._wait_before_step.append(transfer)
+            self.counts.reuse_waits += 1
 
     def flush(self) -> None:
         self._save_freed()
@@ -135,6 +137,11 @@ class KVTiers:
         self._freed.clear()
         if not blocks:
             return
+        # the new rows in ascending slot order along the blocks (a chain's blocks come in order):
+        # consecutive slots move in one copy, now and when the chain is read back
+        slots.sort()
+        for (_, entry), slot in zip(new, slots):
+            entry.slot = slot
         transfer = self.copier.save(blocks, slots)
         self.counts.write_bytes["host"] += len(blocks) * self.block_bytes
         for block_id in blocks:

@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.helpers import help_problems
 
@@ -183,6 +184,35 @@ def test_tiny_long_work_runs_a_pass_per_pool(tmp_path: Path) -> None:
     figures = json.loads(out.read_text())
     assert figures["workload"] == "long" and list(figures["passes"]) == ["memory ample", "KV pool 0.05 GiB"]
     assert all(f["tok_per_s_median"] > 0 for p in figures["passes"].values() for f in p.values())
+
+
+@pytest.mark.parametrize("name", ["qwen3-4b", "llama-8b", "llama-1b", "qwen2-7b", "tiny"])
+def test_every_shape_builds_its_architecture(name: str, tmp_path: Path) -> None:
+    """build_model makes each shape's architecture (the chat work's qwen2-7b shape once failed on
+    the GPU alone), shrunk to a few parameters here: the folder says that architecture."""
+    mixed = _load(SCRIPTS["mixed"])
+    assert set(mixed.SHAPES) == {"qwen3-4b", "llama-8b", "llama-1b", "qwen2-7b", "tiny"}
+    arch, shape = mixed.SHAPES[name]
+    small = {**shape, "hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+             "intermediate_size": 128, "vocab_size": 512, **({"head_dim": 32} if "head_dim" in shape else {})}
+    assert mixed.build_model(tmp_path, arch, small, torch.float32, max_len=128) > 0
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == arch
+
+
+@pytest.mark.slow
+def test_tiny_chat_work_runs_every_tier_setting(tmp_path: Path) -> None:
+    """mixed.py --workload chat on the CPU: a row per KV dtype and tier setting with every column,
+    the host tier's rows reading prompt tokens back, the JSON holding each setting."""
+    out = tmp_path / "chat.json"
+    run = _run(["-m", "benchmarks.mixed", "--tiny", "--workload", "chat", "--repeats", "1", "--conversations", "12",
+                "--turns", "3", "--out", str(out)], dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [line.split(" | ") for line in run.stdout.splitlines() if line.startswith(("| int8 |", "| bf16 |"))]
+    assert [(r[0], r[1]) for r in rows] == [(f"| {kv}", t) for kv in ("int8", "bf16") for t in ("off", "host", "host+disk")]
+    assert all(len(r) == 10 for r in rows), run.stdout
+    figures = json.loads(out.read_text())["figures"]
+    assert figures["int8 off"]["median"]["host_hit_tokens"] == 0
+    assert figures["int8 host"]["median"]["host_hit_tokens"] > 0 and figures["int8 host"]["median"]["readback_ms"] > 0
 
 
 def test_ab_verdict_needs_the_spreads_apart() -> None:

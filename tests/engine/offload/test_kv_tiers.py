@@ -19,6 +19,7 @@ from pie.engine.config import EngineConfig
 from pie.engine.core.engine_core import EngineCore
 from pie.engine.errors import StartupError
 from pie.engine.messages import SampledToken
+from pie.engine.offload.copier import slot_runs
 from pie.engine.sampling_params import SamplingParams
 from tests.engine.invariants import assert_engine_invariants
 from tests.helpers import make_hf_model_dir
@@ -179,6 +180,33 @@ def test_every_tier_is_bounded_lru_and_reset_clears_them(model_dir, tmp_path, rn
     assert hits(engine)["host"] == 2 * BLOCK and hits(engine)["disk"] == 0  # nothing more came from below
     engine.close()
     assert len(list(disk.glob("*.kv"))) == engine.stats().kv_disk_blocks_used
+
+
+def test_slot_runs_cut_slots_into_consecutive_runs():
+    assert slot_runs([]) == []
+    assert slot_runs([7]) == [(0, 7, 1)]
+    assert slot_runs([3, 4, 5, 9, 10, 2, 1]) == [(0, 3, 3), (3, 9, 2), (5, 2, 1), (6, 1, 1)]
+
+
+def test_a_chain_written_down_takes_ascending_host_slots(model_dir, rng):
+    """A chain's rows go down in ascending slot order whatever order the free slots are in (after
+    a reset they come back last-freed first), so a read-back moves consecutive rows in one copy;
+    and the rows hold the right blocks: the chain read back serves the same tokens, to the bit."""
+    block_bytes = 2 * 2 * BLOCK * 2 * (16 + 2)
+    engine = make_engine(model_dir, None, kv_host_gib=4 * block_bytes / 2**30)
+    for i in range(2):
+        serve(engine, prompt_of(rng, blocks=2, extra=1), f"warm{i}")
+        drain(engine)
+    engine.block_manager.reset_prefix_cache()  # every host row free again, slots 0-3 in LRU order
+    prompt = prompt_of(rng, blocks=2, extra=1)
+    first = serve(engine, prompt, "chain")
+    drain(engine)
+    chain = list(engine.kv_tiers.host._entries.values())
+    assert [e.slot for e in chain] == [2, 3]  # popped as 3, 2 from the free list; sorted along the chain
+    engine.block_manager.reset_prefix_cache(lower_tiers=False)
+    assert serve(engine, prompt, "again") == first
+    assert hits(engine) == {"host": 2 * BLOCK, "disk": 0}
+    engine.close()
 
 
 def test_bad_settings_fail_at_start(model_dir, tmp_path):
