@@ -75,6 +75,10 @@ class Transfer(Protocol):
 
 
 class Copier(Protocol):
+    # whether the next step's device work can wait for a copy in flight (a CUDA event) rather than
+    # the host waiting for it
+    device_waits: bool
+
     def save(self, block_ids: list[int], slots: list[int]) -> Transfer: ...  # pool blocks -> host rows
 
     def load(self, slots: list[int], block_ids: list[int]) -> Transfer: ...  # host rows -> pool blocks
@@ -100,6 +104,8 @@ class _ThreadTransfer:
 
 class CpuCopier:
     """The CPU's copies, on one worker thread (in submission order, as a stream's)."""
+
+    device_waits = False
 
     def __init__(self, layout: BlockLayout, host_rows: torch.Tensor) -> None:
         self.layout = layout
@@ -140,6 +146,8 @@ class _CudaTransfer:
 
 class CudaCopier:
     """CUDA's copies: a stream each way, pinned host rows, events (module docstring)."""
+
+    device_waits = True
 
     def __init__(self, layout: BlockLayout, host_rows: torch.Tensor, device: torch.device) -> None:
         assert host_rows.is_pinned(), "device <-> host copies overlap compute only from pinned memory"

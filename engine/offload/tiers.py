@@ -4,7 +4,8 @@ the GPU pool"). The block manager and the scheduler drive it through `LowerTiers
 
     freed(b)       a hashed block went back to the free queue, its K/V intact
     evicting(b)    ... and is now handed out: its copy down, if still in flight, lands first
-    poll()         start of schedule(): read-backs that landed become cached free blocks
+    poll()         start of schedule(): read-backs that landed become cached free blocks (on CUDA
+                   also those issued at an earlier schedule: the step's work waits for the copy)
     fetch(r, hit)  admission: the chain goes on below the pool's hit -> take fresh blocks, start the
                    read-back, r waits (True); it is admitted once they landed, as a pool hit
     flush()        end of schedule(): blocks freed since are copied down (write on free: long
@@ -13,7 +14,11 @@ the GPU pool"). The block manager and the scheduler drive it through `LowerTiers
 Write down: every hashed block freed goes to the host tier (if not there yet) and from there, on
 the disk worker, to the disk tier (write-through), so a restart finds everything the host held.
 Read back: host rows are copied into fresh pool blocks on the side stream (the CPU: a worker);
-blocks on disk are first read into host rows on the disk worker. The bytes move as stored, so a
+blocks on disk are first read into host rows on the disk worker. On CUDA a read-back's blocks are
+published at the schedule after the one that issued it, landed or not, and that step's device work
+waits for the copy's event: the copy, ordered after the step running when it was issued, has the
+whole next step to land in, so its request is admitted a step sooner (a step's time off its TTFT)
+and the step waits only for a copy longer than a step. The bytes move as stored, so a
 read-back gives the bits a pool hit would. A read that fails (a corrupt file) ends the chain there:
 the request computes the rest.
 """
@@ -237,8 +242,9 @@ class KVTiers:
                 return True
             load.transfer = self.copier.load([e.slot for e in load.entries], load.block_ids)
             return False
-        if not load.transfer.done():
+        if not load.transfer.done() and not self.copier.device_waits:
             return False
+        # (issued at an earlier schedule; on CUDA it may still be in flight: the step's device work waits)
         load.transfer.before_next_step()
         self._land(load)
         return True

@@ -266,6 +266,55 @@ def test_other_rows_decode_while_a_read_back_is_in_flight(model_dir, tmp_path, r
     engine.close()
 
 
+def test_where_the_device_waits_a_read_back_is_published_at_the_next_schedule(model_dir, rng, monkeypatch):
+    """Where a step's device work can wait for a copy in flight (CUDA's events), a read-back's
+    blocks are published at the schedule after the one that issued it, landed or not, and its
+    request is admitted there, a step sooner than at its landing. Emulated on the CPU: the copies'
+    transfers report themselves in flight until the step waits for them; the answer is the cold
+    one, to the bit."""
+    engine = make_engine(model_dir, None)
+    prompt = prompt_of(rng)
+    expected = serve(engine, prompt, "cold")
+    drain(engine)
+    engine.block_manager.reset_prefix_cache(lower_tiers=False)
+    copier, waits = engine.kv_tiers.copier, []
+
+    class InFlight:  # a copy the host never sees landed: only the step's wait settles it
+        def __init__(self, transfer):
+            self.transfer = transfer
+
+        def done(self) -> bool:
+            return False
+
+        def wait(self) -> None:
+            self.transfer.wait()
+
+        def before_next_step(self) -> None:
+            waits.append(1)
+            self.transfer.before_next_step()
+
+    load = copier.load
+    monkeypatch.setattr(copier, "load", lambda slots, block_ids: InFlight(load(slots, block_ids)))
+    monkeypatch.setattr(copier, "device_waits", True)
+    engine.add_request("again", prompt, SamplingParams(max_tokens=6, temperature=0.0, logprobs=3, ignore_eos=True))
+    assert engine.step() == [] and engine.scheduler.waiting[0].kv_load is not None  # the read-back issued
+    assert not waits
+    tokens: list[int] = []
+    logprobs: list[SampledToken] = []
+    first = True
+    while engine.has_unfinished():
+        for o in engine.step():
+            tokens += o.new_token_ids
+            logprobs += o.new_logprobs
+        if first:  # the next schedule published the blocks (the step waited) and admitted the request
+            assert waits == [1] and [r.request_id for r in engine.scheduler.running] == ["again"]
+            first = False
+        assert_engine_invariants(engine)
+    assert (tokens, logprobs) == expected
+    assert hits(engine)["host"] == 3 * BLOCK and engine.stats().kv_readbacks == 1
+    engine.close()
+
+
 @pytest.mark.parametrize("speculative", [None, "ngram"])
 def test_a_crowded_pool_preempts_reads_back_and_leaks_nothing(model_dir, rng, speculative):
     """Conversations sharing a system prompt, each turn re-sending its history, with priorities,
