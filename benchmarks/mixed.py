@@ -46,8 +46,9 @@ of the working set (the system prompt and every conversation's final history), t
 tier the whole working set. Per KV dtype and tier setting (off, host, host+disk), --repeats runs
 on a fresh engine (a fresh disk folder): TTFT p50/p99 (arrival to first token), generated tokens/s,
 the prompt tokens served from the pool, the host and the disk, a decode-only step's median time
-with and without a read-back in flight, a read-back's mean time from lookup to landing, and how many blocks
-a step reused while their copy down was still in flight (each makes that step's work wait for it).
+with and without a read-back in flight, a read-back's mean time from lookup to joining the pool,
+and how many blocks a step reused while their copy down was still in flight (each makes that
+step's work wait for it).
 """
 
 from __future__ import annotations

@@ -172,7 +172,7 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False):
     kv_tier_write_bytes: dict[str, int] = {}
     kv_tier_errors: dict[str, int] = {}
     kv_readbacks: int = 0  # read-backs that landed (cumulative)
-    kv_readback_seconds: float = 0.0  # their time from lookup to landing, summed
+    kv_readback_seconds: float = 0.0  # their time from lookup to joining the pool, summed
 
 
 # ---- client -> core --------------------------------------------------------------------------------

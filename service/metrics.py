@@ -146,7 +146,7 @@ class _EngineCollector(Collector):
     def _kv_tiers(self, stats: EngineStats, gauge: Callable[[str, str, float], GaugeMetricFamily]):
         """The host and disk tiers below the KV pool (--kv-host-gib, --kv-disk-dir): their fill,
         and per tier the tokens read back into the pool, bytes moved and failures; the read-backs'
-        time from lookup to landing."""
+        time from lookup to the blocks joining the pool."""
         yield gauge("pie_kv_host_blocks", "KV blocks the host tier holds.", stats.kv_host_blocks_used)
         yield gauge("pie_kv_host_blocks_total", "KV blocks the host tier can hold.", stats.kv_host_blocks_total)
         yield gauge("pie_kv_disk_blocks", "KV blocks the disk tier holds.", stats.kv_disk_blocks_used)
@@ -165,7 +165,7 @@ class _EngineCollector(Collector):
                 c.add_metric([self.model_name, tier], values.get(tier, 0))
             yield c
         s = SummaryMetricFamily("pie_kv_readback_seconds", "Read-backs from the host or disk tier: time from the "
-                                "lookup to the blocks landing in the KV pool.", labels=["model_name"])
+                                "lookup to the blocks joining the KV pool.", labels=["model_name"])
         s.add_metric([self.model_name], stats.kv_readbacks, stats.kv_readback_seconds)
         yield s
 

@@ -56,7 +56,7 @@ class TierCounts:
     write_bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
     errors: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
     readbacks: int = 0  # read-backs that landed
-    readback_s: float = 0.0  # their time from start to landing, summed
+    readback_s: float = 0.0  # their time from start to joining the pool (on CUDA: published), summed
     reuse_waits: int = 0  # pool blocks handed out while their copy down was in flight (the step waits for it)
 
 
