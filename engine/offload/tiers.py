@@ -96,6 +96,9 @@ class KVTiers:
         self._saving: dict[int, Transfer] = {}  # pool block -> its copy down in flight
         self._wait_before_step: list[Transfer] = []  # copies of blocks this step reuses
         self._loads: list[_Load] = []
+        # read-backs published while their copy was still in flight (CUDA): the host rows they read
+        # stay pinned until it has landed (a disk read into a reused row would not wait for it)
+        self._publishing: list[tuple[Transfer, list[HostEntry]]] = []
         self._writes: list[tuple[bytes, HostEntry, Future[int]]] = []  # disk writes in flight
         self._writing: set[bytes] = set()
         block_manager.attach(self)
@@ -227,6 +230,8 @@ class KVTiers:
     def poll(self) -> None:
         for block_id in [b for b, t in self._saving.items() if t.done()]:
             del self._saving[block_id]
+        if self._publishing:
+            self._publishing = [(t, entries) for t, entries in self._publishing if not self._unpin_when_done(t, entries)]
         self._poll_writes()
         if self._loads:
             self._loads = [load for load in self._loads if not self._advance(load)]
@@ -242,11 +247,22 @@ class KVTiers:
                 return True
             load.transfer = self.copier.load([e.slot for e in load.entries], load.block_ids)
             return False
-        if not load.transfer.done() and not self.copier.device_waits:
+        landed = load.transfer.done()
+        if not landed and not self.copier.device_waits:
             return False
         # (issued at an earlier schedule; on CUDA it may still be in flight: the step's device work waits)
         load.transfer.before_next_step()
-        self._land(load)
+        self._land(load, unpin=landed)
+        if not landed:
+            self._publishing.append((load.transfer, load.entries))
+        return True
+
+    @staticmethod
+    def _unpin_when_done(transfer: Transfer, entries: list[HostEntry]) -> bool:
+        if not transfer.done():
+            return False
+        for entry in entries:
+            entry.pins -= 1
         return True
 
     def _reads_in(self, load: _Load) -> None:
@@ -274,10 +290,11 @@ class KVTiers:
         self.bm.publish(load.block_ids[ok:], [])
         del load.keys[ok:], load.entries[ok:], load.from_disk[ok:], load.block_ids[ok:]
 
-    def _land(self, load: _Load) -> None:
+    def _land(self, load: _Load, unpin: bool = True) -> None:
         self.bm.publish(load.block_ids, load.keys)
-        for entry in load.entries:
-            entry.pins -= 1
+        if unpin:
+            for entry in load.entries:
+                entry.pins -= 1
         n_disk = sum(load.from_disk)
         tokens = self.block_size
         self.counts.hit_tokens["host"] += (len(load.keys) - n_disk) * tokens
@@ -346,6 +363,8 @@ class KVTiers:
                 read.exception()
             if load.transfer is not None:
                 load.transfer.wait()
+        for transfer, _ in self._publishing:
+            transfer.wait()
         for _, _, write in self._writes:
             write.exception()
         self._poll_writes()

@@ -279,12 +279,12 @@ def test_where_the_device_waits_a_read_back_is_published_at_the_next_schedule(mo
     engine.block_manager.reset_prefix_cache(lower_tiers=False)
     copier, waits = engine.kv_tiers.copier, []
 
-    class InFlight:  # a copy the host never sees landed: only the step's wait settles it
+    class InFlight:  # a copy the host sees landed only once a step has waited for it
         def __init__(self, transfer):
-            self.transfer = transfer
+            self.transfer, self.waited = transfer, False
 
         def done(self) -> bool:
-            return False
+            return self.waited
 
         def wait(self) -> None:
             self.transfer.wait()
@@ -292,6 +292,7 @@ def test_where_the_device_waits_a_read_back_is_published_at_the_next_schedule(mo
         def before_next_step(self) -> None:
             waits.append(1)
             self.transfer.before_next_step()
+            self.waited = True
 
     load = copier.load
     monkeypatch.setattr(copier, "load", lambda slots, block_ids: InFlight(load(slots, block_ids)))
@@ -306,12 +307,15 @@ def test_where_the_device_waits_a_read_back_is_published_at_the_next_schedule(mo
         for o in engine.step():
             tokens += o.new_token_ids
             logprobs += o.new_logprobs
-        if first:  # the next schedule published the blocks (the step waited) and admitted the request
+        if first:  # the next schedule published the blocks (the step waited) and admitted the request;
+            # the host rows it read stay pinned until the host sees the copy landed (the next poll)
             assert waits == [1] and [r.request_id for r in engine.scheduler.running] == ["again"]
+            assert [e.pins for e in engine.kv_tiers.host._entries.values()] == [1, 1, 1]
             first = False
         assert_engine_invariants(engine)
     assert (tokens, logprobs) == expected
     assert hits(engine)["host"] == 3 * BLOCK and engine.stats().kv_readbacks == 1
+    assert all(e.pins == 0 for e in engine.kv_tiers.host._entries.values()) and not engine.kv_tiers._publishing
     engine.close()
 
 
