@@ -48,9 +48,9 @@
 #               8 GiB pool); LONG_ARGS adds flags (e.g. "--repeats 2")
 #   chat        benchmarks/mixed.py --workload chat (the Qwen2-7B shape: multi-turn chat in a pool a
 #               quarter of the working set, KV tiers off / host / host+disk, int8 and bf16 pages);
-#               CHAT_ARGS adds flags; the defaults' 128 x 6 turns take ~3 minutes a run, so a call
-#               runs a smaller work, still a quarter in the pool (~25 s a run): CHAT_ARGS="--repeats 3
-#               --conversations 32 --turns 4 --in-flight 3 --reply-len 32" (TIMEOUT_chat=480)
+#               CHAT_ARGS adds flags: a smaller work, still a quarter in the pool, "--conversations 32
+#               --turns 4 --in-flight 3 --reply-len 32" (~20 s a run on an H100; its short replies
+#               leave prefill a smaller share than the defaults' 768 turns of 128 tokens, ~1 min a run)
 #   fidelity    benchmarks/kv_fidelity.py --device cuda (greedy agreement, teacher-forced, KL)
 #   smolpart    copies the carried .smol/part-N (tests/smollm2.py --split .smol) aside into
 #               .smol_keep/, where it stays while the machine is held: one part a call, carry
