@@ -260,6 +260,7 @@ class StepGate:
 
     def __init__(self) -> None:
         self._permits: threading.Semaphore | None = None
+        self._given = self._taken = 0  # permits handed out and used since hold()
 
     def __call__(self, engine) -> None:
         _after_steps(engine, 0, self._wait)
@@ -268,13 +269,24 @@ class StepGate:
         permits = self._permits
         if permits is not None:
             assert permits.acquire(timeout=60), "a held step got no permit within 60 s"
+            self._taken += 1
+
+    def step_when_idle(self) -> None:
+        """One more permit, unless the last one is still unused: a polling loop that calls this lets
+        the engine take one step at a time, never a run of steps on permits piled up while it was
+        idle."""
+        if self._permits is not None and self._taken >= self._given:
+            self._given += 1
+            self._permits.release(1)
 
     def hold(self) -> None:
         """From now on every step waits for `allow`."""
         self._permits = threading.Semaphore(0)
+        self._given = self._taken = 0
 
     def allow(self, steps: int = 1) -> None:
         assert self._permits is not None, "hold() first"
+        self._given += steps
         self._permits.release(steps)
 
     def release(self) -> None:

@@ -152,8 +152,8 @@ class EngineClientBase:
         self._stats: EngineStats | None = None  # the engine's snapshot after its latest step
         self._sent = 0  # samples in add commands sent to the engine loop
         self._taken = 0  # of those, taken in by the loop (as of its latest step)
-        # The adds on their way, in the order sent: (samples, priority), until the loop takes them.
-        self._in_transit: deque[tuple[int, int]] = deque()
+        # The adds on their way, in the order sent: (samples, priority, adapter), until the loop takes them.
+        self._in_transit: deque[tuple[int, int, str | None]] = deque()
         # LoRA adapters requests may name (None until first read: those of the engine's config), and
         # the load / unload commands awaiting the loop's reply, by command id.
         self._adapters: set[str] | None = None
@@ -199,15 +199,21 @@ class EngineClientBase:
         return self._sent - self._taken
 
     def stats(self) -> EngineStats:
-        """The engine's counts after its latest step; waiting includes what is on its way to it."""
+        """The engine's counts after its latest step; waiting includes what is on its way to it
+        (by priority, and by adapter: an adapter with a request on its way has one waiting)."""
         stats = self._loaded_stats()
         if not self._in_transit:
             return stats
         by_priority = dict(stats.requests_waiting_by_priority)
-        for samples, priority in self._in_transit:
+        by_adapter: dict[str, int] = {}
+        for samples, priority, adapter in self._in_transit:
             by_priority[priority] = by_priority.get(priority, 0) + samples
+            if adapter is not None:
+                by_adapter[adapter] = by_adapter.get(adapter, 0) + samples
+        adapters = [msgspec.structs.replace(a, waiting=a.waiting + by_adapter[a.name]) if a.name in by_adapter else a
+                    for a in stats.adapters]
         return msgspec.structs.replace(stats, requests_waiting=stats.requests_waiting + self.num_queued,
-                                       requests_waiting_by_priority=by_priority)
+                                       requests_waiting_by_priority=by_priority, adapters=adapters)
 
     def check_request(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
         """Raises RequestError for a request this engine could never serve."""
@@ -296,7 +302,7 @@ class EngineClientBase:
         self._streams[engine_id] = stream
         self._idle.clear()
         self._sent += sampling.n
-        self._in_transit.append((sampling.n, priority))
+        self._in_transit.append((sampling.n, priority, adapter))
         self._send(AddRequest(engine_id, prompt_token_ids, sampling, priority, streamed, adapter))
         return stream
 

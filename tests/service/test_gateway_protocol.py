@@ -57,18 +57,29 @@ def test_the_endpoint_pickers_metrics_say_what_the_engine_holds(server, gate):
 
     def generate(adapter: str) -> None:
         stub.Generate(pb.GenerateRequest(prompt="a b c d e f g h", adapter=adapter,
-                                         sampling=pb.SamplingParams(max_tokens=40, ignore_eos=True)), timeout=120)
+                                         sampling=pb.SamplingParams(max_tokens=200, ignore_eos=True)), timeout=120)
         done.append(adapter)
 
     core = server.core
     gate.hold()
-    threads = [threading.Thread(target=generate, args=(a,)) for a in ("alpha", "alpha", "beta", "")]
+    threads: list[threading.Thread] = []
+
+    def arrive(adapter: str, then: tuple[int, int]) -> None:
+        """Sends one request and steps the engine one step at a time until it holds (running, waiting)."""
+        threads.append(threading.Thread(target=generate, args=(adapter,)))
+        threads[-1].start()
+        wait_until(lambda: (gate.step_when_idle() or True)
+                   and (core.scheduler.num_running, core.scheduler.num_waiting) == then,
+                   timeout=60, what=f"{adapter or 'the base model'}'s request in: {then} running, waiting")
+
     try:
-        for t in threads:
-            t.start()
-        # steps one at a time until the batch is full (2 rows, the one adapter slot busy) and the rest waits
-        wait_until(lambda: (gate.allow(1) or True) and core.scheduler.num_running == 2
-                   and core.scheduler.num_waiting == 2, timeout=60, what="two running, two waiting")
+        # In this order (the requests one at a time, so no race decides it): alpha runs and takes the
+        # one adapter slot; beta waits for the slot though the batch has room; the base model's request
+        # passes it; the second alpha waits for the full batch (2 rows).
+        arrive("alpha", (1, 0))
+        arrive("beta", (1, 1))
+        arrive("", (2, 1))
+        arrive("alpha", (2, 2))
         gate.allow(1)  # one more step, so that the published stats are those of this batch
         wait_until(lambda: server.pie.admission.engine_client.stats().requests_waiting == 2, timeout=30,
                    what="the stats of the full batch")
@@ -81,8 +92,12 @@ def test_the_endpoint_pickers_metrics_say_what_the_engine_holds(server, gate):
                                                           "vllm:kv_cache_usage_perc")}
         assert sample["vllm:num_requests_waiting"] == stats.requests_waiting == 2
         assert sample["vllm:num_requests_running"] == stats.requests_running == 2
+        # the engine's published state exactly; the live pool within what one step allocates (a held
+        # step waits after its schedule took its blocks: one a running row at most)
+        assert sample["vllm:kv_cache_usage_perc"] == pytest.approx(1 - stats.kv_blocks_free / stats.kv_blocks_total)
         bm = core.block_manager
-        assert sample["vllm:kv_cache_usage_perc"] == pytest.approx(1 - bm.num_free_blocks / bm.num_total_blocks)
+        live = 1 - bm.num_free_blocks / bm.num_total_blocks
+        assert abs(sample["vllm:kv_cache_usage_perc"] - live) <= 2 / BLOCKS + 1e-9
         assert 0 < sample["vllm:kv_cache_usage_perc"] < 1
         info = fam["vllm:cache_config_info"]
         assert info.type == "gauge" and info.samples[0].labels["block_size"] == "16"
@@ -92,11 +107,11 @@ def test_the_endpoint_pickers_metrics_say_what_the_engine_holds(server, gate):
         assert lora.type == "gauge" and labels["max_lora"] == "1"
         resident = {a.name for a in stats.adapters if a.resident}
         waiting = {a.name for a in stats.adapters if a.waiting}
-        # the requests race to the engine: whichever adapter came first holds the one slot, the other waits
-        assert set(labels["running_lora_adapters"].split(",")) == resident and len(resident) == 1
-        (holder,) = resident
-        other = {"alpha": "beta", "beta": "alpha"}[holder]
-        assert other in set(labels["waiting_lora_adapters"].split(",")) and other in waiting
+        held = ([r.adapter and r.adapter.name for r in core.scheduler.running],
+                [r.adapter and r.adapter.name for r in core.scheduler.waiting])
+        assert held == (["alpha", None], ["beta", "alpha"]), held
+        assert labels["running_lora_adapters"] == "alpha" and resident == {"alpha"}
+        assert set(labels["waiting_lora_adapters"].split(",")) == {"alpha", "beta"} == waiting
     finally:
         gate.release()
         for t in threads:
