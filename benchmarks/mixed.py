@@ -496,7 +496,7 @@ def chat_main(args) -> int:
         print("|---|---|---|---|---|---|---|---|---|---|")
         figures: dict = {}
         for kv in kvs:
-            for tiers in TIER_SETTINGS:
+            for tiers in args.tiers.split(","):
                 runs = [run_chat(Path(tmp) / "model", kv, tiers, args, system, users, pool_blocks, Path(tmp) / "disk")
                         for _ in range(args.repeats)]
                 med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
@@ -555,11 +555,16 @@ def main(argv: list[str] | None = None) -> int:
         shown = f"{CHAT[dest][0]} ({CHAT[dest][1]} with --tiny)" if dest in CHAT else "1.1x the working set in int8 pages"
         ap.add_argument("--" + dest.replace("_", "-"), type=kind, default=None,
                         help=f"--workload chat: {text} (default: {shown})")
+    ap.add_argument("--tiers", default=",".join(TIER_SETTINGS),
+                    help="--workload chat: the tier settings to run, comma-separated (default: %(default)s)")
     ap.add_argument("--pool-share", type=float, default=0.25,
                     help="--workload chat: the KV pool's share of the working set (at least the turns in flight)")
     args = ap.parse_args(argv)
     sized.fill(args, args.tiny)
     if args.workload == "chat":
+        unknown = set(args.tiers.split(",")) - set(TIER_SETTINGS)
+        if unknown:
+            ap.error(f"--tiers: unknown setting(s) {sorted(unknown)} (one of {', '.join(TIER_SETTINGS)})")
         if args.shape is None:
             args.shape = CHAT["shape"][int(args.tiny)]
         return chat_main(args)
