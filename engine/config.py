@@ -22,7 +22,7 @@ KV_SMOOTHING = ("auto", "on", "off")  # kv_smoothing: model/smoothing.py
 SPECULATIVE_METHODS = ("ngram", "draft")
 MAX_SPECULATIVE_TOKENS = 16  # proposals per step at most: a verify row is 1 + K tokens
 MAX_LORA_RANK = 512  # kernels/triton_lora.py keeps a slot's rank rows in one tile
-LORA_SHRINKS = ("chunks", "gemm")  # kernels/triton_lora.py SHRINKS (not imported: the CPU path needs no triton)
+LORA_SHRINKS = ("chunks", "gemm", "masked")  # kernels/triton_lora.py SHRINKS (not imported: the CPU path needs no triton)
 
 
 @dataclass(slots=True)
@@ -108,8 +108,9 @@ class EngineConfig:
     max_lora_rank: int = 16
     loras: tuple[tuple[str, str], ...] = ()
     # How the Triton path makes each row's x . A^T (kernels/triton_lora.py SHRINKS): "chunks" (its
-    # own kernels, batch-invariant) or "gemm" (one library GEMM over every slot's A; not with
-    # batch_invariant).
+    # own kernels, batch-invariant), "gemm" (one library GEMM over every slot's A) or "masked"
+    # (library GEMMs only, every slot's delta computed and the others' zeroed); neither of the
+    # last two with batch_invariant.
     lora_shrink: str = "chunks"
     # Tiers below the pool (engine/offload/): full prefix-cache blocks the pool lets go of are
     # copied, as stored (int8 data with its scales), into this much host memory (pinned on CUDA;
@@ -190,9 +191,9 @@ class EngineConfig:
     def _check_loras(self) -> None:
         if self.lora_shrink not in LORA_SHRINKS:
             raise ValueError(f"lora_shrink must be one of {LORA_SHRINKS}, got {self.lora_shrink!r}")
-        if self.lora_shrink == "gemm" and self.batch_invariant:
-            raise ValueError("lora_shrink='gemm' is not batch-invariant (the library GEMM's sums depend on the batch): "
-                             "leave it 'chunks' with batch_invariant")
+        if self.lora_shrink != "chunks" and self.batch_invariant:
+            raise ValueError(f"lora_shrink={self.lora_shrink!r} is not batch-invariant (the library GEMM's sums "
+                             "depend on the batch): leave it 'chunks' with batch_invariant")
         if self.max_loras < 0:
             raise ValueError(f"max_loras must be >= 0, got {self.max_loras}")
         if not 1 <= self.max_lora_rank <= MAX_LORA_RANK:

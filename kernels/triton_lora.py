@@ -33,6 +33,16 @@ S times the shrink's multiply-adds, which are few beside the base projection's w
 small fraction of N, in one library call instead of two launches of small programs. The library
 picks its own reduction by T, so t is not batch-invariant this way: the chunked shrink stays for
 the batch-invariant mode.
+
+`shrink="masked"` leaves the Triton kernels out altogether: t_all as above, each row's columns of
+the other slots zeroed by the step's one-hot of its slot, then one library GEMM with beta 1,
+
+    t_all *= onehot (T, S) per slot's R columns     (a row of slot -1: all zero, y + 0 exactly)
+    y     += t_all . B_all^T                         B_all (N, S R): every slot's B side by side
+
+which needs B stored as (N, S, R) in memory (`wide_b_bank`; b_bank is then a (S, N, R) view of it,
+which the expand kernel reads by its strides). S times the delta's multiply-adds on both sides,
+three library launches a projection and no small programs; not batch-invariant either.
 """
 
 from __future__ import annotations
@@ -105,10 +115,11 @@ def _reduce_kernel(part_ptr, t_ptr, size, CHUNKS: tl.constexpr, BLOCK: tl.conste
 
 @triton.jit(do_not_specialize=["num_rows"], do_not_specialize_on_alignment=["slots_ptr", "order_ptr"])
 def _expand_kernel(t_ptr, b_ptr, y_ptr, slots_ptr, order_ptr, num_rows, stride_y, stride_t, slot_cols,
-                   N: tl.constexpr, R: tl.constexpr, R_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+                   stride_bs, stride_bn, N: tl.constexpr, R: tl.constexpr, R_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
                    BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
     """y[rows, n tile] += t . B^T for this program's rows; a row's t at t[row, slot * slot_cols:]
-    (slot_cols 0: t holds the row's own R columns only; R: t_all of every slot, shrink="gemm")."""
+    (slot_cols 0: t holds the row's own R columns only; R: t_all of every slot, shrink="gemm");
+    B[s, n, r] at b_ptr + s stride_bs + n stride_bn + r."""
     rows, slot = _block_rows(slots_ptr, order_ptr, num_rows, BLOCK_T)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -121,7 +132,7 @@ def _expand_kernel(t_ptr, b_ptr, y_ptr, slots_ptr, order_ptr, num_rows, stride_y
         t = tl.load(t_ptr + rows[:, None] * stride_t + cur * slot_cols + offs_r[None, :],
                     mask=use[:, None] & r_ok[None, :], other=0.0)
         t = t.to(y_ptr.dtype.element_ty).to(DOT_DTYPE)
-        b = tl.load(b_ptr + cur.to(tl.int64) * (N * R) + offs_n[None, :] * R + offs_r[:, None],
+        b = tl.load(b_ptr + cur.to(tl.int64) * stride_bs + offs_n[None, :].to(tl.int64) * stride_bn + offs_r[:, None],
                     mask=n_ok[None, :] & r_ok[:, None], other=0.0)  # (R_PAD, BLOCK_N): B^T
         delta = tl.dot(t, b.to(DOT_DTYPE), input_precision=PRECISION)  # (BLOCK_T, BLOCK_N) fp32
         ptrs = y_ptr + rows[:, None] * stride_y + offs_n[None, :]
@@ -144,15 +155,29 @@ def slot_order(slots: torch.Tensor) -> torch.Tensor:
     return torch.argsort(slots, stable=True).to(torch.int32)
 
 
-SHRINKS = ("chunks", "gemm")  # how t is made (module docstring)
+SHRINKS = ("chunks", "gemm", "masked")  # how t is made (module docstring)
+
+
+def wide_b_bank(num_slots: int, n: int, rank_rows: int, *, dtype: torch.dtype,
+                device: torch.device | str) -> torch.Tensor:
+    """A zeroed B bank (S, N, R) whose memory is (N, S, R): every slot's B side by side in one
+    (N, S R) matrix, as shrink="masked" needs (the other shrinks read it by its strides)."""
+    return torch.zeros(n, num_slots, rank_rows, dtype=dtype, device=device).permute(1, 0, 2)
+
+
+def slot_onehot(slots: torch.Tensor, num_slots: int, dtype: torch.dtype) -> torch.Tensor:
+    """(T, S) in `dtype`: 1 where a row uses the slot (a row of slot -1: all zeros). On the device,
+    without a host sync; made once per step and shared by every projection (shrink="masked")."""
+    return (slots[:, None] == torch.arange(num_slots, device=slots.device, dtype=slots.dtype)).to(dtype)
 
 
 def lora_delta_(y: torch.Tensor, x: torch.Tensor, a_bank: torch.Tensor, b_bank: torch.Tensor,
                 slots: torch.Tensor, order: torch.Tensor | None = None, *, shrink: str = "chunks",
-                block_t: int = BLOCK_T) -> torch.Tensor:
+                block_t: int = BLOCK_T, onehot: torch.Tensor | None = None) -> torch.Tensor:
     """y += the LoRA delta of each row's slot (module docstring); the Triton twin of
     `lora_delta_reference_`. order: `slot_order(slots)` when the caller has it. shrink: one of
-    SHRINKS. block_t: rows per program (a power of two, at least 16). Returns y."""
+    SHRINKS. block_t: rows per program (a power of two, at least 16). onehot: `slot_onehot(slots,
+    S, x.dtype)` when the caller has it (shrink="masked" only). Returns y."""
     t_rows, k = x.shape
     s, r, k_a = a_bank.shape
     assert k_a == k, f"A's input width {k_a} vs x's {k}"
@@ -161,13 +186,22 @@ def lora_delta_(y: torch.Tensor, x: torch.Tensor, a_bank: torch.Tensor, b_bank: 
     assert y.shape == (t_rows, n), f"y must be ({t_rows}, {n}), got {tuple(y.shape)}"
     assert slots.shape == (t_rows,) and slots.dtype == torch.int32, "slots must be (T,) int32"
     assert x.stride(1) == 1 and y.stride(1) == 1, "rows must be contiguous"
-    assert a_bank.is_contiguous() and b_bank.is_contiguous(), "the banks must be contiguous"
+    assert a_bank.is_contiguous() and b_bank.stride(2) == 1, "A contiguous, B's rank columns contiguous"
     assert a_bank.dtype == b_bank.dtype == x.dtype == y.dtype, "x, y and the banks share one dtype"
     assert 1 <= r <= MAX_RANK, f"rank rows {r} outside 1..{MAX_RANK}"
     assert shrink in SHRINKS, f"shrink must be one of {SHRINKS}, got {shrink!r}"
     assert block_t >= 16 and block_t & (block_t - 1) == 0, f"block_t {block_t}: a power of two >= 16"
     if t_rows == 0:
         return y
+    if shrink == "masked":
+        b_all = b_bank.permute(1, 0, 2)  # (N, S, R)
+        assert b_all.is_contiguous(), "shrink='masked' needs B stored as (N, S, R) (wide_b_bank)"
+        if onehot is None:
+            onehot = slot_onehot(slots, s, x.dtype)
+        assert onehot.shape == (t_rows, s) and onehot.dtype == x.dtype, "onehot must be (T, S) in x's dtype"
+        t = torch.mm(x, a_bank.view(s * r, k).T).view(t_rows, s, r)
+        t.mul_(onehot[:, :, None])
+        return y.addmm_(t.view(t_rows, s * r), b_all.view(n, s * r).T)
     if order is None:
         order = slot_order(slots)
     on_gpu = x.is_cuda
@@ -192,17 +226,18 @@ def lora_delta_(y: torch.Tensor, x: torch.Tensor, a_bank: torch.Tensor, b_bank: 
         slot_cols = 0
     block_n = max(16, min(128 if on_gpu else 32, next_pow2(n)))
     _expand_kernel[(blocks, cdiv(n, block_n))](t, b_bank, y, slots, order, t_rows, y.stride(0), t.stride(0),
-                                               slot_cols, N=n, R=r, R_PAD=r_pad, BLOCK_T=block_t,
+                                               slot_cols, b_bank.stride(0), b_bank.stride(1), N=n, R=r, R_PAD=r_pad, BLOCK_T=block_t,
                                                BLOCK_N=block_n, DOT_DTYPE=dot_dtype, PRECISION=precision,
                                                num_warps=4)
     return y
 
 
 def lora_delta_reference_(y: torch.Tensor, x: torch.Tensor, a_bank: torch.Tensor, b_bank: torch.Tensor,
-                          slots: torch.Tensor, order: torch.Tensor | None = None) -> torch.Tensor:
+                          slots: torch.Tensor, order: torch.Tensor | None = None, *,
+                          onehot: torch.Tensor | None = None) -> torch.Tensor:
     """The torch twin of `lora_delta_` (and the CPU path): per distinct slot, its rows' delta in
     fp32, the intermediate rounded to x's dtype. Syncs with the host (the slots present)."""
-    del order  # the visiting order changes nothing here
+    del order, onehot  # the visiting order and the one-hot change nothing here
     for s in torch.unique(slots).tolist():
         if s < 0:
             continue

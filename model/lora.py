@@ -15,7 +15,9 @@ touched):
                                       its scaling folded in; zeros elsewhere (block diagonal)
 
 so one gathered shrink and expand (kernels/triton_lora.py, or its torch twin on the CPU) add the
-whole fused projection's delta, for every row's own slot, in one pass. A missing part or a lower
+whole fused projection's delta, for every row's own slot, in one pass. With `wide_b` a B bank is
+stored as (out, S, parts * rank) and viewed as above: every slot's B side by side in one matrix,
+for the library-GEMM path (triton_lora's shrink="masked"). A missing part or a lower
 rank is zeros. Slots are filled and cleared by the engine (which decides which adapters are
 resident); a step tells the model each token's slot through `LoraStep`.
 """
@@ -170,7 +172,7 @@ class LoraOps(Protocol):
     model's owner: y (T, N) += x (T, K) . A[s]^T . B[s]^T per row's slot s; -1 rows untouched."""
 
     def __call__(self, y: torch.Tensor, x: torch.Tensor, a_bank: torch.Tensor, b_bank: torch.Tensor,
-                 slots: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
+                 slots: torch.Tensor, order: torch.Tensor | None, *, onehot: torch.Tensor | None) -> torch.Tensor:
         ...
 
 
@@ -182,13 +184,20 @@ class LoraStep:
     buffer at the same address on every replay."""
 
     buffer: torch.Tensor  # (capacity,) int32 on the model's device
+    # > 0: each forward also makes `onehot` over this many slots, in `onehot_dtype` (the masked path)
+    onehot_slots: int = 0
+    onehot_dtype: torch.dtype = torch.float32
     slots: torch.Tensor | None = None  # (T,) the forward's rows: buffer[:T]
     order: torch.Tensor | None = None  # (T,) int32, their stable argsort (the kernels' visiting order)
+    onehot: torch.Tensor | None = None  # (T, onehot_slots): 1 at each row's slot
 
     def begin(self, num_tokens: int) -> None:
         assert num_tokens <= self.buffer.shape[0], f"{num_tokens} rows, a slot buffer of {self.buffer.shape[0]}"
         self.slots = self.buffer[:num_tokens]
         self.order = torch.argsort(self.slots, stable=True).to(torch.int32)
+        if self.onehot_slots:
+            slot_ids = torch.arange(self.onehot_slots, device=self.slots.device, dtype=self.slots.dtype)
+            self.onehot = (self.slots[:, None] == slot_ids).to(self.onehot_dtype)
 
 
 class LoraBank:
@@ -196,17 +205,20 @@ class LoraBank:
     its dtype; `attach` hooks them into the model's Linear layers."""
 
     def __init__(self, cfg: ModelConfig, num_slots: int, max_rank: int, dtype: torch.dtype,
-                 device: torch.device | str, max_tokens: int) -> None:
+                 device: torch.device | str, max_tokens: int, *, wide_b: bool = False) -> None:
         assert num_slots >= 1 and max_rank >= 1 and max_tokens >= 1
         self.cfg, self.num_slots, self.max_rank = cfg, num_slots, max_rank
-        self.step = LoraStep(torch.full((max_tokens,), -1, dtype=torch.int32, device=device))
+        # wide_b: the masked path, which also wants the step's one-hot of each row's slot
+        self.step = LoraStep(torch.full((max_tokens,), -1, dtype=torch.int32, device=device),
+                             onehot_slots=num_slots if wide_b else 0, onehot_dtype=dtype)
         self.banks: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
         for _ in range(cfg.num_hidden_layers):
             layer = {}
             for proj, (width, outs) in part_sizes(cfg).items():
                 rows = len(outs) * max_rank
-                layer[proj] = (torch.zeros(num_slots, rows, width, dtype=dtype, device=device),
-                               torch.zeros(num_slots, sum(outs), rows, dtype=dtype, device=device))
+                b = (torch.zeros(sum(outs), num_slots, rows, dtype=dtype, device=device).permute(1, 0, 2) if wide_b
+                     else torch.zeros(num_slots, sum(outs), rows, dtype=dtype, device=device))
+                layer[proj] = (torch.zeros(num_slots, rows, width, dtype=dtype, device=device), b)
             self.banks.append(layer)
         # Per layer, K/V smoothing folded into the base weights (model/smoothing.py), to fold into
         # each adapter as it is written: multipliers of qkv's output rows and o_proj's input columns.
@@ -290,5 +302,6 @@ class LoraHook:
         if slots is None:
             return y
         y2 = y.view(-1, y.shape[-1])
-        self.ops(y2, x.reshape(-1, x.shape[-1]), self.a_bank, self.b_bank, slots, self.step.order)
+        self.ops(y2, x.reshape(-1, x.shape[-1]), self.a_bank, self.b_bank, slots, self.step.order,
+                 onehot=self.step.onehot)
         return y

@@ -59,13 +59,15 @@ def make_adapters(model: LlamaForCausalLM, config: EngineConfig, device: torch.d
     if not config.max_loras:
         return None
     mc = model.config
+    triton_path = device.type == "cuda" or config.attention_backend == "triton"
     bank = LoraBank(mc, config.max_loras, config.max_lora_rank, model.embed_tokens.weight.dtype, device,
-                    max_tokens=max(config.max_num_batched_tokens, config.max_num_seqs))  # a step's rows at most
+                    max_tokens=max(config.max_num_batched_tokens, config.max_num_seqs),  # a step's rows at most
+                    wide_b=triton_path and config.lora_shrink == "masked")
     if factors is not None:
         bank.fold_smoothing(factors.k, factors.v)
     from pie.kernels import triton_lora
 
-    if device.type == "cuda" or config.attention_backend == "triton":
+    if triton_path:
         bank.attach(model, partial(triton_lora.lora_delta_, shrink=config.lora_shrink))
     else:
         bank.attach(model, triton_lora.lora_delta_reference_)

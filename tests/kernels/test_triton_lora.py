@@ -4,7 +4,7 @@ slots and base rows (-1) in any order, poisoned outputs, every rank shape the ba
 import pytest
 import torch
 
-from pie.kernels.triton_lora import K_CHUNK, lora_delta_, lora_delta_reference_, slot_order
+from pie.kernels.triton_lora import K_CHUNK, lora_delta_, lora_delta_reference_, slot_onehot, slot_order, wide_b_bank
 
 
 def _banks(slots: int, rank_rows: int, k: int, n: int, dtype, device, gen):
@@ -72,20 +72,28 @@ def test_input_cut_in_chunks(rng):
         torch.testing.assert_close(alone[0], got[i], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize(("shrink", "block_t"), [("gemm", 16), ("chunks", 32), ("gemm", 64)])
-def test_other_shrinks_and_row_blocks(rng, shrink, block_t):
-    """t from one product over every slot (each row reading its own slot's columns), and blocks of
-    more rows than tl.dot's least: the twin's deltas for decode rows of mixed slots, base rows and
-    prompt segments, with K past K_CHUNK; base rows untouched to the bit."""
+@pytest.mark.parametrize(("shrink", "block_t", "wide"), [("gemm", 16, False), ("chunks", 32, False), ("gemm", 64, False),
+                                                        ("chunks", 16, True), ("gemm", 16, True), ("masked", 16, True)])
+def test_other_shrinks_and_row_blocks(rng, shrink, block_t, wide):
+    """t from one product over every slot (each row reading its own slot's columns; or, masked,
+    every slot's columns but its own zeroed and one product with every slot's B), blocks of more
+    rows than tl.dot's least, and B banks stored wide ((N, S, R), read by their strides): the
+    twin's deltas for decode rows of mixed slots, base rows and prompt segments, with K past
+    K_CHUNK; base rows untouched to the bit."""
     gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
     k = K_CHUNK + 40
     a, b = _banks(4, 24, k, 56, torch.float32, "cpu", gen)
     a /= k ** 0.5
+    if wide:
+        b = wide_b_bank(4, 56, 24, dtype=torch.float32, device="cpu").copy_(b)
     slots = torch.tensor([3, -1, 0, 2, 1, 3, -1] + [1] * 27 + [-1] * 5 + [2] * 30, dtype=torch.int32)
     x = torch.randn(slots.numel(), k, generator=gen)
     base = torch.randn(slots.numel(), 56, generator=gen)
     want = lora_delta_reference_(base.clone(), x, a, b, slots)
     got = lora_delta_(base.clone(), x, a, b, slots, slot_order(slots), shrink=shrink, block_t=block_t)
+    if shrink == "masked":  # the step's one-hot given, as the model passes it: the same
+        given = lora_delta_(base.clone(), x, a, b, slots, shrink=shrink, onehot=slot_onehot(slots, 4, x.dtype))
+        assert torch.equal(given, got)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     keep = slots < 0
     assert torch.equal(got[keep], base[keep])
@@ -110,16 +118,20 @@ def test_refuses_mismatched_shapes():
         lora_delta_(torch.zeros(3, 16), torch.ones(3, 16), a, b, torch.zeros(3, dtype=torch.int64))
     with pytest.raises(AssertionError, match="shrink must be one of"):
         lora_delta_(torch.zeros(3, 16), torch.ones(3, 16), a, b, torch.zeros(3, dtype=torch.int32), shrink="mm")
+    with pytest.raises(AssertionError, match="needs B stored as"):
+        lora_delta_(torch.zeros(3, 16), torch.ones(3, 16), a, b, torch.zeros(3, dtype=torch.int32), shrink="masked")
     with pytest.raises(AssertionError, match="block_t 24"):
         lora_delta_(torch.zeros(3, 16), torch.ones(3, 16), a, b, torch.zeros(3, dtype=torch.int32), block_t=24)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize(("shrink", "block_t"), [("chunks", 16), ("gemm", 64)])
+@pytest.mark.parametrize(("shrink", "block_t"), [("chunks", 16), ("gemm", 64), ("masked", 16)])
 def test_gpu_matches_twin(rng, dtype, shrink, block_t):
     gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
     a, b = _banks(9, 48, 3584, 4608, dtype, "cuda", gen)
+    if shrink == "masked":
+        b = wide_b_bank(9, 4608, 48, dtype=dtype, device="cuda").copy_(b)
     rows = 300
     slots = torch.randint(-1, 9, (rows,), generator=gen, dtype=torch.int32).cuda()
     x = torch.randn(rows, 3584, generator=gen).to(dtype).cuda() * 0.1

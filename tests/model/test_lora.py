@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -58,17 +59,23 @@ def _peft_logits(base_dir: Path, adapter_dir: Path, ids: list[torch.Tensor]) -> 
     return hf_logits(model, ids)
 
 
-# every family through the torch twin; the Triton kernels (in the interpreter here: slow) on two
+# every family through the torch twin; the Triton kernels (in the interpreter here: slow) on two;
+# the library-GEMM path (shrink="masked", its B banks wide) on two
 @pytest.mark.parametrize(("case", "ops"), [(c, "reference") for c in CASES] + [("llama-bias", "triton"),
-                                                                              ("qwen3", "triton")])
+                                                                              ("qwen3", "triton"),
+                                                                              ("llama-bias", "masked"),
+                                                                              ("qwen2", "masked")])
 def test_mixed_batch_matches_peft(case, ops, model_dir, hf_model, adapters):
     folders = adapters(case)
     model, cfg = load_model(model_dir(case))
-    bank = LoraBank(cfg, num_slots=len(folders), max_rank=64, dtype=torch.float32, device="cpu", max_tokens=64)
+    bank = LoraBank(cfg, num_slots=len(folders), max_rank=64, dtype=torch.float32, device="cpu", max_tokens=64,
+                    wide_b=ops == "masked")
     names = list(folders)
     for slot, name in enumerate(names):
         bank.write(slot, load_peft_adapter(name, folders[name], cfg, max_rank=64))
-    bank.attach(model, lora_delta_reference_ if ops == "reference" else lora_delta_)
+    kernels = {"reference": lora_delta_reference_, "triton": lora_delta_,
+               "masked": partial(lora_delta_, shrink="masked")}
+    bank.attach(model, kernels[ops])
     # sequences: base, each adapter, base, the first adapter again (rows of one slot apart)
     seq_slots = [-1, 0, 1, 2, 3, -1, 0]
     ids = prompts(cfg.vocab_size, lens=(5, 9, 7, 6, 11, 4, 8), seed=3)

@@ -76,6 +76,16 @@ def test_mixed_batch_equals_peft(lora_setup):
     assert engine.adapters is not None and all(a.running == 0 for a in map(engine.adapters.get, folders))
 
 
+def test_library_gemm_path_equals_peft(lora_setup):
+    """lora_shrink="masked" on the Triton path (the interpreter here): the bank's wide B layout and
+    the step's one-hot wired through the engine give peft's ids."""
+    model_dir, folders, prompts, names, want = lora_setup
+    engine = _engine(model_dir, folders, attention_backend="triton", lora_shrink="masked")
+    assert engine.adapters is not None and engine.adapters.bank.step.onehot_slots == 2
+    got = engine.generate(prompts, SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True), names)
+    assert got == want
+
+
 @pytest.mark.parametrize("kv", ["int8", "bf16"])
 def test_quantized_pages_agree_as_the_base_does(lora_setup, kv):
     """int8 and bf16 pages round K/V; the adapted rows keep at least the base rows' agreement
@@ -133,6 +143,8 @@ def test_config_refusals(lora_setup):
         EngineConfig(max_loras=1, lora_shrink="mm")
     with pytest.raises(ValueError, match="not batch-invariant"):
         EngineConfig(max_loras=1, lora_shrink="gemm", batch_invariant=True)
+    with pytest.raises(ValueError, match="not batch-invariant"):
+        EngineConfig(max_loras=1, lora_shrink="masked", batch_invariant=True)
     with pytest.raises(StartupError, match="--lora mlp64=.*: rank 64 is above the server's --max-lora-rank 16"):
         EngineCore(EngineConfig(model=str(model_dir), device="cpu", dtype="fp32", num_kv_blocks=32, max_loras=1,
                                 max_lora_rank=16, loras=(("mlp64", str(folders["mlp64"])),)))
@@ -185,11 +197,12 @@ def test_slots_lru_and_unload(lora_setup):
 def test_cuda_graphs_carry_the_slots(lora_setup):
     """On CUDA the slots are graph inputs: decode graphs and piecewise prompt graphs give the
     eager engine's ids, and both keep peft's (fp32; TF32 attention dots may flip a near tie); so
-    does the shrink by one GEMM over every slot (lora_shrink="gemm")."""
+    does the shrink by one GEMM over every slot (lora_shrink="gemm") and the library-GEMM path
+    (lora_shrink="masked")."""
     model_dir, folders, prompts, names, want = lora_setup
     sampling = SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True)
     got = {}
-    for eager, shrink in ((True, "chunks"), (False, "chunks"), (False, "gemm")):
+    for eager, shrink in ((True, "chunks"), (False, "chunks"), (False, "gemm"), (False, "masked")):
         engine = EngineCore(EngineConfig(model=str(model_dir), device="cuda", dtype="fp32", kv_cache_dtype="fp32",
                                          num_kv_blocks=128, max_num_seqs=8, max_loras=2, max_lora_rank=64,
                                          loras=tuple((n, str(f)) for n, f in folders.items()), enforce_eager=eager,
@@ -197,7 +210,7 @@ def test_cuda_graphs_carry_the_slots(lora_setup):
         got[eager, shrink] = engine.generate(prompts, sampling, names)
         del engine
     assert got[False, "chunks"] == got[True, "chunks"]
-    for key in ((False, "chunks"), (False, "gemm")):
+    for key in ((False, "chunks"), (False, "gemm"), (False, "masked")):
         agree = sum(common_prefix(g, w) / TOKENS for g, w in zip(got[key], want, strict=True)) / len(want)
         assert agree >= 0.9, (key, agree)
 
