@@ -15,17 +15,16 @@ replayed from one CUDA graph), the deltas first checked against the torch twin. 
     whole-k    the shrink with the whole K in one program (no reduce): what the chunks replaced
     gemm       t of every slot from one library GEMM, then the expand
     chunks-t64, gemm-t64   the same with 64 rows a program
+    masked     library GEMMs only: t_all = x . A_all^T (T, S R), each row's other slots' columns
+               zeroed by the step's one-hot (T, S) (made once per step, not timed), y += t_all .
+               B_all^T with B_all (N, S R) every slot's B side by side (addmm, beta 1)
 
-and two ways through the library GEMM alone (candidates, not in kernels/triton_lora.py yet), with
-the step's one-hot of each row's slot, onehot (T, S), made once per step and not timed:
+and one candidate not in kernels/triton_lora.py:
 
-    mask-addmm   t_all = x . A_all^T (T, S R); t_all *= onehot (each row keeps its own slot's
-                 columns); y += t_all . B_all^T, B_all (N, S R) every slot's B side by side (addmm,
-                 beta 1): three launches, no Triton, S times the delta's multiply-adds
-    augmented    y = [x | t_all * onehot] . [W | B_all]^T: the base projection and the delta in
-                 one GEMM over K + S R columns (the base weight a view of the wider matrix), so
-                 y is written once; timed with the copy of x into the wide input (a producer
-                 could write there), its LoRA figure is its time less the base GEMM's
+    augmented  y = [x | t_all * onehot] . [W | B_all]^T: the base projection and the delta in one
+               GEMM over K + S R columns (the base weight a view of the wider matrix), so y is
+               written once; timed with the copy of x into the wide input (a producer could write
+               there), its LoRA figure is its time less the base GEMM's
 
 The table gives the microseconds of each and, per step, the layers' sum: the LoRA kernels' time as
 a share of the base projections' (the ≤ 5% that issue 61's throughput target leaves them).
@@ -54,24 +53,19 @@ def projections(shape: str, rank: int) -> dict[str, tuple[int, int, int]]:
 
 # variant: (K_CHUNK or None for the whole K, shrink, rows per program)
 VARIANTS = {"chunks": (512, "chunks", 16), "whole-k": (None, "chunks", 16), "gemm": (512, "gemm", 16),
-            "chunks-t64": (512, "chunks", 64), "gemm-t64": (512, "gemm", 64)}
-LIBRARY = ("mask-addmm", "augmented")  # the library-GEMM candidates (module docstring)
+            "chunks-t64": (512, "chunks", 64), "gemm-t64": (512, "gemm", 64), "masked": (512, "masked", 16)}
+LIBRARY = ("augmented",)  # the candidate outside the kernels' module (module docstring)
 
 
 def library_call(label: str, x, w, a, b, y, onehot):
-    """The timed call of a LIBRARY variant and the y it leaves (the delta added to x W^T)."""
+    """The timed call of a LIBRARY variant; it leaves x W^T plus the delta in y."""
+    assert label == "augmented", label
     t_rows, k = x.shape
     s, rows, _ = a.shape
     n = w.shape[0]
     a_all = a.reshape(s * rows, k)
     b_all = b.permute(1, 0, 2).reshape(n, s * rows).contiguous()
     mask = onehot[:, :, None]
-    if label == "mask-addmm":
-        def call():
-            t = torch.mm(x, a_all.T).view(t_rows, s, rows)
-            t.mul_(mask)
-            return y.addmm_(t.view(t_rows, s * rows), b_all.T)
-        return call
     wide_w = torch.cat([w, b_all], dim=1)  # (N, K + S R): W is wide_w[:, :K]
     wide_x = torch.empty(t_rows, k + s * rows, dtype=x.dtype, device=x.device)
 
@@ -117,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
                 chunk, shrink, block_t = VARIANTS.get(label, VARIANTS["chunks"])
                 tlo.K_CHUNK = chunk or 1 << 20
                 kw = dict(shrink=shrink, block_t=block_t)
+                if shrink == "masked":
+                    kw["onehot"] = onehot
                 cells, base_sum, lora_sum = [], 0.0, 0.0
                 for k, n, rows in projections(args.shape, args.rank).values():
                     x = torch.randn(t, k, device="cuda", generator=gen, dtype=torch.bfloat16)
@@ -125,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
                     # B at the scale of y's own entries: a delta much smaller than y's rounding
                     # could go missing unseen by the check below
                     b = torch.randn(s, n, rows, device="cuda", generator=gen, dtype=torch.bfloat16) / rows ** 0.5
+                    if shrink == "masked":  # its B bank stored (N, S, R)
+                        b = tlo.wide_b_bank(s, n, rows, dtype=b.dtype, device="cuda").copy_(b)
                     y = x @ w.T
                     want = tlo.lora_delta_reference_(y.clone(), x, a, b, slots)
                     if library:
