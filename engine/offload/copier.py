@@ -7,19 +7,24 @@ was written with.
     pool tensor t: (num_layers, num_blocks, *rest)   ->   record part: t[:, b] as bytes
     record:        k | v | k_scale | v_scale          (block_bytes in all; one row of the host pool)
 
-On CUDA the copies run on two side streams, one each way, ordered after the main stream's work so
-far by an event (the K/V of the blocks saved, or pending writes to the blocks a read-back fills),
-and report through an event the engine polls: steps keep running meanwhile. A step that reuses a
-block whose copy down is still in flight makes the main stream wait for that event (a device-side
-wait). Copies down never queue behind a read-back (the link carries both directions at once), so
-that wait is for copies down alone; a read-back waits for the copies down issued before it (they
-may fill the host rows it reads, or read the pool blocks it overwrites). Rows of consecutive host
+On CUDA the copies run on two side streams, one each way, and report through an event the engine
+polls: steps keep running meanwhile. A copy down is ordered after the main stream's work so far
+(the K/V of the blocks it saves). A step that reuses a block whose copy down is still in flight
+makes the main stream wait for that event (a device-side wait). A read-back has two halves: its
+rows cross the link into a staging buffer at once, waiting only for the copies down still filling
+those rows (`fills`), so the copy overlaps the step running meanwhile; then a device-side scatter
+puts them into the pool blocks, after the main stream's work so far (the blocks were free, but a
+step in flight may still read them) and after the copies down still reading those blocks
+(`overwrites`: the blocks were evicted to make room). Neither half waits for unrelated copies
+down, however many are queued (the link carries both directions at once). Rows of consecutive host
 slots move in one copy. On the CPU a worker thread does the same copies in issue order (torch
-releases the GIL), and a reused block's copy is waited for on the host.
+releases the GIL), which keeps every such order by itself, and a reused block's copy is waited for
+on the host.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
@@ -73,6 +78,8 @@ class Transfer(Protocol):
 
     def before_next_step(self) -> None: ...  # the next step's device work waits for it
 
+    def order_on(self, stream) -> None: ...  # work queued on `stream` from now on waits for it (CUDA)
+
 
 class Copier(Protocol):
     # whether the next step's device work can wait for a copy in flight (a CUDA event) rather than
@@ -81,7 +88,9 @@ class Copier(Protocol):
 
     def save(self, block_ids: list[int], slots: list[int]) -> Transfer: ...  # pool blocks -> host rows
 
-    def load(self, slots: list[int], block_ids: list[int]) -> Transfer: ...  # host rows -> pool blocks
+    # host rows -> pool blocks, after the copies down still filling those rows or reading those blocks
+    def load(self, slots: list[int], block_ids: list[int], *, fills: Sequence[Transfer] = (),
+             overwrites: Sequence[Transfer] = ()) -> Transfer: ...
 
     def close(self) -> None: ...
 
@@ -101,6 +110,9 @@ class _ThreadTransfer:
     def before_next_step(self) -> None:
         self.future.result()  # the CPU's steps run on this host: wait here
 
+    def order_on(self, stream) -> None:
+        pass  # one worker copies in issue order
+
 
 class CpuCopier:
     """The CPU's copies, on one worker thread (in submission order, as a stream's)."""
@@ -116,7 +128,9 @@ class CpuCopier:
         ids, dst = torch.tensor(block_ids, dtype=torch.int64), torch.tensor(slots, dtype=torch.int64)
         return _ThreadTransfer(self._worker.submit(lambda: self.host_rows.index_copy_(0, dst, self.layout.gather(ids))))
 
-    def load(self, slots: list[int], block_ids: list[int]) -> Transfer:
+    def load(self, slots: list[int], block_ids: list[int], *, fills: Sequence[Transfer] = (),
+             overwrites: Sequence[Transfer] = ()) -> Transfer:
+        del fills, overwrites  # issued before this copy, on the same worker: done first
         src, ids = torch.tensor(slots, dtype=torch.int64), torch.tensor(block_ids, dtype=torch.int64)
         return _ThreadTransfer(self._worker.submit(lambda: self.layout.scatter(ids, self.host_rows.index_select(0, src))))
 
@@ -142,6 +156,9 @@ class _CudaTransfer:
 
     def before_next_step(self) -> None:
         torch.cuda.current_stream().wait_event(self.event)
+
+    def order_on(self, stream) -> None:
+        stream.wait_event(self.event)
 
 
 class CudaCopier:
@@ -175,15 +192,19 @@ class CudaCopier:
             done.record(self.down)
         return _CudaTransfer(done, (ids, rows))
 
-    def load(self, slots: list[int], block_ids: list[int]) -> Transfer:
-        after = self._ordered()  # writes still queued to these (reused) blocks land first
+    def load(self, slots: list[int], block_ids: list[int], *, fills: Sequence[Transfer] = (),
+             overwrites: Sequence[Transfer] = ()) -> Transfer:
+        after = self._ordered()  # the main stream's work so far (a step in flight may read the blocks)
         with torch.cuda.stream(self.up):
-            self.up.wait_event(after)
-            self.up.wait_stream(self.down)  # the copies down so far: rows it reads, blocks it overwrites
+            for transfer in fills:  # copies down still writing the rows it reads
+                transfer.order_on(self.up)
             rows = torch.empty((len(slots), self.layout.block_bytes), dtype=torch.uint8, device=self.device)
             for at, first, n in slot_runs(slots):
                 rows[at:at + n].copy_(self.host_rows[first:first + n], non_blocking=True)
             ids = to_device(torch.tensor(block_ids, dtype=torch.int64), self.device)
+            self.up.wait_event(after)
+            for transfer in overwrites:  # copies down still reading the blocks it overwrites
+                transfer.order_on(self.up)
             self.layout.scatter(ids, rows)
             done = torch.cuda.Event()
             done.record(self.up)

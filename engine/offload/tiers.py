@@ -3,7 +3,8 @@ the GPU pool"). The block manager and the scheduler drive it through `LowerTiers
 (engine/scheduling/block_manager.py):
 
     freed(b)       a hashed block went back to the free queue, its K/V intact
-    evicting(b)    ... and is now handed out: its copy down, if still in flight, lands first
+    evicting(b)    ... and is now handed out: its copy down, if still in flight, lands first (before
+                   the next step, or, for a read-back's block, before that read-back writes it)
     poll()         start of schedule(): read-backs that landed become cached free blocks (on CUDA
                    also those issued at an earlier schedule: the step's work waits for the copy)
     fetch(r, hit)  admission: the chain goes on below the pool's hit -> take fresh blocks, start the
@@ -71,6 +72,7 @@ class _Load:
     from_disk: list[bool]  # per block: read from disk into its host row first
     reads: list[Future[bool]]  # those disk reads, in block order
     started: float
+    overwrites: list[Transfer]  # copies down still reading `block_ids` (evicted for it): the copy waits
     transfer: Transfer | None = None  # host rows -> pool blocks, once the reads are in
 
 
@@ -95,6 +97,7 @@ class KVTiers:
         self._freed: list[int] = []  # hashed blocks freed since the last flush
         self._saving: dict[int, Transfer] = {}  # pool block -> its copy down in flight
         self._wait_before_step: list[Transfer] = []  # copies of blocks this step reuses
+        self._taking: list[Transfer] | None = None  # while a read-back takes its blocks: their copies down
         self._loads: list[_Load] = []
         # read-backs published while their copy was still in flight (CUDA): the host rows they read
         # stay pinned until it has landed (a disk read into a reused row would not wait for it)
@@ -116,7 +119,8 @@ class KVTiers:
             self._save_freed()  # this step writes it: its copy is issued now, ahead of the step
         transfer = self._saving.pop(block_id, None)
         if transfer is not None and not transfer.done():
-            self._wait_before_step.append(transfer)
+            # a read-back's block: its copy waits for this one, the steps meanwhile need not
+            (self._wait_before_step if self._taking is None else self._taking).append(transfer)
             self.counts.reuse_waits += 1
 
     def flush(self) -> None:
@@ -196,7 +200,11 @@ class KVTiers:
             parent_hash, parent = h, digest
         if not keys:
             return False
-        blocks = self.bm.take_blocks(len(keys))
+        self._taking = []
+        try:
+            blocks = self.bm.take_blocks(len(keys))
+        finally:
+            overwrites, self._taking = list({id(t): t for t in self._taking}.values()), None
         reads: list[Future[bool]] = []
         for i, key in enumerate(keys):
             if i < len(blocks) and from_disk[i]:
@@ -220,9 +228,10 @@ class KVTiers:
                 break
         if not keys:
             return False
-        load = _Load(request, blocks, keys, entries, from_disk, reads, time.monotonic())  # type: ignore[arg-type]
+        load = _Load(request, blocks, keys, entries, from_disk, reads, time.monotonic(),  # type: ignore[arg-type]
+                     overwrites)
         if not reads:
-            load.transfer = self.copier.load([e.slot for e in load.entries], blocks)
+            load.transfer = self._copy_up(load)
         request.kv_load = load
         self._loads.append(load)
         return True
@@ -245,7 +254,7 @@ class KVTiers:
             if not load.keys:
                 load.request.kv_load = None
                 return True
-            load.transfer = self.copier.load([e.slot for e in load.entries], load.block_ids)
+            load.transfer = self._copy_up(load)
             return False
         landed = load.transfer.done()
         if not landed and not self.copier.device_waits:
@@ -256,6 +265,12 @@ class KVTiers:
         if not landed:
             self._publishing.append((load.transfer, load.entries))
         return True
+
+    def _copy_up(self, load: _Load) -> Transfer:
+        """Issues the copy of a read-back's host rows into its pool blocks."""
+        fills = {id(e.filling): e.filling for e in load.entries if e.filling is not None and not e.filling.done()}
+        return self.copier.load([e.slot for e in load.entries], load.block_ids, fills=list(fills.values()),
+                                overwrites=[t for t in load.overwrites if not t.done()])
 
     @staticmethod
     def _unpin_when_done(transfer: Transfer, entries: list[HostEntry]) -> bool:

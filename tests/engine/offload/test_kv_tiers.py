@@ -295,7 +295,7 @@ def test_where_the_device_waits_a_read_back_is_published_at_the_next_schedule(mo
             self.waited = True
 
     load = copier.load
-    monkeypatch.setattr(copier, "load", lambda slots, block_ids: InFlight(load(slots, block_ids)))
+    monkeypatch.setattr(copier, "load", lambda slots, block_ids, **kw: InFlight(load(slots, block_ids, **kw)))
     monkeypatch.setattr(copier, "device_waits", True)
     engine.add_request("again", prompt, SamplingParams(max_tokens=6, temperature=0.0, logprobs=3, ignore_eos=True))
     assert engine.step() == [] and engine.scheduler.waiting[0].kv_load is not None  # the read-back issued
@@ -316,6 +316,47 @@ def test_where_the_device_waits_a_read_back_is_published_at_the_next_schedule(mo
     assert (tokens, logprobs) == expected
     assert hits(engine)["host"] == 3 * BLOCK and engine.stats().kv_readbacks == 1
     assert all(e.pins == 0 for e in engine.kv_tiers.host._entries.values()) and not engine.kv_tiers._publishing
+    engine.close()
+
+
+def test_a_read_back_not_the_step_waits_for_the_copies_down_of_its_blocks(model_dir, rng):
+    """A read-back whose fresh blocks were evicted while their copy down is still in flight hands
+    those copies to the read-back's own copy (on CUDA its scatter waits for them on the side
+    stream), not to the next step: the steps meanwhile do not wait for the link. Held copies on the
+    CPU's worker: the schedule that issues the read-back returns at once, and once the copies land
+    the answer is the cold one, to the bit."""
+    # 5 blocks: after "other" (3 full blocks and a partial one) ends, a 3-block read-back takes
+    # blocks of "other" from the free queue, whose copies down are held
+    engine = make_engine(model_dir, None, num_kv_blocks=5)
+    prompt = prompt_of(rng)
+    expected = serve(engine, prompt, "cold")
+    drain(engine)
+    engine.block_manager.reset_prefix_cache(lower_tiers=False)
+    gate = threading.Event()
+    engine.kv_tiers.copier._worker.submit(gate.wait)  # every copy from here on waits behind it
+    try:
+        engine.add_request("other", prompt_of(rng), SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+        while engine.has_unfinished():
+            engine.step()
+        engine.add_request("again", prompt, SamplingParams(max_tokens=6, temperature=0.0, logprobs=3, ignore_eos=True))
+        done = threading.Event()
+        stepper = threading.Thread(target=lambda: (engine.step(), done.set()), daemon=True)
+        stepper.start()
+        assert done.wait(timeout=30), "the schedule that issued the read-back waited for the held copies down"
+        (load,) = engine.kv_tiers._loads
+        assert load.overwrites and not engine.kv_tiers._wait_before_step
+        assert engine.kv_tiers.counts.reuse_waits >= 1
+    finally:
+        gate.set()
+    tokens: list[int] = []
+    logprobs: list[SampledToken] = []
+    while engine.has_unfinished():
+        for o in engine.step():
+            tokens += o.new_token_ids
+            logprobs += o.new_logprobs
+        assert_engine_invariants(engine)
+    assert (tokens, logprobs) == expected
+    assert hits(engine)["host"] == 3 * BLOCK
     engine.close()
 
 
