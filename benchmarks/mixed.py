@@ -45,10 +45,15 @@ of the working set (the system prompt and every conversation's final history), t
 --host-gib (default: 1.1x the working set in int8 pages; bf16 pages get the same GiB), the disk
 tier the whole working set. Per KV dtype and tier setting (off, host, host+disk), --repeats runs
 on a fresh engine (a fresh disk folder): TTFT p50/p99 (arrival to first token), generated tokens/s,
-the prompt tokens served from the pool, the host and the disk, a decode-only step's median time
-with and without a read-back in flight, a read-back's mean time from lookup to joining the pool,
-and how many blocks a step reused while their copy down was still in flight (each makes that
-step's work wait for it).
+the prompt tokens served from the pool, the host and the disk, a read-back's mean time from lookup
+to joining the pool (on CUDA: to the schedule that publishes it, about a step), and how many blocks
+were handed out while their copy down was still in flight (each makes a step or a read-back wait).
+
+Then, per KV dtype (with a host tier), what a read-back costs the steps it overlaps, measured apart
+from the chat's own steps (whose times mix in the prefill of the turns admitted with a read-back):
+--in-flight rows decoding, alone and with a read-back of a conversation's whole history issued
+before every step (the tiers' own copy of host rows into free pool blocks, which the next step waits
+for, as a published read-back's does), in alternated rounds: the median step time of each.
 """
 
 from __future__ import annotations
@@ -398,9 +403,6 @@ def run_chat(folder: Path, kv: str, tiers: str, args, system: list[int], users, 
     busy: dict[str, tuple[int, int, float]] = {}  # request id -> (conversation, turn, arrival)
     active, replies, ttft = set(), {}, []
     generated, next_item = 0, 0
-    # decode-only steps' times, by whether a read-back was in flight (a step that carries prompt
-    # tokens is left out: the step after a read-back lands prefills its request's new tokens)
-    steps: dict[bool, list[float]] = {False: [], True: []}
     before = eng.stats()
     waits_before = eng.kv_tiers.counts.reuse_waits if eng.kv_tiers is not None else 0
     sync(args.device)
@@ -414,14 +416,7 @@ def run_chat(folder: Path, kv: str, tiers: str, args, system: list[int], users, 
             active.add(c)
             replies[rid] = []
             eng.add_request(rid, history[c], sp)
-        loading = eng.kv_tiers is not None and eng.kv_tiers.loading
-        prompt_before = eng.stats().step_prompt_tokens
-        t_step = time.perf_counter()
         outs = eng.step()
-        dt = time.perf_counter() - t_step
-        # (a step with every request waiting on a read-back runs nothing: not a step's cost)
-        if outs and eng.stats().step_prompt_tokens == prompt_before:
-            steps[loading].append(dt)
         for o in outs:
             c, t, arrival = busy[o.request_id]
             if not replies[o.request_id]:
@@ -452,13 +447,66 @@ def run_chat(folder: Path, kv: str, tiers: str, args, system: list[int], users, 
                 host_hit_tokens=tier_hits.get("host", 0), disk_hit_tokens=tier_hits.get("disk", 0),
                 prompt_tokens=after.prefix_cache_queries - before.prefix_cache_queries,
                 preemptions=after.num_preemptions - before.num_preemptions,
-                # a read-back overlaps the steps that run meanwhile: their median time against the others'
-                step_ms=1e3 * statistics.median(steps[False]) if steps[False] else float("nan"),
-                readback_step_ms=1e3 * statistics.median(steps[True]) if steps[True] else float("nan"),
                 # a read-back's time from its start to its blocks landing, on average
                 readback_ms=1e3 * (after.kv_readback_seconds - before.kv_readback_seconds) / readbacks
                 if readbacks else float("nan"),
-                reuse_waits=reuse_waits)  # blocks a step reused while their copy down was in flight
+                reuse_waits=reuse_waits)  # blocks handed out while their copy down was in flight
+
+
+def readback_cost(folder: Path, kv: str, args, pool_blocks: int, rounds: int = 3, steps: int = 30) -> dict:
+    """Decode steps of --in-flight rows alone and with a read-back issued before each (module
+    docstring): the median step time of each over `rounds` alternated rounds of `steps` steps."""
+    eng = EngineCore(EngineConfig(
+        model=str(folder), device=args.device, dtype="bf16" if args.device == "cuda" else "fp32",
+        kv_cache_dtype=kv, num_kv_blocks=pool_blocks, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_batched_tokens, kv_host_gib=args.host_gib))
+    tiers, bm = eng.kv_tiers, eng.block_manager
+    assert tiers is not None
+    # a conversation's own history at its end: the most a read-back of this work moves
+    chain = min(-(-args.turns * (args.user_len + args.reply_len) // bm.block_size), tiers.host.num_slots)
+    rng = random.Random(1)
+    sp = SamplingParams(max_tokens=2 * rounds * steps + 64, temperature=0, ignore_eos=True)
+    for i in range(args.in_flight):
+        eng.add_request(f"d{i}", [rng.randrange(3, 1000) for _ in range(128)], sp)
+    for _ in range(64):  # until every row decodes
+        eng.step()
+        if len(eng.scheduler.running) == args.in_flight and not eng.stats().step_prompt_tokens:
+            break
+    times: dict[bool, list[float]] = {False: [], True: []}
+    in_flight: list[tuple] = []  # (transfer, blocks) of read-backs not yet landed
+
+    def release(wait: bool) -> None:
+        for transfer, blocks in list(in_flight):
+            if wait:
+                transfer.wait()
+            if transfer.done():
+                bm.publish(blocks, [])  # back to the free queue, unnamed (their bytes are no block's)
+                in_flight.remove((transfer, blocks))
+
+    for _ in range(rounds):
+        for loading in (False, True):
+            for _ in range(steps):
+                if loading:
+                    blocks = bm.take_blocks(chain)
+                    transfer = tiers.copier.load(list(range(len(blocks))), blocks)
+                    in_flight.append((transfer, blocks))
+                t0 = time.perf_counter()
+                eng.step()
+                times[loading].append(time.perf_counter() - t0)
+                if loading:
+                    transfer.before_next_step()  # the next step waits for it, as for a published read-back
+                release(wait=False)
+            release(wait=True)
+    sync(args.device)
+    block_bytes = tiers.block_bytes
+    eng.close()
+    del eng, tiers
+    gc.collect()
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    alone, loaded = (1e3 * statistics.median(times[k]) for k in (False, True))
+    return dict(blocks=chain, mib=chain * block_bytes / 2**20, step_ms=alone, readback_step_ms=loaded,
+                ratio=loaded / alone)
 
 
 def chat_main(args) -> int:
@@ -492,8 +540,8 @@ def chat_main(args) -> int:
               f"{args.host_gib:.4g} GiB (int8: {args.host_gib * 2**30 / args.kv_bytes['int8']:,.0f} tokens, bf16: "
               f"{args.host_gib * 2**30 / args.kv_bytes.get('bf16', 2 * args.kv_bytes['int8']):,.0f})")
         print("| KV | tiers | TTFT p50 ms | TTFT p99 ms | tok/s | prompt tokens from pool / host / disk | preempted "
-              "| decode step ms, without / with a read-back in flight | read-back ms | blocks reused mid-copy |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
+              "| read-back ms | blocks reused mid-copy |")
+        print("|---|---|---|---|---|---|---|---|---|")
         figures: dict = {}
         for kv in kvs:
             for tiers in args.tiers.split(","):
@@ -508,8 +556,16 @@ def chat_main(args) -> int:
                       f"{spread['ttft_p99_ms'][1]:.1f}) | {med['tok_per_s']:,.0f} ({spread['tok_per_s'][0]:,.0f}-"
                       f"{spread['tok_per_s'][1]:,.0f}) | {med['pool_hit_tokens']:,.0f} / {med['host_hit_tokens']:,.0f} "
                       f"/ {med['disk_hit_tokens']:,.0f} of {med['prompt_tokens']:,.0f} | {med['preemptions']:.0f} | "
-                      f"{med['step_ms']:.2f} / {med['readback_step_ms']:.2f} | {med['readback_ms']:.2f} | "
-                      f"{med['reuse_waits']:.0f} |", flush=True)
+                      f"{med['readback_ms']:.2f} | {med['reuse_waits']:.0f} |", flush=True)
+        if any(t != "off" for t in args.tiers.split(",")):
+            print(f"\n| KV | decode step ms, {args.in_flight} rows | the same with a read-back before every step "
+                  "| read-back | with / without |")
+            print("|---|---|---|---|---|")
+            for kv in kvs:
+                cost = readback_cost(Path(tmp) / "model", kv, args, pool_blocks)
+                figures[f"{kv} readback cost"] = cost
+                print(f"| {kv} | {cost['step_ms']:.2f} | {cost['readback_step_ms']:.2f} | {cost['blocks']} blocks, "
+                      f"{cost['mib']:.1f} MiB | {cost['ratio']:.3f} |", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(dict(workload="chat", shape=args.shape, figures=figures), indent=2))
     return 0

@@ -202,17 +202,24 @@ def test_every_shape_builds_its_architecture(name: str, tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_tiny_chat_work_runs_every_tier_setting(tmp_path: Path) -> None:
     """mixed.py --workload chat on the CPU: a row per KV dtype and tier setting with every column,
-    the host tier's rows reading prompt tokens back, the JSON holding each setting."""
+    the host tier's rows reading prompt tokens back, the JSON holding each setting; then a row per
+    KV dtype of decode steps alone and with a read-back before each."""
     out = tmp_path / "chat.json"
     run = _run(["-m", "benchmarks.mixed", "--tiny", "--workload", "chat", "--repeats", "1", "--conversations", "12",
                 "--turns", "3", "--out", str(out)], dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1"))
     assert run.returncode == 0, run.stderr[-3000:]
-    rows = [line.split(" | ") for line in run.stdout.splitlines() if line.startswith(("| int8 |", "| bf16 |"))]
+    lines = [line.split(" | ") for line in run.stdout.splitlines() if line.startswith(("| int8 |", "| bf16 |"))]
+    rows = [r for r in lines if r[1] in ("off", "host", "host+disk")]
     assert [(r[0], r[1]) for r in rows] == [(f"| {kv}", t) for kv in ("int8", "bf16") for t in ("off", "host", "host+disk")]
-    assert all(len(r) == 10 for r in rows), run.stdout
+    assert all(len(r) == 9 for r in rows), run.stdout
+    costs = [r for r in lines if r not in rows]
+    assert [(r[0], len(r)) for r in costs] == [("| int8", 5), ("| bf16", 5)], run.stdout
     figures = json.loads(out.read_text())["figures"]
     assert figures["int8 off"]["median"]["host_hit_tokens"] == 0
     assert figures["int8 host"]["median"]["host_hit_tokens"] > 0 and figures["int8 host"]["median"]["readback_ms"] > 0
+    for kv in ("int8", "bf16"):
+        cost = figures[f"{kv} readback cost"]
+        assert cost["blocks"] > 0 and cost["step_ms"] > 0 and cost["ratio"] > 0
 
 
 def test_ab_verdict_needs_the_spreads_apart() -> None:
