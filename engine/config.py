@@ -22,7 +22,7 @@ KV_SMOOTHING = ("auto", "on", "off")  # kv_smoothing: model/smoothing.py
 SPECULATIVE_METHODS = ("ngram", "draft")
 MAX_SPECULATIVE_TOKENS = 16  # proposals per step at most: a verify row is 1 + K tokens
 MAX_LORA_RANK = 512  # kernels/triton_lora.py keeps a slot's rank rows in one tile
-LORA_SHRINKS = ("chunks", "gemm", "masked")  # kernels/triton_lora.py SHRINKS (not imported: the CPU path needs no triton)
+LORA_SHRINKS = ("auto", "chunks", "gemm", "masked")  # kernels/triton_lora.py SHRINKS (not imported: the CPU path needs no triton)
 
 
 @dataclass(slots=True)
@@ -110,8 +110,9 @@ class EngineConfig:
     # How the Triton path makes each row's x . A^T (kernels/triton_lora.py SHRINKS): "chunks" (its
     # own kernels, batch-invariant), "gemm" (one library GEMM over every slot's A) or "masked"
     # (library GEMMs only, every slot's delta computed and the others' zeroed); neither of the
-    # last two with batch_invariant.
-    lora_shrink: str = "chunks"
+    # last two with batch_invariant. "auto": gemm, or chunks with batch_invariant (gemm measured
+    # faster on the H100: benchmarks/RESULTS.md, issue 61).
+    lora_shrink: str = "auto"
     # Tiers below the pool (engine/offload/): full prefix-cache blocks the pool lets go of are
     # copied, as stored (int8 data with its scales), into this much host memory (pinned on CUDA;
     # 0 = no tiers) and, with kv_disk_dir, into files there of at most kv_disk_gib in all, which a
@@ -188,10 +189,17 @@ class EngineConfig:
             raise ValueError("kv_host_gib: the host and disk tiers do not run with tensor parallelism yet (each rank "
                              "holds its own share of every block)")
 
+    @property
+    def lora_shrink_used(self) -> str:
+        """lora_shrink with "auto" resolved."""
+        if self.lora_shrink != "auto":
+            return self.lora_shrink
+        return "chunks" if self.batch_invariant else "gemm"
+
     def _check_loras(self) -> None:
         if self.lora_shrink not in LORA_SHRINKS:
             raise ValueError(f"lora_shrink must be one of {LORA_SHRINKS}, got {self.lora_shrink!r}")
-        if self.lora_shrink != "chunks" and self.batch_invariant:
+        if self.lora_shrink not in ("auto", "chunks") and self.batch_invariant:
             raise ValueError(f"lora_shrink={self.lora_shrink!r} is not batch-invariant (the library GEMM's sums "
                              "depend on the batch): leave it 'chunks' with batch_invariant")
         if self.max_loras < 0:

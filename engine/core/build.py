@@ -62,13 +62,13 @@ def make_adapters(model: LlamaForCausalLM, config: EngineConfig, device: torch.d
     triton_path = device.type == "cuda" or config.attention_backend == "triton"
     bank = LoraBank(mc, config.max_loras, config.max_lora_rank, model.embed_tokens.weight.dtype, device,
                     max_tokens=max(config.max_num_batched_tokens, config.max_num_seqs),  # a step's rows at most
-                    wide_b=triton_path and config.lora_shrink == "masked")
+                    wide_b=triton_path and config.lora_shrink_used == "masked")
     if factors is not None:
         bank.fold_smoothing(factors.k, factors.v)
     from pie.kernels import triton_lora
 
     if triton_path:
-        bank.attach(model, partial(triton_lora.lora_delta_, shrink=config.lora_shrink))
+        bank.attach(model, partial(triton_lora.lora_delta_, shrink=config.lora_shrink_used))
     else:
         bank.attach(model, triton_lora.lora_delta_reference_)
     adapters = Adapters(bank, mc)

@@ -145,6 +145,9 @@ def test_config_refusals(lora_setup):
         EngineConfig(max_loras=1, lora_shrink="gemm", batch_invariant=True)
     with pytest.raises(ValueError, match="not batch-invariant"):
         EngineConfig(max_loras=1, lora_shrink="masked", batch_invariant=True)
+    # the default picks the library GEMM, and the chunked shrink where answers must not depend on the batch
+    assert EngineConfig(max_loras=1).lora_shrink_used == "gemm"
+    assert EngineConfig(max_loras=1, batch_invariant=True).lora_shrink_used == "chunks"
     with pytest.raises(StartupError, match="--lora mlp64=.*: rank 64 is above the server's --max-lora-rank 16"):
         EngineCore(EngineConfig(model=str(model_dir), device="cpu", dtype="fp32", num_kv_blocks=32, max_loras=1,
                                 max_lora_rank=16, loras=(("mlp64", str(folders["mlp64"])),)))
