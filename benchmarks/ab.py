@@ -637,8 +637,9 @@ def main(argv: list[str] | None = None) -> int:
               "--requests)", type=float)
     ap.add_argument("--max-num-seqs", type=int, default=256, help="the batch cap, the same for every tree")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192, help="tokens per step, the same for every tree")
-    ap.add_argument("--memory-fraction", type=float, default=0.45,
-                    help="GPU share of each tree's engine or server (all trees' are up at once)")
+    ap.add_argument("--memory-fraction", type=float, default=None,
+                    help="GPU share of each tree's engine or server (all trees' are up at once; default: 0.45, "
+                         "or 0.9 / the columns where more than two)")
     ap.add_argument("--model-dir", default=None, help="the model folder (default: built into a temporary folder)")
     ap.add_argument("--model-cache", default=None, metavar="DIR",
                     help="build the model into DIR/<shape> and keep it there for later calls (gpu.sh: "
@@ -672,6 +673,12 @@ def main(argv: list[str] | None = None) -> int:
         if not (path / "engine").is_dir():
             ap.error(f"--base {base}: no engine/ there (a tree of this project, e.g. git archive <commit>)")
         trees[path.name] = Arm(path, {})
+    if args.memory_fraction is None:
+        args.memory_fraction = min(0.45, 0.9 / len(trees))
+    if len(trees) * args.memory_fraction > 1.0:  # every column's engine is up at once, the k-th asks k shares
+        ap.error(f"{len(trees)} columns x --memory-fraction {args.memory_fraction} is more than the GPU: give "
+                 f"--memory-fraction {0.9 / len(trees):.2f} or fewer --variant/--base (a 7B-class shape needs ~0.3 "
+                 "of an 80 GB GPU: three columns at most)")
     _, fields = SHAPES[args.shape]
     args.vocab = min(fields["vocab_size"], 32000)  # prompt ids drawn from [3, vocab)
     all_results: dict[str, dict[str, list[dict]]] = {}

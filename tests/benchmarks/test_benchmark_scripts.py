@@ -249,6 +249,18 @@ def test_ab_variants_are_engine_fields_and_server_flags() -> None:
         ab.server_flags({"enable_prefix_caching": False})
 
 
+def test_ab_columns_share_the_gpu(capsys) -> None:
+    """Every column's engine is up at once, the k-th asking k shares: more columns than the GPU
+    holds at --memory-fraction is refused at once, naming the share that fits (it once failed in
+    the fourth engine's start, after three had built)."""
+    ab = _load(SCRIPTS["ab"])
+    variants = [a for n in (2, 4, 8) for a in ("--variant", f"max_num_seqs={n}")]
+    with pytest.raises(SystemExit) as stop:
+        ab.main(["--tiny", "--workloads", "offline-int8", "--memory-fraction", "0.3", *variants])
+    assert stop.value.code == 2
+    assert "4 columns x --memory-fraction 0.3 is more than the GPU: give --memory-fraction 0.23" in capsys.readouterr().err
+
+
 def test_ab_workloads_share_a_unit_and_poisson_lasts_the_arrival_seconds() -> None:
     ab = _load(SCRIPTS["ab"])
     assert ab.groups(ab.MODES["full"]) == [["offline-int8", "stream-int8", "ttft-4k"], ["offline-bf16", "stream-bf16"],
