@@ -638,7 +638,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=256, help="the batch cap, the same for every tree")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192, help="tokens per step, the same for every tree")
     ap.add_argument("--memory-fraction", type=float, default=None,
-                    help="GPU share of each tree's engine or server (all trees' are up at once; default: 0.45, "
+                    help="GPU share of each tree's engine or server, all trees' up at once (default: 0.45, "
                          "or 0.9 / the columns where more than two)")
     ap.add_argument("--model-dir", default=None, help="the model folder (default: built into a temporary folder)")
     ap.add_argument("--model-cache", default=None, metavar="DIR",
