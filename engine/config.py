@@ -110,8 +110,7 @@ class EngineConfig:
     # How the Triton path makes each row's x . A^T (kernels/triton_lora.py SHRINKS): "chunks" (its
     # own kernels, batch-invariant), "gemm" (one library GEMM over every slot's A) or "masked"
     # (library GEMMs only, every slot's delta computed and the others' zeroed); neither of the
-    # last two with batch_invariant. "auto": gemm, or chunks with batch_invariant (gemm measured
-    # faster on the H100: benchmarks/RESULTS.md, issue 61).
+    # last two with batch_invariant. "auto": gemm, or chunks with batch_invariant.
     lora_shrink: str = "auto"
     # Tiers below the pool (engine/offload/): full prefix-cache blocks the pool lets go of are
     # copied, as stored (int8 data with its scales), into this much host memory (pinned on CUDA;

@@ -119,6 +119,8 @@ def test_chosen_factors_go_where_they_lower_the_int8_error(tmp_path, arch, rng):
         kept = _int8_error(model, ids)
         if massive:
             assert k_heads > 0, "the massive channels' factors were dropped"
-            assert kept < 0.5 * plain, (kept, plain)
+            # (over 40 seeds the Llama shape kept 0.31-0.51 of the plain error, Qwen3's 0.07-0.12: a
+            # bound of half failed one CI run in ~25 at 0.506)
+            assert kept < 0.6 * plain, (kept, plain)
         else:
             assert kept <= 1.05 * plain, (kept, plain, k_heads, v_heads, heads)
