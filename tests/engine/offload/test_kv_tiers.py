@@ -46,6 +46,12 @@ def serve(engine: EngineCore, prompt: list[int], rid: str, max_tokens: int = 6) 
     """Runs one greedy request to its end, checking the invariants after every step."""
     engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=3,
                                                    ignore_eos=True))
+    return run_to_end(engine)
+
+
+def run_to_end(engine: EngineCore) -> tuple[list[int], list[SampledToken]]:
+    """Steps until every request ended, checking the invariants after each: the tokens and
+    logprobs the steps gave."""
     tokens: list[int] = []
     logprobs: list[SampledToken] = []
     while engine.has_unfinished():
@@ -348,14 +354,7 @@ def test_a_read_back_not_the_step_waits_for_the_copies_down_of_its_blocks(model_
         assert engine.kv_tiers.counts.reuse_waits >= 1
     finally:
         gate.set()
-    tokens: list[int] = []
-    logprobs: list[SampledToken] = []
-    while engine.has_unfinished():
-        for o in engine.step():
-            tokens += o.new_token_ids
-            logprobs += o.new_logprobs
-        assert_engine_invariants(engine)
-    assert (tokens, logprobs) == expected
+    assert run_to_end(engine) == expected
     assert hits(engine)["host"] == 3 * BLOCK
     engine.close()
 
